@@ -1,0 +1,31 @@
+"""hpcpipe: pipeline-parallel training and inference on MPI clusters.
+
+Importing the package caps the BLAS/OpenMP thread pools of each rank before
+NumPy loads: with several ranks per node, every rank's BLAS spawning one
+spinning thread per core starves the ranks that are computing.
+"""
+
+import os as _os
+
+__version__ = "0.1.0"
+
+
+def _local_rank_count() -> int:
+    """Return how many ranks of this job share this node, from the launcher's environment."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                 "PMI_LOCAL_SIZE", "MPI_LOCAL_NRANKS"):
+        value = _os.environ.get(name, "").split("(")[0].split(",")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def _cap_threads() -> None:
+    """Give each node-local rank an equal share of the cores unless the user chose."""
+    cores = len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else (_os.cpu_count() or 1)
+    share = str(max(1, cores // _local_rank_count()))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):
+        _os.environ.setdefault(name, _os.environ.get("HPCPIPE_THREADS", share))
+
+
+_cap_threads()

@@ -1,0 +1,54 @@
+"""What every command does around its work: argument parsing helpers, one clear error, abort on failure.
+
+Errors found before the first collective (ConfigError from planning) are
+deterministic and identical on every rank: rank 0 prints one message and
+every rank exits with status 2. Any exception after that may be on one rank
+only while the others wait in a collective, so the failing rank prints its
+message and calls MPI_Abort, which ends the whole job at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+EXIT_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def fault_injection(world_rank: int, step: int) -> None:
+    """Test hook: raise on the rank and step named by HPCPIPE_FAULT='rank=R,step=S'."""
+    spec = os.environ.get("HPCPIPE_FAULT", "")
+    if not spec:
+        return
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    if int(fields.get("rank", -1)) == world_rank and int(fields.get("step", -1)) == step:
+        raise RuntimeError(f"injected fault (HPCPIPE_FAULT={spec!r}) on world rank {world_rank} at step {step}")
+
+
+def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], int], label: Callable[[], str]) -> int:
+    """Run planner (local checks) then body(plan); turn errors into one message and the right exit."""
+    rank = world.Get_rank()
+    try:
+        planned = planner()
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    try:
+        return body(planned)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        name = label()
+        detail = "" if isinstance(exc, (ConfigError, KeyboardInterrupt)) else "\n" + traceback.format_exc()
+        print(f"hpcpipe: [{name}] error: {type(exc).__name__}: {exc}{detail}", file=sys.stderr, flush=True)
+        code = EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILURE
+        if world.Get_size() > 1:
+            from .comm import abort
+            abort(world, code)
+        return code

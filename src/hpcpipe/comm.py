@@ -1,0 +1,148 @@
+"""The one module that moves data over MPI: point-to-point activations, allreduces, abort.
+
+Waiting is done by polling non-blocking requests with an exponential sleep
+(run.poll_min_us .. run.poll_max_us) instead of MPI's blocking calls, which
+busy-spin: with more ranks than cores, a spinning waiter steals the core a
+computing rank needs. On CuPy arrays the current stream is synchronised
+before a buffer is handed to MPI; when the MPI library is not CUDA-aware,
+device buffers are staged through host copies.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import Backend
+
+
+def cuda_aware() -> bool:
+    """Return True when the MPI library reports CUDA support (mpi4py's query; False when unknown)."""
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query else False
+    except Exception:  # libraries without the MPIX extension
+        return False
+
+
+class Poller:
+    """Waits for MPI requests by polling with an exponentially growing sleep."""
+
+    def __init__(self, min_us: float = 20.0, max_us: float = 1000.0):
+        self.min_s = min_us * 1e-6
+        self.max_s = max_us * 1e-6
+        self.waited_s = 0.0   # total time spent waiting (for traces and metrics)
+
+    def wait(self, requests: list) -> None:
+        """Return once every request has completed, sleeping between polls."""
+        if not requests or MPI.Request.Testall(requests):
+            return
+        start = time.perf_counter()
+        delay = self.min_s
+        while not MPI.Request.Testall(requests):
+            time.sleep(delay)
+            delay = min(delay * 2.0, self.max_s)
+        self.waited_s += time.perf_counter() - start
+
+
+class PipeComm:
+    """Activation/gradient exchange along one pipeline and gradient averaging across replicas."""
+
+    def __init__(self, pp_comm: Any, dp_comm: Any, world: Any, backend: Backend, poller: Poller,
+                 gpu_direct: bool | None = None):
+        self.pp_comm, self.dp_comm, self.world = pp_comm, dp_comm, world
+        self.backend = backend
+        self.poller = poller
+        self.stage_through_host = backend.on_gpu and not (cuda_aware() if gpu_direct is None else gpu_direct)
+        self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+        self._sends: list = []      # (request, buffer) pairs kept alive until completion
+        self.bytes_sent = 0
+        self.host_device_bytes = 0
+
+    def tag(self, direction: int, stage: int, mb: int, n_micro: int) -> int:
+        """Return the MPI tag of a message (direction 0 = activation, 1 = gradient)."""
+        return ((stage * n_micro + mb) * 2 + direction) % self.tag_ub
+
+    def _wire(self, buf: Any) -> Any:
+        if not self.backend.on_gpu or isinstance(buf, np.ndarray):
+            return buf
+        self.backend.synchronize()
+        if self.stage_through_host:
+            self.host_device_bytes += buf.nbytes
+            return buf.get()
+        return buf
+
+    def isend(self, buf: Any, dest: int, tag: int) -> None:
+        """Start sending buf to pipeline rank dest; the buffer is kept until the send completes."""
+        wire = self._wire(buf)
+        self._sends.append((self.pp_comm.Isend(wire, dest=dest, tag=tag), wire))
+        self.bytes_sent += buf.nbytes
+        if len(self._sends) > 64:
+            self._reap()
+
+    def _reap(self) -> None:
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def recv(self, shape: tuple[int, ...], dtype: Any, source: int, tag: int) -> Any:
+        """Receive an array of the given shape from pipeline rank source (polling, not spinning)."""
+        xp = self.backend.xp
+        if self.stage_through_host:
+            host = np.empty(shape, dtype=dtype)
+            self.poller.wait([self.pp_comm.Irecv(host, source=source, tag=tag)])
+            self.host_device_bytes += host.nbytes
+            return xp.asarray(host)
+        buf = xp.empty(shape, dtype=dtype)
+        self.backend.synchronize()
+        self.poller.wait([self.pp_comm.Irecv(buf, source=source, tag=tag)])
+        return buf
+
+    def wait_sends(self) -> None:
+        """Complete every outstanding send."""
+        self.poller.wait([r for r, _ in self._sends])
+        self._sends.clear()
+
+    def _allreduce_inplace(self, buf: Any, comm: Any) -> None:
+        if comm.Get_size() == 1:
+            return
+        wire = self._wire(buf)
+        self.poller.wait([comm.Iallreduce(MPI.IN_PLACE, wire, op=MPI.SUM)])
+        if wire is not buf:
+            buf[...] = self.backend.xp.asarray(wire)
+            self.host_device_bytes += buf.nbytes
+
+    def average_over_dp(self, buf: Any) -> None:
+        """Replace buf with its mean over the data-parallel replicas of this stage."""
+        n = self.dp_comm.Get_size()
+        if n > 1:
+            self._allreduce_inplace(buf, self.dp_comm)
+            buf /= n
+
+    def sum_over_pp(self, values: np.ndarray) -> np.ndarray:
+        """Return the element-wise sum of a small host array over this pipeline's ranks."""
+        out = np.array(values, dtype=np.float64)
+        self._allreduce_inplace(out, self.pp_comm)
+        return out
+
+    def sum_over_world(self, values: np.ndarray) -> np.ndarray:
+        """Return the element-wise sum of a small host array over every rank."""
+        out = np.array(values, dtype=np.float64)
+        self._allreduce_inplace(out, self.world)
+        return out
+
+
+def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
+    """Gather a picklable object from every rank (setup and tests only, never the hot path)."""
+    return comm.gather(obj, root=root)
+
+
+def barrier(comm: Any, poller: Poller) -> None:
+    """A barrier that sleeps while it waits."""
+    poller.wait([comm.Ibarrier()])
+
+
+def abort(comm: Any, code: int) -> None:
+    """End every rank of the job now (MPI_Abort), so one failing rank never hangs the others."""
+    comm.Abort(code)

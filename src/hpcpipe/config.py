@@ -1,0 +1,287 @@
+"""Configuration: TOML file + ``--set section.key=value`` overrides -> frozen, validated Config.
+
+Every key has a default (the embedded default job), unknown sections and keys
+are errors, and every value is type-checked. Nothing here touches MPI: the
+world size is an argument, so a bad configuration is refused before the first
+collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .errors import ConfigError
+
+ACTIVATIONS = ("relu", "gelu", "tanh", "identity")
+LOSSES = ("mse", "cross_entropy")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+BACKENDS = ("auto", "numpy", "cupy")
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pp: int | str = 4
+    dp: int | str = "auto"
+    schedule: str = "gpipe"
+    virtual_stages: int = 1
+    stage_layers: list[int] = field(default_factory=list)  # explicit layers per stage; [] = balance by FLOPs
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dims: list[int] = field(default_factory=lambda: [16, 16, 16, 16, 16])
+    bias: bool = True
+    activation: str = "relu"
+    final_activation: bool = True
+    init: str = ""
+    seed: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    x: str = "x"
+    y: str = "y"
+    shuffle: bool = False
+    seed: int = 0
+    synthetic_samples: int = 4096
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    micro_batches: int = 8
+    micro_batch_size: int = 4
+    loss: str = "mse"
+    optimizer: str = "sgd"
+    lr: float = 0.001
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = 1
+    metrics: str = ""
+    trace: str = ""
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: str = "auto"
+    poll_min_us: float = 20.0   # first sleep of a waiting rank; doubles up to poll_max_us
+    poll_max_us: float = 1000.0
+
+
+@dataclass(frozen=True)
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Return the configuration as plain nested dicts (JSON/TOML friendly)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Return the configuration as compact, key-sorted JSON text."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of Linear layers in the model."""
+        return len(self.model.dims) - 1
+
+
+def _check_type(where: str, value: Any, hint: Any) -> Any:
+    """Return value converted to the field's type, or raise ConfigError naming both."""
+    text = f"{hint}".replace("typing.", "")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif text == "int | str":
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+    elif text == "list[int]":
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+    else:  # pragma: no cover - a new field type without a checker is a programming error
+        raise TypeError(f"no type check for {where}: {text}")
+    raise ConfigError(f"{where} must be {text}, got {value!r} ({type(value).__name__})")
+
+
+def _build(section_cls: type, name: str, values: dict[str, Any]) -> Any:
+    """Build one section dataclass from a dict, refusing unknown keys and wrong types."""
+    hints = get_type_hints(section_cls)
+    known = {f.name for f in fields(section_cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {name}.{unknown[0]} (known keys in [{name}]: {', '.join(sorted(known))})")
+    kwargs = {key: _check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()}
+    return section_cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse a --set value as a TOML value; bare words that are not TOML become strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value`` into its parts, parsing value as TOML."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set key must be section.key, got {key.strip()!r}")
+    return parts[0], parts[1], _parse_value(text.strip())
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML file (or the embedded default when path is None), apply overrides, validate."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested dicts as read from TOML."""
+    sections = {f.name: f for f in fields(Config)}
+    hints = get_type_hints(Config)
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown section [{unknown[0]}] (known sections: {', '.join(sections)})")
+    built = {}
+    for name, value in raw.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
+        built[name] = _build(hints[name], name, value)
+    config = Config(**built)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Check value ranges and cross-field rules that do not depend on the world size."""
+    from .schedules import SCHEDULES  # local import: schedules is pure and imports nothing of ours
+
+    par, mod, tr = config.parallel, config.model, config.train
+    for axis in ("pp", "dp"):
+        v = getattr(par, axis)
+        _require(v == "auto" or (isinstance(v, int) and v >= 1),
+                 f"parallel.{axis} must be a positive integer or \"auto\", got {v!r}")
+    _require(not (par.pp == "auto" and par.dp == "auto"),
+             "parallel.pp and parallel.dp cannot both be \"auto\"")
+    _require(par.schedule in SCHEDULES,
+             f"parallel.schedule {par.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _require(par.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
+    _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
+             f"model.dims needs at least two positive widths, got {mod.dims}")
+    _require(mod.activation in ACTIVATIONS,
+             f"model.activation {mod.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
+    n_layers = config.n_layers
+    if isinstance(par.pp, int):
+        _require(par.pp * par.virtual_stages <= n_layers,
+                 f"parallel.pp ({par.pp}) x parallel.virtual_stages ({par.virtual_stages}) exceeds "
+                 f"the number of layers ({n_layers}) in model.dims {mod.dims}")
+    if par.stage_layers:
+        _require(all(n >= 1 for n in par.stage_layers) and sum(par.stage_layers) == n_layers,
+                 f"parallel.stage_layers {par.stage_layers} must be positive and sum to the number "
+                 f"of layers ({n_layers})")
+    _require(tr.steps >= 0, f"train.steps must be >= 0, got {tr.steps}")
+    _require(tr.micro_batches >= 1, f"train.micro_batches must be >= 1, got {tr.micro_batches}")
+    _require(tr.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}")
+    _require(tr.loss in LOSSES, f"train.loss {tr.loss!r} is not one of {', '.join(LOSSES)}")
+    _require(tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
+             f"train.loss = \"cross_entropy\" needs at least 2 output classes, model.dims[-1] is {mod.dims[-1]}")
+    _require(tr.optimizer in OPTIMIZERS, f"train.optimizer {tr.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
+    _require(0 <= tr.momentum < 1, f"train.momentum must be in [0, 1), got {tr.momentum}")
+    _require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}")
+    _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {tr.grad_clip}")
+    _require(0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1,
+             f"train.beta1/beta2 must be in [0, 1), got {tr.beta1}/{tr.beta2}")
+    _require(config.data.synthetic_samples >= 1,
+             f"data.synthetic_samples must be >= 1, got {config.data.synthetic_samples}")
+    _require(config.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {config.checkpoint.every}")
+    _require(config.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {config.checkpoint.keep}")
+    _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
+    _require(config.run.backend in BACKENDS,
+             f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")
+    _require(0 < config.run.poll_min_us <= config.run.poll_max_us,
+             f"run.poll_min_us ({config.run.poll_min_us}) must be > 0 and <= run.poll_max_us "
+             f"({config.run.poll_max_us})")
+
+
+def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
+    """Return (dp, pp) for this world size, or raise ConfigError naming the mismatch."""
+    pp, dp = config.parallel.pp, config.parallel.dp
+    if pp == "auto":
+        if world_size % dp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp ({dp})")
+        pp = world_size // dp
+    if dp == "auto":
+        if world_size % pp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp ({pp})")
+        dp = world_size // pp
+    if dp * pp != world_size:
+        raise ConfigError(f"world size {world_size} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) = {dp * pp}")
+    vs = config.parallel.virtual_stages
+    if pp * vs > config.n_layers:
+        raise ConfigError(f"parallel.pp ({pp}) x parallel.virtual_stages ({vs}) exceeds the number of layers "
+                          f"({config.n_layers}) in model.dims {config.model.dims}")
+    if config.parallel.stage_layers and len(config.parallel.stage_layers) != pp * vs:
+        raise ConfigError(f"parallel.stage_layers has {len(config.parallel.stage_layers)} entries but the "
+                          f"pipeline has pp ({pp}) x virtual_stages ({vs}) = {pp * vs} stages")
+    return dp, pp

@@ -1,0 +1,178 @@
+"""Training data: the embedded synthetic set or an HDF5 file, sharded over data-parallel replicas.
+
+Which sample goes where (fixed, documented, independent of pp and schedule):
+
+* Step s consumes global positions ``s*G .. s*G + G - 1`` of the sample
+  stream, G = dp x micro_batches x micro_batch_size. Position p is sample
+  ``p mod N`` of epoch ``p div N`` (file order, or a permutation seeded by
+  (data.seed, epoch) when data.shuffle is true).
+* Within the step's global batch, micro-batch m is the slice
+  ``[m*dp*B, (m+1)*dp*B)`` and replica d takes rows ``[d*B, (d+1)*B)`` of it
+  (B = micro_batch_size), as in the seeds' dp-sharded micro-batches.
+
+Only first-stage ranks read inputs and only last-stage ranks read targets;
+each reads just its replica's rows, never the whole file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .config import Config
+from .errors import ConfigError
+
+
+class SyntheticData:
+    """Embedded default data: Gaussian inputs and a fixed random 'teacher' mapping to targets."""
+
+    def __init__(self, config: Config):
+        dims = config.model.dims
+        self.n = config.data.synthetic_samples
+        self.loss = config.train.loss
+        rng = np.random.default_rng([config.data.seed, 1])
+        self._x = rng.standard_normal((self.n, dims[0])).astype(config.model.dtype)
+        teacher = np.random.default_rng([config.data.seed, 2]).standard_normal((dims[0], dims[-1]))
+        z = self._x @ (teacher / np.sqrt(dims[0]))
+        self._y = z.argmax(axis=1).astype(np.int64) if self.loss == "cross_entropy" \
+            else np.abs(np.tanh(z)).astype(config.model.dtype)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_x(self, idx: np.ndarray) -> np.ndarray:
+        """Return input rows for sample indices."""
+        return self._x[idx]
+
+    def read_y(self, idx: np.ndarray) -> np.ndarray:
+        """Return target rows (or labels) for sample indices."""
+        return self._y[idx]
+
+
+class HDF5Data:
+    """Samples read on demand from datasets x and y of an HDF5 file."""
+
+    def __init__(self, config: Config):
+        self.path, self.xname, self.yname = config.data.path, config.data.x, config.data.y
+        self.n = check_data_file(config)
+        self._file: Any = None
+
+    def _f(self):
+        if self._file is None:
+            self._file = h5py.File(self.path, "r")
+        return self._file
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _read(self, name: str, idx: np.ndarray) -> np.ndarray:
+        # h5py fancy selection needs increasing unique indices: read sorted, then restore order
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        if len(uniq) and uniq[-1] - uniq[0] + 1 == len(uniq):
+            rows = self._f()[name][int(uniq[0]):int(uniq[-1]) + 1]
+        else:
+            rows = self._f()[name][uniq]
+        return rows[inverse]
+
+    def read_x(self, idx: np.ndarray) -> np.ndarray:
+        """Return input rows for sample indices."""
+        return self._read(self.xname, idx)
+
+    def read_y(self, idx: np.ndarray) -> np.ndarray:
+        """Return target rows (or labels) for sample indices."""
+        return self._read(self.yname, idx)
+
+    def close(self) -> None:
+        """Close the file handle."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def check_data_file(config: Config) -> int:
+    """Validate the HDF5 data file against the model and loss; return the sample count."""
+    d, dims, loss = config.data, config.model.dims, config.train.loss
+    p = Path(d.path)
+    if not p.is_file():
+        raise ConfigError(f"data.path {d.path!r} does not exist")
+    try:
+        f = h5py.File(p, "r")
+    except OSError as exc:
+        raise ConfigError(f"data.path {d.path!r} is not a readable HDF5 file: {exc}") from None
+    with f:
+        for name in (d.x, d.y):
+            if name not in f or not isinstance(f[name], h5py.Dataset):
+                raise ConfigError(f"data.path {d.path!r} has no dataset {name!r} (it has: {sorted(f.keys())})")
+        x, y = f[d.x], f[d.y]
+        if x.ndim != 2 or x.shape[1] != dims[0]:
+            raise ConfigError(f"dataset {d.x!r} in {d.path!r} has shape {x.shape}; model.dims[0] = {dims[0]} "
+                              f"needs (N, {dims[0]})")
+        if x.dtype.kind != "f":
+            raise ConfigError(f"dataset {d.x!r} in {d.path!r} has dtype {x.dtype}; a float dtype is needed")
+        n = x.shape[0]
+        if loss == "mse":
+            if y.shape != (n, dims[-1]) or y.dtype.kind != "f":
+                raise ConfigError(f"dataset {d.y!r} in {d.path!r} has shape {y.shape} dtype {y.dtype}; loss mse "
+                                  f"needs float ({n}, {dims[-1]})")
+        else:
+            if y.shape != (n,) or y.dtype.kind not in "iu":
+                raise ConfigError(f"dataset {d.y!r} in {d.path!r} has shape {y.shape} dtype {y.dtype}; "
+                                  f"loss cross_entropy needs integer labels of shape ({n},)")
+        if n == 0:
+            raise ConfigError(f"data.path {d.path!r} holds no samples")
+    return n
+
+
+def open_data(config: Config) -> SyntheticData | HDF5Data:
+    """Return the configured data source (validated)."""
+    return HDF5Data(config) if config.data.path else SyntheticData(config)
+
+
+def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int) -> np.ndarray:
+    """Return the sample indices of a step's global batch (see the module docstring)."""
+    positions = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    epochs, offsets = np.divmod(positions, n)
+    if not shuffle:
+        return offsets
+    out = np.empty_like(offsets)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(n)
+        sel = epochs == epoch
+        out[sel] = perm[offsets[sel]]
+    return out
+
+
+def replica_rows(dp: int, dp_rank: int, n_micro: int, batch: int) -> np.ndarray:
+    """Return the positions inside a global batch that replica dp_rank takes, micro-batch by micro-batch."""
+    return np.concatenate([np.arange(m * dp * batch + dp_rank * batch, m * dp * batch + (dp_rank + 1) * batch)
+                           for m in range(n_micro)])
+
+
+class ReplicaFeeder:
+    """Reads each step's inputs/targets for one replica, split into micro-batches."""
+
+    def __init__(self, source: SyntheticData | HDF5Data, config: Config, dp: int, dp_rank: int,
+                 need_x: bool, need_y: bool):
+        tr = config.train
+        self.source = source
+        self.global_batch = dp * tr.micro_batches * tr.micro_batch_size
+        self.rows = replica_rows(dp, dp_rank, tr.micro_batches, tr.micro_batch_size)
+        self.n_micro, self.batch = tr.micro_batches, tr.micro_batch_size
+        self.shuffle, self.seed = config.data.shuffle, config.data.seed
+        self.need_x, self.need_y = need_x, need_y
+        self.dtype = config.model.dtype
+
+    def step(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Return ([x per micro-batch], [y per micro-batch]) for this replica at a step (empty when not needed)."""
+        if not (self.need_x or self.need_y):
+            return [], []
+        idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed)[self.rows]
+        xs = np.split(np.ascontiguousarray(self.source.read_x(idx), dtype=self.dtype), self.n_micro) \
+            if self.need_x else []
+        ys = np.split(self.source.read_y(idx), self.n_micro) if self.need_y else []
+        if ys and ys[0].dtype.kind == "f":
+            ys = [y.astype(self.dtype, copy=False) for y in ys]
+        return xs, ys

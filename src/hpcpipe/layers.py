@@ -1,0 +1,117 @@
+"""Dense layers (Linear + activation) with hand-written forward and backward, in any xp backend.
+
+Conventions follow the seeds: ``y = act(x @ weight + bias)`` with weight of
+shape (in_features, out_features). Backward is split into the input-gradient
+half (``backward_input``) and the weight-gradient half (``backward_weight``)
+so that zero-bubble schedules can run them apart; ``backward`` runs both.
+Gradients accumulate into views of the rank's flat gradient buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class Activation:
+    """An elementwise activation: forward returns (y, saved); backward turns dy into dz in place."""
+
+    name = "identity"
+
+    def forward(self, xp: Any, z: Any) -> tuple[Any, Any]:
+        """Return (activation of z, what backward needs); may overwrite z."""
+        return z, None
+
+    def backward(self, xp: Any, saved: Any, g: Any) -> Any:
+        """Return dL/dz from dL/dy; may overwrite g."""
+        return g
+
+
+class ReLU(Activation):
+    name = "relu"
+
+    def forward(self, xp, z):
+        y = xp.maximum(z, 0, out=z)
+        return y, y
+
+    def backward(self, xp, saved, g):
+        g *= saved > 0
+        return g
+
+
+class Tanh(Activation):
+    name = "tanh"
+
+    def forward(self, xp, z):
+        y = xp.tanh(z, out=z)
+        return y, y
+
+    def backward(self, xp, saved, g):
+        g *= 1 - saved * saved
+        return g
+
+
+class GELU(Activation):
+    """GELU, tanh approximation (as in GPT-2 and jax.nn.gelu's default)."""
+
+    name = "gelu"
+
+    def forward(self, xp, z):
+        t = xp.tanh(_GELU_C * (z + 0.044715 * z ** 3))
+        return 0.5 * z * (1 + t), (z, t)
+
+    def backward(self, xp, saved, g):
+        z, t = saved
+        dt = (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * z * z)
+        g *= 0.5 * (1 + t) + 0.5 * z * dt
+        return g
+
+
+ACTIVATIONS: dict[str, type[Activation]] = {"relu": ReLU, "tanh": Tanh, "gelu": GELU, "identity": Activation}
+
+
+def make_activation(name: str) -> Activation:
+    """Return the activation object for a config name (relu | gelu | tanh | identity)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r} (known: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]()
+
+
+class Dense:
+    """One global layer: ``act(x @ weight + bias)`` with parameters and gradients as buffer views."""
+
+    def __init__(self, index: int, weight: Any, bias: Any | None, grad_weight: Any, grad_bias: Any | None,
+                 activation: Activation, xp: Any):
+        self.index = index
+        self.weight, self.bias = weight, bias
+        self.grad_weight, self.grad_bias = grad_weight, grad_bias
+        self.activation = activation
+        self.xp = xp
+
+    def forward(self, x: Any) -> tuple[Any, tuple[Any, Any]]:
+        """Return (output, cache) for input rows x of shape (batch, in_features)."""
+        z = x @ self.weight
+        if self.bias is not None:
+            z += self.bias
+        y, saved = self.activation.forward(self.xp, z)
+        return y, (x, saved)
+
+    def backward_input(self, cache: tuple[Any, Any], g: Any, need_input_grad: bool = True) -> tuple[Any, Any]:
+        """Return (dL/dx or None, dL/dz) from dL/dy; dL/dz feeds backward_weight."""
+        dz = self.activation.backward(self.xp, cache[1], g)
+        gx = dz @ self.weight.T if need_input_grad else None
+        return gx, dz
+
+    def backward_weight(self, cache: tuple[Any, Any], dz: Any) -> None:
+        """Accumulate dL/dweight and dL/dbias for this micro-batch."""
+        self.grad_weight += cache[0].T @ dz
+        if self.grad_bias is not None:
+            self.grad_bias += dz.sum(axis=0)
+
+    def backward(self, cache: tuple[Any, Any], g: Any, need_input_grad: bool = True) -> Any:
+        """Accumulate weight gradients and return dL/dx (None when not needed)."""
+        gx, dz = self.backward_input(cache, g, need_input_grad)
+        self.backward_weight(cache, dz)
+        return gx

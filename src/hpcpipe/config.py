@@ -118,7 +118,7 @@ class Config:
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
     """Return value converted to the field's type, or raise ConfigError naming both."""
-    text = f"{hint}".replace("typing.", "")
+    text = hint.__name__ if isinstance(hint, type) else f"{hint}".replace("typing.", "")
     if hint is bool:
         if isinstance(value, bool):
             return value

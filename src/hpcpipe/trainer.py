@@ -137,8 +137,12 @@ class Trainer:
         return merged
 
     def input_gradients(self) -> list[Any]:
-        """dL/dx of the model input per micro-batch of this replica (first stage, keep_input_grads only)."""
-        return [self.backend.to_host(self.engine.input_grads[m]) for m in sorted(self.engine.input_grads)]
+        """dL/dx of the global loss w.r.t. this replica's inputs, per micro-batch (keep_input_grads only).
+
+        Each replica differentiates its own mean loss and parameter gradients are averaged over
+        dp, so the global loss's gradient w.r.t. one replica's inputs is the local one over dp.
+        """
+        return [self.backend.to_host(self.engine.input_grads[m]) / self.plan.dp for m in sorted(self.engine.input_grads)]
 
     def close(self) -> None:
         """Free the communicators."""

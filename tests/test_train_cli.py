@@ -1,0 +1,97 @@
+"""End-to-end runs of the real command: `mpiexec -n N python -m hpcpipe.train`."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import run_command
+
+
+def _summary(stdout: str) -> tuple[float, float]:
+    match = re.search(r"loss ([-\d.e+]+) -> ([-\d.e+]+)", stdout)
+    assert match, stdout
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_default_job_on_8_ranks_trains_and_writes_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = run_command(8, "hpcpipe.train", ["--set", f"log.metrics=\"{metrics}\""], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first, last = _summary(proc.stdout)
+    assert last < 0.9 * first
+    assert "dp=2 pp=4 schedule=gpipe" in proc.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(100))
+    assert records[0]["loss"] == pytest.approx(first, rel=1e-5)
+    for key in ("loss", "step_time_s", "samples_per_s"):
+        assert all(isinstance(r[key], float) and r[key] >= 0 for r in records)
+    # GPipe stashes every micro-batch on every stage
+    assert records[-1]["peak_stashed_microbatches"] == 8
+
+
+@pytest.mark.parametrize("optimizer,extra", [("sgd", ["train.momentum=0.9", "train.weight_decay=1e-4"]),
+                                             ("adam", []), ("adamw", ["train.weight_decay=0.01"])])
+def test_every_optimizer_lowers_the_loss(tmp_path, optimizer, extra):
+    args = ["--set", f"train.optimizer=\"{optimizer}\"", "--set", "train.lr=0.01", "--set", "train.steps=40",
+            "--set", "train.grad_clip=1.0", "--set", "log.progress=false", "--set", "parallel.pp=2"]
+    for item in extra:
+        args += ["--set", item]
+    proc = run_command(4, "hpcpipe.train", args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first, last = _summary(proc.stdout)
+    assert last < 0.8 * first
+
+
+def test_help_lists_the_options():
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "--config FILE" in proc.stdout and "--set SECTION.KEY=VALUE" in proc.stdout
+
+
+def _bad_data(tmp_path):
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((10, 8), np.float32)
+        f["y"] = np.zeros((10, 16), np.float32)
+    return str(path)
+
+
+@pytest.mark.parametrize("n,args,message", [
+    (2, ["--set", "train.stepz=1"], "unknown key train.stepz"),
+    (2, ["--set", "train.steps=\"x\""], "train.steps must be int, got 'x' (str)"),
+    (2, ["--set", "parallel.pp=8"],
+     "parallel.pp (8) x parallel.virtual_stages (1) exceeds the number of layers (4) in model.dims [16, 16, 16, 16, 16]"),
+    (6, [], "world size 6 is not divisible by parallel.pp (4)"),
+    (6, ["--set", "parallel.dp=2"], "world size 6 does not equal parallel.dp (2) x parallel.pp (4) = 8"),
+    (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/nonexistent/d.h5\""], "data.path '/nonexistent/d.h5' does not exist"),
+    (2, ["--set", "parallel.pp=2", "--set", "data.path=\"BAD\""],
+     "dataset 'x' in 'BAD' has shape (10, 8); model.dims[0] = 16 needs (N, 16)"),
+    (2, ["--config", "/nonexistent/c.toml"], "config file '/nonexistent/c.toml' does not exist"),
+])
+def test_bad_input_gives_one_clear_message_and_exit_2(tmp_path, n, args, message):
+    bad = _bad_data(tmp_path)
+    args = [a.replace("BAD", bad) for a in args]
+    message = message.replace("BAD", bad)
+    start = time.monotonic()
+    proc = run_command(n, "hpcpipe.train", args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcpipe: error:") == 1, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_exception_on_one_rank_ends_the_whole_job_fast(tmp_path):
+    start = time.monotonic()
+    proc = run_command(8, "hpcpipe.train", ["--set", "train.steps=100000", "--set", "log.progress=false"],
+                       env={"HPCPIPE_FAULT": "rank=5,step=3"}, cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 30, f"job took {elapsed:.1f} s to end"
+    assert "[dp01-pp01] error: RuntimeError: injected fault" in proc.stderr

@@ -39,13 +39,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Progress:
-    """Rank-0 progress line and JSON-lines metrics."""
+    """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics."""
 
     def __init__(self, config: Any, trainer: Any):
         self.cfg = config
         self.trainer = trainer
         self.total = config.train.steps
-        self.tty = sys.stderr.isatty()
+        self.tty = sys.stdout.isatty()
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
@@ -67,9 +67,9 @@ class Progress:
             line = (f"[{bar:<{width}}] step {done}/{self.total} loss {loss:.6g} "
                     f"{seconds * 1e3:.1f} ms/step {record['samples_per_s']:.0f} samples/s")
             if self.tty:
-                print("\r" + line, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+                print("\r" + line, end="" if done < self.total else "\n", flush=True)
             else:
-                print(line, file=sys.stderr, flush=True)
+                print(line, flush=True)
 
     def close(self) -> None:
         """Close the metrics file."""

@@ -39,6 +39,10 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         if rank == 0:
             print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - planning is local and identical on every rank: one report
+        if rank == 0:
+            print(f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     try:
         return body(planned)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job

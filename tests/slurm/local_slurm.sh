@@ -76,12 +76,13 @@ CONF
 
 stop() {
     for daemon in slurmd slurmctld; do
-        if [ -f "$D/$daemon.pid" ]; then
-            kill "$(cat "$D/$daemon.pid")" 2>/dev/null || true
-            for _ in $(seq 20); do kill -0 "$(cat "$D/$daemon.pid")" 2>/dev/null || break; sleep 0.25; done
-            kill -9 "$(cat "$D/$daemon.pid")" 2>/dev/null || true
-            rm -f "$D/$daemon.pid"
-        fi
+        # the daemons delete their pid files as they exit: read each pid once
+        pid=$(cat "$D/$daemon.pid" 2>/dev/null || true)
+        [ -n "$pid" ] || continue
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+        kill -9 "$pid" 2>/dev/null || true
+        rm -f "$D/$daemon.pid"
     done
 }
 

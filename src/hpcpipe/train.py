@@ -45,6 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def step_sleep() -> None:
+    """Test hook: with HPCPIPE_STEP_SLEEP=S set, sleep S seconds before each step (lets a test kill mid-run)."""
+    seconds = float(os.environ.get("HPCPIPE_STEP_SLEEP", "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def write_pid(world_rank: int) -> None:
     """Test hook: with HPCPIPE_PID_DIR set, write this rank's process id to DIR/rank-R.pid."""
     directory = os.environ.get("HPCPIPE_PID_DIR", "")
@@ -105,6 +112,7 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     try:
         for step in range(trainer.start_step, cfg.train.steps):
             fault_injection(rank, step)
+            step_sleep()
             t0 = time.perf_counter()
             loss = trainer.train_step(step)
             seconds = time.perf_counter() - t0

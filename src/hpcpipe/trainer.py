@@ -26,7 +26,7 @@ from .optim import clip_factor, make_optimizer
 from .schedules import build_schedule
 from .topology import make_topology
 from .checkpoint import WeightsSource, resolve_weights
-from .errors import ConfigError
+from .errors import AgreedError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,11 @@ class Trainer:
         self.last_grad_norm = 0.0
         self.last_stats = None
         self.start_step = 0
-        self._load_initial_state(world)
+        try:
+            self._load_initial_state(world)
+        except AgreedError:
+            self.topo.free()   # every rank raises it together after the load agreement, so freeing is safe
+            raise
 
     def _load_initial_state(self, world: Any) -> None:
         """Fill parameters (and on resume optimizer state, step, data position); all ranks agree first."""

@@ -211,6 +211,15 @@ def test_bad_init_file_is_a_clear_error(tmp_path):
     assert "w.h5" in result.stderr and "holds 3 layers" in result.stderr and result.stderr.count("error") == 1
 
 
+def test_failed_save_is_one_message_and_exit_1(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    result = _train(blocker / "ck", tmp_path / "m.jsonl", timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("cannot create checkpoint directory") == 1, result.stderr
+    assert len(metrics_losses(tmp_path / "m.jsonl")) == 2      # it failed at the first save (every = 2)
+
+
 def test_digits_example_reaches_95_percent_held_out(tmp_path):
     pytest.importorskip("sklearn")
     data = tmp_path / "data"

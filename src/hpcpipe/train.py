@@ -108,6 +108,7 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     progress = Progress(cfg, trainer) if rank == 0 else None
     losses: list[float] = []
     every, saved = cfg.checkpoint.every, trainer.start_step
+    saves, save_s = 0, 0.0
     start = time.perf_counter()
     try:
         for step in range(trainer.start_step, cfg.train.steps):
@@ -120,10 +121,11 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
             if progress:
                 progress.log(step, loss, seconds)
             if cfg.checkpoint.dir and every and (step + 1) % every == 0:
-                trainer.save_checkpoint(step + 1)
-                saved = step + 1
+                save_s += timed_save(trainer, step + 1)
+                saves, saved = saves + 1, step + 1
         if cfg.checkpoint.dir and saved != cfg.train.steps:
-            trainer.save_checkpoint(cfg.train.steps)
+            save_s += timed_save(trainer, cfg.train.steps)
+            saves += 1
     finally:
         if progress:
             progress.close()
@@ -132,7 +134,14 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
             "final_loss": losses[-1] if losses else float("nan"),
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
-            "elapsed_s": elapsed}
+            "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s}
+
+
+def timed_save(trainer: Any, step: int) -> float:
+    """Save a checkpoint of `step` completed steps; return the seconds it took (collective)."""
+    t0 = time.perf_counter()
+    trainer.save_checkpoint(step)
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
                   f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
                   f"{summary['elapsed_s']:.2f} s)", flush=True)
+            if summary["checkpoints"]:
+                print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {c.checkpoint.dir!r} in "
+                      f"{summary['checkpoint_s']:.2f} s (latest: step {c.train.steps})", flush=True)
         trainer.close()
         return 0
 

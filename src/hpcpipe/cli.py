@@ -4,7 +4,9 @@ Errors found before the first collective (ConfigError from planning) are
 deterministic and identical on every rank: rank 0 prints one message and
 every rank exits with status 2. Any exception after that may be on one rank
 only while the others wait in a collective, so the failing rank prints its
-message and calls MPI_Abort, which ends the whole job at once.
+message and calls MPI_Abort, which ends the whole job at once. An
+AgreedError is the exception: every rank raised it together after an
+agreement (e.g. a corrupt checkpoint), so rank 0 prints it and all exit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from .errors import ConfigError
+from .errors import AgreedError, ConfigError
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
@@ -45,6 +47,10 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         return EXIT_FAILURE
     try:
         return body(planned)
+    except AgreedError as exc:   # raised by every rank together: one message, no abort needed
+        if rank == 0:
+            print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         if isinstance(exc, SystemExit) and not exc.code:
             raise

@@ -143,6 +143,23 @@ def barrier(comm: Any, poller: Poller) -> None:
     poller.wait([comm.Ibarrier()])
 
 
+def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
+    """Return, on every rank, the error of the lowest rank that reported one, or None if none did.
+
+    Every rank of comm must call it (collective). Ranks first agree on
+    whether anyone failed (one small allreduce, polled), so a failure on one
+    rank is known to all before anyone proceeds and nobody hangs waiting.
+    """
+    size = comm.Get_size()
+    first = np.array([comm.Get_rank() if error is not None else size], dtype=np.int64)
+    if size > 1:
+        poller.wait([comm.Iallreduce(MPI.IN_PLACE, first, op=MPI.MIN)])
+    owner = int(first[0])
+    if owner == size:
+        return None
+    return comm.bcast(error if comm.Get_rank() == owner else None, root=owner) if size > 1 else error
+
+
 def abort(comm: Any, code: int) -> None:
     """End every rank of the job now (MPI_Abort), so one failing rank never hangs the others."""
     comm.Abort(code)

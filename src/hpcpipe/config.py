@@ -72,9 +72,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = "checkpoints"
-    every: int = 0
-    keep: int = 2
+    dir: str = "checkpoints"   # "" = never save
+    every: int = 0             # save every N steps; 0 = only at the end
+    keep: int = 2              # committed checkpoints kept (never the one `latest` names)
+    resume: bool = False       # start from dir/latest: parameters, optimizer, step, data position
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,8 @@ def validate(config: Config) -> None:
              f"data.synthetic_samples must be >= 1, got {config.data.synthetic_samples}")
     _require(config.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {config.checkpoint.every}")
     _require(config.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {config.checkpoint.keep}")
+    _require(not config.checkpoint.resume or bool(config.checkpoint.dir),
+             "checkpoint.resume = true needs checkpoint.dir (it resumes from checkpoint.dir/latest)")
     _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
     _require(config.run.backend in BACKENDS,
              f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -131,9 +131,14 @@ def open_data(config: Config) -> SyntheticData | HDF5Data:
     return HDF5Data(config) if config.data.path else SyntheticData(config)
 
 
-def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int) -> np.ndarray:
-    """Return the sample indices of a step's global batch (see the module docstring)."""
-    positions = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int, offset: int = 0) -> np.ndarray:
+    """Return the sample indices of a step's global batch (see the module docstring).
+
+    ``offset`` shifts the stream position (``offset + step*G``); it is 0 except after
+    resuming a checkpoint taken with a different global batch size.
+    """
+    start = offset + step * global_batch
+    positions = np.arange(start, start + global_batch, dtype=np.int64)
     epochs, offsets = np.divmod(positions, n)
     if not shuffle:
         return offsets
@@ -164,15 +169,28 @@ class ReplicaFeeder:
         self.shuffle, self.seed = config.data.shuffle, config.data.seed
         self.need_x, self.need_y = need_x, need_y
         self.dtype = config.model.dtype
+        self.offset = 0      # stream position shift, set when resuming at another global batch size
+        self.n_classes = config.model.dims[-1] if config.train.loss == "cross_entropy" else 0
+        self.label = config.data.path or "the synthetic data"
+
+    def position(self, step: int) -> int:
+        """Return the stream position (samples consumed) before the given step."""
+        return self.offset + step * self.global_batch
 
     def step(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Return ([x per micro-batch], [y per micro-batch]) for this replica at a step (empty when not needed)."""
         if not (self.need_x or self.need_y):
             return [], []
-        idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed)[self.rows]
+        idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed,
+                           self.offset)[self.rows]
         xs = np.split(np.ascontiguousarray(self.source.read_x(idx), dtype=self.dtype), self.n_micro) \
             if self.need_x else []
         ys = np.split(self.source.read_y(idx), self.n_micro) if self.need_y else []
         if ys and ys[0].dtype.kind == "f":
             ys = [y.astype(self.dtype, copy=False) for y in ys]
+        if self.n_classes and ys:
+            bad = [int(v) for y in ys for v in y[(y < 0) | (y >= self.n_classes)]]
+            if bad:
+                raise ConfigError(f"labels in {self.label!r} must be in [0, {self.n_classes}) for "
+                                  f"model.dims[-1] = {self.n_classes}; step {step} reads label {bad[0]}")
         return xs, ys

@@ -154,6 +154,14 @@ class RankParameters:
         size = int(np.prod(shape))
         return buf[offset:offset + size].reshape(shape)
 
+    def slice_of(self, buf: Any, index: int, name: str) -> Any:
+        """Return the view of a layer's 'weight' or 'bias' inside any flat buffer laid out like the parameters."""
+        return self._view(buf, index, name)
+
+    def host(self, array: Any) -> np.ndarray:
+        """Return a host (NumPy) copy of a buffer or view of this rank's backend."""
+        return array.get() if hasattr(array, "get") else np.array(array)
+
     def param(self, index: int, name: str) -> Any:
         """Return the live view of a parameter ('weight' or 'bias') of a global layer."""
         return self._view(self.flat, index, name)

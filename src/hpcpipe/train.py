@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ EPILOG = """examples:
   mpiexec -n 8 python -m hpcpipe.train
   mpiexec -n 4 python -m hpcpipe.train --config configs/example6.toml
   mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
+  mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue from checkpoints/latest
 
 exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input."""
 
@@ -35,7 +37,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
-    return parser.parse_args(argv)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from checkpoint.dir/latest (same as --set checkpoint.resume=true)")
+    args = parser.parse_args(argv)
+    if args.resume:
+        args.overrides.append("checkpoint.resume=true")
+    return args
+
+
+def step_sleep() -> None:
+    """Test hook: with HPCPIPE_STEP_SLEEP=S set, sleep S seconds before each step (lets a test kill mid-run)."""
+    seconds = float(os.environ.get("HPCPIPE_STEP_SLEEP", "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def write_pid(world_rank: int) -> None:
+    """Test hook: with HPCPIPE_PID_DIR set, write this rank's process id to DIR/rank-R.pid."""
+    directory = os.environ.get("HPCPIPE_PID_DIR", "")
+    if directory:
+        Path(directory, f"rank-{world_rank}.pid").write_text(f"{os.getpid()}\n")
 
 
 class Progress:
@@ -78,21 +99,33 @@ class Progress:
 
 
 def train(trainer: Any, world: Any) -> dict[str, Any]:
-    """Run config.train.steps steps; return a summary (rank 0 logs)."""
+    """Run steps start_step .. train.steps-1, checkpointing every checkpoint.every steps and at the end.
+
+    Returns a summary (rank 0 logs).
+    """
     cfg = trainer.config
     rank = world.Get_rank()
     progress = Progress(cfg, trainer) if rank == 0 else None
     losses: list[float] = []
+    every, saved = cfg.checkpoint.every, trainer.start_step
+    saves, save_s = 0, 0.0
     start = time.perf_counter()
     try:
-        for step in range(cfg.train.steps):
+        for step in range(trainer.start_step, cfg.train.steps):
             fault_injection(rank, step)
+            step_sleep()
             t0 = time.perf_counter()
             loss = trainer.train_step(step)
             seconds = time.perf_counter() - t0
             losses.append(loss)
             if progress:
                 progress.log(step, loss, seconds)
+            if cfg.checkpoint.dir and every and (step + 1) % every == 0:
+                save_s += timed_save(trainer, step + 1)
+                saves, saved = saves + 1, step + 1
+        if cfg.checkpoint.dir and saved != cfg.train.steps:
+            save_s += timed_save(trainer, cfg.train.steps)
+            saves += 1
     finally:
         if progress:
             progress.close()
@@ -101,7 +134,14 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
             "final_loss": losses[-1] if losses else float("nan"),
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
-            "elapsed_s": elapsed}
+            "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s}
+
+
+def timed_save(trainer: Any, step: int) -> float:
+    """Save a checkpoint of `step` completed steps; return the seconds it took (collective)."""
+    t0 = time.perf_counter()
+    trainer.save_checkpoint(step)
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,16 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         return plan(config, world.Get_size())
 
     def body(p) -> int:
+        write_pid(world.Get_rank())
         trainer = Trainer(p, world)
         holder["trainer"] = trainer
         summary = train(trainer, world)
         if world.Get_rank() == 0:
             c = p.config
-            print(f"hpcpipe: trained {summary['steps']} steps, loss {summary['initial_loss']:.6g} -> "
+            resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
+            print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
                   f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
                   f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
                   f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
                   f"{summary['elapsed_s']:.2f} s)", flush=True)
+            if summary["checkpoints"]:
+                print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {c.checkpoint.dir!r} in "
+                      f"{summary['checkpoint_s']:.2f} s (latest: step {c.train.steps})", flush=True)
         trainer.close()
         return 0
 

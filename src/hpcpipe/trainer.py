@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import checkpoint_mpi
 from . import loss as losses
 from .backend import select_backend
 from .comm import PipeComm, Poller, gather_to_root
@@ -24,7 +25,8 @@ from .model import RankParameters, initial_arrays, layer_specs, partition
 from .optim import clip_factor, make_optimizer
 from .schedules import build_schedule
 from .topology import make_topology
-from .weights import check_weights, read_weights
+from .checkpoint import WeightsSource, resolve_weights
+from .errors import AgreedError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,32 @@ class Plan:
     n_stages: int
     stage_ranges: list[range]
     programs: list[list]
+    init: WeightsSource | None = None      # model.init, resolved and checked against the model
+    resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
+
+
+RESUME_MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
+
+
+def check_resume(config: Config, source: WeightsSource) -> None:
+    """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
+    saved = source.manifest["config"]
+    for key in RESUME_MODEL_KEYS:
+        if saved["model"].get(key) != getattr(config.model, key):
+            raise ConfigError(f"cannot resume from {source.describe()}: it was saved with model.{key} = "
+                              f"{saved['model'].get(key)!r}, this run has {getattr(config.model, key)!r}")
+    name = source.manifest["optimizer"]["name"]
+    if name != config.train.optimizer:
+        raise ConfigError(f"cannot resume from {source.describe()}: it holds {name} optimizer state, this run "
+                          f"uses train.optimizer = {config.train.optimizer!r}")
+    expected = sorted(make_optimizer(config.train, np, 0, np.float32).state)
+    stored = sorted(source.manifest["optimizer"].get("state", []))
+    if stored != expected:
+        raise ConfigError(f"cannot resume from {source.describe()}: it holds optimizer state {stored}, this run's "
+                          f"optimizer settings need {expected} (train.momentum changed?)")
+    if source.step > config.train.steps:
+        raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
+                          f"train.steps = {config.train.steps}")
 
 
 def plan(config: Config, world_size: int) -> Plan:
@@ -48,11 +76,19 @@ def plan(config: Config, world_size: int) -> Plan:
     ranges = partition(specs, n_stages, par.stage_layers)
     if config.data.path:
         check_data_file(config)
-    if config.model.init:
-        check_weights(config.model.init, specs)
+    init = resume = None
+    if config.checkpoint.resume:
+        resume = resolve_weights(config.checkpoint.dir)
+        if resume.kind != "checkpoint":
+            raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
+        check_resume(config, resume)
+        resume.check(specs)
+    elif config.model.init:
+        init = resolve_weights(config.model.init)
+        init.check(specs)
     programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages)
     validate(programs, pp, n_stages, tr.micro_batches)
-    return Plan(config, dp, pp, n_stages, ranges, programs)
+    return Plan(config, dp, pp, n_stages, ranges, programs, init, resume)
 
 
 class Trainer:
@@ -71,10 +107,6 @@ class Trainer:
         specs = layer_specs(cfg)
         self.specs = specs
         self.params = RankParameters(specs, self.my_stages, xp, cfg.model.dtype)
-        indices = self.params.layer_indices()
-        arrays = read_weights(cfg.model.init, indices) if cfg.model.init else \
-            initial_arrays(specs, indices, cfg.model.seed, cfg.model.dtype)
-        self.params.load(arrays)
         tr = cfg.train
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         out_dim = cfg.model.dims[-1]
@@ -92,6 +124,46 @@ class Trainer:
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0
         self.last_stats = None
+        self.start_step = 0
+        try:
+            self._load_initial_state(world)
+        except AgreedError:
+            self.topo.free()   # every rank raises it together after the load agreement, so freeing is safe
+            raise
+
+    def _load_initial_state(self, world: Any) -> None:
+        """Fill parameters (and on resume optimizer state, step, data position); all ranks agree first."""
+        cfg, indices = self.config, self.params.layer_indices()
+        source = self.plan.resume or self.plan.init
+        if source is None:
+            self.params.load(initial_arrays(self.specs, indices, cfg.model.seed, cfg.model.dtype))
+            return
+        resuming = source is self.plan.resume
+        state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
+                                    clean_root=cfg.checkpoint.dir if resuming else None)
+        self.params.load(state.arrays)
+        if not resuming:
+            return
+        xp = self.backend.xp
+        for name, buf in self.optimizer.state.items():
+            for i in indices:
+                for part in self.params.views[i]:
+                    self.params.slice_of(buf, i, part)[...] = xp.asarray(state.optimizer[i][name][part])
+        self.optimizer.steps = int(source.manifest["optimizer"]["steps"])
+        self.start_step = source.step
+        self.feeder.offset = int(source.manifest["data"]["samples_seen"]) - source.step * self.global_batch
+
+    def save_checkpoint(self, step: int) -> Any:
+        """Write a checkpoint of `step` completed steps to checkpoint.dir (collective); return its directory."""
+        cfg, p = self.config, self.plan
+        layout = {"dp": p.dp, "pp": p.pp, "schedule": cfg.parallel.schedule,
+                  "virtual_stages": cfg.parallel.virtual_stages,
+                  "stage_layers": [list(r) for r in p.stage_ranges]}
+        info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch)
+        return checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step,
+                                   dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
+                                   optimizer=self.optimizer, n_layers=len(self.specs), info=info,
+                                   keep=cfg.checkpoint.keep)
 
     def _feed(self, step: int) -> StepFeed:
         xs, ys = self.feeder.step(step)
@@ -124,9 +196,12 @@ class Trainer:
         """Forward and backward on a step's batch without updating; gradients stay in params.grad."""
         return self._run(step, update=False)
 
-    def gather(self, what: str = "params", root: int = 0) -> dict[int, dict[str, np.ndarray]] | None:
-        """Collect every layer's parameters or gradients by global index on world rank root (tests, export)."""
-        local = self.params.export() if what == "params" else self.params.export_grads()
+    def gather(self, what: str = "params", root: int = 0) -> dict[int, dict[str, Any]] | None:
+        """Collect every layer's parameters, gradients or optimizer state by global index on world rank root."""
+        if what not in ("params", "grads", "optimizer"):
+            raise ValueError(f"gather: what must be params, grads or optimizer, got {what!r}")
+        local = self.params.export() if what == "params" else self.params.export_grads() if what == "grads" \
+            else checkpoint_mpi.optimizer_arrays(self.params, self.optimizer)
         mine = local if self.topo.dp_rank == 0 else {}
         parts = gather_to_root(self.topo.world, mine, root)
         if parts is None:

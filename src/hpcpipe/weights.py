@@ -1,10 +1,24 @@
-"""Single-file HDF5 weights: /layers/NNNN/{weight,bias} by global layer index (DESIGN.md schema)."""
+"""One HDF5 weights file: /layers/NNNN/{weight,bias} by global layer index (DESIGN.md schema).
+
+A checkpoint's per-stage file uses the same schema for the layers it holds
+and adds the optimizer state of those layers::
+
+    /layers/0003/weight                    (in, out)
+    /layers/0003/bias                      (out,)
+    /optimizer/layers/0003/<state>/weight  same shape as the parameter
+    /optimizer/layers/0003/<state>/bias
+    /optimizer attrs: name (sgd | adam | adamw), steps (the optimizer's update count)
+
+Every dataset is written with the fletcher32 checksum filter, so a flipped
+bit is an error on read, never a silently wrong number. Reading errors are
+turned into ConfigError naming the file.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -15,60 +29,140 @@ from .model import LayerSpec
 FORMAT = "hpcpipe"
 FORMAT_VERSION = 1
 
+LayerArrays = dict[int, dict[str, np.ndarray]]            # layer -> {'weight', 'bias'}
+OptimizerArrays = dict[int, dict[str, dict[str, np.ndarray]]]   # layer -> state -> {'weight', 'bias'}
+
 
 def layer_group(index: int) -> str:
     """Return the HDF5 group name of a global layer."""
     return f"layers/{index:04d}"
 
 
-def write_weights(path: str | Path, arrays: dict[int, dict[str, np.ndarray]], *, n_layers: int,
-                  model_config: dict[str, Any] | None = None, step: int = 0) -> None:
-    """Write {layer: {'weight', 'bias'}} as a weights file (checksummed datasets)."""
+def optimizer_group(index: int) -> str:
+    """Return the HDF5 group holding a global layer's optimizer state."""
+    return f"optimizer/layers/{index:04d}"
+
+
+def param_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
+    """Return the parameter names and shapes of a layer ('bias' only when the model has biases)."""
+    shapes: dict[str, tuple[int, ...]] = {"weight": (spec.fan_in, spec.fan_out)}
+    if spec.bias:
+        shapes["bias"] = (spec.fan_out,)
+    return shapes
+
+
+def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
+                  model_config: dict[str, Any] | None = None, step: int = 0,
+                  optimizer: OptimizerArrays | None = None, optimizer_attrs: dict[str, Any] | None = None,
+                  attrs: dict[str, Any] | None = None, after_layers: Callable[[], None] | None = None) -> None:
+    """Write {layer: {'weight', 'bias'}} (and optionally optimizer state) as one checksummed HDF5 file.
+
+    ``after_layers`` (a test hook) is called once the parameters are written, before the optimizer state.
+    """
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["step"] = step
         f.attrs["n_layers"] = n_layers
         f.attrs["model"] = json.dumps(model_config or {}, sort_keys=True)
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
         for index in sorted(arrays):
             group = f.create_group(layer_group(index))
             for name, array in arrays[index].items():
                 group.create_dataset(name, data=np.asarray(array), fletcher32=True)
+        if after_layers is not None:
+            f.flush()
+            after_layers()
+        if optimizer is not None:
+            root = f.require_group("optimizer")
+            for key, value in (optimizer_attrs or {}).items():
+                root.attrs[key] = value
+            for index in sorted(optimizer):
+                for state, tensors in optimizer[index].items():
+                    group = f.create_group(f"{optimizer_group(index)}/{state}")
+                    for name, array in tensors.items():
+                        group.create_dataset(name, data=np.asarray(array), fletcher32=True)
 
 
-def check_weights(path: str | Path, specs: list[LayerSpec]) -> None:
-    """Raise ConfigError unless the file holds every layer of the model with the right shapes."""
+def open_checked(path: str | Path) -> h5py.File:
+    """Open an hpcpipe HDF5 file for reading, or raise ConfigError naming it."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"weights file {str(p)!r} does not exist")
     try:
         f = h5py.File(p, "r")
     except OSError as exc:
-        raise ConfigError(f"weights file {str(p)!r} is not a readable HDF5 file: {exc}") from None
-    with f:
-        if f.attrs.get("format") != FORMAT:
-            raise ConfigError(f"weights file {str(p)!r} is not an hpcpipe file (root attribute format = "
-                              f"{f.attrs.get('format')!r})")
-        stored = sorted(f["layers"].keys()) if "layers" in f else []
-        expected = [f"{s.index:04d}" for s in specs]
+        raise ConfigError(f"weights file {str(p)!r} is not a readable HDF5 file (truncated or foreign?): "
+                          f"{exc}") from None
+    fmt = f.attrs.get("format")
+    if fmt != FORMAT:
+        f.close()
+        raise ConfigError(f"weights file {str(p)!r} is not an hpcpipe file (root attribute format = {fmt!r})")
+    return f
+
+
+def stored_layers(f: h5py.File) -> list[int]:
+    """Return the global layer indices a file holds, ascending."""
+    return sorted(int(k) for k in f["layers"].keys()) if "layers" in f else []
+
+
+def check_layers(f: h5py.File, specs: list[LayerSpec], label: str) -> None:
+    """Raise ConfigError unless the file holds each given layer with the model's names and shapes."""
+    for s in specs:
+        if layer_group(s.index) not in f:
+            raise ConfigError(f"{label}: layer {s.index} ({layer_group(s.index)}) is missing")
+        group = f[layer_group(s.index)]
+        shapes = param_shapes(s)
+        if sorted(group.keys()) != sorted(shapes):
+            raise ConfigError(f"{label}: layer {s.index} holds {sorted(group.keys())}, the model needs "
+                              f"{sorted(shapes)}")
+        for name, shape in shapes.items():
+            if group[name].shape != shape:
+                raise ConfigError(f"{label}: {layer_group(s.index)}/{name} has shape {group[name].shape}, "
+                                  f"the model needs {shape}")
+
+
+def check_weights(path: str | Path, specs: list[LayerSpec]) -> None:
+    """Raise ConfigError unless the file holds every layer of the model with the right shapes."""
+    label = f"weights file {str(path)!r}"
+    with open_checked(path) as f:
+        stored = stored_layers(f)
+        expected = [s.index for s in specs]
         if stored != expected:
-            raise ConfigError(f"weights file {str(p)!r} has layers {stored} but the model has {len(specs)} "
-                              f"layers {expected}")
-        for s in specs:
-            group = f[layer_group(s.index)]
-            shapes = {"weight": (s.fan_in, s.fan_out)}
-            if s.bias:
-                shapes["bias"] = (s.fan_out,)
-            if sorted(group.keys()) != sorted(shapes):
-                raise ConfigError(f"weights file {str(p)!r}: layer {s.index} holds {sorted(group.keys())}, "
-                                  f"the model needs {sorted(shapes)}")
-            for name, shape in shapes.items():
-                if group[name].shape != shape:
-                    raise ConfigError(f"weights file {str(p)!r}: {layer_group(s.index)}/{name} has shape "
-                                      f"{group[name].shape}, the model needs {shape}")
+            raise ConfigError(f"{label} has layers {stored} but the model has {len(specs)} layers {expected}")
+        check_layers(f, specs, label)
 
 
-def read_weights(path: str | Path, indices: list[int]) -> dict[int, dict[str, np.ndarray]]:
+def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
+    try:
+        return {name: f[group][name][...] for name in f[group]}
+    except (OSError, KeyError) as exc:   # fletcher32 mismatch, truncated chunk, missing object
+        raise ConfigError(f"{label}: cannot read {group} (corrupt: {exc})") from None
+
+
+def read_layers(path: str | Path, indices: list[int]) -> LayerArrays:
+    """Read the given global layers from an hpcpipe file; ConfigError naming the file on any corruption."""
+    label = f"weights file {str(path)!r}"
+    with open_checked(path) as f:
+        return {i: _read(f, layer_group(i), label) for i in indices}
+
+
+def read_optimizer(path: str | Path, indices: list[int]) -> tuple[dict[str, Any], OptimizerArrays]:
+    """Read optimizer attributes and the given layers' optimizer state; ConfigError naming the file."""
+    label = f"checkpoint file {str(path)!r}"
+    with open_checked(path) as f:
+        if "optimizer" not in f:
+            raise ConfigError(f"{label} holds no optimizer state")
+        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f["optimizer"].attrs.items()}
+        out: OptimizerArrays = {}
+        for i in indices:
+            group = optimizer_group(i)
+            states = sorted(f[group].keys()) if group in f else []
+            out[i] = {state: _read(f, f"{group}/{state}", label) for state in states}
+        return attrs, out
+
+
+def read_weights(path: str | Path, indices: list[int]) -> LayerArrays:
     """Read the given global layers from a weights file (call check_weights first)."""
-    with h5py.File(path, "r") as f:
-        return {i: {name: f[layer_group(i)][name][...] for name in f[layer_group(i)]} for i in indices}
+    return read_layers(path, indices)

@@ -1,0 +1,210 @@
+"""Unit tests of the pure state code: weights files, the checkpoint directory protocol, resolving, data checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcpipe import ckpt_files as cf
+from hpcpipe.checkpoint import resolve_weights
+from hpcpipe.config import from_dict
+from hpcpipe.data import check_data_file, step_samples
+from hpcpipe.errors import ConfigError
+from hpcpipe.model import initial_arrays, layer_specs
+from hpcpipe.weights import check_weights, read_layers, read_optimizer, write_weights
+
+from state_helpers import flip_byte_in_dataset
+
+CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
+SPECS = layer_specs(CFG)
+
+
+def _arrays():
+    return initial_arrays(SPECS, [0, 1, 2], seed=3, dtype="float32")
+
+
+def test_weights_round_trip_with_optimizer_state(tmp_path):
+    path = tmp_path / "w.h5"
+    arrays = _arrays()
+    opt = {i: {"exp_avg": {k: v + 1 for k, v in arrays[i].items()}} for i in arrays}
+    write_weights(path, arrays, n_layers=3, step=7, optimizer=opt, optimizer_attrs={"name": "adam", "steps": 7})
+    check_weights(path, SPECS)
+    back = read_layers(path, [2, 0])
+    for i in (0, 2):
+        for name in ("weight", "bias"):
+            assert np.array_equal(back[i][name], arrays[i][name])
+    attrs, state = read_optimizer(path, [1])
+    assert attrs == {"name": "adam", "steps": 7}
+    assert np.array_equal(state[1]["exp_avg"]["weight"], arrays[1]["weight"] + 1)
+    with h5py.File(path) as f:   # DESIGN.md layout, checksummed
+        assert f["layers/0001/weight"].shape == (5, 4) and f["layers/0001/weight"].fletcher32
+        assert f.attrs["format"] == "hpcpipe" and f.attrs["n_layers"] == 3 and f.attrs["step"] == 7
+
+
+def test_bit_flip_in_weights_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "w.h5"
+    write_weights(path, _arrays(), n_layers=3)
+    flip_byte_in_dataset(path, "layers/0001/weight")
+    check_weights(path, SPECS)   # metadata is intact ...
+    with pytest.raises(ConfigError, match=r"w\.h5.*layers/0001.*corrupt"):   # ... the data is not
+        read_layers(path, [1])
+    read_layers(path, [0, 2])    # other layers still read
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.pop(2), r"has layers \[0, 1\] but the model has 3"),
+    (lambda a: a[1].update(weight=np.zeros((5, 5), np.float32)), r"layers/0001/weight has shape \(5, 5\), the model needs \(5, 4\)"),
+    (lambda a: a[0].pop("bias"), r"layer 0 holds \['weight'\], the model needs \['bias', 'weight'\]"),
+])
+def test_check_weights_names_the_mismatch(tmp_path, change, message):
+    arrays = _arrays()
+    change(arrays)
+    path = tmp_path / "w.h5"
+    write_weights(path, arrays, n_layers=3)
+    with pytest.raises(ConfigError, match=message):
+        check_weights(path, SPECS)
+
+
+def test_foreign_and_truncated_weights_files_are_refused(tmp_path):
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["layers/0000/weight"] = np.zeros((6, 5), np.float32)
+    with pytest.raises(ConfigError, match=r"foreign\.h5.*not an hpcpipe file"):
+        resolve_weights(foreign)
+    good = tmp_path / "w.h5"
+    write_weights(good, _arrays(), n_layers=3)
+    data = good.read_bytes()
+    truncated = tmp_path / "t.h5"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"t\.h5"):
+        resolve_weights(truncated).read([0, 1, 2])
+    text = tmp_path / "text.h5"
+    text.write_text("hello")
+    with pytest.raises(ConfigError, match=r"text\.h5.*not an HDF5 file"):
+        resolve_weights(text)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        resolve_weights(tmp_path / "nope")
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    d = root / cf.step_name(step)
+    d.mkdir(parents=True)
+    (d / cf.MANIFEST).write_text("{}")
+    return d
+
+
+def test_latest_pointer_is_replaced_atomically_and_validated(tmp_path):
+    assert cf.read_latest(tmp_path) is None
+    cf.set_latest(tmp_path, "step-00000002")
+    cf.set_latest(tmp_path, "step-00000004")
+    assert cf.read_latest(tmp_path) == "step-00000004"
+    assert not cf.leftovers(tmp_path)   # the temporary pointer was renamed over `latest`
+    (tmp_path / cf.LATEST).write_text("../../etc")
+    with pytest.raises(ConfigError, match="not a step-NNNNNNNN name"):
+        cf.read_latest(tmp_path)
+
+
+def test_prune_keeps_newest_and_never_the_latest_target(tmp_path):
+    for s in (2, 4, 6, 8):
+        _fake_checkpoint(tmp_path, s)
+    (tmp_path / "step-00000010").mkdir()          # no manifest: not a committed checkpoint, left alone
+    cf.set_latest(tmp_path, "step-00000004")      # e.g. after resuming from an older checkpoint
+    assert cf.prune(tmp_path, keep=2) == [2]
+    assert cf.committed_steps(tmp_path) == [4, 6, 8]
+    cf.set_latest(tmp_path, "step-00000008")
+    assert cf.prune(tmp_path, keep=1) == [4, 6]
+    assert cf.committed_steps(tmp_path) == [8]
+    assert (tmp_path / "step-00000010").is_dir()
+    assert cf.prune(tmp_path, keep=1) == []       # never fewer than one
+
+
+def test_leftovers_are_found_and_cleaned(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    (tmp_path / cf.tmp_name(4)).mkdir()
+    (tmp_path / cf.tmp_name(4) / "stage-000.h5").write_bytes(b"half")
+    (tmp_path / ".del-step-00000000").mkdir()
+    (tmp_path / ".latest.tmp").write_text("x")
+    assert [p.name for p in cf.leftovers(tmp_path)] == [".del-step-00000000", ".latest.tmp", ".tmp-step-00000004"]
+    assert cf.committed_steps(tmp_path) == [2]    # a temporary directory is never taken for a checkpoint
+    cf.clean_leftovers(tmp_path)
+    assert cf.leftovers(tmp_path) == [] and cf.committed_steps(tmp_path) == [2]
+
+
+def test_commit_renames_and_replaces_an_unreferenced_copy(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    tmp = tmp_path / cf.tmp_name(4)
+    tmp.mkdir()
+    (tmp / cf.MANIFEST).write_text('{"new": 1}')
+    final = cf.commit(tmp_path, tmp, 4)
+    assert final == tmp_path / "step-00000004" and json.loads((final / cf.MANIFEST).read_text()) == {"new": 1}
+    assert not tmp.exists() and not cf.leftovers(tmp_path)
+
+
+def _manifest(files, n_layers=2):
+    return cf.build_manifest(3, n_layers, {"dp": 1, "pp": 1}, {"model": {"dims": [2, 2, 2]}},
+                             {"name": "sgd", "steps": 3, "state": []}, {"samples_seen": 0}, files)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m.update(format="other"), "not an hpcpipe checkpoint manifest"),
+    (lambda m: m.update(format_version=99), "format_version 99"),
+    (lambda m: m["files"][0].update(layers=[0]), r"maps layers \[0\] to files"),
+    (lambda m: m["files"][0].update(name="../x.h5"), "malformed"),
+    (lambda m: m.pop("n_layers"), "malformed"),
+])
+def test_manifest_validation_names_the_file(tmp_path, mutate, message):
+    m = _manifest([{"name": "stage-000.h5", "pp_rank": 0, "layers": [0, 1], "bytes": 1, "sha256": "0"}])
+    mutate(m)
+    (tmp_path / cf.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match=message) as info:
+        cf.read_manifest(tmp_path)
+    assert "manifest.json" in str(info.value)
+
+
+def test_manifest_that_is_not_json_is_refused(tmp_path):
+    (tmp_path / cf.MANIFEST).write_bytes(b"\x00\xff garbage")
+    with pytest.raises(ConfigError, match=r"manifest\.json.*not valid JSON"):
+        cf.read_manifest(tmp_path)
+
+
+def test_check_file_catches_size_and_hash(tmp_path):
+    f = tmp_path / "stage-000.h5"
+    f.write_bytes(b"abcdef")
+    entry = {"name": f.name, "bytes": 6, "sha256": cf.sha256_file(f)}
+    cf.check_file(tmp_path, entry)
+    f.write_bytes(b"abcdeg")
+    with pytest.raises(ConfigError, match=r"stage-000\.h5.*SHA-256"):
+        cf.check_file(tmp_path, entry)
+    f.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match=r"stage-000\.h5.*3 bytes.*truncated"):
+        cf.check_file(tmp_path, entry)
+    os.remove(f)
+    with pytest.raises(ConfigError, match=r"stage-000\.h5.*missing"):
+        cf.check_file(tmp_path, entry)
+
+
+def test_step_samples_offset_continues_the_stream():
+    straight = np.concatenate([step_samples(s, 6, 20, True, 1) for s in range(8)])
+    # resuming at step 3 with a global batch of 4 after 3 steps of 6 samples: offset = 18 - 3*4
+    resumed = np.concatenate([step_samples(s, 4, 20, True, 1, offset=18 - 12) for s in range(3, 10)])
+    assert np.array_equal(straight[18:46], resumed[:28])
+
+
+@pytest.mark.parametrize("x, y, loss, message", [
+    (np.zeros((10, 5), np.float32), np.zeros(10, np.int64), "cross_entropy", r"shape \(10, 5\); model.dims\[0\] = 6"),
+    (np.zeros((10, 6), np.int32), np.zeros(10, np.int64), "cross_entropy", "dtype int32; a float dtype"),
+    (np.zeros((10, 6), np.float32), np.zeros(10, np.float32), "cross_entropy", "integer labels"),
+    (np.zeros((10, 6), np.float32), np.zeros((10, 2), np.float32), "mse", r"needs float \(10, 3\)"),
+])
+def test_data_file_mismatches_are_clear_errors(tmp_path, x, y, loss, message):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"], f["y"] = x, y
+    cfg = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}, "data": {"path": str(path)}, "train": {"loss": loss}})
+    with pytest.raises(ConfigError, match=message):
+        check_data_file(cfg)

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from .errors import AgreedError, ConfigError
+from .guard import EXIT_INTERRUPTED
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
@@ -57,7 +58,8 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         name = label()
         detail = "" if isinstance(exc, (ConfigError, KeyboardInterrupt)) else "\n" + traceback.format_exc()
         print(f"hpcpipe: [{name}] error: {type(exc).__name__}: {exc}{detail}", file=sys.stderr, flush=True)
-        code = EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILURE
+        code = EXIT_CONFIG if isinstance(exc, ConfigError) else \
+            EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE
         if world.Get_size() > 1:
             from .comm import abort
             abort(world, code)

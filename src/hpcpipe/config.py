@@ -68,6 +68,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    max_bad_steps: int = 5     # skipped (non-finite) steps in a row before the run stops with exit 77
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class RunConfig:
     backend: str = "auto"
     poll_min_us: float = 20.0   # first sleep of a waiting rank; doubles up to poll_max_us
     poll_max_us: float = 1000.0
+    stall_timeout: float = 600.0   # seconds without a finished step (or save) before the watchdog aborts; 0 = off
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,7 @@ def validate(config: Config) -> None:
     _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {tr.grad_clip}")
     _require(0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1,
              f"train.beta1/beta2 must be in [0, 1), got {tr.beta1}/{tr.beta2}")
+    _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
     _require(config.data.synthetic_samples >= 1,
              f"data.synthetic_samples must be >= 1, got {config.data.synthetic_samples}")
     _require(config.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {config.checkpoint.every}")
@@ -265,6 +268,8 @@ def validate(config: Config) -> None:
     _require(0 < config.run.poll_min_us <= config.run.poll_max_us,
              f"run.poll_min_us ({config.run.poll_min_us}) must be > 0 and <= run.poll_max_us "
              f"({config.run.poll_max_us})")
+    _require(config.run.stall_timeout >= 0,
+             f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
 
 
 def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:

@@ -16,6 +16,8 @@ from typing import Any
 
 from .cli import fault_injection, run_planned
 from .config import load_config
+from .errors import AgreedError
+from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, StopSignals, Watchdog, stall_injection
 
 DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
@@ -27,7 +29,11 @@ EPILOG = """examples:
   mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
   mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue from checkpoints/latest
 
-exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input."""
+exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input,
+  75 stopped by SIGUSR1/SIGTERM after writing a checkpoint (resume with --resume),
+  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted),
+  77 train.max_bad_steps steps in a row had a non-finite loss or gradient, 130 interrupted (SIGINT).
+  See docs/cluster.md."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +84,11 @@ class Progress:
                   "samples_per_s": tr.global_batch / seconds if seconds > 0 else 0.0,
                   "grad_norm": tr.last_grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
                   "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s}
+        decision = tr.last_decision
+        skipped = bool(decision and decision.skip)
+        if skipped:   # strict JSON has no NaN: a skipped step's non-finite loss is null
+            record.update(loss=loss if loss == loss and abs(loss) != float("inf") else None, grad_norm=None,
+                          skipped=True, bad_ranks=decision.bad_ranks)
         if self.metrics and step % self.cfg.log.every == 0:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -87,6 +98,8 @@ class Progress:
             bar = "#" * (width * done // max(self.total, 1))
             line = (f"[{bar:<{width}}] step {done}/{self.total} loss {loss:.6g} "
                     f"{seconds * 1e3:.1f} ms/step {record['samples_per_s']:.0f} samples/s")
+            if skipped:
+                line += f" SKIPPED (non-finite loss or gradient on {decision.bad_ranks} rank(s))"
             if self.tty:
                 print("\r" + line, end="" if done < self.total else "\n", flush=True)
             else:
@@ -98,10 +111,15 @@ class Progress:
             self.metrics.close()
 
 
-def train(trainer: Any, world: Any) -> dict[str, Any]:
+def train(trainer: Any, world: Any, stop: StopSignals | None = None,
+          watchdog: Watchdog | None = None) -> dict[str, Any]:
     """Run steps start_step .. train.steps-1, checkpointing every checkpoint.every steps and at the end.
 
-    Returns a summary (rank 0 logs).
+    Every step ends with one agreed decision (trainer.last_decision): a step with a
+    non-finite loss or gradient on any rank is skipped everywhere (the data position
+    still advances), train.max_bad_steps of them in a row stop the run (AgreedError,
+    exit 77), and a stop signal on any rank makes every rank checkpoint and return
+    with summary["stopped"] set. Returns a summary (rank 0 logs).
     """
     cfg = trainer.config
     rank = world.Get_rank()
@@ -109,23 +127,51 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     losses: list[float] = []
     every, saved = cfg.checkpoint.every, trainer.start_step
     saves, save_s = 0, 0.0
+    bad_run: list[int] = []
+    skipped = 0
+    stopped = ""
+    beat = watchdog.beat if watchdog else (lambda phase: None)
+    if stop is not None:
+        trainer.stop_requested = lambda: stop.requested
     start = time.perf_counter()
     try:
         for step in range(trainer.start_step, cfg.train.steps):
+            beat(f"step {step}")
             fault_injection(rank, step)
+            stall_injection(rank, step)
             step_sleep()
             t0 = time.perf_counter()
             loss = trainer.train_step(step)
             seconds = time.perf_counter() - t0
+            decision = trainer.last_decision
             losses.append(loss)
             if progress:
                 progress.log(step, loss, seconds)
-            if cfg.checkpoint.dir and every and (step + 1) % every == 0:
-                save_s += timed_save(trainer, step + 1)
-                saves, saved = saves + 1, step + 1
-        if cfg.checkpoint.dir and saved != cfg.train.steps:
-            save_s += timed_save(trainer, cfg.train.steps)
-            saves += 1
+            bad_run = bad_run + [step] if decision.skip else []
+            skipped += int(decision.skip)
+            if len(bad_run) >= cfg.train.max_bad_steps:
+                raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0]}..{bad_run[-1]}) had a "
+                                  f"non-finite loss or gradient (train.max_bad_steps = {cfg.train.max_bad_steps}); "
+                                  f"the parameters are still those from before step {bad_run[0]}; no checkpoint written "
+                                  f"(lower train.lr or set train.grad_clip)", code=EXIT_DIVERGED)
+            done = step + 1
+            if cfg.checkpoint.dir and every and done % every == 0:
+                beat(f"checkpoint save of step {done}")
+                save_s += timed_save(trainer, done)
+                saves, saved = saves + 1, done
+            if decision.stop and done < cfg.train.steps:
+                here = f"{stop.name} here" if stop is not None and stop.requested else "not here"
+                stopped = f"a stop signal on {decision.stop_ranks} of {world.Get_size()} rank(s) ({here})"
+                if cfg.checkpoint.dir and saved != done:
+                    beat(f"checkpoint save of step {done} (stopping)")
+                    save_s += timed_save(trainer, done)
+                    saves, saved = saves + 1, done
+                break
+        else:
+            if cfg.checkpoint.dir and saved != cfg.train.steps:
+                beat(f"checkpoint save of step {cfg.train.steps}")
+                save_s += timed_save(trainer, cfg.train.steps)
+                saves, saved = saves + 1, cfg.train.steps
     finally:
         if progress:
             progress.close()
@@ -134,7 +180,8 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
             "final_loss": losses[-1] if losses else float("nan"),
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
-            "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s}
+            "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s, "skipped": skipped,
+            "stopped": stopped, "saved_step": saved}
 
 
 def timed_save(trainer: Any, step: int) -> float:
@@ -142,6 +189,27 @@ def timed_save(trainer: Any, step: int) -> float:
     t0 = time.perf_counter()
     trainer.save_checkpoint(step)
     return time.perf_counter() - t0
+
+
+def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
+    """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
+    c = p.config
+    resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
+    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
+          f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
+          f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
+          f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
+          f"{summary['elapsed_s']:.2f} s)", flush=True)
+    if summary["skipped"]:
+        print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
+    if summary["checkpoints"]:
+        print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {c.checkpoint.dir!r} in "
+              f"{summary['checkpoint_s']:.2f} s (latest: step {summary['saved_step']})", flush=True)
+    if summary["stopped"]:
+        where = (f"checkpoint of step {summary['saved_step']} in {c.checkpoint.dir!r}" if c.checkpoint.dir
+                 else "no checkpoint (checkpoint.dir is empty)")
+        print(f"hpcpipe: stopped for {summary['stopped']} after step {trainer.start_step + summary['steps']} "
+              f"of {c.train.steps}: {where}; exit status {EXIT_PREEMPTED} (continue with --resume)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,22 +228,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(p) -> int:
         write_pid(world.Get_rank())
-        trainer = Trainer(p, world)
-        holder["trainer"] = trainer
-        summary = train(trainer, world)
+        from .comm import abort
+        # Handlers first, so a signal during startup or a resume load is kept for the first step.
+        stop = StopSignals().install()
+        watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
+        try:
+            trainer = Trainer(p, world)
+            holder["trainer"] = trainer
+            summary = train(trainer, world, stop, watchdog)
+        finally:
+            watchdog.stop()
+            stop.close()
         if world.Get_rank() == 0:
-            c = p.config
-            resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
-            print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
-                  f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
-                  f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
-                  f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
-                  f"{summary['elapsed_s']:.2f} s)", flush=True)
-            if summary["checkpoints"]:
-                print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {c.checkpoint.dir!r} in "
-                      f"{summary['checkpoint_s']:.2f} s (latest: step {c.train.steps})", flush=True)
+            report(p, trainer, summary)
         trainer.close()
-        return 0
+        return EXIT_PREEMPTED if summary["stopped"] else 0
 
     def label() -> str:
         trainer = holder.get("trainer")

@@ -27,6 +27,7 @@ from .schedules import build_schedule
 from .topology import make_topology
 from .checkpoint import WeightsSource, resolve_weights
 from .errors import AgreedError, ConfigError
+from .guard import StepDecision, decide, local_decision, nan_injection
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class Trainer:
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0
         self.last_stats = None
+        self.last_decision: StepDecision | None = None
+        self.stop_requested = lambda: False   # set by the training loop (a signal flag)
         self.start_step = 0
         try:
             self._load_initial_state(world)
@@ -170,26 +173,48 @@ class Trainer:
         asarray = self.backend.xp.asarray
         return StepFeed([asarray(x) for x in xs], [asarray(y) for y in ys])
 
-    def _update(self) -> None:
-        """Clip by the global gradient norm (over all stages; replicas agree after the average), then step."""
+    def _update(self, step: int) -> None:
+        """Agree on the step (one world allreduce), then clip by the global gradient norm and step, or skip.
+
+        The one allreduce carries the squared gradient norm (counted once per stage),
+        the loss, a not-finite flag and a stop-signal flag, so every rank takes the
+        same decision: a non-finite loss or gradient on any rank skips the update
+        (parameters and optimizer state untouched) everywhere.
+        """
         xp = self.backend.xp
+        poison = nan_injection(self.topo.world.Get_rank(), step)
+        if poison == "grad":
+            self.params.grad[...] = float("nan")
+        elif poison == "loss":
+            self.engine.stats.loss_sum = float("nan")
         local = float(xp.vdot(self.params.grad, self.params.grad))
-        norm = float(np.sqrt(self.comm.sum_over_pp(np.array([local]))[0]))
-        self.last_grad_norm = norm
-        factor = clip_factor(norm, self.config.train.grad_clip)
+        mine = local_decision(local, self.engine.stats.loss_sum, self.topo.dp_rank == 0, self.stop_requested())
+        decision = decide(self.comm.sum_over_world(mine))
+        self.last_decision = decision
+        self.last_grad_norm = decision.grad_norm
+        if decision.skip:
+            return
+        factor = clip_factor(decision.grad_norm, self.config.train.grad_clip)
         if factor != 1.0:
             self.params.grad *= factor
         self.optimizer.step(self.params.flat, self.params.grad)
 
     def _run(self, step: int, update: bool) -> float:
-        self.engine.optimizer_step = self._update if update else None
+        self.last_decision = None
+        self.engine.optimizer_step = (lambda: self._update(step)) if update else None
         stats = self.engine.run(self._feed(step))
         self.last_stats = stats
+        if self.last_decision is not None:   # the step decision already summed the loss
+            return self.last_decision.loss_sum / self.loss_norm
         total = self.comm.sum_over_world(np.array([stats.loss_sum]))[0]
         return float(total) / self.loss_norm
 
     def train_step(self, step: int) -> float:
-        """Run one optimizer step on the given step's batch; return the global loss before the update."""
+        """Run one optimizer step on the given step's batch; return the global loss before the update.
+
+        ``last_decision`` tells whether the update was skipped (non-finite values) and
+        whether any rank asked to stop; both are identical on every rank.
+        """
         return self._run(step, update=True)
 
     def compute_gradients(self, step: int = 0) -> float:

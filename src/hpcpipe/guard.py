@@ -1,0 +1,231 @@
+"""Run guards: preemption signals, the stall watchdog, the per-step health decision, and exit statuses.
+
+Nothing here touches MPI. The step decision is a small float64 vector that
+the trainer sums over every rank with its one per-step allreduce (comm.py);
+the watchdog is given an ``abort(code)`` callable (comm.abort on the world).
+
+* Signals (SIGUSR1, SIGTERM): the handler only records the signal number.
+  At the next step boundary every rank learns, through the step decision,
+  whether any rank was signalled; all then write a checkpoint and exit with
+  EXIT_PREEMPTED together. No I/O and no collectives in the handler.
+* Watchdog: a daemon thread per rank. The training loop calls ``beat(phase)``
+  at every step boundary and around checkpoint saves; if no beat comes for
+  ``run.stall_timeout`` seconds (a rank stuck in compute, or waiting on a
+  stuck neighbour), the thread dumps every thread's stack (faulthandler),
+  each line prefixed with the rank name, then aborts the job with EXIT_STALLED.
+* Numerical faults: a rank whose loss or gradient is not finite sets a flag in
+  the step decision; every rank sees the same sum and skips the update
+  together; ``train.max_bad_steps`` skipped steps in a row end the run with
+  EXIT_DIVERGED.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+# Exit statuses (documented in docs/cluster.md; keep the table in step).
+EXIT_OK = 0
+EXIT_FAILURE = 1          # a rank failed; the job was aborted
+EXIT_CONFIG = 2           # bad configuration or input; nothing ran
+EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint written, resume/requeue me
+EXIT_STALLED = 76         # the watchdog saw no progress for run.stall_timeout seconds; stacks dumped, job aborted
+EXIT_DIVERGED = 77        # train.max_bad_steps steps in a row had a non-finite loss or gradient
+EXIT_INTERRUPTED = 130    # SIGINT (Ctrl-C): stopped at once, no checkpoint (128 + SIGINT)
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def hook_fields(name: str) -> dict[str, str]:
+    """Parse a test-hook environment variable 'key=value,key=value' into a dict (empty when unset)."""
+    spec = os.environ.get(name, "")
+    return dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+
+
+def _hits(fields: dict[str, str], world_rank: int, step: int) -> bool:
+    """True when a hook names this rank and a step in [step, step + count)."""
+    if not fields or int(fields.get("rank", -1)) != world_rank:
+        return False
+    first = int(fields.get("step", -1))
+    return first <= step < first + int(fields.get("count", 1))
+
+
+def stall_injection(world_rank: int, step: int) -> None:
+    """Test hook: HPCPIPE_STALL='rank=R,step=S,seconds=T' makes rank R sleep T seconds at step S (a stuck rank)."""
+    fields = hook_fields("HPCPIPE_STALL")
+    if _hits(fields, world_rank, step):
+        time.sleep(float(fields.get("seconds", 3600)))
+
+
+def nan_injection(world_rank: int, step: int) -> str | None:
+    """Test hook: HPCPIPE_NAN='rank=R,step=S[,count=C][,what=grad|loss]' -> what to poison on this rank now, or None."""
+    fields = hook_fields("HPCPIPE_NAN")
+    if _hits(fields, world_rank, step):
+        return fields.get("what", "grad")
+    return None
+
+
+class StopSignals:
+    """Installs SIGUSR1/SIGTERM handlers that only record which signal came; restores the old ones on close."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        # Only a flag: a handler runs between two bytecodes of the main thread, possibly inside
+        # MPI or HDF5 calls, so it must neither do I/O nor start a collective.
+        self.received = signum
+
+    def install(self) -> "StopSignals":
+        """Install the handlers (main thread only; elsewhere a no-op, as Python allows no other)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        """True once any stop signal has arrived."""
+        return self.received is not None
+
+    @property
+    def name(self) -> str:
+        """Name of the signal received ('' when none)."""
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    def close(self) -> None:
+        """Restore the previous handlers."""
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous.clear()
+
+
+class Watchdog:
+    """A daemon thread that dumps every thread's stack and aborts when no beat comes for `timeout` seconds."""
+
+    def __init__(self, timeout: float, name: Callable[[], str], abort: Callable[[int], None],
+                 stream: Any = None, grace: float | None = None):
+        self.timeout = float(timeout)
+        self.name = name
+        self.abort = abort
+        self.stream = stream
+        # Wait a little between the dump and the abort so the other ranks' watchdogs, which
+        # started their clocks at the same step boundary, dump their stacks too.
+        self.grace = min(2.0, self.timeout / 4) if grace is None else grace
+        self.interval = max(0.05, min(1.0, self.timeout / 10))
+        self.phase = "startup"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    def beat(self, phase: str) -> None:
+        """Record progress: the main thread has reached `phase` (cheap: two assignments)."""
+        self.phase = phase
+        self._last = time.monotonic()
+
+    def start(self) -> "Watchdog":
+        """Start watching (no-op when timeout is 0)."""
+        if self.timeout > 0 and self._thread is None:
+            self._last = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="hpcpipe-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and join the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                self.fire(idle)
+                return
+
+    def fire(self, idle: float) -> None:
+        """Dump every thread's stack, prefixed with the rank name, then abort with EXIT_STALLED."""
+        self.fired = True
+        name = self.name()
+        stream = self.stream or sys.stderr
+        header = (f"hpcpipe: [{name}] watchdog: no progress for {idle:.1f} s (run.stall_timeout = "
+                  f"{self.timeout:g} s) in {self.phase}; stacks of every thread follow, then the job is "
+                  f"aborted with exit status {EXIT_STALLED}\n")
+        stream.write(header + self.stacks(name))
+        stream.flush()
+        time.sleep(self.grace)
+        self.abort(EXIT_STALLED)
+
+    @staticmethod
+    def stacks(name: str) -> str:
+        """Return faulthandler's dump of every thread, each line prefixed with '[name] '."""
+        try:
+            with tempfile.TemporaryFile("w+") as tmp:
+                faulthandler.dump_traceback(file=tmp, all_threads=True)
+                tmp.flush()
+                tmp.seek(0)
+                text = tmp.read()
+        except OSError as exc:   # no temporary directory: say so rather than lose the abort
+            return f"[{name}] (cannot dump stacks: {exc})\n"
+        return "".join(f"[{name}] {line}\n" for line in text.splitlines())
+
+
+# The step decision: one float64 vector summed over every rank (one allreduce per step).
+NORM, LOSS, BAD, STOP = range(4)
+DECISION_SIZE = 4
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What every rank agreed on after a step's forward/backward (identical on all ranks)."""
+
+    grad_norm: float
+    loss_sum: float
+    bad_ranks: int      # ranks whose loss or gradient was not finite
+    stop_ranks: int     # ranks that received a stop signal
+
+    @property
+    def stop(self) -> bool:
+        """True when some rank received a stop signal: every rank checkpoints and stops."""
+        return self.stop_ranks > 0
+
+    @property
+    def skip(self) -> bool:
+        """True when the update must be skipped (a non-finite value on any rank)."""
+        return self.bad_ranks > 0
+
+
+def local_decision(grad_sq: float, loss_sum: float, count_norm: bool, stop: bool) -> np.ndarray:
+    """Return this rank's contribution to the step decision.
+
+    grad_sq counts once per stage (count_norm on one replica only), so that the
+    world sum is the squared global norm exactly as a sum over the pipeline.
+    """
+    out = np.zeros(DECISION_SIZE, dtype=np.float64)
+    out[NORM] = grad_sq if count_norm else 0.0
+    out[LOSS] = loss_sum
+    out[BAD] = 0.0 if (math.isfinite(grad_sq) and math.isfinite(loss_sum)) else 1.0
+    out[STOP] = 1.0 if stop else 0.0
+    return out
+
+
+def decide(total: np.ndarray) -> StepDecision:
+    """Turn the world sum of local_decision vectors into the agreed StepDecision."""
+    bad = int(total[BAD])
+    norm = float(np.sqrt(total[NORM])) if not bad else float("nan")
+    return StepDecision(grad_norm=norm, loss_sum=float(total[LOSS]), bad_ranks=bad, stop_ranks=int(total[STOP]))

@@ -95,3 +95,38 @@ def pids_alive(pid_dir: str | Path) -> list[int]:
         if state != "Z":
             alive.append(pid)
     return alive
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Return 'pid: command line' of every live process whose command line or environment mentions text.
+
+    Tests put a unique temporary path into each run's arguments or environment, so a
+    process still matching after the run ended was left behind by it.
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if "\nState:\tZ" in status:        # a zombie holds no resources; its parent will reap it
+            continue
+        if text.encode() in cmdline or text.encode() in environ:
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry.name}: {shown}")
+    return found
+
+
+def wait_until_gone(text: str, seconds: float) -> list[str]:
+    """Wait up to `seconds` for processes_mentioning(text) to be empty; return what is left."""
+    import time
+    deadline = time.time() + seconds
+    left = processes_mentioning(text)
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = processes_mentioning(text)
+    return left

@@ -1,0 +1,163 @@
+"""End-to-end: the real `mpiexec -n 8 python -m hpcpipe.train` stopped by signals, stalls and NaNs.
+
+Every run is tied to its tmp_path (in its arguments or environment), so that
+after it ends the tests can check that no process of it is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcpipe import ckpt_files as cf
+from hpcpipe import guard
+from state_helpers import (ROOT, assert_nested_equal, checkpoint_state, command, metrics_losses, run, sets,
+                           wait_until_gone)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+TINY = {"model": {"dims": [8, 8, 8, 8, 8]}, "data": {"synthetic_samples": 64},
+        "train": {"steps": STEPS, "micro_batches": 2, "micro_batch_size": 2, "optimizer": "adam", "lr": 0.01},
+        "checkpoint": {"every": 0}, "log": {"progress": False}}
+
+
+def _args(tmp: Path, **extra) -> list[str]:
+    return sets(**TINY) + sets(checkpoint={"dir": str(tmp / "ck")}, log={"metrics": str(tmp / "m.jsonl")}) + \
+        sets(**extra)
+
+
+def _env(tmp: Path, **more) -> dict:
+    pid_dir = tmp / "pids"
+    pid_dir.mkdir(exist_ok=True)
+    return dict(os.environ, HPCPIPE_PID_DIR=str(pid_dir), PYTHONUNBUFFERED="1", **more)
+
+
+def _start(tmp: Path, env: dict, *more, **extra) -> subprocess.Popen:
+    return subprocess.Popen(command(8, "hpcpipe.train", _args(tmp, **extra) + list(more)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while proc.poll() is None and time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} steps (exit status {proc.poll()})")
+
+
+def _finish(proc: subprocess.Popen, seconds: float) -> tuple[str, str, float]:
+    """Wait up to `seconds` for the run to end; return (stdout, stderr, seconds it took)."""
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out, err, time.time() - t0
+
+
+def _rank_pid(tmp: Path, rank: int) -> int:
+    path = tmp / "pids" / f"rank-{rank}.pid"
+    deadline = time.time() + 60
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: its final checkpoint's (parameters, optimizer state) and per-step losses."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result = run(command(8, "hpcpipe.train", _args(tmp)))
+    assert result.returncode == 0, result.stderr
+    return checkpoint_state(tmp / "ck"), metrics_losses(tmp / "m.jsonl")
+
+
+@pytest.mark.parametrize("how", ["USR1 to mpiexec", "TERM to one rank"])
+def test_stop_signal_checkpoints_exits_75_and_resume_matches_uninterrupted(reference, tmp_path, how):
+    proc = _start(tmp_path, _env(tmp_path, HPCPIPE_STEP_SLEEP="0.1"))
+    _wait_for_steps(proc, tmp_path / "m.jsonl", 3)
+    if how.startswith("USR1"):
+        proc.send_signal(signal.SIGUSR1)
+    else:
+        os.kill(_rank_pid(tmp_path, 5), signal.SIGTERM)
+    out, err, took = _finish(proc, 60)
+    assert proc.returncode == guard.EXIT_PREEMPTED, err
+    assert took < 30
+    stopped = int(cf.read_latest(tmp_path / "ck")[5:])
+    assert 3 <= stopped < STEPS
+    assert f"after step {stopped} of {STEPS}" in out and "exit status 75" in out, out
+    assert len(metrics_losses(tmp_path / "m.jsonl")) == stopped           # checkpoint = last finished step
+    assert wait_until_gone(str(tmp_path), 10) == []
+
+    resumed = run(command(8, "hpcpipe.train", _args(tmp_path) + ["--resume"]))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {stopped}" in resumed.stdout
+    (ref_params, ref_opt), ref_losses = reference
+    params, opt = checkpoint_state(tmp_path / "ck")
+    assert_nested_equal(params, ref_params)
+    assert_nested_equal(opt, ref_opt)
+    assert metrics_losses(tmp_path / "m.jsonl") == ref_losses
+
+
+def test_sigint_on_mpiexec_ends_the_whole_job_within_30_s(tmp_path):
+    proc = _start(tmp_path, _env(tmp_path, HPCPIPE_STEP_SLEEP="0.2"))
+    _wait_for_steps(proc, tmp_path / "m.jsonl", 2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err, _ = _finish(proc, 30)
+    assert proc.returncode == guard.EXIT_INTERRUPTED, err
+    assert wait_until_gone(str(tmp_path), 30 - (time.time() - t0)) == [], "processes left after Ctrl-C"
+    assert time.time() - t0 < 30
+    assert "KeyboardInterrupt" in err
+
+
+def test_stalled_rank_triggers_the_watchdog(tmp_path):
+    timeout = 4.0
+    env = _env(tmp_path, HPCPIPE_STALL="rank=6,step=3,seconds=600")
+    proc = _start(tmp_path, env, run={"stall_timeout": timeout})
+    _wait_for_steps(proc, tmp_path / "m.jsonl", 1)
+    t0 = time.time()
+    _, err, _ = _finish(proc, timeout + 60)
+    assert proc.returncode == guard.EXIT_STALLED, err
+    assert time.time() - t0 < timeout + 30
+    assert wait_until_gone(str(tmp_path), 10) == [], "processes left after the watchdog abort"
+    # the stuck rank (world rank 6 = dp01-pp02) says where it is stuck, in the test hook
+    assert "[dp01-pp02] watchdog: no progress" in err, err
+    stuck = [line for line in err.splitlines() if line.startswith("[dp01-pp02]")]
+    assert any("stall_injection" in line for line in stuck), err
+    assert any("Thread" in line for line in stuck)
+    # the other ranks that dumped before the abort reached them are seen waiting in communication
+    others = [line for line in err.splitlines() if line.startswith("[dp") and not line.startswith("[dp01-pp02]")]
+    assert not others or any("comm.py" in line and "in wait" in line for line in others), err
+
+
+def test_injected_nan_is_skipped_and_training_goes_on(reference, tmp_path):
+    result = run(command(8, "hpcpipe.train", _args(tmp_path)), env={"HPCPIPE_NAN": "rank=2,step=4,count=2"})
+    assert result.returncode == 0, result.stderr
+    assert "2 step(s) skipped" in result.stdout
+    import json
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("skipped")] == [4, 5]
+    assert all(r["grad_norm"] is None and r["bad_ranks"] == 1 for r in records if r.get("skipped"))
+    _, ref_losses = reference
+    losses = metrics_losses(tmp_path / "m.jsonl")
+    assert all(losses[s] == ref_losses[s] for s in range(5))       # same until the first skipped update
+
+
+def test_m_bad_steps_in_a_row_abort_with_status_77(tmp_path):
+    result = run(command(8, "hpcpipe.train", _args(tmp_path, train={"max_bad_steps": 3})), timeout=120,
+                 env={"HPCPIPE_NAN": "rank=7,step=2,count=100,what=loss"})
+    assert result.returncode == guard.EXIT_DIVERGED, result.stderr
+    assert result.stderr.count("3 steps in a row (steps 2..4) had a non-finite loss") == 1, result.stderr
+    assert len(metrics_losses(tmp_path / "m.jsonl")) == 5
+    assert not (tmp_path / "ck").exists()
+    assert wait_until_gone(str(tmp_path), 10) == []

@@ -1,0 +1,174 @@
+"""A real Slurm: jobs/train.sbatch submitted with sbatch to a single-node slurmctld + slurmd on this machine.
+
+The module fixture installs Debian's slurm-wlm when it is missing
+(tests/slurm/local_slurm.sh install: needs root and apt-get), starts the two
+daemons with a private config (auth/none, proctrack/linuxproc, task/none,
+SlurmdParameters=config_overrides, 8 CPUs) and always stops them, after
+cancelling any job the tests left. It skips, with the script's reason, only
+where Slurm cannot be installed or started (exit status 3).
+There is no accounting (no sacct): jobs are followed with `scontrol show job`
+(MinJobAge keeps finished jobs for 600 s) and their output files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from state_helpers import ROOT, assert_nested_equal, checkpoint_state
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "tests" / "slurm" / "local_slurm.sh"
+SBATCH = ROOT / "jobs" / "train.sbatch"
+STEPS = 12
+TINY_ARGS = (f"--set model.dims=[8,8,8,8,8] --set train.steps={STEPS} --set train.micro_batches=2 "
+             "--set train.micro_batch_size=2 --set train.optimizer=adam --set train.lr=0.01 "
+             "--set log.progress=false --set log.metrics=m.jsonl")
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+        "PREEMPTED")
+
+
+class Slurm:
+    """The local Slurm of this module: its SLURM_CONF and the jobs submitted to it."""
+
+    def __init__(self, conf: str):
+        self.conf = conf
+        self.jobs: list[str] = []
+
+    def env(self, **more: str) -> dict:
+        """Environment for Slurm commands and jobs: this Python's bin first on PATH (sbatch exports it)."""
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return dict(os.environ, SLURM_CONF=self.conf, PATH=path, PYTHONUNBUFFERED="1", **more)
+
+    def cmd(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this Slurm."""
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env())
+
+    def sbatch(self, workdir: Path, **env: str) -> str:
+        """Submit jobs/train.sbatch at 8 tasks from workdir; return the job id."""
+        result = subprocess.run(["sbatch", "--parsable", "-n", "8", f"--chdir={workdir}",
+                                 f"--output={workdir / 'job.out'}", str(SBATCH)],
+                                capture_output=True, text=True, timeout=30, env=self.env(**env))
+        assert result.returncode == 0, result.stderr
+        job = result.stdout.strip().split(";")[0]
+        self.jobs.append(job)
+        return job
+
+    def job(self, job: str) -> dict[str, str]:
+        """Return `scontrol show job -o` of a job as a dict (empty once Slurm forgot it)."""
+        result = self.cmd("scontrol", "show", "job", "-o", job)
+        return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+
+    def wait(self, job: str, done, seconds: float, what: str) -> dict[str, str]:
+        """Poll the job until done(info) is true; fail after `seconds` naming `what` and the last state."""
+        deadline = time.time() + seconds
+        info = self.job(job)
+        while not done(info) and time.time() < deadline:
+            time.sleep(0.25)
+            info = self.job(job)
+        assert done(info), f"job {job}: {what} did not happen in {seconds} s (last state {info.get('JobState')!r}, " \
+                           f"reason {info.get('Reason')!r})"
+        return info
+
+    def cancel_all(self) -> None:
+        """Cancel this module's jobs and wait until none is running (their processes are gone)."""
+        for job in self.jobs:
+            self.cmd("scancel", job)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            states = [self.job(job).get("JobState", "") for job in self.jobs]
+            if all(s in DONE or s == "" for s in states):
+                return
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running local Slurm for this module; always stopped afterwards."""
+    env = dict(os.environ)
+    try:
+        for step in ("install", "start"):
+            result = subprocess.run(["bash", str(SCRIPT), step], capture_output=True, text=True, timeout=900,
+                                    env=env)
+            if result.returncode == 3:
+                pytest.skip(f"Slurm cannot run on this machine: {result.stderr.strip()}")
+            assert result.returncode == 0, f"local_slurm.sh {step} failed: {result.stderr}"
+        local = Slurm(result.stdout.strip().splitlines()[-1])
+        try:
+            yield local
+        finally:
+            local.cancel_all()
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _export(directory: Path, out: Path) -> dict:
+    """Export a checkpoint's parameters with `python -m hpcpipe.checkpoint export`; return them by layer."""
+    result = subprocess.run([sys.executable, "-m", "hpcpipe.checkpoint", "export", str(directory), str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    import h5py
+    with h5py.File(out) as f:
+        return {name: {k: f["layers"][name][k][()] for k in f["layers"][name]} for name in f["layers"]}
+
+
+def _verify(directory: Path) -> str:
+    result = subprocess.run([sys.executable, "-m", "hpcpipe.checkpoint", "verify", str(directory)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    """sbatch jobs/train.sbatch at 8 tasks, run to the end: (job id, work directory, job info)."""
+    work = tmp_path_factory.mktemp("slurm-train")
+    job = slurm.sbatch(work, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck")
+    info = slurm.wait(job, lambda i: i.get("JobState") in DONE, 180, "completion")
+    return job, work, info
+
+
+def test_sbatch_train_completes_with_a_verified_checkpoint(uninterrupted):
+    job, work, info = uninterrupted
+    out = (work / "job.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert f"hpcpipe: trained {STEPS} steps" in out and "(dp=2 pp=4" in out, out
+    assert f"(latest: step {STEPS})" in out
+    assert f"step {STEPS}" in _verify(work / "ck")
+
+
+def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm, uninterrupted, tmp_path):
+    _, ref_work, _ = uninterrupted
+    job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
+    metrics = tmp_path / "m.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        assert slurm.job(job).get("JobState") not in DONE, (tmp_path / "job.out").read_text()
+        time.sleep(0.1)
+    # what --signal=B:USR1@120 does before the time limit: USR1 to the batch shell only
+    sent = slurm.cmd("scancel", "--signal=USR1", "--batch", job)
+    assert sent.returncode == 0, sent.stderr
+    info = slurm.wait(job, lambda i: i.get("Restarts") == "1", 60, "requeue")
+    if info.get("JobState") == "PENDING":
+        # Slurm holds a requeued job back ~2 minutes (BeginTime); let it start now
+        slurm.cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = slurm.wait(job, lambda i: i.get("JobState") in DONE, 180, "completion after the requeue")
+    out = (tmp_path / "job.out").read_text()       # --open-mode=append: both runs' output
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", out
+    assert "batch shell got SIGUSR1" in out and "training exited with status 75" in out, out
+    assert "requeueing job" in out and f"hpcpipe job {job} (restart 1)" in out and "--resume" in out, out
+    stopped = int(out.split("resumed at step ")[1].split(")")[0])
+    assert 2 <= stopped < STEPS
+    assert f"checkpoint of step {stopped}" in out
+    assert f"step {STEPS}" in _verify(tmp_path / "ck")
+    # the same final parameters (and optimizer state) as the uninterrupted job, bit for bit
+    assert_nested_equal(_export(tmp_path / "ck", tmp_path / "final.h5"),
+                        _export(ref_work / "ck", tmp_path / "reference.h5"))
+    for mine, reference in zip(checkpoint_state(tmp_path / "ck"), checkpoint_state(ref_work / "ck")):
+        assert_nested_equal(mine, reference)

@@ -154,11 +154,21 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm,
     # what --signal=B:USR1@120 does before the time limit: USR1 to the batch shell only
     sent = slurm.cmd("scancel", "--signal=USR1", "--batch", job)
     assert sent.returncode == 0, sent.stderr
-    info = slurm.wait(job, lambda i: i.get("Restarts") == "1", 60, "requeue")
-    if info.get("JobState") == "PENDING":
-        # Slurm holds a requeued job back ~2 minutes (BeginTime); let it start now
-        slurm.cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
-    info = slurm.wait(job, lambda i: i.get("JobState") in DONE, 180, "completion after the requeue")
+    # Restarts=1 shows while the job is still REQUEUED/COMPLETING; wait until it is pending again (or on)
+    info = slurm.wait(job, lambda i: i.get("Restarts") == "1" and i.get("JobState") in ("PENDING", "RUNNING", *DONE),
+                      90, "requeue")
+
+    asked: list[bool] = []
+
+    def released(i: dict) -> bool:
+        # Slurm holds a requeued job back ~2 minutes (BeginTime). Ask for a start a few seconds out, once:
+        # slurmd refuses a relaunch within the second of the old credential's revocation ("Job credential
+        # revoked") and the job then fails.
+        if i.get("JobState") == "PENDING" and not asked:
+            asked.append(slurm.cmd("scontrol", "update", f"JobId={job}", "StartTime=now+3").returncode == 0)
+        return i.get("JobState") in DONE
+
+    info = slurm.wait(job, released, 240, "completion after the requeue")
     out = (tmp_path / "job.out").read_text()       # --open-mode=append: both runs' output
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", out
     assert "batch shell got SIGUSR1" in out and "training exited with status 75" in out, out

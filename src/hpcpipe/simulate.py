@@ -1,0 +1,374 @@
+"""Simulator: runs the lowered action lists of a schedule on a cost model.
+
+    python -m hpcpipe.simulate --schedule 1f1b --pp 8 --micro-batches 32 [--costs F,B,W,comm]
+    python -m hpcpipe.simulate --schedule zb-h1 --pp 4 --micro-batches 8 --plot timeline.png
+    python -m hpcpipe.simulate --schedule 1f1b --pp 2 --micro-batches 16 --calibrate trace.json
+    python -m hpcpipe.simulate --measured trace.json --plot measured.png
+
+It executes exactly the programs the engine executes (``lower`` of the
+schedule), with the engine's semantics: compute takes its cost, a send is
+non-blocking and its message arrives ``comm`` later, a receive blocks until
+its message has arrived, and ALLREDUCE / OPT_STEP take a fixed time. It
+reports the step time, the bubble (idle share of rank time), and the peak
+number of micro-batches whose activations each rank and stage holds (from F
+until B, or until W for split backwards).
+
+Costs are per action kind, optionally per stage; ``costs_from_trace`` takes
+them from the Chrome trace a training run writes (``log.trace``), so that
+the prediction can be compared with the measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from .errors import ScheduleError
+from .lowering import lower, validate
+from .schedules import SCHEDULES, Action, build_schedule
+
+COMPUTE = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds (or any unit) per action: F, full B, W (I = B - W), per message, per step end.
+
+    ``per_stage`` overrides the uniform costs: {(op, stage): cost} for op in F, B, I, W.
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    weight: float = 1.0
+    comm: float = 0.0
+    step: float = 0.0                       # ALLREDUCE + OPT_STEP per rank
+    per_stage: dict = field(default_factory=dict)
+
+    def of(self, op: str, stage: int) -> float:
+        """Return the cost of a compute op on a stage."""
+        hit = self.per_stage.get((op, stage))
+        if hit is not None:
+            return hit
+        if op == "F":
+            return self.forward
+        if op == "B":
+            return self.backward
+        if op == "W":
+            return self.weight
+        return self.backward - self.weight   # I
+
+    def scaled(self, factor: float) -> "Costs":
+        """Return the uniform compute costs multiplied by factor (a stage cut into virtual chunks)."""
+        return Costs(self.forward * factor, self.backward * factor, self.weight * factor, self.comm,
+                     self.step, dict(self.per_stage))
+
+
+@dataclass
+class SimResult:
+    """What a simulated step did."""
+
+    step_time: float
+    bubble: float                       # idle share of pp x step_time
+    busy: list[float]                   # compute time per rank
+    peak_stashed: list[int]             # per rank: micro-batch activations held at once (all its stages)
+    peak_stashed_stage: dict[int, int]  # per stage
+    events: list[list[tuple[Action, float, float]]]   # per rank: (action, start, end); waits are gaps
+
+    @property
+    def bubble_over_compute(self) -> float:
+        """Idle time relative to compute time (the form of the interleaved closed form)."""
+        busy = sum(self.busy)
+        return (len(self.busy) * self.step_time - busy) / busy if busy else 0.0
+
+
+def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs) -> SimResult:
+    """Run lowered per-rank programs on the cost model; raise ScheduleError on a deadlock."""
+    clock = [0.0] * pp
+    pos = [0] * pp
+    busy = [0.0] * pp
+    channels: dict[tuple[int, int, str], deque] = defaultdict(deque)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
+    held = [0] * pp
+    peak = [0] * pp
+    held_stage: dict[int, int] = defaultdict(int)
+    peak_stage: dict[int, int] = defaultdict(int)
+    remaining = sum(len(p) for p in programs)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            prog, i, t = programs[r], pos[r], clock[r]
+            ev = events[r]
+            while i < len(prog):
+                a = prog[i]
+                op = a.op
+                if op == "RECV_F" or op == "RECV_B":
+                    queue = channels.get((a.peer, r, op[-1]))
+                    if not queue:
+                        break
+                    arrival = queue.popleft()
+                    end = arrival if arrival > t else t
+                    ev.append((a, t, end))
+                    t = end
+                elif op == "SEND_F" or op == "SEND_B":
+                    channels[(r, a.peer, op[-1])].append(t + costs.comm)
+                    ev.append((a, t, t))
+                elif op in COMPUTE:
+                    c = costs.of(op, a.stage)
+                    ev.append((a, t, t + c))
+                    t += c
+                    busy[r] += c
+                    if op == "F":
+                        held[r] += 1
+                        held_stage[a.stage] += 1
+                        if held[r] > peak[r]:
+                            peak[r] = held[r]
+                        if held_stage[a.stage] > peak_stage[a.stage]:
+                            peak_stage[a.stage] = held_stage[a.stage]
+                    elif op != "I":
+                        held[r] -= 1
+                        held_stage[a.stage] -= 1
+                else:   # ALLREDUCE, OPT_STEP: split the per-step cost between them
+                    c = costs.step / 2
+                    ev.append((a, t, t + c))
+                    t += c
+                i += 1
+                remaining -= 1
+                progressed = True
+            pos[r], clock[r] = i, t
+        if not progressed:
+            blocked = ", ".join(f"rank {r} at {programs[r][pos[r]]}" for r in range(pp) if pos[r] < len(programs[r]))
+            raise ScheduleError(f"simulation deadlocked: {blocked}")
+    step_time = max(clock) if clock else 0.0
+    idle = pp * step_time - sum(busy)
+    return SimResult(step_time, idle / (pp * step_time) if step_time else 0.0, busy, peak,
+                     dict(peak_stage), events)
+
+
+def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs: Costs | None = None,
+                      check: bool = True) -> SimResult:
+    """Build, lower, (validate) and simulate a named schedule.
+
+    Uniform costs describe one whole stage per rank; with virtual stages each
+    chunk costs 1/virtual of it (per-stage overrides are taken as given).
+    """
+    costs = costs or Costs()
+    n_stages = pp * virtual
+    programs = lower(build_schedule(name, pp, n_micro, virtual), pp, n_stages)
+    if check:
+        validate(programs, pp, n_stages, n_micro)
+    return simulate(programs, pp, n_stages, costs.scaled(1.0 / virtual) if virtual > 1 else costs)
+
+
+# ----------------------------------------------------------------------------------- traces ----
+
+def load_trace(path: str) -> list[dict]:
+    """Return the complete ('X') events of a Chrome trace written by hpcpipe (times in microseconds)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def costs_from_trace(path: str, stage_costs: bool = True) -> Costs:
+    """Calibrate a cost model from a training trace: mean duration per (op, stage), message and step costs.
+
+    A message's cost is estimated as the shortest receive wait seen (the
+    transfer of a message that was already on its way), step cost as the
+    mean ALLREDUCE + OPT_STEP time per rank and step.
+    """
+    events = load_trace(path)
+    sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
+    step_total, step_count, recv_min = 0.0, set(), None
+    for e in events:
+        op, args = e.get("cat", ""), e.get("args", {})
+        dur = e["dur"] * 1e-6
+        if op in COMPUTE:
+            entry = sums[(op, args.get("stage", -1))]
+            entry[0] += dur
+            entry[1] += 1
+        elif op in ("ALLREDUCE", "OPT_STEP"):
+            step_total += dur
+            step_count.add((e.get("tid"), args.get("step")))
+        elif op in ("RECV_F", "RECV_B"):
+            recv_min = dur if recv_min is None else min(recv_min, dur)
+    if not sums:
+        raise ScheduleError(f"trace {path!r} holds no compute events (F, B, I, W)")
+    means = {key: total / n for key, (total, n) in sums.items()}
+
+    def overall(op: str) -> float:
+        vals = [(v, sums[k][1]) for k, v in means.items() if k[0] == op]
+        n = sum(c for _, c in vals)
+        return sum(v * c for v, c in vals) / n if n else 0.0
+
+    f, b, w = overall("F"), overall("B"), overall("W")
+    if not b:   # a split-backward run: B = I + W
+        b = overall("I") + w
+    if not w and b:
+        w = b / 2
+    return Costs(f, b, w, recv_min or 0.0, step_total / max(len(step_count), 1),
+                 means if stage_costs else {})
+
+
+def measured_events(path: str, step: int | None = None) -> list[list[tuple[str, float, float]]]:
+    """Return per-rank (name, start, end) of one step of a trace (the last one when step is None), seconds."""
+    events = load_trace(path)
+    steps = sorted({e.get("args", {}).get("step", 0) for e in events})
+    chosen = steps[-1] if step is None else step
+    picked = [e for e in events if e.get("args", {}).get("step", 0) == chosen]
+    if not picked:
+        raise ScheduleError(f"trace {path!r} has no events for step {chosen} (steps: {steps})")
+    ranks = sorted({e["tid"] for e in picked})
+    t0 = min(e["ts"] for e in picked)
+    out = []
+    for r in ranks:
+        mine = sorted((e for e in picked if e["tid"] == r), key=lambda e: e["ts"])
+        out.append([(e["cat"] if e["cat"] not in COMPUTE else e["name"], (e["ts"] - t0) * 1e-6,
+                     (e["ts"] + e["dur"] - t0) * 1e-6) for e in mine])
+    return out
+
+
+# ----------------------------------------------------------------------------------- pictures --
+
+def ascii_timeline(result: SimResult, tick: float | None = None) -> str:
+    """Render a simulated step as text, one row per rank, one column per tick (default: smallest F)."""
+    computes = [(a, s, e) for ev in result.events for a, s, e in ev if a.op in COMPUTE and e > s]
+    if not computes:
+        return ""
+    tick = tick or min(e - s for _, s, e in computes)
+    pp = len(result.events)
+    chunked = any(a.stage >= pp for a, _, _ in computes)
+
+    def label(a: Action) -> str:
+        # with virtual stages, a letter names the chunk: a = stages 0..pp-1, b = the next pp, ...
+        return f"{a.op}{a.mb}{chr(ord('a') + a.stage // pp)}" if chunked else f"{a.op}{a.mb}"
+
+    width = max(len(label(a)) for a, _, _ in computes) + 1
+    lines = []
+    for r, ev in enumerate(result.events):
+        cells: dict[int, str] = {}
+        for a, s, e in ev:
+            if a.op in COMPUTE:
+                for k in range(int(round(s / tick)), int(round(e / tick))):
+                    cells[k] = label(a)
+        n = int(round(result.step_time / tick))
+        lines.append(f"rank {r}  " + "".join(cells.get(k, ".").ljust(width) for k in range(n)).rstrip())
+    return "\n".join(lines)
+
+
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "ALLREDUCE": "#8172b3",
+            "OPT_STEP": "#937860"}
+
+
+def plot_timeline(rows: list[list[tuple[str, float, float]]], path: str, title: str) -> None:
+    """Draw a rank x time chart of (name, start, end) boxes with matplotlib and save it to path."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ScheduleError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
+    end = max((e for row in rows for _, _, e in row), default=1.0)
+    for r, row in enumerate(rows):
+        for name, s, e in row:
+            kind = name if name in _COLOURS else name.lstrip("s0123456789")[:1]
+            if kind not in _COLOURS or e <= s:
+                continue
+            ax.broken_barh([(s, e - s)], (r - 0.4, 0.8), facecolors=_COLOURS[kind], edgecolor="white",
+                           linewidth=0.3)
+            if (e - s) / end > 0.015 and kind in COMPUTE:
+                ax.text((s + e) / 2, r, name.split(kind)[-1] if kind in COMPUTE else "", ha="center",
+                        va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)" if end < 1e3 else "time")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
+    ax.legend(handles, list(_COLOURS), loc="upper right", fontsize=7, ncol=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sim_rows(result: SimResult) -> list[list[tuple[str, float, float]]]:
+    """Return a simulated step as (name, start, end) rows for plot_timeline."""
+    return [[(a.op if a.op not in COMPUTE else f"{a.op}{a.mb}", s, e) for a, s, e in ev] for ev in result.events]
+
+
+# ----------------------------------------------------------------------------------- CLI -------
+
+def _parse_costs(text: str) -> Costs:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ScheduleError(f"--costs expects numbers F,B[,W[,comm]], got {text!r}") from None
+    if not 2 <= len(values) <= 4 or min(values) < 0:
+        raise ScheduleError(f"--costs expects 2 to 4 non-negative numbers F,B[,W[,comm]], got {text!r}")
+    f, b = values[0], values[1]
+    w = values[2] if len(values) > 2 else b / 2
+    comm = values[3] if len(values) > 3 else 0.0
+    if w > b:
+        raise ScheduleError(f"--costs: W ({w}) cannot exceed the full backward B ({b})")
+    return Costs(f, b, w, comm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.simulate``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--costs", default="1,2,1,0", help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
+    parser.add_argument("--calibrate", metavar="TRACE", help="take costs from a training trace (log.trace)")
+    parser.add_argument("--measured", metavar="TRACE", help="draw/print a measured trace instead of simulating")
+    parser.add_argument("--plot", metavar="PNG", help="draw the rank x time chart with matplotlib")
+    parser.add_argument("--ascii", action="store_true", help="print the timeline as text")
+    parser.add_argument("--no-validate", action="store_true", help="skip the validator (huge sizes)")
+    args = parser.parse_args(argv)
+    try:
+        if args.measured:
+            rows = measured_events(args.measured)
+            end = max(e for row in rows for _, _, e in row)
+            print(f"measured step: {end * 1e3:.2f} ms on {len(rows)} ranks")
+            if args.plot:
+                plot_timeline(rows, args.plot, f"measured: {args.measured}")
+                print(f"wrote {args.plot}")
+            return 0
+        costs = costs_from_trace(args.calibrate) if args.calibrate else _parse_costs(args.costs)
+        result = simulate_schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages,
+                                   costs, check=not args.no_validate)
+    except ScheduleError as exc:
+        print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"schedule {args.schedule}  pp={args.pp}  micro-batches={args.micro_batches}  "
+          f"virtual stages={args.virtual_stages}")
+    print(f"step time        {result.step_time:.6g}")
+    print(f"bubble           {result.bubble:.4f} of rank time ({result.bubble_over_compute:.4f} of compute)")
+    print("peak stashed     " + " ".join(f"r{r}:{n}" for r, n in enumerate(result.peak_stashed))
+          + "  (micro-batches per rank)")
+    if args.virtual_stages > 1:
+        print("per stage        " + " ".join(f"s{s}:{n}" for s, n in sorted(result.peak_stashed_stage.items())))
+    if args.ascii:
+        print(ascii_timeline(result))
+    if args.plot:
+        try:
+            plot_timeline(sim_rows(result), args.plot,
+                          f"{args.schedule} pp={args.pp} m={args.micro_batches} v={args.virtual_stages} "
+                          f"(simulated, bubble {result.bubble:.1%})")
+        except ScheduleError as exc:
+            print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

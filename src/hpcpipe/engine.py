@@ -32,7 +32,8 @@ class StepStats:
     loss_sum: float = 0.0
     peak_stashed: int = 0          # most micro-batches whose activations were held at once
     peak_stash_bytes: int = 0
-    events: list[tuple[str, float, float]] = field(default_factory=list)   # (action, start, end)
+    peak_stashed_stage: dict[int, int] = field(default_factory=dict)   # per stage this rank owns
+    events: list[tuple[Action, float, float]] = field(default_factory=list)   # (action, start, end)
 
 
 class Engine:
@@ -72,13 +73,14 @@ class Engine:
         self.in_grads: dict[tuple[int, int], Any] = {}
         self.split: dict[tuple[int, int], tuple[list, list]] = {}
         self.stash_bytes = 0
+        self.held: dict[int, int] = {}
         self.params.grad[...] = 0
         clock = time.perf_counter
         for action in self.program:
             if self.record_events:
                 start = clock()
                 self.dispatch[action.op](action)
-                self.stats.events.append((str(action), start, clock()))
+                self.stats.events.append((action, start, clock()))
             else:
                 self.dispatch[action.op](action)
         return self.stats
@@ -91,6 +93,9 @@ class Engine:
         self.stash[key] = caches
         self.stash_bytes += sum(c[0].nbytes for c in caches)
         self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
+        held = self.held[a.stage] = self.held.get(a.stage, 0) + 1
+        peaks = self.stats.peak_stashed_stage
+        peaks[a.stage] = max(peaks.get(a.stage, 0), held)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self.stash_bytes)
         if a.stage == self.n_stages - 1:
             loss, grad = self.loss_fn(self.xp, y, self.feed.y[a.mb], self.loss_scale)
@@ -103,6 +108,7 @@ class Engine:
 
     def _release(self, key: tuple[int, int]) -> list:
         caches = self.stash.pop(key)
+        self.held[key[0]] -= 1
         self.stash_bytes -= sum(c[0].nbytes for c in caches)
         return caches
 

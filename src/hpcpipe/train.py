@@ -49,7 +49,7 @@ class Progress:
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
-    def log(self, step: int, loss: float, seconds: float) -> None:
+    def log(self, step: int, loss: float, seconds: float, peaks: list | None = None) -> None:
         """Record one step: metrics line always, console line every log.every steps."""
         tr = self.trainer
         stats = tr.last_stats
@@ -57,6 +57,10 @@ class Progress:
                   "samples_per_s": tr.global_batch / seconds if seconds > 0 else 0.0,
                   "grad_norm": tr.last_grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
                   "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s}
+        if peaks is not None:
+            # measured on every rank: {stage: most micro-batches held at once}, bytes per pipeline rank
+            record["peak_stashed_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[0].items())}
+            record["peak_stash_bytes_by_rank"] = [p[1] for p in peaks]
         if self.metrics and step % self.cfg.log.every == 0:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -83,6 +87,8 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
     rank = world.Get_rank()
     progress = Progress(cfg, trainer) if rank == 0 else None
     losses: list[float] = []
+    traced: list[tuple[int, list]] = []
+    dp0 = trainer.topo.dp_rank == 0
     start = time.perf_counter()
     try:
         for step in range(cfg.train.steps):
@@ -91,11 +97,23 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
             loss = trainer.train_step(step)
             seconds = time.perf_counter() - t0
             losses.append(loss)
+            if cfg.log.trace:
+                traced.append((step, trainer.last_stats.events))
+            peaks = None
+            if cfg.log.metrics and step % cfg.log.every == 0:
+                # one small gather per logged step: replica 0's stages cover the pipeline
+                stats = trainer.last_stats
+                mine = (stats.peak_stashed_stage, stats.peak_stash_bytes) if dp0 else None
+                gathered = world.gather(mine, root=0)
+                peaks = [g for g in gathered if g is not None] if gathered else None
             if progress:
-                progress.log(step, loss, seconds)
+                progress.log(step, loss, seconds, peaks)
     finally:
         if progress:
             progress.close()
+    if cfg.log.trace:
+        from .trace import write_trace
+        write_trace(cfg.log.trace, world, traced, trainer.topo.name)
     elapsed = time.perf_counter() - start
     steps = len(losses)
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
@@ -119,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return plan(config, world.Get_size())
 
     def body(p) -> int:
-        trainer = Trainer(p, world)
+        trainer = Trainer(p, world, record_events=bool(p.config.log.trace))
         holder["trainer"] = trainer
         summary = train(trainer, world)
         if world.Get_rank() == 0:

@@ -1,0 +1,72 @@
+"""One hpcpipe benchmark job (run under mpiexec by bench_schedules.py): prints one JSON line on rank 0.
+
+    mpiexec -n 2 python bench/hpcpipe_worker.py --schedule 1f1b --pp 2 --steps 6 [--trace t.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    """Train a few steps of the benchmark model and report per-step times measured on rank 0."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--virtual-stages", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=16)
+    ap.add_argument("--micro-batch-size", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--trace", default="")
+    args = ap.parse_args()
+
+    from mpi4py import MPI
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.trace import write_trace
+    from hpcpipe.trainer import Trainer, plan
+
+    world = MPI.COMM_WORLD
+    dp = world.Get_size() // args.pp
+    samples = dp * args.micro_batches * args.micro_batch_size
+    cfg = from_dict({
+        "parallel": {"pp": args.pp, "dp": dp, "schedule": args.schedule, "virtual_stages": args.virtual_stages},
+        "model": {"dims": [args.dim] * (args.layers + 1), "activation": "relu", "dtype": "float32"},
+        "data": {"synthetic_samples": samples},
+        "train": {"micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+                  "optimizer": "sgd", "lr": 1e-4, "steps": args.warmup + args.steps},
+        "log": {"progress": False},
+    })
+    trainer = Trainer(plan(cfg, world.Get_size()), world, record_events=bool(args.trace))
+    times, events = [], []
+    for step in range(args.warmup + args.steps):
+        world.Barrier()
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(dt)
+            if args.trace:
+                events.append((step, trainer.last_stats.events))
+    if args.trace:
+        write_trace(args.trace, world, events)
+    peaks = world.gather(trainer.last_stats.peak_stashed, root=0)
+    peak_bytes = world.gather(trainer.last_stats.peak_stash_bytes, root=0)
+    if world.Get_rank() == 0:
+        n_params = sum(d * d + d for d in [args.dim] * args.layers)
+        print(json.dumps({"schedule": args.schedule, "pp": args.pp, "dp": dp, "v": args.virtual_stages,
+                          "times": times, "median_s": float(np.median(times)), "min_s": float(np.min(times)),
+                          "samples": samples, "params": n_params, "peak_stashed": peaks,
+                          "peak_stash_bytes": peak_bytes}), flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()

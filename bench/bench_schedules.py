@@ -1,0 +1,159 @@
+"""Benchmark: hpcpipe schedules vs PyTorch's torch.distributed.pipelining, MFU, 8-rank scaling, simulator.
+
+    pip install -e ".[mpich,plot]" && pip install torch==2.13.0   # torch only for the comparison
+    python bench/bench_schedules.py [--steps 5] [--no-torch] [--out bench/results.json]
+
+Model dims = [1024] * 9 (8 Linear + ReLU), float32, global batch 2048 as 16
+micro-batches of 128, SGD. Every job runs under ``mpiexec`` with one BLAS
+thread per rank. Step time = median over the timed steps (after warm-up) of
+rank 0's wall time for a full step (both frameworks end a step with a
+collective, so rank 0's time is the pipeline's). MFU = 6 x params x samples /
+step time / (2 cores x the single-core rate of a 2048^3 float32 matmul measured
+in this run). The simulator is calibrated on each pp's GPipe trace and then
+predicts every schedule at that pp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+       "HPCPIPE_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def matmul_rate(m: int, k: int, n: int, seconds: float = 1.5) -> float:
+    """Single-thread float32 GFLOP/s of an (m x k) @ (k x n) product, best of repeated timings (subprocess)."""
+    code = f"""
+import numpy as np, time
+a = np.random.rand({m}, {k}).astype(np.float32); b = np.random.rand({k}, {n}).astype(np.float32)
+a @ b; best = 1e9; end = time.perf_counter() + {seconds}
+while time.perf_counter() < end:
+    t = time.perf_counter(); a @ b; best = min(best, time.perf_counter() - t)
+print(2 * {m} * {k} * {n} / best / 1e9)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def run_job(n: int, script: str, args: list[str]) -> dict:
+    """Run a worker under mpiexec -n n and return the JSON line rank 0 prints."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, os.path.join(HERE, script)] + args
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def load() -> str:
+    """The 1-minute load average (the machine is shared)."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def main() -> int:
+    """Run every job once, print the tables, write the JSON results."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
+    ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    ap.add_argument("--plots", default="", help="directory for measured/simulated timeline PNGs")
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from hpcpipe.simulate import costs_from_trace, measured_events, plot_timeline, sim_rows, simulate_schedule
+
+    schedules = args.schedules.split(",")
+    loads = [load()]
+    rate2048 = matmul_rate(2048, 2048, 2048)
+    rate128 = matmul_rate(128, 1024, 1024)
+    print(f"load {loads[0]}; one core: 2048^3 matmul {rate2048:.1f} GFLOP/s, "
+          f"128x1024x1024 {rate128:.1f} GFLOP/s ({rate128 / rate2048:.0%})", flush=True)
+    steps = ["--steps", str(args.steps)]
+    tmp = tempfile.mkdtemp(prefix="hpcpipe-bench-")
+    results: dict = {"rate2048_gflops": rate2048, "rate128_gflops": rate128, "hpcpipe": {}, "torch": {},
+                     "sim": {}}
+    for pp in (2, 4):
+        for s in schedules:
+            v = ["--virtual-stages", "2"] if s == "interleaved-1f1b" else []
+            trace = os.path.join(tmp, f"{s}-pp{pp}.json")
+            r = run_job(pp, "hpcpipe_worker.py", ["--schedule", s, "--pp", str(pp), "--trace", trace] + v + steps)
+            r["trace"] = trace
+            results["hpcpipe"][f"{s}/pp{pp}"] = r
+            print(f"hpcpipe {s:17s} pp={pp}: {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
+        if not args.no_torch and pp == 2:
+            for s in ("gpipe", "1f1b"):
+                r = run_job(2, "torch_worker.py", ["--schedule", s] + steps)
+                results["torch"][s] = r
+                print(f"torch   {s:17s} pp=2: {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
+    # 8 ranks: dp=2 x pp=4 on the same 2 cores
+    for s in schedules:
+        if s == "interleaved-1f1b":
+            continue
+        r = run_job(8, "hpcpipe_worker.py", ["--schedule", s, "--pp", "4"] + steps)
+        results["hpcpipe"][f"{s}/dp2pp4"] = r
+        print(f"hpcpipe {s:17s} dp=2 pp=4 (8 ranks): {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
+    loads.append(load())
+    results["rate2048_after_gflops"] = matmul_rate(2048, 2048, 2048)
+    # simulator: calibrate on each pp's GPipe trace, predict every schedule
+    for pp in (2, 4):
+        calib = results["hpcpipe"][f"gpipe/pp{pp}"]["trace"] if "gpipe" in schedules else None
+        for s in schedules:
+            r = results["hpcpipe"][f"{s}/pp{pp}"]
+            v = 2 if s == "interleaved-1f1b" else 1
+            own = costs_from_trace(r["trace"])
+            pred_own = simulate_schedule(s, pp, 16, v, own).step_time
+            pred_cal = simulate_schedule(s, pp, 16, v, costs_from_trace(calib), check=False).step_time \
+                if calib and v == 1 else None
+            results["sim"][f"{s}/pp{pp}"] = {"own_trace_s": pred_own, "gpipe_trace_s": pred_cal}
+            if args.plots:
+                os.makedirs(args.plots, exist_ok=True)
+                plot_timeline(measured_events(r["trace"]), os.path.join(args.plots, f"measured-{s}-pp{pp}.png"),
+                              f"measured {s} pp={pp}")
+                plot_timeline(sim_rows(simulate_schedule(s, pp, 16, v, own)),
+                              os.path.join(args.plots, f"simulated-{s}-pp{pp}.png"), f"simulated {s} pp={pp}")
+    _report(results, schedules, loads)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
+    """Print the markdown tables of the README."""
+    flops_rate = 2 * res["rate2048_gflops"] * 1e9
+    print(f"\nload average before/after: {loads[0]} / {loads[1]}; 2048^3 matmul on one core "
+          f"{res['rate2048_gflops']:.1f} GFLOP/s (after: {res['rate2048_after_gflops']:.1f}), "
+          f"128-row {res['rate128_gflops']:.1f} GFLOP/s\n")
+    print("| schedule | pp | hpcpipe ms/step | PyTorch ms/step | speed-up | MFU | simulated ms (own / GPipe-calibrated) |")
+    print("|---|---|---|---|---|---|---|")
+    for pp in (2, 4):
+        for s in schedules:
+            r = res["hpcpipe"][f"{s}/pp{pp}"]
+            t = r["median_s"]
+            mfu = 6 * r["params"] * r["samples"] / t / flops_rate
+            torch = res["torch"].get(s) if pp == 2 else None
+            tt = f"{torch['median_s'] * 1e3:.0f}" if torch else "-"
+            sp = f"{torch['median_s'] / t:.2f}x" if torch else "-"
+            sim = res["sim"][f"{s}/pp{pp}"]
+            cal = f"{sim['gpipe_trace_s'] * 1e3:.0f}" if sim["gpipe_trace_s"] else "-"
+            err = f" ({(sim['own_trace_s'] - t) / t:+.0%})"
+            name = s + (" (v=2)" if s == "interleaved-1f1b" else "")
+            print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {sim['own_trace_s'] * 1e3:.0f}{err} / {cal} |")
+    print("\n| schedule | pp=2 (2 ranks) ms | dp=2 x pp=4 (8 ranks) ms | ratio |")
+    print("|---|---|---|---|")
+    for s in schedules:
+        if f"{s}/dp2pp4" in res["hpcpipe"]:
+            a, b = res["hpcpipe"][f"{s}/pp2"]["median_s"], res["hpcpipe"][f"{s}/dp2pp4"]["median_s"]
+            print(f"| {s} | {a * 1e3:.0f} | {b * 1e3:.0f} | {b / a:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ rank 0's wall time for a full step (both frameworks end a step with a
 collective, so rank 0's time is the pipeline's). MFU = 6 x params x samples /
 step time / (2 cores x the single-core rate of a 2048^3 float32 matmul measured
 in this run). The simulator is calibrated on each pp's GPipe trace and then
-predicts every schedule at that pp.
+predicts every schedule, at pp=2 and at pp=4 (4 ranks sharing the 2 cores).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def main() -> int:
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--plots", default="", help="directory for measured/simulated timeline PNGs")
+    ap.add_argument("--skip-8", action="store_true", help="skip the 8-rank runs")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "src"))
-    from hpcpipe.simulate import costs_from_trace, measured_events, plot_timeline, sim_rows, simulate_schedule
+    from hpcpipe.simulate import calibrated_costs, measured_events, plot_timeline, sim_rows, simulate_schedule
 
     schedules = args.schedules.split(",")
     loads = [load()]
@@ -96,30 +97,33 @@ def main() -> int:
                 print(f"torch   {s:17s} pp=2: {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
     # 8 ranks: dp=2 x pp=4 on the same 2 cores
     for s in schedules:
-        if s == "interleaved-1f1b":
+        if s == "interleaved-1f1b" or args.skip_8:
             continue
         r = run_job(8, "hpcpipe_worker.py", ["--schedule", s, "--pp", "4"] + steps)
         results["hpcpipe"][f"{s}/dp2pp4"] = r
         print(f"hpcpipe {s:17s} dp=2 pp=4 (8 ranks): {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
     loads.append(load())
     results["rate2048_after_gflops"] = matmul_rate(2048, 2048, 2048)
-    # simulator: calibrate on each pp's GPipe trace, predict every schedule
+    # simulator: per-op costs from the pp=2 GPipe trace (rescaled to each stage count); at pp=4 the
+    # 4 ranks share the 2 cores (processor sharing)
+    calib = results["hpcpipe"]["gpipe/pp2"]["trace"] if "gpipe" in schedules else None
     for pp in (2, 4):
-        calib = results["hpcpipe"][f"gpipe/pp{pp}"]["trace"] if "gpipe" in schedules else None
         for s in schedules:
             r = results["hpcpipe"][f"{s}/pp{pp}"]
             v = 2 if s == "interleaved-1f1b" else 1
-            own = costs_from_trace(r["trace"])
-            pred_own = simulate_schedule(s, pp, 16, v, own).step_time
-            pred_cal = simulate_schedule(s, pp, 16, v, costs_from_trace(calib), check=False).step_time \
-                if calib and v == 1 else None
-            results["sim"][f"{s}/pp{pp}"] = {"own_trace_s": pred_own, "gpipe_trace_s": pred_cal}
+            sim = {}
+            if calib:
+                costs = calibrated_costs(calib, pp, v)
+                sim["calibrated_s"] = simulate_schedule(s, pp, 16, v, costs, cores=2, per_rank_costs=False).step_time
+            own = calibrated_costs(r["trace"], pp, v)
+            sim["own_trace_s"] = simulate_schedule(s, pp, 16, v, own, cores=2, per_rank_costs=False).step_time
+            results["sim"][f"{s}/pp{pp}"] = sim
             if args.plots:
                 os.makedirs(args.plots, exist_ok=True)
                 plot_timeline(measured_events(r["trace"]), os.path.join(args.plots, f"measured-{s}-pp{pp}.png"),
                               f"measured {s} pp={pp}")
-                plot_timeline(sim_rows(simulate_schedule(s, pp, 16, v, own)),
-                              os.path.join(args.plots, f"simulated-{s}-pp{pp}.png"), f"simulated {s} pp={pp}")
+                rows = sim_rows(simulate_schedule(s, pp, 16, v, own, cores=2, per_rank_costs=False))
+                plot_timeline(rows, os.path.join(args.plots, f"simulated-{s}-pp{pp}.png"), f"simulated {s} pp={pp}")
     _report(results, schedules, loads)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -132,8 +136,9 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
     print(f"\nload average before/after: {loads[0]} / {loads[1]}; 2048^3 matmul on one core "
           f"{res['rate2048_gflops']:.1f} GFLOP/s (after: {res['rate2048_after_gflops']:.1f}), "
           f"128-row {res['rate128_gflops']:.1f} GFLOP/s\n")
-    print("| schedule | pp | hpcpipe ms/step | PyTorch ms/step | speed-up | MFU | simulated ms (own / GPipe-calibrated) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| schedule | pp | hpcpipe ms/step | PyTorch ms/step | speed-up | MFU | simulated ms (error) "
+          "| simulated from own trace (error) |")
+    print("|---|---|---|---|---|---|---|---|")
     for pp in (2, 4):
         for s in schedules:
             r = res["hpcpipe"][f"{s}/pp{pp}"]
@@ -143,10 +148,10 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
             tt = f"{torch['median_s'] * 1e3:.0f}" if torch else "-"
             sp = f"{torch['median_s'] / t:.2f}x" if torch else "-"
             sim = res["sim"][f"{s}/pp{pp}"]
-            cal = f"{sim['gpipe_trace_s'] * 1e3:.0f}" if sim["gpipe_trace_s"] else "-"
-            err = f" ({(sim['own_trace_s'] - t) / t:+.0%})"
+            cal = f"{sim['calibrated_s'] * 1e3:.0f} ({(sim['calibrated_s'] - t) / t:+.0%})" if "calibrated_s" in sim else "-"
+            own = f"{sim['own_trace_s'] * 1e3:.0f} ({(sim['own_trace_s'] - t) / t:+.0%})"
             name = s + (" (v=2)" if s == "interleaved-1f1b" else "")
-            print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {sim['own_trace_s'] * 1e3:.0f}{err} / {cal} |")
+            print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {cal} | {own} |")
     print("\n| schedule | pp=2 (2 ranks) ms | dp=2 x pp=4 (8 ranks) ms | ratio |")
     print("|---|---|---|---|")
     for s in schedules:

@@ -19,12 +19,13 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--virtual-stages", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=16)
-    ap.add_argument("--micro-batch-size", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=2048, help="samples per step over all replicas")
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace", default="")
+    ap.add_argument("--poll-max-us", type=float, default=1000.0)
     args = ap.parse_args()
 
     from mpi4py import MPI
@@ -35,14 +36,17 @@ def main() -> None:
 
     world = MPI.COMM_WORLD
     dp = world.Get_size() // args.pp
-    samples = dp * args.micro_batches * args.micro_batch_size
+    # the same global batch at every layout: replicas split each micro-batch
+    micro_batch_size = args.global_batch // (dp * args.micro_batches)
+    samples = dp * args.micro_batches * micro_batch_size
     cfg = from_dict({
         "parallel": {"pp": args.pp, "dp": dp, "schedule": args.schedule, "virtual_stages": args.virtual_stages},
         "model": {"dims": [args.dim] * (args.layers + 1), "activation": "relu", "dtype": "float32"},
         "data": {"synthetic_samples": samples},
-        "train": {"micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+        "train": {"micro_batches": args.micro_batches, "micro_batch_size": micro_batch_size,
                   "optimizer": "sgd", "lr": 1e-4, "steps": args.warmup + args.steps},
         "log": {"progress": False},
+        "run": {"poll_max_us": args.poll_max_us},
     })
     trainer = Trainer(plan(cfg, world.Get_size()), world, record_events=bool(args.trace))
     times, events = [], []

@@ -105,3 +105,32 @@ def test_plot_writes_png(tmp_path):
     measured = tmp_path / "m.png"
     assert main(["--measured", _fake_trace(tmp_path / "t.json"), "--plot", str(measured)]) == 0
     assert measured.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_shared_cores(name, v):
+    from hpcpipe.simulate import _simulate_shared
+    p, m = 4, 8
+    programs = lower(build_schedule(name, p, m, v), p, p * v)
+    costs = Costs(1, 2, 1, 0.25, 0.5)
+    alone = simulate(programs, p, p * v, costs)
+    # enough cores: the time-ordered simulation agrees with the per-rank one
+    same = _simulate_shared(programs, p, costs, cores=p)
+    assert same.step_time == pytest.approx(alone.step_time)
+    assert same.peak_stashed == alone.peak_stashed
+    # one core: the step is all the work in sequence (messages overlap with others' compute)
+    one = simulate(programs, p, p * v, costs, cores=1)
+    assert one.step_time == pytest.approx(sum(alone.busy) + p * costs.step, rel=0.02)
+    two = simulate(programs, p, p * v, costs, cores=2)
+    assert alone.step_time <= two.step_time <= one.step_time
+
+
+def test_calibrated_costs_rescale_to_other_stage_counts(tmp_path):
+    from hpcpipe.simulate import calibrated_costs
+    path = _fake_trace(tmp_path / "t.json")     # 2 stages
+    same = calibrated_costs(path, 2)
+    assert same.per_stage and same.forward == pytest.approx(0.01)
+    four = calibrated_costs(path, 4)
+    assert not four.per_stage and four.forward == pytest.approx(0.005) and four.backward == pytest.approx(0.01)
+    chunks = calibrated_costs(path, 2, 2)
+    assert chunks.forward == pytest.approx(0.005)

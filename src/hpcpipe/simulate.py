@@ -3,6 +3,7 @@
     python -m hpcpipe.simulate --schedule 1f1b --pp 8 --micro-batches 32 [--costs F,B,W,comm]
     python -m hpcpipe.simulate --schedule zb-h1 --pp 4 --micro-batches 8 --plot timeline.png
     python -m hpcpipe.simulate --schedule 1f1b --pp 2 --micro-batches 16 --calibrate trace.json
+    python -m hpcpipe.simulate --schedule zb-h1 --pp 4 --micro-batches 16 --calibrate trace.json --cores 2
     python -m hpcpipe.simulate --measured trace.json --plot measured.png
 
 It executes exactly the programs the engine executes (``lower`` of the
@@ -84,8 +85,18 @@ class SimResult:
         return (len(self.busy) * self.step_time - busy) / busy if busy else 0.0
 
 
-def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs) -> SimResult:
-    """Run lowered per-rank programs on the cost model; raise ScheduleError on a deadlock."""
+def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs,
+             cores: int | None = None) -> SimResult:
+    """Run lowered per-rank programs on the cost model; raise ScheduleError on a deadlock.
+
+    ``cores`` (fewer than the ranks) shares that many cores among the ranks
+    that are computing at any moment (processor sharing), as when an 8-rank
+    job runs on 2 cores; by default every rank has a core of its own.
+    """
+    if cores is not None and cores < 1:
+        raise ScheduleError(f"cores must be >= 1, got {cores}")
+    if cores is not None and cores < pp:
+        return _simulate_shared(programs, pp, costs, cores)
     clock = [0.0] * pp
     pos = [0] * pp
     busy = [0.0] * pp
@@ -148,18 +159,110 @@ def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs)
 
 
 def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs: Costs | None = None,
-                      check: bool = True) -> SimResult:
+                      check: bool = True, cores: int | None = None, per_rank_costs: bool = True) -> SimResult:
     """Build, lower, (validate) and simulate a named schedule.
 
-    Uniform costs describe one whole stage per rank; with virtual stages each
-    chunk costs 1/virtual of it (per-stage overrides are taken as given).
+    With ``per_rank_costs`` uniform costs describe a rank's whole share of the
+    model, and with virtual stages each chunk costs 1/virtual of it; otherwise
+    (costs from :func:`calibrated_costs`) they are per stage already.
     """
     costs = costs or Costs()
     n_stages = pp * virtual
     programs = lower(build_schedule(name, pp, n_micro, virtual), pp, n_stages)
     if check:
         validate(programs, pp, n_stages, n_micro)
-    return simulate(programs, pp, n_stages, costs.scaled(1.0 / virtual) if virtual > 1 else costs)
+    if per_rank_costs and virtual > 1:
+        costs = costs.scaled(1.0 / virtual)
+    return simulate(programs, pp, n_stages, costs, cores)
+
+
+def _advance_idle(r, prog, t, pos, computing, remaining, started, blocked_until, channels, events, busy,
+                  costs) -> bool:
+    """Run rank r's zero-time actions at time t until it starts computing or must wait; True if it moved."""
+    moved = False
+    while not computing[r] and pos[r] < len(prog):
+        a = prog[pos[r]]
+        op = a.op
+        if op == "RECV_F" or op == "RECV_B":
+            queue = channels.get((a.peer, r, op[-1]))
+            if not queue:
+                blocked_until[r] = float("inf")
+                return moved
+            if queue[0] > t + 1e-15:
+                blocked_until[r] = queue[0]
+                return moved
+            queue.popleft()
+            blocked_until[r] = 0.0
+            events[r].append((a, t, t))
+        elif op == "SEND_F" or op == "SEND_B":
+            channels[(r, a.peer, op[-1])].append(t + costs.comm)
+            events[r].append((a, t, t))
+        else:
+            work = costs.of(op, a.stage) if op in COMPUTE else costs.step / 2
+            computing[r], remaining[r], started[r] = True, work, t
+            if op in COMPUTE:
+                busy[r] += work
+            return True
+        pos[r] += 1
+        moved = True
+    return moved
+
+
+def _simulate_shared(programs: list[list[Action]], pp: int, costs: Costs, cores: int) -> SimResult:
+    """Time-ordered simulation where the computing ranks share ``cores`` cores equally."""
+    pos = [0] * pp
+    remaining = [0.0] * pp            # work left of the current compute action (0 = not computing)
+    started = [0.0] * pp
+    blocked_until = [0.0] * pp        # arrival time of the message a receive waits for
+    channels: dict[tuple[int, int, str], deque] = defaultdict(deque)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
+    busy = [0.0] * pp
+    held, peak = [0] * pp, [0] * pp
+    held_stage: dict[int, int] = defaultdict(int)
+    peak_stage: dict[int, int] = defaultdict(int)
+    computing = [False] * pp
+    t = 0.0
+    while True:
+        # let every idle rank run its zero-time actions until it computes or waits; repeat while a
+        # send makes a message available to a rank visited earlier in the pass
+        moved = True
+        while moved:
+            moved = False
+            for r in range(pp):
+                moved |= _advance_idle(r, programs[r], t, pos, computing, remaining, started, blocked_until,
+                                       channels, events, busy, costs)
+        active = [r for r in range(pp) if computing[r]]
+        waiting = [blocked_until[r] for r in range(pp) if not computing[r] and pos[r] < len(programs[r])
+                   and blocked_until[r] != float("inf")]
+        if not active and not waiting:
+            if any(pos[r] < len(programs[r]) for r in range(pp)):
+                blocked = ", ".join(f"rank {r} at {programs[r][pos[r]]}" for r in range(pp)
+                                    if pos[r] < len(programs[r]))
+                raise ScheduleError(f"simulation deadlocked: {blocked}")
+            break
+        rate = min(1.0, cores / len(active)) if active else 0.0
+        dt = min([remaining[r] / rate for r in active] + [w - t for w in waiting])
+        dt = max(dt, 0.0)
+        t += dt
+        for r in range(pp):
+            blocked_until[r] = 0.0 if blocked_until[r] <= t + 1e-15 else blocked_until[r]
+        for r in active:
+            remaining[r] -= dt * rate
+            if remaining[r] <= 1e-12 * max(1.0, t):
+                a = programs[r][pos[r]]
+                events[r].append((a, started[r], t))
+                computing[r] = False
+                pos[r] += 1
+                if a.op == "F":
+                    held[r] += 1
+                    held_stage[a.stage] += 1
+                    peak[r] = max(peak[r], held[r])
+                    peak_stage[a.stage] = max(peak_stage[a.stage], held_stage[a.stage])
+                elif a.op in ("B", "W"):
+                    held[r] -= 1
+                    held_stage[a.stage] -= 1
+    idle = pp * t - sum(busy)
+    return SimResult(t, idle / (pp * t) if t else 0.0, busy, peak, dict(peak_stage), events)
 
 
 # ----------------------------------------------------------------------------------- traces ----
@@ -213,6 +316,27 @@ def costs_from_trace(path: str, stage_costs: bool = True) -> Costs:
         w = b / 2
     return Costs(f, b, w, recv_min or 0.0, step_total / max(len(step_count), 1),
                  means if stage_costs else {})
+
+
+def trace_stages(path: str) -> int:
+    """Number of pipeline stages in a trace (largest stage index seen + 1)."""
+    return 1 + max((e.get("args", {}).get("stage", -1) for e in load_trace(path)), default=-1)
+
+
+def calibrated_costs(path: str, pp: int, virtual: int = 1) -> Costs:
+    """Per-stage costs for simulating pp x virtual stages, from a trace of the same model at any layout.
+
+    When the trace has the same number of stages its per-stage means are used
+    as they are; otherwise the mean costs are rescaled by the ratio of stage
+    counts (balanced stages: a stage's work is the model's over the stage count).
+    """
+    target = pp * virtual
+    have = trace_stages(path)
+    costs = costs_from_trace(path, stage_costs=have == target)
+    if have == target:
+        return costs
+    return Costs(costs.forward * have / target, costs.backward * have / target, costs.weight * have / target,
+                 costs.comm, costs.step)
 
 
 def measured_events(path: str, step: int | None = None) -> list[list[tuple[str, float, float]]]:
@@ -327,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--costs", default="1,2,1,0", help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
-    parser.add_argument("--calibrate", metavar="TRACE", help="take costs from a training trace (log.trace)")
+    parser.add_argument("--calibrate", metavar="TRACE",
+                        help="take costs from a training trace (log.trace) of the same model, any layout")
+    parser.add_argument("--cores", type=int, default=None,
+                        help="cores shared by the ranks (default: one per rank)")
     parser.add_argument("--measured", metavar="TRACE", help="draw/print a measured trace instead of simulating")
     parser.add_argument("--plot", metavar="PNG", help="draw the rank x time chart with matplotlib")
     parser.add_argument("--ascii", action="store_true", help="print the timeline as text")
@@ -342,9 +469,13 @@ def main(argv: list[str] | None = None) -> int:
                 plot_timeline(rows, args.plot, f"measured: {args.measured}")
                 print(f"wrote {args.plot}")
             return 0
-        costs = costs_from_trace(args.calibrate) if args.calibrate else _parse_costs(args.costs)
+        if args.calibrate:
+            costs = calibrated_costs(args.calibrate, args.pp, args.virtual_stages)
+        else:
+            costs = _parse_costs(args.costs)
         result = simulate_schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages,
-                                   costs, check=not args.no_validate)
+                                   costs, check=not args.no_validate, cores=args.cores,
+                                   per_rank_costs=not args.calibrate)
     except ScheduleError as exc:
         print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ Model dims = [1024] * 9 (8 Linear + ReLU), float32, global batch 2048 as 16
 micro-batches of 128, SGD. Every job runs under ``mpiexec`` with one BLAS
 thread per rank. Step time = median over the timed steps (after warm-up) of
 rank 0's wall time for a full step (both frameworks end a step with a
-collective, so rank 0's time is the pipeline's). MFU = 6 x params x samples /
+collective, so rank 0's time is the pipeline's); every job runs once per
+round and keeps its best round, because the machine is shared. MFU = 6 x params x samples /
 step time / (2 cores x the single-core rate of a 2048^3 float32 matmul measured
 in this run). The simulator is calibrated on each pp's GPipe trace and then
 predicts every schedule, at pp=2 and at pp=4 (4 ranks sharing the 2 cores).
@@ -63,6 +64,7 @@ def main() -> int:
     """Run every job once, print the tables, write the JSON results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="repeat every job; each keeps its best round")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
@@ -81,27 +83,33 @@ def main() -> int:
     steps = ["--steps", str(args.steps)]
     tmp = tempfile.mkdtemp(prefix="hpcpipe-bench-")
     results: dict = {"rate2048_gflops": rate2048, "rate128_gflops": rate128, "hpcpipe": {}, "torch": {},
-                     "sim": {}}
+                     "sim": {}, "rounds": args.rounds}
+    jobs = []   # (table, key, ranks, worker, args)
     for pp in (2, 4):
         for s in schedules:
             v = ["--virtual-stages", "2"] if s == "interleaved-1f1b" else []
-            trace = os.path.join(tmp, f"{s}-pp{pp}.json")
-            r = run_job(pp, "hpcpipe_worker.py", ["--schedule", s, "--pp", str(pp), "--trace", trace] + v + steps)
-            r["trace"] = trace
-            results["hpcpipe"][f"{s}/pp{pp}"] = r
-            print(f"hpcpipe {s:17s} pp={pp}: {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
-        if not args.no_torch and pp == 2:
-            for s in ("gpipe", "1f1b"):
-                r = run_job(2, "torch_worker.py", ["--schedule", s] + steps)
-                results["torch"][s] = r
-                print(f"torch   {s:17s} pp=2: {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
-    # 8 ranks: dp=2 x pp=4 on the same 2 cores
-    for s in schedules:
-        if s == "interleaved-1f1b" or args.skip_8:
-            continue
-        r = run_job(8, "hpcpipe_worker.py", ["--schedule", s, "--pp", "4"] + steps)
-        results["hpcpipe"][f"{s}/dp2pp4"] = r
-        print(f"hpcpipe {s:17s} dp=2 pp=4 (8 ranks): {r['median_s'] * 1e3:7.1f} ms/step  (load {load()})", flush=True)
+            jobs.append(("hpcpipe", f"{s}/pp{pp}", pp, "hpcpipe_worker.py", ["--schedule", s, "--pp", str(pp)] + v))
+    if not args.no_torch:
+        for s in ("gpipe", "1f1b"):
+            jobs.append(("torch", s, 2, "torch_worker.py", ["--schedule", s]))
+    if not args.skip_8:
+        for s in schedules:
+            if s != "interleaved-1f1b":   # pp=4 x v=2 leaves one layer per stage: not the comparison asked
+                # the same global batch of 2048: 8 micro-batches of 128 per replica keep 128-row matmuls
+                jobs.append(("hpcpipe", f"{s}/dp2pp4", 8, "hpcpipe_worker.py",
+                             ["--schedule", s, "--pp", "4", "--micro-batches", "8"]))
+    # every job once per round, rounds repeated: the machine is shared, so a job keeps its best round
+    for rnd in range(args.rounds):
+        for table, key, n, worker, extra in jobs:
+            trace = os.path.join(tmp, f"{key.replace('/', '-')}-r{rnd}.json")
+            extra = extra + (["--trace", trace] if table == "hpcpipe" and n <= 4 else [])
+            r = run_job(n, worker, extra + steps)
+            r["trace"], r["load"] = trace, load()
+            best = results[table].get(key)
+            if best is None or r["median_s"] < best["median_s"]:
+                results[table][key] = r
+            print(f"round {rnd}: {table:7s} {key:22s} {r['median_s'] * 1e3:7.1f} ms/step  (load {r['load']})",
+                  flush=True)
     loads.append(load())
     results["rate2048_after_gflops"] = matmul_rate(2048, 2048, 2048)
     # simulator: per-op costs from the pp=2 GPipe trace (rescaled to each stage count); at pp=4 the
@@ -152,7 +160,7 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
             own = f"{sim['own_trace_s'] * 1e3:.0f} ({(sim['own_trace_s'] - t) / t:+.0%})"
             name = s + (" (v=2)" if s == "interleaved-1f1b" else "")
             print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {cal} | {own} |")
-    print("\n| schedule | pp=2 (2 ranks) ms | dp=2 x pp=4 (8 ranks) ms | ratio |")
+    print("\n| schedule | pp=2 (2 ranks, 16 x 128) ms | dp=2 x pp=4 (8 ranks, 8 x 128 per replica) ms | ratio |")
     print("|---|---|---|---|")
     for s in schedules:
         if f"{s}/dp2pp4" in res["hpcpipe"]:

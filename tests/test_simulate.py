@@ -134,3 +134,15 @@ def test_calibrated_costs_rescale_to_other_stage_counts(tmp_path):
     assert not four.per_stage and four.forward == pytest.approx(0.005) and four.backward == pytest.approx(0.01)
     chunks = calibrated_costs(path, 2, 2)
     assert chunks.forward == pytest.approx(0.005)
+
+
+def test_costs_prefer_cpu_time_over_wall_time(tmp_path):
+    events = [{"name": "s0F0", "cat": "F", "ph": "X", "ts": 0, "dur": 4000, "pid": 0, "tid": 0,
+               "args": {"stage": 0, "mb": 0, "step": 0, "cpu_us": 1000}},
+              {"name": "s0B0", "cat": "B", "ph": "X", "ts": 4000, "dur": 2000, "pid": 0, "tid": 0,
+               "args": {"stage": 0, "mb": 0, "step": 0}}]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    costs = costs_from_trace(str(path))
+    assert costs.forward == pytest.approx(0.001)   # the rank was descheduled 3 of its 4 ms
+    assert costs.backward == pytest.approx(0.002)  # no CPU time recorded: wall time

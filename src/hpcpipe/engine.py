@@ -33,7 +33,7 @@ class StepStats:
     peak_stashed: int = 0          # most micro-batches whose activations were held at once
     peak_stash_bytes: int = 0
     peak_stashed_stage: dict[int, int] = field(default_factory=dict)   # per stage this rank owns
-    events: list[tuple[Action, float, float]] = field(default_factory=list)   # (action, start, end)
+    events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
 
 
 class Engine:
@@ -75,12 +75,14 @@ class Engine:
         self.stash_bytes = 0
         self.held: dict[int, int] = {}
         self.params.grad[...] = 0
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.process_time
         for action in self.program:
             if self.record_events:
-                start = clock()
+                # wall time for the picture, CPU time for the simulator's costs (a rank that shares
+                # its core with others takes longer in wall time, not in CPU time)
+                start, cpu_start = clock(), cpu()
                 self.dispatch[action.op](action)
-                self.stats.events.append((action, start, clock()))
+                self.stats.events.append((action, start, clock(), cpu() - cpu_start))
             else:
                 self.dispatch[action.op](action)
         return self.stats

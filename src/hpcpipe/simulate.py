@@ -281,6 +281,10 @@ def load_trace(path: str) -> list[dict]:
 def costs_from_trace(path: str, stage_costs: bool = True) -> Costs:
     """Calibrate a cost model from a training trace: mean duration per (op, stage), message and step costs.
 
+    Compute costs are the CPU time of each action when the trace has it (wall
+    time otherwise), so that a trace taken with more ranks than cores still
+    measures the work, and ``cores`` in the simulation adds the sharing back.
+
     A message's cost is estimated as the shortest receive wait seen (the
     transfer of a message that was already on its way), step cost as the
     mean ALLREDUCE + OPT_STEP time per rank and step.
@@ -292,11 +296,13 @@ def costs_from_trace(path: str, stage_costs: bool = True) -> Costs:
         op, args = e.get("cat", ""), e.get("args", {})
         dur = e["dur"] * 1e-6
         if op in COMPUTE:
+            # CPU time is the work itself; wall time also holds time the core served other processes
+            dur = args.get("cpu_us", e["dur"]) * 1e-6
             entry = sums[(op, args.get("stage", -1))]
             entry[0] += dur
             entry[1] += 1
         elif op in ("ALLREDUCE", "OPT_STEP"):
-            step_total += dur
+            step_total += args.get("cpu_us", e["dur"]) * 1e-6
             step_count.add((e.get("tid"), args.get("step")))
         elif op in ("RECV_F", "RECV_B"):
             recv_min = dur if recv_min is None else min(recv_min, dur)

@@ -2,7 +2,7 @@
 
 Each world rank is one track (``tid`` = world rank, named "rank R (dp D, pp P)");
 each action is a complete event (``ph: "X"``) named like the IR (``s1F3``),
-with its kind as category and (stage, mb, step) as arguments, which is what
+with its kind as category and (stage, mb, step, cpu_us) as arguments, which is what
 :func:`hpcpipe.simulate.costs_from_trace` and ``--measured`` read back.
 Times are each rank's ``time.perf_counter``, which is one clock for all
 processes of a node; across nodes the tracks are aligned at their first event.
@@ -15,13 +15,15 @@ from typing import Any
 
 
 def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
-    """Turn [(step, [(action, start, end), ...]), ...] into Chrome 'X' events of one track (seconds in)."""
+    """Turn [(step, [(action, start, end[, cpu]), ...]), ...] into Chrome 'X' events of one track (seconds in)."""
     out = []
     for step, events in events_by_step:
-        for action, start, end in events:
+        for action, start, end, *cpu in events:
+            args = {"stage": action.stage, "mb": action.mb, "step": step}
+            if cpu:
+                args["cpu_us"] = cpu[0] * 1e6
             out.append({"name": str(action), "cat": action.op, "ph": "X", "ts": start * 1e6,
-                        "dur": (end - start) * 1e6, "pid": 0, "tid": tid,
-                        "args": {"stage": action.stage, "mb": action.mb, "step": step}})
+                        "dur": (end - start) * 1e6, "pid": 0, "tid": tid, "args": args})
     return out
 
 

@@ -395,7 +395,8 @@ _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "ALL
             "OPT_STEP": "#937860"}
 
 
-def plot_timeline(rows: list[list[tuple[str, float, float]]], path: str, title: str) -> None:
+def plot_timeline(rows: list[list[tuple[str, float, float]]], path: str, title: str,
+                  xlabel: str = "time (s)") -> None:
     """Draw a rank x time chart of (name, start, end) boxes with matplotlib and save it to path."""
     try:
         import matplotlib
@@ -417,10 +418,11 @@ def plot_timeline(rows: list[list[tuple[str, float, float]]], path: str, title: 
                         va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
-    ax.set_xlabel("time (s)" if end < 1e3 else "time")
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
-    ax.legend(handles, list(_COLOURS), loc="upper right", fontsize=7, ncol=6)
+    ax.legend(handles, list(_COLOURS), loc="lower center", bbox_to_anchor=(0.5, 1.08), fontsize=7, ncol=6,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -499,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plot_timeline(sim_rows(result), args.plot,
                           f"{args.schedule} pp={args.pp} m={args.micro_batches} v={args.virtual_stages} "
-                          f"(simulated, bubble {result.bubble:.1%})")
+                          f"(simulated, bubble {result.bubble:.1%})",
+                          "time (s)" if args.calibrate else "time (cost units)")
         except ScheduleError as exc:
             print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
             return 2

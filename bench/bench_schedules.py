@@ -10,7 +10,7 @@ rank 0's wall time for a full step (both frameworks end a step with a
 collective, so rank 0's time is the pipeline's); every job runs once per
 round and keeps its best round, because the machine is shared. MFU = 6 x params x samples /
 step time / (2 cores x the single-core rate of a 2048^3 float32 matmul measured
-in this run). The simulator is calibrated on each pp's GPipe trace and then
+in this run: the best of its samples, one per round). The simulator is calibrated on each pp's GPipe trace and then
 predicts every schedule, at pp=2 and at pp=4 (4 ranks sharing the 2 cores).
 """
 
@@ -98,8 +98,13 @@ def main() -> int:
                 # the same global batch of 2048: 8 micro-batches of 128 per replica keep 128-row matmuls
                 jobs.append(("hpcpipe", f"{s}/dp2pp4", 8, "hpcpipe_worker.py",
                              ["--schedule", s, "--pp", "4", "--micro-batches", "8"]))
-    # every job once per round, rounds repeated: the machine is shared, so a job keeps its best round
+    # every job once per round, rounds repeated: the machine is shared, so a job keeps its best round;
+    # the matmul rates are sampled each round too and the best sample is the machine's rate
     for rnd in range(args.rounds):
+        if rnd:
+            rate2048 = max(rate2048, matmul_rate(2048, 2048, 2048))
+            rate128 = max(rate128, matmul_rate(128, 1024, 1024))
+            print(f"round {rnd}: best rates so far 2048^3 {rate2048:.1f}, 128-row {rate128:.1f} GFLOP/s", flush=True)
         for table, key, n, worker, extra in jobs:
             trace = os.path.join(tmp, f"{key.replace('/', '-')}-r{rnd}.json")
             extra = extra + (["--trace", trace] if table == "hpcpipe" and n <= 4 else [])
@@ -112,6 +117,8 @@ def main() -> int:
                   flush=True)
     loads.append(load())
     results["rate2048_after_gflops"] = matmul_rate(2048, 2048, 2048)
+    results["rate2048_gflops"] = max(rate2048, results["rate2048_after_gflops"])
+    results["rate128_gflops"] = max(rate128, matmul_rate(128, 1024, 1024))
     # simulator: per-op costs from the pp=2 GPipe trace (rescaled to each stage count); at pp=4 the
     # 4 ranks share the 2 cores (processor sharing)
     calib = results["hpcpipe"]["gpipe/pp2"]["trace"] if "gpipe" in schedules else None
@@ -142,8 +149,9 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
     """Print the markdown tables of the README."""
     flops_rate = 2 * res["rate2048_gflops"] * 1e9
     print(f"\nload average before/after: {loads[0]} / {loads[1]}; 2048^3 matmul on one core "
-          f"{res['rate2048_gflops']:.1f} GFLOP/s (after: {res['rate2048_after_gflops']:.1f}), "
-          f"128-row {res['rate128_gflops']:.1f} GFLOP/s\n")
+          f"{res['rate2048_gflops']:.1f} GFLOP/s (best sample; last: {res['rate2048_after_gflops']:.1f}), "
+          f"128-row {res['rate128_gflops']:.1f} GFLOP/s "
+          f"({res['rate128_gflops'] / res['rate2048_gflops']:.0%})\n")
     print("| schedule | pp | hpcpipe ms/step | PyTorch ms/step | speed-up | MFU | simulated ms (error) "
           "| simulated from own trace (error) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -160,12 +168,14 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
             own = f"{sim['own_trace_s'] * 1e3:.0f} ({(sim['own_trace_s'] - t) / t:+.0%})"
             name = s + (" (v=2)" if s == "interleaved-1f1b" else "")
             print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {cal} | {own} |")
-    print("\n| schedule | pp=2 (2 ranks, 16 x 128) ms | dp=2 x pp=4 (8 ranks, 8 x 128 per replica) ms | ratio |")
-    print("|---|---|---|---|")
+    print("\n| schedule | pp=2 (2 ranks, 16 x 128) ms | dp=2 x pp=4 (8 ranks, 8 x 128 per replica) ms | ratio "
+          "| CPU s per step, all ranks: 2 ranks / 8 ranks |")
+    print("|---|---|---|---|---|")
     for s in schedules:
         if f"{s}/dp2pp4" in res["hpcpipe"]:
-            a, b = res["hpcpipe"][f"{s}/pp2"]["median_s"], res["hpcpipe"][f"{s}/dp2pp4"]["median_s"]
-            print(f"| {s} | {a * 1e3:.0f} | {b * 1e3:.0f} | {b / a:.2f} |")
+            a, b = res["hpcpipe"][f"{s}/pp2"], res["hpcpipe"][f"{s}/dp2pp4"]
+            print(f"| {s} | {a['median_s'] * 1e3:.0f} | {b['median_s'] * 1e3:.0f} | {b['median_s'] / a['median_s']:.2f} "
+                  f"| {a['cpu_s_per_step_all_ranks']:.2f} / {b['cpu_s_per_step_all_ranks']:.2f} |")
 
 
 if __name__ == "__main__":

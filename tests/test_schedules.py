@@ -128,3 +128,20 @@ def test_validator_catches_unmatched_send():
     programs[0].insert(-2, Action("SEND_F", 0, 1, 1))
     with pytest.raises(ScheduleError, match="unmatched"):
         validate(programs, 2, 2, 2)
+
+
+def test_plan_turns_unsupported_schedule_into_config_error():
+    from hpcpipe.config import from_dict
+    from hpcpipe.errors import ConfigError
+    from hpcpipe.trainer import plan
+
+    cfg = from_dict({"parallel": {"pp": 2, "schedule": "1f1b", "virtual_stages": 2},
+                     "model": {"dims": [4] * 5}, "train": {"micro_batches": 4}})
+    with pytest.raises(ConfigError, match=r"parallel.schedule = '1f1b'.*virtual stages: 2"):
+        plan(cfg, 2)
+    cfg = from_dict({"parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+                     "model": {"dims": [4] * 5}, "train": {"micro_batches": 3}})
+    with pytest.raises(ConfigError, match=r"micro-batches: 3, pp: 2, virtual stages: 2"):
+        plan(cfg, 2)
+    assert plan(from_dict({"parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+                           "model": {"dims": [4] * 5}, "train": {"micro_batches": 4}}), 2).n_stages == 4

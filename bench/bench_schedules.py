@@ -55,6 +55,30 @@ def run_job(n: int, script: str, args: list[str]) -> dict:
     return json.loads(lines[-1])
 
 
+def idle_fraction(seconds: float = 1.0) -> float:
+    """Share of all cores' time that was idle over the next `seconds` (from /proc/stat; 1.0 elsewhere)."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)     # idle + iowait, total
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        return 1.0
+    return (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def wait_quiet(threshold: float, max_wait: float) -> float:
+    """Wait (up to max_wait s) until the machine is at least `threshold` idle; return the last idle share."""
+    end = time.monotonic() + max_wait
+    idle = idle_fraction()
+    while idle < threshold and time.monotonic() < end:
+        idle = idle_fraction(2.0)
+    return idle
+
+
 def load() -> str:
     """The 1-minute load average (the machine is shared)."""
     return f"{os.getloadavg()[0]:.2f}"
@@ -70,12 +94,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--plots", default="", help="directory for measured/simulated timeline PNGs")
     ap.add_argument("--skip-8", action="store_true", help="skip the 8-rank runs")
+    ap.add_argument("--quiet-idle", type=float, default=0.9,
+                    help="before each job wait until this share of the cores is idle (shared machine)")
+    ap.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for quiet, seconds")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from hpcpipe.simulate import calibrated_costs, measured_events, plot_timeline, sim_rows, simulate_schedule
 
     schedules = args.schedules.split(",")
     loads = [load()]
+    wait_quiet(args.quiet_idle, args.quiet_wait)
     rate2048 = matmul_rate(2048, 2048, 2048)
     rate128 = matmul_rate(128, 1024, 1024)
     print(f"load {loads[0]}; one core: 2048^3 matmul {rate2048:.1f} GFLOP/s, "
@@ -102,19 +130,21 @@ def main() -> int:
     # the matmul rates are sampled each round too and the best sample is the machine's rate
     for rnd in range(args.rounds):
         if rnd:
+            wait_quiet(args.quiet_idle, args.quiet_wait)
             rate2048 = max(rate2048, matmul_rate(2048, 2048, 2048))
             rate128 = max(rate128, matmul_rate(128, 1024, 1024))
             print(f"round {rnd}: best rates so far 2048^3 {rate2048:.1f}, 128-row {rate128:.1f} GFLOP/s", flush=True)
         for table, key, n, worker, extra in jobs:
             trace = os.path.join(tmp, f"{key.replace('/', '-')}-r{rnd}.json")
             extra = extra + (["--trace", trace] if table == "hpcpipe" and n <= 4 else [])
+            idle = wait_quiet(args.quiet_idle, args.quiet_wait)
             r = run_job(n, worker, extra + steps)
-            r["trace"], r["load"] = trace, load()
+            r["trace"], r["load"], r["idle_before"] = trace, load(), idle
             best = results[table].get(key)
             if best is None or r["median_s"] < best["median_s"]:
                 results[table][key] = r
-            print(f"round {rnd}: {table:7s} {key:22s} {r['median_s'] * 1e3:7.1f} ms/step  (load {r['load']})",
-                  flush=True)
+            print(f"round {rnd}: {table:7s} {key:22s} {r['median_s'] * 1e3:7.1f} ms/step  "
+                  f"(idle before {idle:.0%}, load after {r['load']})", flush=True)
     loads.append(load())
     results["rate2048_after_gflops"] = matmul_rate(2048, 2048, 2048)
     results["rate2048_gflops"] = max(rate2048, results["rate2048_after_gflops"])

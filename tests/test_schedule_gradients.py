@@ -86,7 +86,8 @@ def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
         stats = trainer.last_stats
         stage = trainer.topo.pp_rank
         assert stats.peak_stashed_stage == {stage: expected[stage]}, (schedule, stage)
-        # one 16-wide float32 layer per stage: its 3 x 16 input is what a micro-batch stashes
-        assert stats.peak_stash_bytes == expected[stage] * 3 * 16 * 4, (schedule, stage)
+        # one 16-wide ReLU layer per stage: a micro-batch stashes its 3 x 16 float32 input and output
+        assert stats.peak_stash_bytes == expected[stage] * 2 * 3 * 16 * 4, (schedule, stage)
+        assert stats.peak_stash_bytes_stage == {stage: stats.peak_stash_bytes}
         trainer.close()
     comm.Free()

@@ -58,9 +58,9 @@ class Progress:
                   "grad_norm": tr.last_grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
                   "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s}
         if peaks is not None:
-            # measured on every rank: {stage: most micro-batches held at once}, bytes per pipeline rank
+            # measured on every rank: per stage, the most micro-batches (and bytes) held at once
             record["peak_stashed_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[0].items())}
-            record["peak_stash_bytes_by_rank"] = [p[1] for p in peaks]
+            record["peak_stash_bytes_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[1].items())}
         if self.metrics and step % self.cfg.log.every == 0:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -103,7 +103,7 @@ def train(trainer: Any, world: Any) -> dict[str, Any]:
             if cfg.log.metrics and step % cfg.log.every == 0:
                 # one small gather per logged step: replica 0's stages cover the pipeline
                 stats = trainer.last_stats
-                mine = (stats.peak_stashed_stage, stats.peak_stash_bytes) if dp0 else None
+                mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
                 gathered = world.gather(mine, root=0)
                 peaks = [g for g in gathered if g is not None] if gathered else None
             if progress:

@@ -97,7 +97,13 @@ def main() -> int:
     ap.add_argument("--quiet-idle", type=float, default=0.9,
                     help="before each job wait until this share of the cores is idle (shared machine)")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for quiet, seconds")
+    ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier run's results")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            res = json.load(f)
+        _report(res, [k.split("/")[0] for k in res["hpcpipe"] if k.endswith("/pp2")], res.get("loads", ["?", "?"]))
+        return 0
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from hpcpipe.simulate import calibrated_costs, measured_events, plot_timeline, sim_rows, simulate_schedule
 
@@ -169,6 +175,7 @@ def main() -> int:
                               f"measured {s} pp={pp}")
                 rows = sim_rows(simulate_schedule(s, pp, 16, v, own, cores=2, per_rank_costs=False))
                 plot_timeline(rows, os.path.join(args.plots, f"simulated-{s}-pp{pp}.png"), f"simulated {s} pp={pp}")
+    results["loads"] = loads
     _report(results, schedules, loads)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

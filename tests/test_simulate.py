@@ -146,3 +146,11 @@ def test_costs_prefer_cpu_time_over_wall_time(tmp_path):
     costs = costs_from_trace(str(path))
     assert costs.forward == pytest.approx(0.001)   # the rank was descheduled 3 of its 4 ms
     assert costs.backward == pytest.approx(0.002)  # no CPU time recorded: wall time
+
+
+def test_interleaved_peak_activations_formula():
+    for p in range(1, 9):
+        for v in (2, 3):
+            for m in (p, 2 * p, 4 * p):
+                peaks = simulate_schedule("interleaved-1f1b", p, m, v).peak_stashed
+                assert peaks == [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)], (p, m, v)

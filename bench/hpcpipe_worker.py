@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import numpy as np
@@ -49,28 +50,32 @@ def main() -> None:
         "run": {"poll_max_us": args.poll_max_us},
     })
     trainer = Trainer(plan(cfg, world.Get_size()), world, record_events=bool(args.trace))
-    times, events, cpu = [], [], 0.0
+    times, events, cpu, faults = [], [], 0.0, 0
     for step in range(args.warmup + args.steps):
         world.Barrier()
         t0, c0 = time.perf_counter(), time.process_time()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         trainer.train_step(step)
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
             cpu += time.process_time() - c0
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             if args.trace:
                 events.append((step, trainer.last_stats.events))
     if args.trace:
         write_trace(args.trace, world, events)
     # CPU seconds per step summed over ranks: waiting ranks that sleep add little to it
     cpu_total = world.reduce(cpu / args.steps, root=0)
+    faults_total = world.reduce(faults // args.steps, root=0)   # minor page faults per step, all ranks
     peaks = world.gather(trainer.last_stats.peak_stashed, root=0)
     peak_bytes = world.gather(trainer.last_stats.peak_stash_bytes, root=0)
     if world.Get_rank() == 0:
         n_params = sum(d * d + d for d in [args.dim] * args.layers)
         print(json.dumps({"schedule": args.schedule, "pp": args.pp, "dp": dp, "v": args.virtual_stages,
                           "times": times, "median_s": float(np.median(times)), "min_s": float(np.min(times)),
-                          "samples": samples, "params": n_params, "cpu_s_per_step_all_ranks": cpu_total, "peak_stashed": peaks,
+                          "samples": samples, "params": n_params, "cpu_s_per_step_all_ranks": cpu_total,
+                          "page_faults_per_step": faults_total, "peak_stashed": peaks,
                           "peak_stash_bytes": peak_bytes}), flush=True)
     trainer.close()
 

@@ -188,19 +188,22 @@ def zero_bubble_h1(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]
 
 
 def _greedy_split(pp: int, n_micro: int) -> list[list[Action]]:
-    """Unit-cost list schedule of F / I / W with 1F1B's per-rank memory limit (see zero_bubble_h1)."""
+    """Unit-cost greedy list schedule of F / I / W on one stage per rank (rules in zero_bubble_h1)."""
     programs: list[list[Action]] = [[] for _ in range(pp)]
     f_ready = [[0 if r == 0 else -1] * n_micro for r in range(pp)]      # tick the input is available
     i_ready = [[-1] * n_micro for _ in range(pp)]                        # tick the output gradient is available
     next_f, next_i, next_w = [0] * pp, [0] * pp, [0] * pp
     remaining = 3 * pp * n_micro
     tick = 0
+    limit = 3 * n_micro * pp + pp   # every tick some rank works: all ranks' work in sequence is the worst case
     while remaining:
+        if tick > limit:
+            raise ScheduleError(f"zb-h1 list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
         done_f, done_i = [], []
         for r in range(pp):
             f, i, w = next_f[r], next_i[r], next_w[r]
             # F first keeps the forward wave (and so the backward chain behind it) moving;
-            # f - i < pp - r is 1F1B's warm-up rule, f - w < pp bounds the activations held.
+            # f - i < pp - r is 1F1B's warm-up rule, f - w < min(pp, m) bounds the activations held.
             if (f < n_micro and 0 <= f_ready[r][f] <= tick and f - i < pp - r
                     and f - w < min(pp, n_micro)):
                 programs[r].append(Action("F", r, f))

@@ -32,7 +32,19 @@ class StepStats:
     loss_sum: float = 0.0
     peak_stashed: int = 0          # most micro-batches whose activations were held at once
     peak_stash_bytes: int = 0
-    events: list[tuple[str, float, float]] = field(default_factory=list)   # (action, start, end)
+    peak_stashed_stage: dict[int, int] = field(default_factory=dict)   # per stage this rank owns
+    peak_stash_bytes_stage: dict[int, int] = field(default_factory=dict)
+    events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
+
+
+def _cache_bytes(caches: list) -> int:
+    """Bytes of the distinct arrays a stage keeps for its backward (a layer's output is the next one's input)."""
+    seen: dict[int, int] = {}
+    for x, saved in caches:
+        for arr in (x, *(saved if isinstance(saved, tuple) else (saved,))):
+            if arr is not None and hasattr(arr, "nbytes"):
+                seen[id(arr)] = arr.nbytes
+    return sum(seen.values())
 
 
 class Engine:
@@ -72,13 +84,17 @@ class Engine:
         self.in_grads: dict[tuple[int, int], Any] = {}
         self.split: dict[tuple[int, int], tuple[list, list]] = {}
         self.stash_bytes = 0
+        self.held: dict[int, int] = {}
+        self.held_bytes: dict[int, int] = {}
         self.params.grad[...] = 0
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.process_time
         for action in self.program:
             if self.record_events:
-                start = clock()
+                # wall time for the picture, CPU time for the simulator's costs (a rank that shares
+                # its core with others takes longer in wall time, not in CPU time)
+                start, cpu_start = clock(), cpu()
                 self.dispatch[action.op](action)
-                self.stats.events.append((str(action), start, clock()))
+                self.stats.events.append((action, start, clock(), cpu() - cpu_start))
             else:
                 self.dispatch[action.op](action)
         return self.stats
@@ -89,8 +105,15 @@ class Engine:
         x = self.feed.x[a.mb] if a.stage == 0 else self.inputs.pop(key)
         y, caches = self.params.stages[a.stage].forward(x)
         self.stash[key] = caches
-        self.stash_bytes += sum(c[0].nbytes for c in caches)
+        nbytes = _cache_bytes(caches)
+        self.stash_bytes += nbytes
         self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
+        held = self.held[a.stage] = self.held.get(a.stage, 0) + 1
+        peaks = self.stats.peak_stashed_stage
+        peaks[a.stage] = max(peaks.get(a.stage, 0), held)
+        held_bytes = self.held_bytes[a.stage] = self.held_bytes.get(a.stage, 0) + nbytes
+        peak_bytes = self.stats.peak_stash_bytes_stage
+        peak_bytes[a.stage] = max(peak_bytes.get(a.stage, 0), held_bytes)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self.stash_bytes)
         if a.stage == self.n_stages - 1:
             loss, grad = self.loss_fn(self.xp, y, self.feed.y[a.mb], self.loss_scale)
@@ -103,7 +126,10 @@ class Engine:
 
     def _release(self, key: tuple[int, int]) -> list:
         caches = self.stash.pop(key)
-        self.stash_bytes -= sum(c[0].nbytes for c in caches)
+        nbytes = _cache_bytes(caches)
+        self.held[key[0]] -= 1
+        self.held_bytes[key[0]] -= nbytes
+        self.stash_bytes -= nbytes
         return caches
 
     def _hand_back(self, a: Action, gx: Any) -> None:

@@ -79,6 +79,18 @@ def make_activation(name: str) -> Activation:
     return ACTIVATIONS[name]()
 
 
+def _inplace_gemm(xp: Any, grad_weight: Any) -> Any:
+    """Return SciPy's BLAS sgemm/dgemm for C-contiguous NumPy float32/float64 gradients, else None."""
+    import numpy as np
+    if xp is not np or not grad_weight.flags.c_contiguous:
+        return None
+    try:
+        from scipy.linalg import blas
+    except ImportError:   # optional speed-up only: fall back to a temporary and an add
+        return None
+    return {np.dtype(np.float32): blas.sgemm, np.dtype(np.float64): blas.dgemm}.get(grad_weight.dtype)
+
+
 class Dense:
     """One global layer: ``act(x @ weight + bias)`` with parameters and gradients as buffer views."""
 
@@ -89,6 +101,7 @@ class Dense:
         self.grad_weight, self.grad_bias = grad_weight, grad_bias
         self.activation = activation
         self.xp = xp
+        self._gemm = _inplace_gemm(xp, grad_weight)
 
     def forward(self, x: Any) -> tuple[Any, tuple[Any, Any]]:
         """Return (output, cache) for input rows x of shape (batch, in_features)."""
@@ -106,7 +119,14 @@ class Dense:
 
     def backward_weight(self, cache: tuple[Any, Any], dz: Any) -> None:
         """Accumulate dL/dweight and dL/dbias for this micro-batch."""
-        self.grad_weight += cache[0].T @ dz
+        x = cache[0]
+        if self._gemm is not None and x.flags.c_contiguous and dz.flags.c_contiguous:
+            # grad_weight += x.T @ dz in one BLAS call (beta = 1): no (in, out) temporary and no
+            # extra pass over it. BLAS is column-major, so work on the transposes:
+            # grad_weight.T (Fortran-ordered view) += dz.T @ x.
+            self._gemm(1.0, dz.T, x.T, beta=1.0, c=self.grad_weight.T, trans_b=1, overwrite_c=1)
+        else:
+            self.grad_weight += x.T @ dz
         if self.grad_bias is not None:
             self.grad_bias += dz.sum(axis=0)
 

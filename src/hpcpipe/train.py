@@ -76,7 +76,7 @@ class Progress:
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
-    def log(self, step: int, loss: float, seconds: float) -> None:
+    def log(self, step: int, loss: float, seconds: float, peaks: list | None = None) -> None:
         """Record one step: metrics line always, console line every log.every steps."""
         tr = self.trainer
         stats = tr.last_stats
@@ -89,6 +89,10 @@ class Progress:
         if skipped:   # strict JSON has no NaN: a skipped step's non-finite loss is null
             record.update(loss=loss if loss == loss and abs(loss) != float("inf") else None, grad_norm=None,
                           skipped=True, bad_ranks=decision.bad_ranks)
+        if peaks is not None:
+            # measured on every rank: per stage, the most micro-batches (and bytes) held at once
+            record["peak_stashed_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[0].items())}
+            record["peak_stash_bytes_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[1].items())}
         if self.metrics and step % self.cfg.log.every == 0:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -133,6 +137,8 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     beat = watchdog.beat if watchdog else (lambda phase: None)
     if stop is not None:
         trainer.stop_requested = lambda: stop.requested
+    traced: list[tuple[int, list]] = []
+    dp0 = trainer.topo.dp_rank == 0
     start = time.perf_counter()
     try:
         for step in range(trainer.start_step, cfg.train.steps):
@@ -145,8 +151,17 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             seconds = time.perf_counter() - t0
             decision = trainer.last_decision
             losses.append(loss)
+            if cfg.log.trace:
+                traced.append((step, trainer.last_stats.events))
+            peaks = None
+            if cfg.log.metrics and step % cfg.log.every == 0:
+                # one small gather per logged step: replica 0's stages cover the pipeline
+                stats = trainer.last_stats
+                mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
+                gathered = world.gather(mine, root=0)
+                peaks = [g for g in gathered if g is not None] if gathered else None
             if progress:
-                progress.log(step, loss, seconds)
+                progress.log(step, loss, seconds, peaks)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
@@ -175,6 +190,9 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     finally:
         if progress:
             progress.close()
+    if cfg.log.trace:
+        from .trace import write_trace
+        write_trace(cfg.log.trace, world, traced, trainer.topo.name)
     elapsed = time.perf_counter() - start
     steps = len(losses)
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
@@ -233,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = StopSignals().install()
         watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
         try:
-            trainer = Trainer(p, world)
+            trainer = Trainer(p, world, record_events=bool(p.config.log.trace))
             holder["trainer"] = trainer
             summary = train(trainer, world, stop, watchdog)
         finally:

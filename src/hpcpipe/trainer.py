@@ -19,6 +19,7 @@ from .backend import select_backend
 from .comm import PipeComm, Poller, gather_to_root
 from .config import Config, resolve_layout
 from .data import ReplicaFeeder, check_data_file, open_data
+from .errors import ConfigError, ScheduleError
 from .engine import Engine, StepFeed
 from .lowering import lower, validate
 from .model import RankParameters, initial_arrays, layer_specs, partition
@@ -87,8 +88,13 @@ def plan(config: Config, world_size: int) -> Plan:
     elif config.model.init:
         init = resolve_weights(config.model.init)
         init.check(specs)
-    programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages)
-    validate(programs, pp, n_stages, tr.micro_batches)
+    try:
+        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages)
+        validate(programs, pp, n_stages, tr.micro_batches)
+    except ScheduleError as exc:
+        # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
+        # refused on every rank before the first collective
+        raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
     return Plan(config, dp, pp, n_stages, ranges, programs, init, resume)
 
 

@@ -1,0 +1,156 @@
+"""Simulator: closed-form bubbles and memory of every schedule, calibration, CLI, pictures."""
+
+import json
+
+import pytest
+
+from hpcpipe.errors import ScheduleError
+from hpcpipe.lowering import lower
+from hpcpipe.schedules import Action, build_schedule
+from hpcpipe.simulate import Costs, costs_from_trace, main, simulate, simulate_schedule
+
+SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16, 32)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("costs", [Costs(1, 2, 1), Costs(1.5, 2.25, 1)])
+def test_gpipe_and_1f1b_bubble_closed_form(name, costs):
+    for p, m in SIZES:
+        result = simulate_schedule(name, p, m, costs=costs)
+        assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (name, p, m)
+        assert result.step_time == pytest.approx((m + p - 1) * (costs.forward + costs.backward))
+
+
+def test_peak_activations_gpipe_m_and_1f1b_min_p_minus_stage():
+    for p, m in SIZES:
+        assert simulate_schedule("gpipe", p, m).peak_stashed == [m] * p
+        assert simulate_schedule("1f1b", p, m).peak_stashed == [min(p - r, m) for r in range(p)], (p, m)
+
+
+def test_interleaved_bubble_relative_to_compute():
+    for p in range(1, 9):
+        for v in (2, 3):
+            for m in (p, 2 * p, 4 * p):
+                result = simulate_schedule("interleaved-1f1b", p, m, v, Costs(1, 2, 1))
+                assert result.bubble_over_compute == pytest.approx((p - 1) / (v * m), abs=1e-12), (p, m, v)
+
+
+def test_zero_bubble_h1_has_a_third_of_1f1b_bubble():
+    for p in range(2, 9):
+        for m in (p, p + 1, 2 * p, 32):
+            zb = simulate_schedule("zb-h1", p, m, costs=Costs(1, 2, 1))
+            ref = simulate_schedule("1f1b", p, m, costs=Costs(1, 2, 1))
+            idle = p * zb.step_time - sum(zb.busy)
+            idle_ref = p * ref.step_time - sum(ref.busy)
+            assert idle == pytest.approx(idle_ref / 3), (p, m)
+            assert max(zb.peak_stashed) <= min(p, m)
+
+
+def test_comm_cost_lengthens_the_step():
+    base = simulate_schedule("gpipe", 4, 8, costs=Costs(1, 2, 1, 0.0))
+    slow = simulate_schedule("gpipe", 4, 8, costs=Costs(1, 2, 1, 0.5))
+    # the critical path crosses 2 * (p - 1) messages
+    assert slow.step_time == pytest.approx(base.step_time + 2 * 3 * 0.5)
+
+
+def test_simulator_detects_deadlock():
+    compute = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+               [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
+    with pytest.raises(ScheduleError, match="deadlocked"):
+        simulate(lower(compute, 2, 2), 2, 2, Costs())
+
+
+def _fake_trace(path, f=0.01, b=0.02):
+    events = []
+    for step in range(2):
+        t = 0.0
+        for r in range(2):
+            for op, stage, dur in (("F", r, f), ("B", r, b), ("RECV_F", r, 0.001), ("ALLREDUCE", -1, 0.002)):
+                events.append({"name": f"s{stage}{op}0", "cat": op, "ph": "X", "ts": t * 1e6, "dur": dur * 1e6,
+                               "pid": 0, "tid": r, "args": {"stage": stage, "mb": 0, "step": step}})
+                t += dur
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_costs_from_trace(tmp_path):
+    costs = costs_from_trace(_fake_trace(tmp_path / "t.json"))
+    assert costs.forward == pytest.approx(0.01)
+    assert costs.backward == pytest.approx(0.02)
+    assert costs.comm == pytest.approx(0.001)
+    assert costs.step == pytest.approx(0.002)
+    assert costs.of("F", 1) == pytest.approx(0.01)
+
+
+def test_cli_prints_step_time_bubble_and_peaks(capsys):
+    assert main(["--schedule", "1f1b", "--pp", "8", "--micro-batches", "32", "--costs", "1,2,1,0"]) == 0
+    out = capsys.readouterr().out
+    assert "step time        117" in out
+    assert f"{7 / 39:.4f}" in out
+    assert "r0:8 r1:7" in out and "r7:1" in out
+
+
+def test_cli_bad_costs_and_schedule_exit_2(capsys):
+    assert main(["--costs", "1,x"]) == 2
+    assert main(["--schedule", "interleaved-1f1b", "--pp", "4", "--micro-batches", "6",
+                 "--virtual-stages", "2"]) == 2
+    assert "micro-batches: 6" in capsys.readouterr().err
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "t.png"
+    assert main(["--schedule", "zb-h1", "--pp", "4", "--micro-batches", "8", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    measured = tmp_path / "m.png"
+    assert main(["--measured", _fake_trace(tmp_path / "t.json"), "--plot", str(measured)]) == 0
+    assert measured.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_shared_cores(name, v):
+    from hpcpipe.simulate import _simulate_shared
+    p, m = 4, 8
+    programs = lower(build_schedule(name, p, m, v), p, p * v)
+    costs = Costs(1, 2, 1, 0.25, 0.5)
+    alone = simulate(programs, p, p * v, costs)
+    # enough cores: the time-ordered simulation agrees with the per-rank one
+    same = _simulate_shared(programs, p, costs, cores=p)
+    assert same.step_time == pytest.approx(alone.step_time)
+    assert same.peak_stashed == alone.peak_stashed
+    # one core: the step is all the work in sequence (messages overlap with others' compute)
+    one = simulate(programs, p, p * v, costs, cores=1)
+    assert one.step_time == pytest.approx(sum(alone.busy) + p * costs.step, rel=0.02)
+    two = simulate(programs, p, p * v, costs, cores=2)
+    assert alone.step_time <= two.step_time <= one.step_time
+
+
+def test_calibrated_costs_rescale_to_other_stage_counts(tmp_path):
+    from hpcpipe.simulate import calibrated_costs
+    path = _fake_trace(tmp_path / "t.json")     # 2 stages
+    same = calibrated_costs(path, 2)
+    assert same.per_stage and same.forward == pytest.approx(0.01)
+    four = calibrated_costs(path, 4)
+    assert not four.per_stage and four.forward == pytest.approx(0.005) and four.backward == pytest.approx(0.01)
+    chunks = calibrated_costs(path, 2, 2)
+    assert chunks.forward == pytest.approx(0.005)
+
+
+def test_costs_prefer_cpu_time_over_wall_time(tmp_path):
+    events = [{"name": "s0F0", "cat": "F", "ph": "X", "ts": 0, "dur": 4000, "pid": 0, "tid": 0,
+               "args": {"stage": 0, "mb": 0, "step": 0, "cpu_us": 1000}},
+              {"name": "s0B0", "cat": "B", "ph": "X", "ts": 4000, "dur": 2000, "pid": 0, "tid": 0,
+               "args": {"stage": 0, "mb": 0, "step": 0}}]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    costs = costs_from_trace(str(path))
+    assert costs.forward == pytest.approx(0.001)   # the rank was descheduled 3 of its 4 ms
+    assert costs.backward == pytest.approx(0.002)  # no CPU time recorded: wall time
+
+
+def test_interleaved_peak_activations_formula():
+    for p in range(1, 9):
+        for v in (2, 3):
+            for m in (p, 2 * p, 4 * p):
+                peaks = simulate_schedule("interleaved-1f1b", p, m, v).peak_stashed
+                assert peaks == [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)], (p, m, v)

@@ -136,7 +136,7 @@ def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Pat
         micro_batches=replica_micro_batches(p.n_rows, inf.micro_batch_size, p.dp, topo.dp_rank),
         n_rows=p.n_rows, batch=inf.micro_batch_size, slots=inf.buffers, dtype=dtype,
         in_width=dims[r.start], out_width=dims[r.stop],
-        reader=RowReader(p.input, inf.x) if first else None,
+        reader=RowReader(p.input, inf.x, inf.micro_batch_size, dtype) if first else None,
         writer=RowWriter(tmp, offset, dims[-1] * dtype.itemsize) if last else None,
         pp_comm=topo.pp_comm, prev=topo.prev, next=topo.next, poller=poller)
 

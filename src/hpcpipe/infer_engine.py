@@ -51,12 +51,19 @@ class ForwardChain:
 
     def __init__(self, layers: list[tuple[np.ndarray, np.ndarray | None, Activation]], batch: int,
                  tail_rows: int, in_bufs: list[np.ndarray], out_bufs: list[np.ndarray], dtype: Any):
+        # parameters in the buffers' dtype: a mixed-dtype matmul would allocate a temporary every call
+        layers = [(np.ascontiguousarray(w, dtype=dtype), None if b is None else np.ascontiguousarray(b, dtype=dtype),
+                   act) for w, b, act in layers]
         widths = [w.shape[1] for w, _, _ in layers]
         inner = max(widths[:-1], default=0)
         scratch_width = max(widths) if any(act.name == "gelu" for _, _, act in layers) else 0
         self.inter = [np.zeros(batch * inner, dtype=dtype) for _ in range(2 if len(layers) > 2 else 1)] \
             if len(layers) > 1 else []
         self.scratch = np.zeros(batch * scratch_width, dtype=dtype)
+        # biases repeated over the rows once: adding a broadcast (out,) vector makes NumPy allocate an
+        # iteration buffer on every call, adding a same-shape array does not
+        self.bias_rows = [None if b is None else np.ascontiguousarray(np.broadcast_to(b, (batch, b.shape[0])))
+                          for _, b, _ in layers]
         row_counts = {batch} | ({tail_rows} if 0 < tail_rows < batch else set())
         self.plans: dict[tuple[int, int], list[tuple]] = {}
         for slot in range(len(in_bufs)):
@@ -70,7 +77,7 @@ class ForwardChain:
                     else:
                         z = self.inter[j % 2][:rows * width].reshape(rows, width)
                     sc = self.scratch[:rows * width].reshape(rows, width) if scratch_width else None
-                    steps.append((x, w, b, act, z, sc))
+                    steps.append((x, w, None if b is None else self.bias_rows[j][:rows], act, z, sc))
                     x = z
                 self.plans[(slot, rows)] = steps
 

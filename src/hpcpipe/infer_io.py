@@ -118,15 +118,27 @@ def create_output(tmp: Path, n_rows: int, width: int, dtype: str, dataset: str,
 
 
 class RowReader:
-    """Reads micro-batches of input rows into caller-provided buffers (HDF5 converts the dtype)."""
+    """Reads micro-batches of input rows into caller-provided buffers (HDF5 converts the dtype).
 
-    def __init__(self, path: str | Path, dataset: str):
+    Uses h5py's low-level calls with dataspaces made once, so a read creates
+    no HDF5 objects (h5py's ``read_direct`` builds selections per call).
+    """
+
+    def __init__(self, path: str | Path, dataset: str, batch: int, dtype: Any):
         self.file = h5py.File(path, "r")
         self.dataset = self.file[dataset]
+        self.width = self.dataset.shape[1]
+        self.fspace = self.dataset.id.get_space()
+        self.mtype = h5py.h5t.py_create(np.dtype(dtype))
+        self.mspaces: dict[int, Any] = {}
+        n = self.dataset.shape[0]
+        for rows in {batch, n % batch} - {0}:
+            self.mspaces[rows] = h5py.h5s.create_simple((rows, self.width))
 
     def read(self, start: int, rows: int, out: np.ndarray) -> None:
         """Fill out[:rows] with input rows [start, start + rows)."""
-        self.dataset.read_direct(out, np.s_[start:start + rows], np.s_[0:rows])
+        self.fspace.select_hyperslab((start, 0), (rows, self.width))
+        self.dataset.id.read(self.mspaces[rows], self.fspace, out[:rows], self.mtype)
 
     def close(self) -> None:
         """Close the input file."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -107,6 +108,13 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows)
 
 
+def fault_step(rank: int) -> int:
+    """Test hook: the micro-batch index before which this rank raises, from HPCPIPE_FAULT='rank=R,step=K'; else -1."""
+    spec = os.environ.get("HPCPIPE_FAULT", "")
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    return int(fields.get("step", -1)) if spec and int(fields.get("rank", -1)) == rank else -1
+
+
 def _agreed(comm: Any, poller: Poller, error: str | None, code: int) -> None:
     message = agree(comm, poller, error)
     if message is not None:
@@ -179,6 +187,7 @@ def execute(p: InferPlan, comm: Any, trace: str = "") -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - e.g. MemoryError or an unreadable input on one rank
             error = f"rank {rank} ({topo.name}) cannot start: {type(exc).__name__}: {exc}"
         _agreed(comm, poller, error, 1)
+        stage.fault_at = fault_step(rank)
         shift = clock_offset(comm, poller)
         barrier(comm, poller)
         t_start = time.perf_counter()

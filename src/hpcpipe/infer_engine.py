@@ -126,6 +126,7 @@ class StreamStage:
         self.out_views = {rows: [buf[:rows] for buf in self.out_bufs] for _, rows in self.rows}
         self.events = np.zeros((len(micro_batches), len(EVENT_FIELDS)), dtype=np.float64)
         self.end_time = 0.0
+        self.fault_at = -1     # test hook: raise before this rank's k-th micro-batch (HPCPIPE_FAULT)
 
     def run(self) -> np.ndarray:
         """Stream every micro-batch of this rank; return the (K, 5) event timestamps (perf_counter seconds)."""
@@ -140,6 +141,8 @@ class StreamStage:
         for k in range(n):
             slot = k % slots
             start, rows = self.rows[k]
+            if k == self.fault_at:
+                raise RuntimeError(f"injected fault before micro-batch {self.mbs[k]} (HPCPIPE_FAULT)")
             row = ev[k]
             row[0] = clock()
             if reader is not None:

@@ -62,8 +62,15 @@ def make_files(tmp: str, dims: list[int], rows: int) -> tuple[str, str, dict]:
     return weights, data, arrays
 
 
-def sequential(arrays: dict, data: str, out: str, batch: int) -> float:
-    """Run the whole model in this process micro-batch by micro-batch; return the seconds from first read to last write."""
+def wait_quiet(limit: float, timeout: float) -> None:
+    """Wait (up to timeout seconds) until the 1-minute load average drops below limit."""
+    deadline = time.time() + timeout
+    while os.getloadavg()[0] >= limit and time.time() < deadline:
+        time.sleep(5)
+
+
+def sequential(arrays: dict, data: str, out: str, batch: int) -> tuple[float, float]:
+    """Run the whole model in this process micro-batch by micro-batch; return (wall, CPU) seconds, first read to last write."""
     n_layers = len(arrays)
     ws = [np.ascontiguousarray(arrays[i]["weight"]) for i in range(n_layers)]
     bs = [arrays[i]["bias"] for i in range(n_layers)]
@@ -74,7 +81,7 @@ def sequential(arrays: dict, data: str, out: str, batch: int) -> float:
         y = fout.create_dataset("y", (n, ws[-1].shape[1]), dtype=np.float32)
         xin = np.empty((batch, x.shape[1]), dtype=np.float32)
         bufs = [np.empty((batch, width), dtype=np.float32) for _ in range(2)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for start in range(0, n, batch):
             rows = min(batch, n - start)
             x.read_direct(xin, np.s_[start:start + rows], np.s_[0:rows])
@@ -86,7 +93,7 @@ def sequential(arrays: dict, data: str, out: str, batch: int) -> float:
                 np.maximum(z, 0, out=z)
                 a = z
             y.write_direct(np.ascontiguousarray(a), dest_sel=np.s_[start:start + rows])
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def pipeline(weights: str, data: str, out: str, dp: int, pp: int, batch: int, tmp: str) -> tuple[dict, float]:
@@ -113,17 +120,24 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x4"], help="DPxPP layouts to run")
+    parser.add_argument("--quiet-load", type=float, default=0.0,
+                        help="before each repeat, wait (up to --quiet-wait s) for the 1-min load to drop below this")
+    parser.add_argument("--quiet-wait", type=float, default=300.0)
     args = parser.parse_args()
     dims = [args.width] * (args.layers + 1)
     layouts = [tuple(int(v) for v in item.split("x")) for item in args.layouts]
     load_before = load()
     results: dict[str, list[dict]] = {"sequential": []}
+    loads: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         weights, data, arrays = make_files(tmp, dims, args.rows)
         ref_path = os.path.join(tmp, "seq.h5")
         for _ in range(args.repeats):
-            seconds = sequential(arrays, data, ref_path, args.batch)
-            results["sequential"].append({"elapsed_s": seconds, "rows_per_s": args.rows / seconds})
+            if args.quiet_load:
+                wait_quiet(args.quiet_load, args.quiet_wait)
+            loads.append(os.getloadavg()[0])
+            seconds, cpu = sequential(arrays, data, ref_path, args.batch)
+            results["sequential"].append({"elapsed_s": seconds, "rows_per_s": args.rows / seconds, "cpu_s": cpu})
             for dp, pp in layouts:
                 out = os.path.join(tmp, f"out-{dp}x{pp}.h5")
                 report, wall = pipeline(weights, data, out, dp, pp, args.batch, tmp)
@@ -146,12 +160,16 @@ def main() -> int:
     seq = med("sequential", "rows_per_s")
     print(f"dims {dims}, {args.rows} rows, micro-batches of {args.batch}, one BLAS thread per rank, "
           f"{args.repeats} repeats (median; best in brackets)")
-    print(f"load average before: {load_before}; after: {load_after}\n")
+    print(f"load average before: {load_before}; after: {load_after}; 1-min load at each repeat: "
+          f"{', '.join(f'{v:.2f}' for v in loads)}")
+    print("cores used = CPU seconds of all ranks / elapsed (1.0 per rank on an idle machine, at most the core "
+          "count)\n")
     print("| run | ranks | elapsed s | rows/s | vs sequential | latency p50 / p99 ms | fill + drain ms "
-          "| bubble (ideal) | command wall s | max diff vs seq |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| bubble (ideal) | cores used | command wall s | max diff vs seq |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    seq_cores = statistics.median(r["cpu_s"] / r["elapsed_s"] for r in results["sequential"])
     print(f"| sequential NumPy (1 process) | 1 | {med('sequential', 'elapsed_s'):.3f} | {seq:.0f} "
-          f"[{best('sequential', 'rows_per_s'):.0f}] | 1.00x | - | - | - | - | 0 |")
+          f"[{best('sequential', 'rows_per_s'):.0f}] | 1.00x | - | - | - | {seq_cores:.2f} | - | 0 |")
     for dp, pp in layouts:
         key = f"{dp}x{pp}"
         rs = results[key]
@@ -159,10 +177,11 @@ def main() -> int:
         lat99 = statistics.median(r["latency_ms"]["p99"] for r in rs)
         fd = statistics.median(r["fill_ms"] + r["drain_ms"] for r in rs)
         bubble = statistics.median(r["bubble"] for r in rs)
+        cores = statistics.median(r["cpu_s"] / r["elapsed_s"] for r in rs)
         print(f"| hpcpipe.infer dp={dp} pp={pp} | {dp * pp} | {med(key, 'elapsed_s'):.3f} | "
               f"{med(key, 'rows_per_s'):.0f} [{best(key, 'rows_per_s'):.0f}] | "
               f"{med(key, 'rows_per_s') / seq:.2f}x | {lat50:.1f} / {lat99:.1f} | {fd:.1f} | "
-              f"{100 * bubble:.1f}% ({100 * rs[0]['ideal_bubble']:.1f}%) | {med(key, 'wall_s'):.2f} | "
+              f"{100 * bubble:.1f}% ({100 * rs[0]['ideal_bubble']:.1f}%) | {cores:.2f} | {med(key, 'wall_s'):.2f} | "
               f"{diffs[key]:.2e} |")
     if "1x2" in results:
         print(f"\npp=2 / sequential throughput: {med('1x2', 'rows_per_s') / seq:.2f}x (target >= 1.8x)")

@@ -219,7 +219,7 @@ def execute(p: InferPlan, comm: Any, trace: str = "") -> dict[str, Any]:
         part = {"rank": rank, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank, "last": topo.next < 0,
                 "mbs": stage_done.mbs, "rows": [r for _, r in stage_done.rows], "events": events + shift,
                 "start": t_start + shift, "end": stage_done.end_time + shift,
-                "recv_wait": recv_wait, "send_wait": send_wait}
+                "recv_wait": recv_wait, "send_wait": send_wait, "cpu_s": stage_done.cpu_s}
         parts = gather_to_root(comm, part)
         report = None
         if rank == 0:

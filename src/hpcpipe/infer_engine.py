@@ -126,11 +126,13 @@ class StreamStage:
         self.out_views = {rows: [buf[:rows] for buf in self.out_bufs] for _, rows in self.rows}
         self.events = np.zeros((len(micro_batches), len(EVENT_FIELDS)), dtype=np.float64)
         self.end_time = 0.0
+        self.cpu_s = 0.0       # CPU seconds this process used while streaming (shows contention for cores)
         self.fault_at = -1     # test hook: raise before this rank's k-th micro-batch (HPCPIPE_FAULT)
 
     def run(self) -> np.ndarray:
         """Stream every micro-batch of this rank; return the (K, 5) event timestamps (perf_counter seconds)."""
         clock = time.perf_counter
+        cpu0 = time.process_time()
         n, slots = len(self.mbs), self.slots
         ev = self.events
         recv, send, reader, writer = self.recv, self.send, self.reader, self.writer
@@ -165,6 +167,7 @@ class StreamStage:
         if send is not None:
             send.wait_all()
         self.end_time = clock()
+        self.cpu_s = time.process_time() - cpu0
         return ev
 
     def waits(self) -> tuple[float, float]:

@@ -19,6 +19,9 @@ Every rank hands in its (K, 5) timestamps (see
   printed beside it. With more ranks than cores, compute intervals include
   time a rank waited for a core, so the measured bubble shrinks toward 0
   while the throughput tells the truth.
+* cpu_s: CPU seconds all ranks used while streaming; cpu_s / elapsed is
+  how many cores the run actually got (less than expected = the machine
+  was busy with something else).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def summarize(parts: list[dict[str, Any]], n_rows: int, batch: int, dp: int, pp:
         "stage_compute_s": [float(v) for v in stage_compute],
         "recv_wait_s": float(sum(p["recv_wait"] for p in parts)),
         "send_wait_s": float(sum(p["send_wait"] for p in parts)),
+        "cpu_s": float(sum(p["cpu_s"] for p in parts)),
     }
 
 

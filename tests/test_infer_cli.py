@@ -128,6 +128,10 @@ CASES = {
                                  "output directory '{parent}' does not exist (for output '{output}')"),
     "output is a directory": (lambda t, w: (w, t / "in.h5", t, []), "output path '{output}' is a directory"),
     "output is the input": (lambda t, w: (w, t / "in.h5", t / "in.h5", []), "output path '{output}' is the input file"),
+    "trace directory missing": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--trace", t / "no" / "t.json"]),
+                                "trace directory '{tmp}/no' does not exist (for trace '{tmp}/no/t.json')"),
+    "report path is a directory": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--report", t]),
+                                   "report path '{tmp}' is a directory"),
 }
 
 
@@ -139,7 +143,7 @@ def test_bad_input_is_one_clear_message_exit_2_and_no_output(tmp_path, seed8, ca
     before = sorted(p.name for p in tmp_path.iterdir())
     proc = run_command(4, "hpcpipe.infer", _args(w, data, out, *more), cwd=tmp_path, timeout=60)
     stderr = _one_error(proc)
-    assert template.format(input=data, weights=w, output=out, parent=Path(out).parent) in stderr
+    assert template.format(input=data, weights=w, output=out, parent=Path(out).parent, tmp=tmp_path) in stderr
     if not Path(out).is_dir() and out != data:
         _no_output(tmp_path, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -31,8 +31,8 @@ from .comm import Poller, abort, agree, barrier, broadcast, clock_offset, gather
 from .config import Config, from_dict, load_raw, resolve_layout
 from .errors import AgreedError, ConfigError
 from .infer_engine import StreamStage
-from .infer_io import (RowReader, RowWriter, check_input, check_output, commit, create_output, discard,
-                       replica_micro_batches, temporary_name)
+from .infer_io import (RowReader, RowWriter, check_input, check_output, check_writable, commit, create_output,
+                       discard, replica_micro_batches, temporary_name)
 from .infer_report import chrome_trace, format_summary, summarize, write_json
 from .layers import make_activation
 from .model import layer_specs, partition
@@ -67,6 +67,7 @@ class InferPlan:
     input: str
     output: str
     n_rows: int
+    trace: str = ""      # Chrome-trace file to write ("" = none)
 
 
 def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
@@ -86,8 +87,9 @@ def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) 
 
 
 def plan(weights: str | Path, input: str | Path, output: str | Path, world_size: int,
-         config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> InferPlan:
-    """Check weights, config, layout, input and output path locally; raise ConfigError naming what is wrong."""
+         config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
+         trace: str = "") -> InferPlan:
+    """Check weights, config, layout, input, output and trace paths locally; raise ConfigError naming what is wrong."""
     source = resolve_weights(weights)
     raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
     if isinstance(config, dict):
@@ -105,7 +107,10 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     source.check(specs)
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
     check_output(output, input)
-    return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows)
+    trace = trace or cfg.log.trace
+    if trace:
+        check_writable(trace, "trace path")
+    return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)
 
 
 def fault_step(rank: int) -> int:
@@ -149,7 +154,7 @@ def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Pat
         pp_comm=topo.pp_comm, prev=topo.prev, next=topo.next, poller=poller)
 
 
-def execute(p: InferPlan, comm: Any, trace: str = "") -> dict[str, Any]:
+def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
     """Run a planned inference on every rank of comm (collective); return the report on every rank.
 
     Errors before streaming (unreadable weights, output not creatable) are
@@ -188,7 +193,7 @@ def execute(p: InferPlan, comm: Any, trace: str = "") -> dict[str, Any]:
             error = f"rank {rank} ({topo.name}) cannot start: {type(exc).__name__}: {exc}"
         _agreed(comm, poller, error, 1)
         stage.fault_at = fault_step(rank)
-        shift = clock_offset(comm, poller)
+        shift = clock_offset(topo.cart, poller)   # our own communicator: no clash with the caller's tags
         barrier(comm, poller)
         t_start = time.perf_counter()
         try:
@@ -226,10 +231,13 @@ def execute(p: InferPlan, comm: Any, trace: str = "") -> dict[str, Any]:
             report = summarize(parts, p.n_rows, cfg.infer.micro_batch_size, p.dp, p.pp)
             report.update(output=p.output, weights=str(p.weights.path), step=p.weights.step,
                           setup_s=t_start - t_begin, total_s=time.perf_counter() - t_begin)
-            trace = trace or cfg.log.trace
-            if trace:
-                write_json(trace, chrome_trace(parts))
-                report["trace"] = trace
+            if p.trace:
+                try:
+                    write_json(p.trace, chrome_trace(parts))
+                    report["trace"] = p.trace
+                except OSError as exc:   # the results are written: a lost trace is not worth failing for
+                    report["trace_error"] = f"cannot write trace {p.trace!r}: {exc}"
+                    print(f"hpcpipe: warning: {report['trace_error']}", file=sys.stderr, flush=True)
         return broadcast(comm, report)
     finally:
         if stage is not None:   # an agreed error after the stage was built: release what it holds
@@ -258,7 +266,7 @@ def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    return execute(plan(weights, input, output, comm.Get_size(), config, overrides), comm, trace)
+    return execute(plan(weights, input, output, comm.Get_size(), config, overrides, trace), comm)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -286,10 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
 
     def planner() -> InferPlan:
-        return plan(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides)
+        if args.report:
+            check_writable(args.report, "report path")
+        return plan(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides,
+                    args.trace)
 
     def body(p: InferPlan) -> int:
-        report = execute(p, world, args.trace)
+        report = execute(p, world)
         if world.Get_rank() == 0:
             print(format_summary(report) + f" -> {p.output!r}", flush=True)
             if args.report:

@@ -73,20 +73,27 @@ def check_input(path: str | Path, dataset: str, width: int) -> int:
         return int(x.shape[0])
 
 
-def check_output(path: str | Path, input_path: str | Path) -> None:
-    """Raise ConfigError unless the output path can be created: its directory exists and it is not the input."""
+def check_writable(path: str | Path, what: str = "output path") -> None:
+    """Raise ConfigError unless a file can be created at path: its directory exists and is writable."""
     p = Path(path)
     if not str(path):
-        raise ConfigError("no output path given")
+        raise ConfigError(f"no {what} given")
     if p.is_dir():
-        raise ConfigError(f"output path {str(p)!r} is a directory")
+        raise ConfigError(f"{what} {str(p)!r} is a directory")
     parent = p.parent
     if not parent.exists():
-        raise ConfigError(f"output directory {str(parent)!r} does not exist (for output {str(p)!r})")
+        raise ConfigError(f"{what.split()[0]} directory {str(parent)!r} does not exist (for {what.split()[0]} "
+                          f"{str(p)!r})")
     if not parent.is_dir():
-        raise ConfigError(f"output path {str(p)!r} is not writable: {str(parent)!r} is not a directory")
+        raise ConfigError(f"{what} {str(p)!r} is not writable: {str(parent)!r} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"output path {str(p)!r} is not writable: no write permission on {str(parent)!r}")
+        raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
+
+
+def check_output(path: str | Path, input_path: str | Path) -> None:
+    """Raise ConfigError unless the output path can be created: its directory exists and it is not the input."""
+    check_writable(path, "output path")
+    p = Path(path)
     if p.exists() and Path(input_path).exists() and os.path.samefile(p, input_path):
         raise ConfigError(f"output path {str(p)!r} is the input file")
 

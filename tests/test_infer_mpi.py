@@ -145,13 +145,13 @@ def test_checkpoint_saved_by_training_at_dp2_pp4_serves_at_other_layouts(world, 
     assert source.kind == "checkpoint" and source.step == 3 and source.manifest["layout"]["pp"] == 4
     ref = sequential_forward(source.read(list(range(8))), source.model, x)
     outputs = {}
-    for dp, pp in [(1, 1), (1, 2), (2, 2), (1, 8)]:
+    for dp, pp, buffers in [(1, 1, 2), (1, 2, 2), (2, 2, 1), (1, 8, 3)]:
         sub = sub_world(world, dp * pp)
         if sub is not None:
             out = os.path.join(shared_tmp, f"ck-{dp}x{pp}.h5")
             # no model keys given: dims, bias and activations come from the checkpoint's manifest
             infer.run(ck, data, out, comm=sub, config={"parallel": {"pp": pp, "dp": dp},
-                                                       "infer": {"micro_batch_size": 3}})
+                                                       "infer": {"micro_batch_size": 3, "buffers": buffers}})
             if sub.Get_rank() == 0:
                 outputs[(dp, pp)] = _read_output(out)
             sub.Free()

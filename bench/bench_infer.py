@@ -62,11 +62,25 @@ def make_files(tmp: str, dims: list[int], rows: int) -> tuple[str, str, dict]:
     return weights, data, arrays
 
 
-def wait_quiet(limit: float, timeout: float) -> None:
-    """Wait (up to timeout seconds) until the 1-minute load average drops below limit."""
+def idle_fraction(seconds: float = 1.0) -> float:
+    """Return the share of all cores' time that was idle over the next `seconds` (Linux /proc/stat)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)   # idle + iowait, total
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_quiet(min_idle: float, timeout: float) -> float:
+    """Wait (up to timeout seconds) until the cores were at least min_idle idle for a second; return that share."""
     deadline = time.time() + timeout
-    while os.getloadavg()[0] >= limit and time.time() < deadline:
-        time.sleep(5)
+    idle = idle_fraction()
+    while idle < min_idle and time.time() < deadline:
+        idle = idle_fraction()
+    return idle
 
 
 def sequential(arrays: dict, data: str, out: str, batch: int) -> tuple[float, float]:
@@ -120,8 +134,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x4"], help="DPxPP layouts to run")
-    parser.add_argument("--quiet-load", type=float, default=0.0,
-                        help="before each repeat, wait (up to --quiet-wait s) for the 1-min load to drop below this")
+    parser.add_argument("--quiet", type=float, default=0.0,
+                        help="before each measurement wait (up to --quiet-wait s) until the cores were this idle "
+                             "(0..1) for a second; 0 = do not wait")
     parser.add_argument("--quiet-wait", type=float, default=300.0)
     args = parser.parse_args()
     dims = [args.width] * (args.layers + 1)
@@ -129,16 +144,17 @@ def main() -> int:
     load_before = load()
     results: dict[str, list[dict]] = {"sequential": []}
     loads: list[float] = []
+    idle: list[float] = []    # idle share of the cores just before each measurement
     with tempfile.TemporaryDirectory() as tmp:
         weights, data, arrays = make_files(tmp, dims, args.rows)
         ref_path = os.path.join(tmp, "seq.h5")
         for _ in range(args.repeats):
-            if args.quiet_load:
-                wait_quiet(args.quiet_load, args.quiet_wait)
             loads.append(os.getloadavg()[0])
+            idle.append(wait_quiet(args.quiet, args.quiet_wait) if args.quiet else idle_fraction(0.2))
             seconds, cpu = sequential(arrays, data, ref_path, args.batch)
             results["sequential"].append({"elapsed_s": seconds, "rows_per_s": args.rows / seconds, "cpu_s": cpu})
             for dp, pp in layouts:
+                idle.append(wait_quiet(args.quiet, args.quiet_wait) if args.quiet else idle_fraction(0.2))
                 out = os.path.join(tmp, f"out-{dp}x{pp}.h5")
                 report, wall = pipeline(weights, data, out, dp, pp, args.batch, tmp)
                 report["wall_s"] = wall
@@ -162,6 +178,7 @@ def main() -> int:
           f"{args.repeats} repeats (median; best in brackets)")
     print(f"load average before: {load_before}; after: {load_after}; 1-min load at each repeat: "
           f"{', '.join(f'{v:.2f}' for v in loads)}")
+    print(f"idle share of the cores just before each measurement: {', '.join(f'{v:.2f}' for v in idle)}")
     print("cores used = CPU seconds of all ranks / elapsed (1.0 per rank on an idle machine, at most the core "
           "count)\n")
     print("| run | ranks | elapsed s | rows/s | vs sequential | latency p50 / p99 ms | fill + drain ms "

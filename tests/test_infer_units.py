@@ -96,8 +96,10 @@ def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activat
 
 def test_streaming_stage_writes_every_row_in_order(tmp_path):
     stage, arrays, x, out = _single_rank_stage(tmp_path, 100)   # 3 full micro-batches and a partial one
+    size = out.stat().st_size
     events = stage.run()
     stage.close()
+    assert out.stat().st_size == size      # rows land inside the allocated dataset, nothing past it
     with h5py.File(out, "r") as f:
         y = f["y"][...]
     np.testing.assert_allclose(y, reference_forward(arrays, {"activation": "gelu"}, x), rtol=1e-5, atol=1e-6)

@@ -133,6 +133,108 @@ class PipeComm:
         return out
 
 
+class StreamLink:
+    """Persistent requests streaming micro-batches through fixed slot buffers to or from one pipeline neighbour.
+
+    Inference moves every micro-batch through the same few buffers, so each
+    slot gets one persistent request (``Send_init`` / ``Recv_init``) made
+    once; :meth:`start` restarts it and :meth:`wait` completes it, with no
+    allocation per micro-batch. Messages between one pair of ranks on one tag
+    are non-overtaking, so slot k carries micro-batches k, k+S, k+2S, ...
+    Buffers must be host (NumPy) arrays.
+
+    Roughly, a sender::
+
+        wait(slot)            # the send of micro-batch i - S has left this slot
+        compute into buffers[slot]
+        start(slot)           # Isend of micro-batch i overlaps the compute of i + 1
+    """
+
+    def __init__(self, comm: Any, peer: int, buffers: list[np.ndarray], tag: int, send: bool, poller: Poller):
+        for buf in buffers:
+            if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+                raise TypeError("StreamLink buffers must be C-contiguous NumPy arrays")
+        self.buffers = buffers
+        self.poller = poller
+        init = comm.Send_init if send else comm.Recv_init
+        self.requests = [init(buf, peer, tag) for buf in buffers]
+        self._one = [[r] for r in self.requests]      # preallocated argument lists for Poller.wait
+        self.active = [False] * len(buffers)
+        self.waited_s = 0.0
+
+    def start(self, slot: int) -> None:
+        """Start the transfer of buffers[slot] (a send, or a receive into it)."""
+        self.requests[slot].Start()
+        self.active[slot] = True
+
+    def wait(self, slot: int) -> float:
+        """Complete the transfer on slot (no-op when none is active); return the seconds spent waiting."""
+        if not self.active[slot]:
+            return 0.0
+        before = self.poller.waited_s
+        self.poller.wait(self._one[slot])
+        self.active[slot] = False
+        waited = self.poller.waited_s - before
+        self.waited_s += waited
+        return waited
+
+    def progress(self) -> None:
+        """Let MPI move data of active transfers (call between compute kernels; never blocks)."""
+        MPI.Request.Testall(self.requests)
+        # Testall completes all or none; a completed persistent request is inactive and waits instantly
+
+    def wait_all(self) -> None:
+        """Complete every active transfer."""
+        for slot in range(len(self.requests)):
+            self.wait(slot)
+
+    def free(self) -> None:
+        """Complete, then release the persistent requests."""
+        self.wait_all()
+        for r in self.requests:
+            r.Free()
+        self.requests = []
+
+
+def clock_offset(comm: Any, poller: Poller, root: int = 0, rounds: int = 8) -> float:
+    """Return what to add to this rank's ``time.perf_counter()`` to read root's clock (collective, setup only).
+
+    Ranks on root's node share its monotonic clock: their offset is 0. Each
+    rank on another node does ``rounds`` ping-pongs with root and keeps the
+    one with the shortest round trip (Cristian's algorithm), so a rank
+    descheduled during one exchange does not skew the estimate.
+    """
+    hosts = comm.allgather(MPI.Get_processor_name())
+    rank = comm.Get_rank()
+    remote = [r for r, host in enumerate(hosts) if host != hosts[root]]
+    stamp = np.zeros(1, dtype=np.float64)
+    if rank == root:
+        for peer in remote:
+            for _ in range(rounds):
+                poller.wait([comm.Irecv(stamp, source=peer, tag=7)])
+                stamp[0] = time.perf_counter()
+                comm.Send(stamp, dest=peer, tag=7)
+        return 0.0
+    if rank not in remote:
+        return 0.0
+    best_rtt, offset = float("inf"), 0.0
+    ping = np.zeros(1, dtype=np.float64)
+    for _ in range(rounds):
+        reply = comm.Irecv(stamp, source=root, tag=7)
+        t0 = time.perf_counter()
+        comm.Send(ping, dest=root, tag=7)
+        poller.wait([reply])
+        t1 = time.perf_counter()
+        if t1 - t0 < best_rtt:
+            best_rtt, offset = t1 - t0, float(stamp[0]) - (t0 + t1) / 2
+    return offset
+
+
+def broadcast(comm: Any, obj: Any, root: int = 0) -> Any:
+    """Return root's picklable object on every rank (setup only, never the hot path)."""
+    return comm.bcast(obj, root=root)
+
+
 def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
     """Gather a picklable object from every rank (setup and tests only, never the hot path)."""
     return comm.gather(obj, root=root)

@@ -88,6 +88,14 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class InferConfig:
+    micro_batch_size: int = 128   # rows per micro-batch streamed through the pipeline
+    x: str = "x"                  # input dataset (N, model.dims[0])
+    y: str = "y"                  # output dataset written (N, model.dims[-1])
+    buffers: int = 2              # micro-batches in flight per pipeline link (2 = double buffering)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     backend: str = "auto"
     poll_min_us: float = 20.0   # first sleep of a waiting rank; doubles up to poll_max_us
@@ -103,6 +111,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -177,6 +186,15 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a TOML file (or the embedded default when path is None), apply overrides, validate."""
+    return from_dict(load_raw(path, overrides))
+
+
+def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Return the nested dicts a TOML file and ``--set`` overrides give, before defaults and validation.
+
+    Front ends that fill unset keys from elsewhere (``infer`` takes the model
+    from the weights) use this to know which keys the user actually set.
+    """
     raw: dict[str, dict[str, Any]] = {}
     if path:
         p = Path(path)
@@ -188,8 +206,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
     for item in overrides:
         section, key, value = parse_override(item)
-        raw.setdefault(section, {})[key] = value
-    return from_dict(raw)
+        section_values = raw.setdefault(section, {})
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys, got {section_values!r}")
+        section_values[key] = value
+    return raw
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -262,6 +283,10 @@ def validate(config: Config) -> None:
     _require(config.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {config.checkpoint.keep}")
     _require(not config.checkpoint.resume or bool(config.checkpoint.dir),
              "checkpoint.resume = true needs checkpoint.dir (it resumes from checkpoint.dir/latest)")
+    inf = config.infer
+    _require(inf.micro_batch_size >= 1, f"infer.micro_batch_size must be >= 1, got {inf.micro_batch_size}")
+    _require(inf.buffers >= 1, f"infer.buffers must be >= 1, got {inf.buffers}")
+    _require(bool(inf.x) and bool(inf.y), f"infer.x and infer.y must name datasets, got {inf.x!r} and {inf.y!r}")
     _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
     _require(config.run.backend in BACKENDS,
              f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")

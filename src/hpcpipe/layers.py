@@ -28,6 +28,12 @@ class Activation:
         """Return dL/dz from dL/dy; may overwrite g."""
         return g
 
+    def apply_(self, xp: Any, z: Any, scratch: Any) -> None:
+        """Overwrite z with the activation of z, allocating nothing (scratch: same shape, may be clobbered).
+
+        The forward-only path of inference; same operations in the same order as ``forward``.
+        """
+
 
 class ReLU(Activation):
     name = "relu"
@@ -40,6 +46,9 @@ class ReLU(Activation):
         g *= saved > 0
         return g
 
+    def apply_(self, xp, z, scratch):
+        xp.maximum(z, 0, out=z)
+
 
 class Tanh(Activation):
     name = "tanh"
@@ -51,6 +60,9 @@ class Tanh(Activation):
     def backward(self, xp, saved, g):
         g *= 1 - saved * saved
         return g
+
+    def apply_(self, xp, z, scratch):
+        xp.tanh(z, out=z)
 
 
 class GELU(Activation):
@@ -67,6 +79,17 @@ class GELU(Activation):
         dt = (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * z * z)
         g *= 0.5 * (1 + t) + 0.5 * z * dt
         return g
+
+    def apply_(self, xp, z, scratch):
+        t = scratch
+        xp.power(z, 3, out=t)
+        t *= 0.044715
+        t += z
+        t *= _GELU_C
+        xp.tanh(t, out=t)
+        t += 1
+        z *= 0.5
+        z *= t
 
 
 ACTIVATIONS: dict[str, type[Activation]] = {"relu": ReLU, "tanh": Tanh, "gelu": GELU, "identity": Activation}

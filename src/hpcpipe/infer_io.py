@@ -1,0 +1,199 @@
+"""Inference input and output: row assignment, checked HDF5 input, one output file written in parallel.
+
+Rows (fixed, documented, independent of pp):
+
+* Micro-batch m holds input rows ``[m*B, min((m+1)*B, N))`` (B =
+  infer.micro_batch_size); there are ``M = ceil(N / B)`` of them and only the
+  last may be partial.
+* Replica d takes micro-batches ``d, d+dp, d+2dp, ...`` (round robin), so the
+  replicas' shares differ by at most one micro-batch. Each replica's
+  first-stage rank reads only its micro-batches' rows, one micro-batch at a
+  time, never the whole file.
+
+Output: world rank 0 creates ``OUT.tmp-XXXXXXXX`` beside OUT with dataset
+``y`` (N, dims[-1]) stored *contiguously*, its storage allocated at creation
+(no fill, no chunks, no filters), and records the byte offset of that
+storage. Each replica's last-stage rank then writes its rows straight into
+their place in that region with ``os.pwrite``, all replicas at once: the
+row ranges are disjoint, no HDF5 metadata changes after creation, and the
+file is a valid HDF5 file throughout (the technique MPI-IO parallel HDF5
+uses, without needing a parallel HDF5 build). Only after every rank has
+written, flushed and agreed does rank 0 rename the temporary file to OUT, so
+OUT is either absent (or the previous file) or complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .errors import ConfigError
+
+
+def n_micro_batches(n_rows: int, batch: int) -> int:
+    """Return how many micro-batches of up to `batch` rows cover n_rows rows."""
+    return -(-n_rows // batch)
+
+
+def replica_micro_batches(n_rows: int, batch: int, dp: int, dp_rank: int) -> list[int]:
+    """Return the micro-batches replica dp_rank processes, in order (round robin over replicas)."""
+    return list(range(dp_rank, n_micro_batches(n_rows, batch), dp))
+
+
+def micro_batch_rows(m: int, n_rows: int, batch: int) -> tuple[int, int]:
+    """Return (first row, row count) of micro-batch m."""
+    start = m * batch
+    return start, min(batch, n_rows - start)
+
+
+def check_input(path: str | Path, dataset: str, width: int) -> int:
+    """Return the row count of the input dataset, or raise ConfigError naming the file and values."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"input file {str(p)!r} does not exist")
+    try:
+        f = h5py.File(p, "r")
+    except OSError as exc:
+        raise ConfigError(f"input file {str(p)!r} is not a readable HDF5 file: {exc}") from None
+    with f:
+        if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+            raise ConfigError(f"input file {str(p)!r} has no dataset {dataset!r} (it has: {sorted(f.keys())}); "
+                              f"set infer.x to choose another")
+        x = f[dataset]
+        if x.ndim != 2 or x.shape[1] != width:
+            raise ConfigError(f"dataset {dataset!r} in {str(p)!r} has shape {x.shape}; model.dims[0] = {width} "
+                              f"needs (N, {width})")
+        if x.dtype.kind not in "fiu":
+            raise ConfigError(f"dataset {dataset!r} in {str(p)!r} has dtype {x.dtype}; a numeric dtype is needed")
+        return int(x.shape[0])
+
+
+def check_writable(path: str | Path, what: str = "output path") -> None:
+    """Raise ConfigError unless a file can be created at path: its directory exists and is writable."""
+    p = Path(path)
+    if not str(path):
+        raise ConfigError(f"no {what} given")
+    if p.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is a directory")
+    parent = p.parent
+    if not parent.exists():
+        raise ConfigError(f"{what.split()[0]} directory {str(parent)!r} does not exist (for {what.split()[0]} "
+                          f"{str(p)!r})")
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is not writable: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
+
+
+def check_output(path: str | Path, input_path: str | Path) -> None:
+    """Raise ConfigError unless the output path can be created: its directory exists and it is not the input."""
+    check_writable(path, "output path")
+    p = Path(path)
+    if p.exists() and Path(input_path).exists() and os.path.samefile(p, input_path):
+        raise ConfigError(f"output path {str(p)!r} is the input file")
+
+
+def temporary_name(path: str | Path) -> Path:
+    """Return a fresh temporary name beside path: ``PATH.tmp-XXXXXXXX``."""
+    p = Path(path)
+    return p.with_name(f"{p.name}.tmp-{secrets.token_hex(4)}")
+
+
+def create_output(tmp: Path, n_rows: int, width: int, dtype: str, dataset: str,
+                  attrs: dict[str, Any]) -> int | None:
+    """Create the temporary output file with contiguous, pre-allocated dataset; return its byte offset.
+
+    Returns None when the dataset is empty (nothing to write).
+    """
+    with h5py.File(tmp, "w") as f:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        space = h5py.h5s.create_simple((n_rows, width))
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        native = np.dtype(dtype).newbyteorder("=")
+        dset = h5py.h5d.create(f.id, dataset.encode(), h5py.h5t.py_create(native), space, dcpl=dcpl)
+        offset = dset.get_offset()
+    return None if n_rows == 0 else offset
+
+
+class RowReader:
+    """Reads micro-batches of input rows into caller-provided buffers (HDF5 converts the dtype).
+
+    Uses h5py's low-level calls with dataspaces made once, so a read creates
+    no HDF5 objects (h5py's ``read_direct`` builds selections per call).
+    """
+
+    def __init__(self, path: str | Path, dataset: str, batch: int, dtype: Any):
+        self.file = h5py.File(path, "r")
+        self.dataset = self.file[dataset]
+        self.width = self.dataset.shape[1]
+        self.fspace = self.dataset.id.get_space()
+        self.mtype = h5py.h5t.py_create(np.dtype(dtype))
+        self.mspaces: dict[int, Any] = {}
+        n = self.dataset.shape[0]
+        for rows in {batch, n % batch} - {0}:
+            self.mspaces[rows] = h5py.h5s.create_simple((rows, self.width))
+
+    def read(self, start: int, rows: int, out: np.ndarray) -> None:
+        """Fill out[:rows] with input rows [start, start + rows)."""
+        self.fspace.select_hyperslab((start, 0), (rows, self.width))
+        self.dataset.id.read(self.mspaces[rows], self.fspace, out[:rows], self.mtype)
+
+    def close(self) -> None:
+        """Close the input file."""
+        self.file.close()
+
+
+class RowWriter:
+    """Writes output rows into their place in the temporary output file's pre-allocated storage."""
+
+    def __init__(self, tmp: str | Path, offset: int | None, row_bytes: int):
+        self.fd = os.open(tmp, os.O_WRONLY)
+        self.offset = offset or 0
+        self.row_bytes = row_bytes
+        self.bytes_written = 0
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Write C-contiguous rows as output rows [start, start + len(rows))."""
+        view = memoryview(rows).cast("B")
+        position = self.offset + start * self.row_bytes
+        done = 0
+        while done < len(view):   # a regular file takes it in one call; loop on a short write anyway
+            done += os.pwrite(self.fd, view[done:], position + done)
+        self.bytes_written += done
+
+    def close(self) -> None:
+        """Flush the written rows to stable storage and close the file."""
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Atomically rename the complete temporary output to its final name (and make the rename durable)."""
+    os.replace(tmp, final)
+    try:
+        fd = os.open(final.parent, os.O_RDONLY)
+    except OSError:   # directories that cannot be opened (some platforms): the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def discard(tmp: Path) -> None:
+    """Remove a temporary output file if it exists."""
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass

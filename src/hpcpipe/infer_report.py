@@ -1,0 +1,119 @@
+"""Inference report and trace: per-rank micro-batch timestamps -> throughput, latency, fill/drain, bubble.
+
+Every rank hands in its (K, 5) timestamps (see
+:data:`hpcpipe.infer_engine.EVENT_FIELDS`) already shifted to world rank
+0's clock. Definitions (all wall clock):
+
+* elapsed: from the first rank leaving the start barrier to the last rank
+  finishing (last row written, last send completed); rows/s = N / elapsed.
+* latency of micro-batch m: from its first stage starting to read it to its
+  last stage having written it (p50, p99, max over all micro-batches).
+* fill: per replica, from the first stage starting its first micro-batch to
+  the last stage starting to compute it; drain: from the first stage
+  finishing its last compute to the last stage having written the last
+  micro-batch. Reported as the mean over replicas and as a fraction of
+  elapsed.
+* measured bubble: the share of rank time not spent computing,
+  ``1 - sum(compute time over ranks) / (ranks x elapsed)``; the ideal GPipe
+  bubble ``(pp - 1) / (K + pp - 1)`` (K = micro-batches per replica) is
+  printed beside it. With more ranks than cores, compute intervals include
+  time a rank waited for a core, so the measured bubble shrinks toward 0
+  while the throughput tells the truth.
+* cpu_s: CPU seconds all ranks used while streaming; cpu_s / elapsed is
+  how many cores the run actually got (less than expected = the machine
+  was busy with something else).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from .topology import rank_name
+
+
+def summarize(parts: list[dict[str, Any]], n_rows: int, batch: int, dp: int, pp: int) -> dict[str, Any]:
+    """Return the report of one run from every rank's part (rank 0)."""
+    start = min(p["start"] for p in parts)
+    end = max(p["end"] for p in parts)
+    elapsed = max(end - start, 1e-12)
+    first_in: dict[int, float] = {}
+    last_out: dict[int, float] = {}
+    compute = 0.0
+    stage_compute = np.zeros(pp)
+    fills, drains = [], []
+    by_cell = {(p["dp_rank"], p["pp_rank"]): p for p in parts}
+    for p in parts:
+        ev = p["events"]
+        busy = float(np.sum(ev[:, 3] - ev[:, 2])) if len(ev) else 0.0
+        compute += busy
+        stage_compute[p["pp_rank"]] += busy / dp
+        if p["pp_rank"] == 0:
+            first_in.update(zip(p["mbs"], ev[:, 0]))
+        if p["pp_rank"] == pp - 1:
+            last_out.update(zip(p["mbs"], ev[:, 4]))
+    for d in range(dp):
+        head, tail = by_cell[(d, 0)]["events"], by_cell[(d, pp - 1)]["events"]
+        if len(head):
+            fills.append(tail[0, 2] - head[0, 0])
+            drains.append(tail[-1, 4] - head[-1, 3])
+    latencies = np.array([last_out[m] - first_in[m] for m in sorted(first_in)]) * 1e3
+    k = max((len(p["mbs"]) for p in parts), default=0)
+    fill = float(np.mean(fills)) if fills else 0.0
+    drain = float(np.mean(drains)) if drains else 0.0
+
+    def pct(q: float) -> float:
+        return float(np.percentile(latencies, q)) if len(latencies) else 0.0
+
+    return {
+        "rows": n_rows, "micro_batch_size": batch, "micro_batches": len(first_in), "micro_batches_per_replica": k,
+        "dp": dp, "pp": pp, "ranks": len(parts), "elapsed_s": elapsed, "rows_per_s": n_rows / elapsed,
+        "latency_ms": {"p50": pct(50), "p99": pct(99), "max": float(latencies.max()) if len(latencies) else 0.0,
+                       "mean": float(latencies.mean()) if len(latencies) else 0.0},
+        "fill_ms": fill * 1e3, "drain_ms": drain * 1e3, "fill_drain_fraction": (fill + drain) / elapsed,
+        "bubble": max(0.0, 1.0 - compute / (len(parts) * elapsed)),
+        "ideal_bubble": (pp - 1) / (k + pp - 1) if k else 0.0,
+        "stage_compute_s": [float(v) for v in stage_compute],
+        "recv_wait_s": float(sum(p["recv_wait"] for p in parts)),
+        "send_wait_s": float(sum(p["send_wait"] for p in parts)),
+        "cpu_s": float(sum(p["cpu_s"] for p in parts)),
+    }
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """Return the one-line human summary rank 0 prints."""
+    r, lat = report, report["latency_ms"]
+    return (f"hpcpipe: inferred {r['rows']} rows in {r['elapsed_s']:.3f} s: {r['rows_per_s']:.0f} rows/s "
+            f"(dp={r['dp']} pp={r['pp']}, {r['micro_batches']} micro-batches of {r['micro_batch_size']}); "
+            f"latency p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms; fill {r['fill_ms']:.1f} ms "
+            f"drain {r['drain_ms']:.1f} ms ({100 * r['fill_drain_fraction']:.1f}% of the run); "
+            f"bubble {100 * r['bubble']:.1f}% (ideal {100 * r['ideal_bubble']:.1f}%)")
+
+
+def chrome_trace(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return every rank's micro-batch phases as Chrome-trace JSON (one track per world rank, microseconds)."""
+    t0 = min(p["start"] for p in parts)
+    events: list[dict[str, Any]] = []
+    for p in sorted(parts, key=lambda q: q["rank"]):
+        tid, first, last = p["rank"], p["pp_rank"] == 0, p["last"]
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                       "args": {"name": f"rank {tid} ({rank_name(p['dp_rank'], p['pp_rank'])})"}})
+        phases = (("read" if first else "recv", 0, 1), ("send-wait", 1, 2), ("compute", 2, 3),
+                  ("write" if last else "send", 3, 4))
+        for m, rows, ev in zip(p["mbs"], p["rows"], p["events"]):
+            for cat, a, b in phases:
+                if cat == "send-wait" and ev[b] - ev[a] < 1e-6:
+                    continue
+                name = f"s{p['pp_rank']}F{m}" if cat == "compute" else f"{cat} {m}"
+                events.append({"name": name, "cat": cat, "ph": "X", "ts": (ev[a] - t0) * 1e6,
+                               "dur": (ev[b] - ev[a]) * 1e6, "pid": 0, "tid": tid,
+                               "args": {"mb": int(m), "rows": int(rows), "stage": p["pp_rank"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write obj as JSON text to path."""
+    with open(path, "w") as f:
+        json.dump(obj, f)

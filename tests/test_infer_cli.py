@@ -1,0 +1,204 @@
+"""End-to-end runs of the real command: `mpiexec -n N python -m hpcpipe.infer`.
+
+Seed example 8 on 4 and 8 ranks, the report and the trace, every error of
+the issue with its exit status and message, and nothing (half-)written at
+the output path when it fails.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import run_command, seed_draws
+from hpcpipe.weights import write_weights
+from state_helpers import flip_byte_in_dataset
+
+pytestmark = pytest.mark.slow
+
+SEED8_MODEL = {"dims": [16] * 5, "bias": False, "activation": "relu", "final_activation": True}
+
+
+@pytest.fixture
+def seed8(tmp_path):
+    """Seed example 8's weights (with its model stored) and inputs as files: (weights, input, reference)."""
+    w, _, x, _ = seed_draws(micro_batches=8, bias=False)
+    weights, data = tmp_path / "w.h5", tmp_path / "in.h5"
+    write_weights(weights, {i: {"weight": w[i]} for i in range(4)}, n_layers=4, model_config=SEED8_MODEL)
+    with h5py.File(data, "w") as f:
+        f["x"] = x.reshape(-1, 16)
+    ref = x.reshape(-1, 16)
+    for s in range(4):
+        ref = np.maximum(ref @ w[s], 0)
+    return weights, data, ref
+
+
+def _args(weights, data, out, *more):
+    return ["--weights", str(weights), "--input", str(data), "--output", str(out), *map(str, more)]
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_seed_example8_command(tmp_path, seed8, n):
+    weights, data, ref = seed8
+    out, trace, report = tmp_path / "out.h5", tmp_path / "trace.json", tmp_path / "report.json"
+    proc = run_command(n, "hpcpipe.infer", _args(weights, data, out, "--set", "infer.micro_batch_size=4",
+                                                 "--trace", trace, "--report", report), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out, "r") as f:
+        y = f["y"][...]
+        assert f.attrs["weights"] == str(weights)
+    assert (f"{y.min():.4f}", f"{y.max():.4f}") == ("0.0000", "417.7554")
+    assert np.max(np.abs(y - ref)) < 1e-4
+    dp = n // 4
+    assert f"inferred 32 rows" in proc.stdout and f"(dp={dp} pp=4, 8 micro-batches of 4)" in proc.stdout
+    for field in ("rows/s", "latency p50", "p99", "fill", "drain", "bubble"):
+        assert field in proc.stdout
+    r = json.loads(report.read_text())
+    assert r["rows"] == 32 and r["micro_batches_per_replica"] == 8 // dp
+    assert r["ideal_bubble"] == pytest.approx(3 / (8 // dp + 3))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "M"} == set(range(n))
+    assert len([e for e in events if e.get("cat") == "compute"]) == 8 * 4
+    assert sorted(os.listdir(tmp_path)) == ["in.h5", "out.h5", "report.json", "trace.json", "w.h5"]
+
+
+def _no_output(tmp_path, out):
+    assert not Path(out).exists()
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+
+
+def _one_error(proc, code=2):
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.count("hpcpipe: error:") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def _wide_input(tmp_path):
+    path = tmp_path / "wide.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((8, 12), np.float32)
+    return path
+
+
+def _other_dataset(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f["inputs"] = np.zeros((8, 16), np.float32)
+    return path
+
+
+def _bare_weights(tmp_path):
+    """Seed weights written without a stored model config: the config decides the model."""
+    w, _, _, _ = seed_draws(micro_batches=8, bias=False)
+    path = tmp_path / "bare.h5"
+    write_weights(path, {i: {"weight": w[i]} for i in range(4)}, n_layers=4)
+    return path
+
+
+CASES = {
+    "input width": (lambda t, w: (w, _wide_input(t), t / "out.h5", []),
+                    "dataset 'x' in '{input}' has shape (8, 12); model.dims[0] = 16 needs (N, 16)"),
+    "missing dataset": (lambda t, w: (w, _other_dataset(t), t / "out.h5", []),
+                        "input file '{input}' has no dataset 'x' (it has: ['inputs']); set infer.x to choose "
+                        "another"),
+    "missing input": (lambda t, w: (w, t / "nope.h5", t / "out.h5", []), "input file '{input}' does not exist"),
+    "dims contradict the weights": (
+        lambda t, w: (w, t / "in.h5", t / "out.h5", ["--set", "model.dims=[16, 16, 16, 16, 8]"]),
+        "model.dims = [16, 16, 16, 16, 8] in the configuration does not match weights file '{weights}', which was "
+        "saved with model.dims = [16, 16, 16, 16, 16]"),
+    "weights shapes": (
+        lambda t, w: (_bare_weights(t), t / "in.h5", t / "out.h5",
+                      ["--set", "model.bias=false", "--set", "model.dims=[16, 16, 16, 16, 8]"]),
+        "weights file '{weights}': layers/0003/weight has shape (16, 16), the model needs (16, 8)"),
+    "weights without bias": (
+        lambda t, w: (_bare_weights(t), t / "in.h5", t / "out.h5", []),
+        "weights file '{weights}': layer 0 holds ['weight'], the model needs ['bias', 'weight']"),
+    "missing weights": (lambda t, w: (t / "none", t / "in.h5", t / "out.h5", []),
+                        "checkpoint '{weights}' does not exist"),
+    "output parent is a file": (lambda t, w: (w, t / "in.h5", t / "in.h5" / "out.h5", []),
+                                "output path '{output}' is not writable: '{input}' is not a directory"),
+    "output directory missing": (lambda t, w: (w, t / "in.h5", t / "no" / "out.h5", []),
+                                 "output directory '{parent}' does not exist (for output '{output}')"),
+    "output is a directory": (lambda t, w: (w, t / "in.h5", t, []), "output path '{output}' is a directory"),
+    "output is the input": (lambda t, w: (w, t / "in.h5", t / "in.h5", []), "output path '{output}' is the input file"),
+    "trace directory missing": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--trace", t / "no" / "t.json"]),
+                                "trace directory '{tmp}/no' does not exist (for trace '{tmp}/no/t.json')"),
+    "report path is a directory": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--report", t]),
+                                   "report path '{tmp}' is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_clear_message_exit_2_and_no_output(tmp_path, seed8, case):
+    weights, _, _ = seed8
+    make, template = CASES[case]
+    w, data, out, more = make(tmp_path, weights)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = run_command(4, "hpcpipe.infer", _args(w, data, out, *more), cwd=tmp_path, timeout=60)
+    stderr = _one_error(proc)
+    assert template.format(input=data, weights=w, output=out, parent=Path(out).parent, tmp=tmp_path) in stderr
+    if not Path(out).is_dir() and out != data:
+        _no_output(tmp_path, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
+def test_read_only_output_directory(tmp_path, seed8):
+    weights, data, _ = seed8
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, locked / "out.h5"), cwd=tmp_path, timeout=60)
+    assert f"output path '{locked / 'out.h5'}' is not writable: no write permission on '{locked}'" in _one_error(proc)
+
+
+def test_corrupt_weights_are_refused_by_all_ranks_and_the_old_output_is_kept(tmp_path, seed8):
+    weights, data, _ = seed8
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"previous results")
+    flip_byte_in_dataset(weights, "layers/0002/weight")
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out), cwd=tmp_path, timeout=60)
+    stderr = _one_error(proc)
+    assert f"weights file '{weights}': cannot read layers/0002 (corrupt:" in stderr
+    assert out.read_bytes() == b"previous results"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_rank_failing_mid_stream_ends_the_job_fast_and_leaves_no_output(tmp_path, seed8):
+    weights, data, _ = seed8
+    out = tmp_path / "out.h5"
+    start = time.monotonic()
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--set", "infer.micro_batch_size=4"),
+                       env={"HPCPIPE_FAULT": "rank=2,step=3"}, cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "[dp00-pp02] error while streaming: RuntimeError: injected fault before micro-batch 3" in proc.stderr
+    assert not out.exists()
+
+
+def test_library_call_in_one_process_without_mpiexec(tmp_path, seed8):
+    weights, data, ref = seed8
+    out = tmp_path / "lib.h5"
+    script = ("import json, sys\nfrom hpcpipe import infer\n"
+              f"r = infer.run({str(weights)!r}, {str(data)!r}, {str(out)!r}, config={{'parallel': {{'pp': 1}}}},"
+              " overrides=['infer.micro_batch_size=5'])\nprint(json.dumps(r))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (report["rows"], report["micro_batches"], report["dp"], report["pp"]) == (32, 7, 1, 1)
+    with h5py.File(out, "r") as f:
+        assert np.max(np.abs(f["y"][...] - ref)) < 1e-4
+
+
+def test_help_lists_the_options():
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.infer", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for option in ("--weights PATH", "--input IN.h5", "--output OUT.h5", "--config FILE",
+                   "--set SECTION.KEY=VALUE", "--trace FILE", "--report FILE"):
+        assert option in proc.stdout

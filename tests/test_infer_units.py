@@ -1,0 +1,162 @@
+"""Inference pieces on one process: row assignment, output file, forward chain, no allocation, config merge."""
+
+import tracemalloc
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcpipe.config import from_dict, load_config
+from hpcpipe.errors import ConfigError
+from hpcpipe.evaluate import forward as reference_forward
+from hpcpipe.infer import model_from_weights, plan
+from hpcpipe.infer_engine import ForwardChain, StreamStage
+from hpcpipe.infer_io import (RowReader, RowWriter, create_output, micro_batch_rows, n_micro_batches,
+                              replica_micro_batches)
+from hpcpipe.layers import make_activation
+from hpcpipe.weights import write_weights
+
+
+@pytest.mark.parametrize("n,batch,dp", [(37, 5, 1), (37, 5, 2), (40, 5, 3), (3, 8, 2), (128, 128, 4), (0, 4, 2)])
+def test_replicas_cover_every_row_once_in_round_robin(n, batch, dp):
+    seen = []
+    for d in range(dp):
+        mbs = replica_micro_batches(n, batch, dp, d)
+        assert all(m % dp == d for m in mbs) and mbs == sorted(mbs)
+        for m in mbs:
+            start, rows = micro_batch_rows(m, n, batch)
+            assert 1 <= rows <= batch
+            seen.extend(range(start, start + rows))
+    assert sorted(seen) == list(range(n))
+    assert n_micro_batches(n, batch) == -(-n // batch)
+
+
+def test_output_rows_written_out_of_order_land_in_place(tmp_path):
+    path = tmp_path / "o.h5"
+    offset = create_output(path, 10, 3, "float64", "out", {"k": "v"})
+    writer = RowWriter(path, offset, 3 * 8)
+    y = np.arange(30, dtype=np.float64).reshape(10, 3)
+    writer.write(8, y[8:])
+    writer.write(0, y[:4])
+    writer.write(4, y[4:8])
+    writer.close()
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["out"][...], y)
+        assert f["out"].dtype == np.float64 and f["out"].chunks is None
+        assert f.attrs["k"] == "v"
+
+
+def _layers(dims, acts, bias, seed=0):
+    rng = np.random.default_rng(seed)
+    out, arrays = [], {}
+    for i, act in enumerate(acts):
+        w = rng.standard_normal((dims[i], dims[i + 1])).astype(np.float32) / np.sqrt(dims[i])
+        b = rng.standard_normal(dims[i + 1]).astype(np.float32) if bias else None
+        out.append((w, b, make_activation(act)))
+        arrays[i] = {"weight": w} if b is None else {"weight": w, "bias": b}
+    return out, arrays
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "tanh", "identity"])
+@pytest.mark.parametrize("n_layers", [1, 2, 3])
+def test_forward_chain_matches_the_evaluate_reference(activation, n_layers):
+    dims = [7, 12, 5, 9][:n_layers + 1]
+    layers, arrays = _layers(dims, [activation] * n_layers, bias=True)
+    batch, tail = 6, 4
+    ins = [np.zeros((batch, dims[0]), np.float32) for _ in range(2)]
+    outs = [np.zeros((batch, dims[-1]), np.float32) for _ in range(2)]
+    chain = ForwardChain(layers, batch, tail, ins, outs, np.float32)
+    x = np.random.default_rng(1).standard_normal((batch, dims[0])).astype(np.float32)
+    ref = reference_forward(arrays, {"activation": activation, "final_activation": True}, x)
+    for slot in (0, 1):
+        ins[slot][...] = x
+        chain.compute(slot, batch, lambda: None)
+        np.testing.assert_allclose(outs[slot], ref, rtol=1e-6, atol=1e-6)
+        outs[slot][...] = -1
+        chain.compute(slot, tail, lambda: None)     # a partial micro-batch touches only its rows
+        np.testing.assert_allclose(outs[slot][:tail], ref[:tail], rtol=1e-6, atol=1e-6)
+        assert np.all(outs[slot][tail:] == -1)
+
+
+def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activation="gelu"):
+    dims = [width] * (n_layers + 1)
+    layers, arrays = _layers(dims, [activation] * n_layers, bias=True)
+    data = tmp_path / f"in-{n_rows}.h5"
+    x = np.random.default_rng(2).standard_normal((n_rows, width)).astype(np.float32)
+    with h5py.File(data, "w") as f:
+        f["x"] = x
+    out = tmp_path / f"out-{n_rows}.h5"
+    offset = create_output(out, n_rows, width, "float32", "y", {})
+    stage = StreamStage(layers=layers, micro_batches=list(range(n_micro_batches(n_rows, batch))), n_rows=n_rows,
+                        batch=batch, slots=2, dtype=np.float32, in_width=width, out_width=width,
+                        reader=RowReader(data, "x", batch, np.float32), writer=RowWriter(out, offset, width * 4), pp_comm=None,
+                        prev=-1, next=-1, poller=None)
+    return stage, arrays, x, out
+
+
+def test_streaming_stage_writes_every_row_in_order(tmp_path):
+    stage, arrays, x, out = _single_rank_stage(tmp_path, 100)   # 3 full micro-batches and a partial one
+    size = out.stat().st_size
+    events = stage.run()
+    stage.close()
+    assert out.stat().st_size == size      # rows land inside the allocated dataset, nothing past it
+    with h5py.File(out, "r") as f:
+        y = f["y"][...]
+    np.testing.assert_allclose(y, reference_forward(arrays, {"activation": "gelu"}, x), rtol=1e-5, atol=1e-6)
+    assert events.shape == (4, 5) and np.all(np.diff(events, axis=1) >= 0)
+
+
+def test_steady_state_allocates_nothing_per_micro_batch(tmp_path):
+    """Peak traced memory while streaming stays far below one micro-batch buffer, whatever the count."""
+    batch, width = 32, 64
+    buffer_bytes = batch * width * 4
+    peaks = []
+    for n_rows in (batch * 4, batch * 40):
+        stage, _, _, _ = _single_rank_stage(tmp_path, n_rows, batch, width)
+        tracemalloc.start()
+        stage.run()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        stage.close()
+    assert max(peaks) < buffer_bytes / 2, peaks
+
+
+def test_model_comes_from_the_weights_and_contradictions_name_both_values():
+    stored = {"dims": [4, 8, 2], "bias": False, "activation": "tanh", "final_activation": False,
+              "dtype": "float32", "seed": 3, "init": ""}
+    raw = model_from_weights({"parallel": {"pp": 1}}, stored, "weights file 'w.h5'")
+    cfg = from_dict(raw)
+    assert (cfg.model.dims, cfg.model.bias, cfg.model.activation, cfg.model.final_activation) == \
+        ([4, 8, 2], False, "tanh", False)
+    restated = {"model": {"dims": [4, 8, 2]}, "parallel": {"pp": 2}}
+    assert from_dict(model_from_weights(restated, stored, "w")).model.dims == [4, 8, 2]
+    assert from_dict(model_from_weights({"parallel": {"pp": 1}}, {}, "w")).model.dims == [16] * 5  # none stored
+    with pytest.raises(ConfigError, match=r"model.dims = \[4, 8, 3\] in the configuration does not match "
+                                          r"weights file 'w.h5', which was saved with model.dims = \[4, 8, 2\]"):
+        model_from_weights({"model": {"dims": [4, 8, 3]}}, stored, "weights file 'w.h5'")
+    with pytest.raises(ConfigError, match="model.activation = 'relu'.*saved with model.activation = 'tanh'"):
+        model_from_weights({"model": {"activation": "relu"}}, stored, "w")
+
+
+def test_infer_section_is_validated():
+    assert load_config(None, ["infer.micro_batch_size=64"]).infer.micro_batch_size == 64
+    with pytest.raises(ConfigError, match="infer.micro_batch_size must be >= 1, got 0"):
+        load_config(None, ["infer.micro_batch_size=0"])
+    with pytest.raises(ConfigError, match="unknown key infer.batch"):
+        load_config(None, ["infer.batch=3"])
+
+
+def test_plan_refuses_interleaved_stages_and_layouts_the_model_cannot_fill(tmp_path):
+    weights = tmp_path / "w.h5"
+    write_weights(weights, {i: {"weight": np.zeros((4, 4), np.float32)} for i in range(2)}, n_layers=2,
+                  model_config={"dims": [4, 4, 4], "bias": False})
+    data = tmp_path / "in.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.zeros((3, 4), np.float32)
+    p = plan(weights, data, tmp_path / "o.h5", 2, overrides=["parallel.pp=2"])
+    assert (p.dp, p.pp, p.n_rows, [list(r) for r in p.stage_ranges]) == (1, 2, 3, [[0], [1]])
+    with pytest.raises(ConfigError, match="parallel.virtual_stages must be 1, got 2"):
+        plan(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1", "parallel.virtual_stages=2"])
+    with pytest.raises(ConfigError, match=r"parallel.pp \(4\) x parallel.virtual_stages \(1\) exceeds the number "
+                                          r"of layers \(2\)"):
+        plan(weights, data, tmp_path / "o.h5", 4)

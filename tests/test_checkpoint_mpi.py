@@ -15,8 +15,8 @@ MODEL = {"dims": [6, 7, 5, 8, 6, 5, 7, 6, 4], "activation": "tanh", "final_activ
 GLOBAL_ROWS = 4   # dp x micro_batch_size, kept equal across layouts so every step sees the same samples
 
 
-def _sections(ck_dir: str, dp: int, pp: int, resume: bool = False) -> dict:
-    return {"parallel": {"dp": dp, "pp": pp}, "model": MODEL,
+def _sections(ck_dir: str, dp: int, pp: int, resume: bool = False, schedule: str = "gpipe", virtual: int = 1) -> dict:
+    return {"parallel": {"dp": dp, "pp": pp, "schedule": schedule, "virtual_stages": virtual}, "model": MODEL,
             "data": {"synthetic_samples": 40, "shuffle": True, "seed": 5},
             "train": {"micro_batches": 2, "micro_batch_size": GLOBAL_ROWS // dp, "optimizer": "adam", "lr": 0.01,
                       "loss": "cross_entropy"},
@@ -50,11 +50,14 @@ def _save_reference(world, ck_dir):
 def test_reshard_to_other_layouts_is_bit_exact(world, shared_tmp):
     ck_dir = os.path.join(shared_tmp, "ck")
     params, opt, next_loss = _save_reference(world, ck_dir)
-    for dp, pp in [(2, 4), (1, 2), (4, 1), (1, 8), (2, 2)]:
+    # saved with GPipe at (2, 4); loaded at other layouts and under other schedules
+    for dp, pp, schedule, virtual in [(2, 4, "gpipe", 1), (1, 2, "gpipe", 1), (4, 1, "gpipe", 1), (1, 8, "gpipe", 1),
+                                      (2, 2, "gpipe", 1), (2, 2, "1f1b", 1), (1, 4, "zb-h1", 1),
+                                      (1, 2, "interleaved-1f1b", 2)]:
         comm = sub_world(world, dp * pp)
         if comm is None:
             continue
-        trainer = _trainer(comm, _sections(ck_dir, dp, pp, resume=True))
+        trainer = _trainer(comm, _sections(ck_dir, dp, pp, resume=True, schedule=schedule, virtual=virtual))
         assert trainer.start_step == 3 and trainer.optimizer.steps == 3
         got_params, got_opt = trainer.gather("params"), trainer.gather("optimizer")
         loss = trainer.train_step(3)
@@ -63,7 +66,7 @@ def test_reshard_to_other_layouts_is_bit_exact(world, shared_tmp):
             assert_nested_equal(got_opt, opt)
             assert sorted(got_opt[0]) == ["exp_avg", "exp_avg_sq"]
         tolerance = 0.0 if (dp, pp) == (2, 4) else 1e-5   # same layout: bitwise; others: float32 reordering
-        assert abs(loss - next_loss) <= tolerance * abs(next_loss), (dp, pp, loss, next_loss)
+        assert abs(loss - next_loss) <= tolerance * abs(next_loss), (dp, pp, schedule, loss, next_loss)
         trainer.close()
         comm.Free()
 

@@ -56,7 +56,7 @@ def test_seed_example8_command(tmp_path, seed8, n):
     assert (f"{y.min():.4f}", f"{y.max():.4f}") == ("0.0000", "417.7554")
     assert np.max(np.abs(y - ref)) < 1e-4
     dp = n // 4
-    assert f"inferred 32 rows" in proc.stdout and f"(dp={dp} pp=4, 8 micro-batches of 4)" in proc.stdout
+    assert "inferred 32 rows" in proc.stdout and f"(dp={dp} pp=4, 8 micro-batches of 4)" in proc.stdout
     for field in ("rows/s", "latency p50", "p99", "fill", "drain", "bubble"):
         assert field in proc.stdout
     r = json.loads(report.read_text())

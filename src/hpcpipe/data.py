@@ -16,7 +16,6 @@ each reads just its replica's rows, never the whole file.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import h5py
@@ -24,6 +23,7 @@ import numpy as np
 
 from .config import Config
 from .errors import ConfigError
+from .h5files import open_hdf5
 
 
 class SyntheticData:
@@ -95,14 +95,7 @@ class HDF5Data:
 def check_data_file(config: Config) -> int:
     """Validate the HDF5 data file against the model and loss; return the sample count."""
     d, dims, loss = config.data, config.model.dims, config.train.loss
-    p = Path(d.path)
-    if not p.is_file():
-        raise ConfigError(f"data.path {d.path!r} does not exist")
-    try:
-        f = h5py.File(p, "r")
-    except OSError as exc:
-        raise ConfigError(f"data.path {d.path!r} is not a readable HDF5 file: {exc}") from None
-    with f:
+    with open_hdf5(d.path, f"data.path {d.path!r}") as f:
         for name in (d.x, d.y):
             if name not in f or not isinstance(f[name], h5py.Dataset):
                 raise ConfigError(f"data.path {d.path!r} has no dataset {name!r} (it has: {sorted(f.keys())})")

@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 
 from .errors import ConfigError
+from .h5files import open_hdf5
 
 
 def n_micro_batches(n_rows: int, batch: int) -> int:
@@ -54,13 +55,7 @@ def micro_batch_rows(m: int, n_rows: int, batch: int) -> tuple[int, int]:
 def check_input(path: str | Path, dataset: str, width: int) -> int:
     """Return the row count of the input dataset, or raise ConfigError naming the file and values."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"input file {str(p)!r} does not exist")
-    try:
-        f = h5py.File(p, "r")
-    except OSError as exc:
-        raise ConfigError(f"input file {str(p)!r} is not a readable HDF5 file: {exc}") from None
-    with f:
+    with open_hdf5(p, f"input file {str(p)!r}") as f:
         if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
             raise ConfigError(f"input file {str(p)!r} has no dataset {dataset!r} (it has: {sorted(f.keys())}); "
                               f"set infer.x to choose another")

@@ -27,7 +27,7 @@ from .optim import clip_factor, make_optimizer
 from .schedules import build_schedule
 from .topology import make_topology
 from .checkpoint import WeightsSource, resolve_weights
-from .errors import AgreedError, ConfigError
+from .errors import AgreedError
 from .guard import StepDecision, decide, local_decision, nan_injection
 
 

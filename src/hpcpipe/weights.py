@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 
 from .errors import ConfigError
+from .h5files import open_hdf5
 from .model import LayerSpec
 
 FORMAT = "hpcpipe"
@@ -88,13 +89,7 @@ def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
 def open_checked(path: str | Path) -> h5py.File:
     """Open an hpcpipe HDF5 file for reading, or raise ConfigError naming it."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"weights file {str(p)!r} does not exist")
-    try:
-        f = h5py.File(p, "r")
-    except OSError as exc:
-        raise ConfigError(f"weights file {str(p)!r} is not a readable HDF5 file (truncated or foreign?): "
-                          f"{exc}") from None
+    f = open_hdf5(p, f"weights file {str(p)!r}", " (truncated or foreign?)")
     fmt = f.attrs.get("format")
     if fmt != FORMAT:
         f.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .comm import gather_to_root
+
 
 def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
     """Turn [(step, [(action, start, end[, cpu]), ...]), ...] into Chrome 'X' events of one track (seconds in)."""
@@ -31,7 +33,7 @@ def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], l
     """Gather every rank's events on world rank 0 and write them as one Chrome-trace JSON file (collective)."""
     rank = world.Get_rank()
     mine = (rank, label or f"rank {rank}", rank_events(events_by_step, rank))
-    parts = world.gather(mine, root=0)
+    parts = gather_to_root(world, mine, 0)
     if parts is None:
         return
     nodes_t0 = min((e["ts"] for _, _, evs in parts for e in evs), default=0.0)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import fault_injection, run_planned
+from .comm import gather_to_root
 from .config import load_config
 from .errors import AgreedError
 from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, StopSignals, Watchdog, stall_injection
@@ -158,7 +159,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
                 # one small gather per logged step: replica 0's stages cover the pipeline
                 stats = trainer.last_stats
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = world.gather(mine, root=0)
+                gathered = gather_to_root(world, mine, 0)
                 peaks = [g for g in gathered if g is not None] if gathered else None
             if progress:
                 progress.log(step, loss, seconds, peaks)

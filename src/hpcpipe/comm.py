@@ -120,12 +120,6 @@ class PipeComm:
             self._allreduce_inplace(buf, self.dp_comm)
             buf /= n
 
-    def sum_over_pp(self, values: np.ndarray) -> np.ndarray:
-        """Return the element-wise sum of a small host array over this pipeline's ranks."""
-        out = np.array(values, dtype=np.float64)
-        self._allreduce_inplace(out, self.pp_comm)
-        return out
-
     def sum_over_world(self, values: np.ndarray) -> np.ndarray:
         """Return the element-wise sum of a small host array over every rank."""
         out = np.array(values, dtype=np.float64)

@@ -9,7 +9,6 @@ collective.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -117,10 +116,6 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as plain nested dicts (JSON/TOML friendly)."""
         return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        """Return the configuration as compact, key-sorted JSON text."""
-        return json.dumps(self.to_dict(), sort_keys=True)
 
     @property
     def n_layers(self) -> int:

@@ -156,8 +156,3 @@ def read_optimizer(path: str | Path, indices: list[int]) -> tuple[dict[str, Any]
             states = sorted(f[group].keys()) if group in f else []
             out[i] = {state: _read(f, f"{group}/{state}", label) for state in states}
         return attrs, out
-
-
-def read_weights(path: str | Path, indices: list[int]) -> LayerArrays:
-    """Read the given global layers from a weights file (call check_weights first)."""
-    return read_layers(path, indices)

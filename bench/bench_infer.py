@@ -7,7 +7,8 @@ Every process runs with one BLAS thread. In one run, repeated and
 interleaved so that load from other users hits every configuration alike:
 
 * sequential: this process, the whole model, micro-batch by micro-batch
-  (HDF5 read, 8 matmuls with out=, in-place ReLU, HDF5 write) - the baseline;
+  (HDF5 read, 8 matmuls with out=, in-place bias and ReLU with the same kernels
+  hpcpipe.infer uses, HDF5 write) - the baseline;
 * each layout DPxPP: the real command under ``mpiexec -n DP*PP``; its
   rows/s is over the streaming phase the command reports (start barrier to
   last row written), which excludes process start-up and weight loading,
@@ -95,6 +96,10 @@ def sequential(arrays: dict, data: str, out: str, batch: int) -> tuple[float, fl
         y = fout.create_dataset("y", (n, ws[-1].shape[1]), dtype=np.float32)
         xin = np.empty((batch, x.shape[1]), dtype=np.float32)
         bufs = [np.empty((batch, width), dtype=np.float32) for _ in range(2)]
+        # the same kernels hpcpipe.infer uses, so the baseline is as fast as one process can be:
+        # bias repeated over the rows and ReLU against a zero block (NumPy's broadcast-scalar loops are slower)
+        bias_rows = [np.ascontiguousarray(np.broadcast_to(b, (batch, b.shape[0]))) for b in bs]
+        zeros = np.zeros((batch, width), dtype=np.float32)
         t0, c0 = time.perf_counter(), time.process_time()
         for start in range(0, n, batch):
             rows = min(batch, n - start)
@@ -103,14 +108,15 @@ def sequential(arrays: dict, data: str, out: str, batch: int) -> tuple[float, fl
             for i in range(n_layers):
                 z = bufs[i % 2][:rows, :ws[i].shape[1]]
                 np.matmul(a, ws[i], out=z)
-                z += bs[i]
-                np.maximum(z, 0, out=z)
+                z += bias_rows[i][:rows]
+                np.maximum(z, zeros[:rows, :z.shape[1]], out=z)
                 a = z
             y.write_direct(np.ascontiguousarray(a), dest_sel=np.s_[start:start + rows])
         return time.perf_counter() - t0, time.process_time() - c0
 
 
-def pipeline(weights: str, data: str, out: str, dp: int, pp: int, batch: int, tmp: str) -> tuple[dict, float]:
+def pipeline(weights: str, data: str, out: str, dp: int, pp: int, batch: int, tmp: str,
+             overrides: list[str] = ()) -> tuple[dict, float]:
     """Run the real command under mpiexec; return (its report, the command's wall seconds)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
@@ -118,6 +124,8 @@ def pipeline(weights: str, data: str, out: str, dp: int, pp: int, batch: int, tm
     args = [mpiexec, "-n", str(dp * pp), sys.executable, "-m", "hpcpipe.infer", "--weights", weights,
             "--input", data, "--output", out, "--report", report, "--set", f"parallel.pp={pp}",
             "--set", f"parallel.dp={dp}", "--set", f"infer.micro_batch_size={batch}"]
+    for item in overrides:
+        args += ["--set", item]
     t0 = time.perf_counter()
     subprocess.run(args, check=True, cwd=tmp, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -138,6 +146,8 @@ def main() -> int:
                         help="before each measurement wait (up to --quiet-wait s) until the cores were this idle "
                              "(0..1) for a second; 0 = do not wait")
     parser.add_argument("--quiet-wait", type=float, default=300.0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override passed to every hpcpipe.infer run (repeatable)")
     args = parser.parse_args()
     dims = [args.width] * (args.layers + 1)
     layouts = [tuple(int(v) for v in item.split("x")) for item in args.layouts]
@@ -156,7 +166,7 @@ def main() -> int:
             for dp, pp in layouts:
                 idle.append(wait_quiet(args.quiet, args.quiet_wait) if args.quiet else idle_fraction(0.2))
                 out = os.path.join(tmp, f"out-{dp}x{pp}.h5")
-                report, wall = pipeline(weights, data, out, dp, pp, args.batch, tmp)
+                report, wall = pipeline(weights, data, out, dp, pp, args.batch, tmp, args.set)
                 report["wall_s"] = wall
                 results.setdefault(f"{dp}x{pp}", []).append(report)
         with h5py.File(ref_path, "r") as f:

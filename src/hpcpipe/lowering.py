@@ -206,20 +206,19 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
     pp, v, m = tl.pp, tl.virtual, tl.n_micro
     if ranks_per_pass < 1:
         raise ScheduleError(f"ranks_per_pass must be a positive integer, got {ranks_per_pass}")
-    _check_values(tl)
+    check_timeline_values(tl)
+    work = _Workspace(tl, min(ranks_per_pass, pp))
     rank0 = prev = None          # (forward, backward) sequences of rank 0 and of the rank before this pass
     per_action = False           # some rank's W's are outside 6: prove them per action at the end
     for r0 in range(0, pp, ranks_per_pass):
-        rows = slice(r0, min(r0 + ranks_per_pass, pp))
-        ops = np.ascontiguousarray(tl.ops[rows])
-        fwd = _sequence(tl, r0, ops, ops == F, "forwards")
-        bwd = _sequence(tl, r0, ops, (ops == B) | (ops == I), "backwards")
-        n_i = np.count_nonzero(ops == I, axis=1)
-        n_w = np.count_nonzero(ops == W, axis=1)
+        ops = np.ascontiguousarray(tl.ops[r0:r0 + ranks_per_pass])
+        fwd = work.sequence(0, r0, ops, "forwards")
+        bwd = work.sequence(1, r0, ops, "backwards")
+        n_i, n_w = work.count(ops, I), work.count(ops, W)
         if not (((n_i == 0) | (n_i == v * m)) & (n_w == n_i)).all():
             per_action = True    # a rank mixing B and I, or W's without their I's
         elif n_i.any():
-            w = _sequence(tl, r0, ops, ops == W, "weight-gradient halves (W)")
+            w = work.sequence(2, r0, ops, "weight-gradient halves (W)")
             split = n_i > 0
             if (w.keys[split] != bwd.keys[split]).any():
                 per_action = True                # W's in another order than the I's: may be valid
@@ -230,8 +229,8 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
             _check_once(tl, rank0[0], "forward")
             _check_once(tl, rank0[1], "backward")
         if pp > 1:
-            _check_neighbours(tl, fwd, prev[0] if prev else None, "forward", 1)
-            _check_neighbours(tl, bwd, prev[1] if prev else None, "backward", -1)
+            _check_neighbours(tl, work, fwd, prev[0] if prev else None, "forward", 1)
+            _check_neighbours(tl, work, bwd, prev[1] if prev else None, "backward", -1)
         prev = (fwd.row(-1), bwd.row(-1))
     if pp == 1:
         _check_local_order(tl, *rank0)
@@ -254,7 +253,8 @@ def _action(tl: Timeline, rank: int, tick: int) -> Action:
     return Action(op, int(tl.chunk[rank, tick]) * tl.pp + rank, int(tl.mb[rank, tick]))
 
 
-def _check_values(tl: Timeline) -> None:
+def check_timeline_values(tl: Timeline) -> None:
+    """Raise ScheduleError unless every op code, chunk and micro-batch of the timeline is in range."""
     for label, arr, low, high in (("op code", tl.ops, IDLE, W), ("chunk", tl.chunk, 0, tl.virtual - 1),
                                   ("micro-batch", tl.mb, 0, tl.n_micro - 1)):
         if arr.size and (arr.min() < low or arr.max() > high):
@@ -270,58 +270,97 @@ class _Seq:
         self.first_rank, self.keys, self.ticks, self.chunk = first_rank, keys, ticks, chunk
 
     def row(self, i: int) -> _Seq:
-        """The sequence of one of these ranks (i may be negative), as a one-row _Seq."""
+        """A copy of one rank's sequence (i may be negative): the workspace's buffers are reused next pass."""
         i = i % len(self.keys)
         pick = slice(i, i + 1)
-        return _Seq(self.first_rank + i, self.keys[pick], self.ticks[pick],
-                    None if self.chunk is None else self.chunk[pick])
-
-    def stacked_after(self, before: _Seq | None) -> _Seq:
-        """This sequence with another rank's (the rank just before) on top, for comparing neighbours."""
-        if before is None:
-            return self
-        chunk = None if self.chunk is None else np.concatenate([before.chunk, self.chunk])
-        return _Seq(before.first_rank, np.concatenate([before.keys, self.keys]),
-                    np.concatenate([before.ticks, self.ticks]), chunk)
+        return _Seq(self.first_rank + i, self.keys[pick].copy(), self.ticks[pick].copy(),
+                    None if self.chunk is None else self.chunk[pick].copy())
 
 
-def _sequence(tl: Timeline, r0: int, ops: np.ndarray, mask: np.ndarray, kind: str) -> _Seq:
-    """Each rank's actions of one kind in tick order; every rank must have v * m of them."""
-    v, m = tl.virtual, tl.n_micro
-    counts = np.count_nonzero(mask, axis=1)
-    if (counts != v * m).any():
-        rank = r0 + int(np.flatnonzero(counts != v * m)[0])
-        raise ScheduleError(f"{tl.name} timeline: rank {rank} runs {int(counts[rank - r0])} {kind}, expected "
-                            f"{v * m} (one per stage and micro-batch: {v} stage(s) x {m} micro-batches)")
-    n_rows, n_ticks = ops.shape
-    flat = np.flatnonzero(mask).reshape(n_rows, v * m)
-    rows = slice(r0, r0 + n_rows)
-    keys = np.ascontiguousarray(tl.mb[rows]).ravel().take(flat).astype(np.int64)
-    chunk = None
-    if v > 1:
-        chunk = np.ascontiguousarray(tl.chunk[rows]).ravel().take(flat).astype(np.int64)
-        keys += chunk * m
-    flat -= (np.arange(n_rows) * n_ticks)[:, None]       # now the tick of each action
-    return _Seq(r0, keys, flat, chunk)
+class _Workspace:
+    """Buffers every pass of validate_timeline reuses: fresh temporaries per pass would cost more in page
+    faults than the checks themselves (17 M cells at pp = 1024)."""
+
+    def __init__(self, tl: Timeline, rows: int) -> None:
+        self.tl = tl
+        n_ticks, n = tl.n_ticks, tl.virtual * tl.n_micro
+        self.mask = np.empty((rows, n_ticks), bool)
+        self.mask2 = np.empty((rows, n_ticks), bool)
+        self.row_start = np.arange(rows)[:, None] * n_ticks
+        self.mb = np.empty((3, rows * n), tl.mb.dtype)
+        self.chunk = np.empty((3, rows * n), tl.chunk.dtype)
+        self.keys = np.empty((3, rows * n), np.int64) if tl.virtual > 1 else None
+        self.ticks = np.empty((3, rows, n), np.intp)
+        self.diff = np.empty((rows, n), bool)
+
+    def count(self, ops: np.ndarray, code: int) -> np.ndarray:
+        """Actions with this op code on each of the pass's ranks."""
+        return np.count_nonzero(np.equal(ops, code, out=self.mask[:len(ops)]), axis=1)
+
+    def sequence(self, slot: int, r0: int, ops: np.ndarray, kind: str) -> _Seq:
+        """Each rank's forwards, backwards (B or I) or W's in tick order; every rank must have v * m of them."""
+        tl = self.tl
+        rows = len(ops)
+        n = tl.virtual * tl.n_micro
+        mask = self.mask[:rows]
+        if kind == "backwards":
+            np.logical_or(np.equal(ops, B, out=mask), np.equal(ops, I, out=self.mask2[:rows]), out=mask)
+        else:
+            np.equal(ops, F if kind == "forwards" else W, out=mask)
+        counts = np.count_nonzero(mask, axis=1)
+        if (counts != n).any():
+            rank = r0 + int(np.flatnonzero(counts != n)[0])
+            raise ScheduleError(f"{tl.name} timeline: rank {rank} runs {int(counts[rank - r0])} {kind}, expected "
+                                f"{n} (one per stage and micro-batch: {tl.virtual} stage(s) x {tl.n_micro} "
+                                f"micro-batches)")
+        size = rows * n
+        pos = np.flatnonzero(mask)      # (np.compress(..., out=) would allocate and fault on every pass)
+        mb = np.take(np.ascontiguousarray(tl.mb[r0:r0 + rows]).ravel(), pos, out=self.mb[slot, :size])
+        ticks = np.subtract(pos.reshape(rows, n), self.row_start[:rows], out=self.ticks[slot, :rows])
+        if tl.virtual == 1:
+            return _Seq(r0, mb.reshape(rows, n), ticks, None)
+        chunk = np.take(np.ascontiguousarray(tl.chunk[r0:r0 + rows]).ravel(), pos, out=self.chunk[slot, :size])
+        keys = np.multiply(chunk, np.int64(tl.n_micro), out=self.keys[slot, :size])   # (an int8 * 8192 would overflow)
+        keys += mb
+        return _Seq(r0, keys.reshape(rows, n), ticks, chunk.reshape(rows, n))
 
 
-def _check_neighbours(tl: Timeline, seq: _Seq, before: _Seq | None, name: str, direction: int) -> None:
-    """Rank r and r + 1 exchange all their actions of one kind: same order (FIFO), receiver later."""
-    both = seq.stacked_after(before)
-    bad = both.keys[1:] != both.keys[:-1]
-    if bad.any():
-        i, k = np.argwhere(bad)[0].tolist()
-        src, dst = both.first_rank + i, both.first_rank + i + 1
-        if direction < 0:
-            src, dst = dst, src
-        _fifo_error(tl, name, src, dst, both.ticks[src - both.first_rank, k], both.ticks[dst - both.first_rank, k], k)
-    early = both.ticks[1:] <= both.ticks[:-1] if direction > 0 else both.ticks[:-1] <= both.ticks[1:]
-    if early.any():
-        i, k = np.argwhere(early)[0].tolist()
-        src, dst = both.first_rank + i, both.first_rank + i + 1
-        if direction < 0:
-            src, dst = dst, src
-        _order_error(tl, src, dst, both.ticks[src - both.first_rank, k], both.ticks[dst - both.first_rank, k])
+def _first(bad: np.ndarray) -> tuple[int, int] | None:
+    """(row, column) of the first True of a 2-D mask, or None."""
+    if not bad.any():
+        return None
+    i, k = np.argwhere(bad)[0].tolist()
+    return i, k
+
+
+def _check_neighbours(tl: Timeline, work: _Workspace, seq: _Seq, before: _Seq | None, name: str,
+                      direction: int) -> None:
+    """Rank r and r + 1 exchange all their actions of one kind: same order (FIFO), the receiver later.
+
+    Checks the rank before this pass against the pass's first rank, then the pass's ranks among
+    themselves; direction 1: rank r sends to r + 1 (forwards), -1: r + 1 sends to r (backwards).
+    """
+    if before is not None:
+        _check_pairs(tl, work, name, direction, before.first_rank, before, slice(0, 1), seq, slice(0, 1))
+    if len(seq.keys) > 1:
+        _check_pairs(tl, work, name, direction, seq.first_rank, seq, slice(0, -1), seq, slice(1, None))
+
+
+def _check_pairs(tl: Timeline, work: _Workspace, name: str, direction: int, top: int,
+                 upper: _Seq, upper_rows: slice, lower: _Seq, lower_rows: slice) -> None:
+    """Row i of upper[upper_rows] is rank top + i, row i of lower[lower_rows] rank top + i + 1."""
+    up_keys, low_keys = upper.keys[upper_rows], lower.keys[lower_rows]
+    up_ticks, low_ticks = upper.ticks[upper_rows], lower.ticks[lower_rows]
+    diff = work.diff[:len(up_keys)]
+    late = np.greater_equal if direction > 0 else np.less_equal     # the receiver is not later
+    for error, hit in ((_fifo_error, _first(np.not_equal(up_keys, low_keys, out=diff))),
+                       (_order_error, _first(late(up_ticks, low_ticks, out=diff)))):
+        if hit is not None:
+            i, k = hit
+            ranks, ticks = (top + i, top + i + 1), (up_ticks[i, k], low_ticks[i, k])
+            if direction < 0:
+                ranks, ticks = ranks[::-1], ticks[::-1]
+            error(tl, name, *ranks, *ticks, k)
 
 
 def _check_wrap(tl: Timeline, first: _Seq, last: _Seq, name: str, direction: int) -> None:
@@ -341,7 +380,7 @@ def _check_wrap(tl: Timeline, first: _Seq, last: _Seq, name: str, direction: int
     early = dst_ticks <= src_ticks
     if early.any():
         k = int(np.flatnonzero(early)[0])
-        _order_error(tl, src, dst, src_ticks[k], dst_ticks[k])
+        _order_error(tl, name, src, dst, src_ticks[k], dst_ticks[k], k)
 
 
 def _check_last_stage(tl: Timeline, fwd: _Seq, bwd: _Seq) -> None:
@@ -379,7 +418,7 @@ def _fifo_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: in
                         f"(messages on a channel arrive in order)")
 
 
-def _order_error(tl: Timeline, src: int, dst: int, t_src, t_dst) -> None:
+def _order_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: int = 0) -> None:
     t_src, t_dst = int(t_src), int(t_dst)
     raise ScheduleError(f"{tl.name} timeline is not in dependency order: rank {dst} runs "
                         f"{_action(tl, dst, t_dst)} at tick {t_dst}, but its input comes from "

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ScheduleError
-from .lowering import lower, validate, validate_timeline
+from .lowering import check_timeline_values, lower, validate, validate_timeline
 from .schedules import (
     COMPUTE_OPS,
     IDLE,
@@ -209,7 +209,7 @@ def _finite(costs: Costs) -> bool:
 
 # -------------------------------------------------------------------- vectorised (timeline) path ----
 
-def simulate_timeline(timeline: Timeline, costs: Costs, block: int = 128) -> SimResult:
+def simulate_timeline(timeline: Timeline, costs: Costs, block: int = 64) -> SimResult:
     """Simulate a schedule from its timeline arrays: what simulate(lower(actions)) gives, vectorised over ranks.
 
     Step time, bubble, busy time and peak stash are those :func:`simulate`
@@ -236,6 +236,7 @@ def simulate_timeline(timeline: Timeline, costs: Costs, block: int = 128) -> Sim
         raise ScheduleError(f"simulate_timeline needs finite costs, got {costs}")
     if block < 1:
         raise ScheduleError(f"block must be a positive number of ticks, got {block}")
+    check_timeline_values(timeline)     # an out-of-range micro-batch would read another row's cell
     sweep = _Sweep(timeline, costs)
     if not sweep.run(block):
         sweep.run(block, find_error=True)   # raises, naming the first action that read an unwritten input
@@ -254,21 +255,30 @@ def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[i
     """Peak number of micro-batches whose activations each rank and each stage holds (F takes, B and W release).
 
     Only the order of each rank's actions matters, so this is a running sum
-    along the tick axis, done a few ranks at a time so the sums stay in cache.
+    along the tick axis, a few ranks at a time into reused buffers.
     """
     pp, v = timeline.pp, timeline.virtual
-    peak = np.zeros(pp, np.int64)
-    peak_stage = np.zeros((v, pp), np.int64)
-    for r0 in range(0, pp, ranks_per_pass):
-        rows = slice(r0, r0 + ranks_per_pass)
-        ops = timeline.ops[rows]
-        delta = (ops == F).view(np.int8) - (ops == B).view(np.int8) - (ops == W).view(np.int8)
-        peak[rows] = np.cumsum(delta, axis=1, dtype=np.int32).max(axis=1)
+    if ranks_per_pass < 1:
+        raise ScheduleError(f"ranks_per_pass must be a positive integer, got {ranks_per_pass}")
+    rows = min(ranks_per_pass, pp)
+    shape = (rows, timeline.n_ticks)
+    is_op, delta, mine = np.empty(shape, bool), np.empty(shape, np.int8), np.empty(shape, np.int8)
+    running = np.empty(shape, np.int32)
+    peak = np.zeros(pp, np.int32)
+    peak_stage = np.zeros((v, pp), np.int32)
+    for r0 in range(0, pp, rows):
+        ops = timeline.ops[r0:r0 + rows]
+        n = len(ops)
+        d, on, run = delta[:n], is_op[:n], running[:n]
+        np.equal(ops, F, out=d, casting="unsafe")
+        d -= np.equal(ops, B, out=on)
+        d -= np.equal(ops, W, out=on)
+        np.cumsum(d, axis=1, out=run).max(axis=1, out=peak[r0:r0 + n])
         if v > 1:
-            chunk = timeline.chunk[rows]
+            chunk = timeline.chunk[r0:r0 + rows]
             for c in range(v):
-                mine = np.where(chunk == c, delta, np.int8(0))
-                peak_stage[c, rows] = np.cumsum(mine, axis=1, dtype=np.int32).max(axis=1)
+                np.multiply(d, np.equal(chunk, c, out=on), out=mine[:n])
+                np.cumsum(mine[:n], axis=1, out=run).max(axis=1, out=peak_stage[c, r0:r0 + n])
     if v == 1:
         peak_stage[0] = peak
     return peak.tolist(), {c * pp + r: int(n) for c in range(v) for r, n in enumerate(peak_stage[c].tolist())}
@@ -317,33 +327,39 @@ class _Sweep:
             end[r * row:(r + 1) * row] = -np.inf
         inputs = end[row:]                       # inputs[k] is end[k + row], the input of the cell at k
         clock, nxt = np.zeros(pp), np.empty(pp)
-        busy = np.zeros(pp)
         messages = pp > 1                        # with one rank every stage hands over locally
-        code = np.empty((block, pp), np.intp)
+        # reused every block (fresh temporaries would page-fault every block)
+        code_buf = np.empty((block, pp), np.intp)
+        key_buf = np.empty((block, pp), np.intp)
+        cost_buf = np.empty((block, pp))
+        busy = np.zeros(pp)
         for t0 in range(0, tl.n_ticks, block):
             cols = slice(t0, t0 + block)
             ops = tl.ops[:, cols].T              # (ticks, pp): the sweep wants a row per tick
-            code = code[:len(ops)]
+            n = len(ops)
+            code, key, cost = code_buf[:n], key_buf[:n], cost_buf[:n]
             if v > 1:
-                np.multiply(ops, v, out=code)
+                np.multiply(ops, np.intp(v), out=code)
                 code += tl.chunk[:, cols].T
                 code += self.code_base
             else:
                 np.add(ops, self.code_base, out=code)
-            key = self.keys.take(code)
+            # "wrap" skips numpy's buffered bounds check; simulate_timeline checked every value's range
+            self.keys.take(code, out=key, mode="wrap")
             key += tl.mb[:, cols].T
-            cost = self.cost.take(code)
-            for t in range(len(code)):
+            self.cost.take(code, out=cost, mode="wrap")
+            for t in range(n):
                 if messages:
-                    inputs.take(key[t], out=nxt)
+                    k = key[t]
+                    inputs.take(k, out=nxt, mode="wrap")
                     if comm:
                         nxt += comm
                     np.maximum(nxt, clock, out=nxt)
                     nxt += cost[t]
-                    end.put(key[t], nxt)
+                    end[k] = nxt
                 else:
                     np.add(clock, cost[t], out=nxt)
-                busy += cost[t]
+                busy += cost[t]                  # simulate()'s busy += cost, in the same order
                 clock, nxt = nxt, clock
                 if find_error and not np.isfinite(clock).all():
                     self._raise_unready(t0 + t, int(np.flatnonzero(~np.isfinite(clock))[0]))

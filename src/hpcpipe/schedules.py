@@ -322,38 +322,48 @@ def zero_bubble_h1(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]
 
 def _greedy_split(pp: int, n_micro: int) -> Timeline:
     """Unit-cost greedy list schedule of F / I / W on one stage per rank, all ranks one tick at a time."""
-    rank = np.arange(pp)
-    ahead = pp - rank                 # 1F1B's warm-up: F may run while f - i < pp - r
+    ahead = pp - np.arange(pp)        # 1F1B's warm-up: F may run while f - i < pp - r
     hold = min(pp, n_micro)           # ... and while fewer than min(p, m) micro-batches wait for their W
     nf, ni, nw = (np.zeros(pp, np.int64) for _ in range(3))   # next F, I, W micro-batch per rank
-    f_src, i_src = np.empty(pp, np.int64), np.empty(pp, np.int64)
-    columns_op, columns_mb = [], []
-    remaining = 3 * pp * n_micro
+    f_src, i_src, gap = (np.empty(pp, np.int64) for _ in range(3))
+    f_src[0] = n_micro                # rank 0 has every input from the start
+    run_f, run_i, run_w, ok = (np.empty(pp, bool) for _ in range(4))
+    # tick-major while running (a tick writes one contiguous row), transposed once at the end; the
+    # greedy needs about 3m + p ticks, and the buffers double if that is ever short
+    ops = np.full((3 * n_micro + 2 * pp, pp), IDLE, np.int8)
+    mb = np.zeros(ops.shape, _index_dtype(n_micro))
+    remaining, tick = 3 * pp * n_micro, 0
     while remaining:
         # A rank runs its F's and I's in micro-batch order, so "the producer finished micro-batch j at
         # an earlier tick" is "the producer's counter at the start of this tick is past j": the input
         # of F(j) on rank r comes from rank r - 1's F's, the gradient of I(j) from rank r + 1's I's
-        # (on the last rank from its own F(j)); rank 0 has every input from the start.
-        f_src[0] = n_micro
+        # (on the last rank from its own F(j)).
         f_src[1:] = nf[:-1]
         i_src[:-1] = ni[1:]
         i_src[-1] = nf[-1]
-        run_f = (f_src > nf) & (nf - ni < ahead) & (nf - nw < hold)
-        run_i = ~run_f & (i_src > ni) & (ni < nf)
-        run_w = ~run_f & ~run_i & (nw < ni)
+        np.greater(f_src, nf, out=run_f)
+        run_f &= np.less(np.subtract(nf, ni, out=gap), ahead, out=ok)
+        run_f &= np.less(np.subtract(nf, nw, out=gap), hold, out=ok)
+        np.greater(i_src, ni, out=run_i)
+        run_i &= np.less(ni, nf, out=ok)
+        run_i &= np.logical_not(run_f, out=ok)
+        np.less(nw, ni, out=run_w)
+        run_w &= np.logical_not(np.logical_or(run_f, run_i, out=ok), out=ok)
         done = int(np.count_nonzero(run_f) + np.count_nonzero(run_i) + np.count_nonzero(run_w))
         if not done:
             # nothing ran, so nothing new becomes available: every later tick would be the same
             raise ScheduleError(f"zb-h1 list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
-        columns_op.append(np.where(run_f, F, np.where(run_i, I, np.where(run_w, W, IDLE))))
-        columns_mb.append(np.where(run_f, nf, np.where(run_i, ni, np.where(run_w, nw, 0))))
-        nf += run_f
-        ni += run_i
-        nw += run_w
+        if tick == len(ops):
+            ops = np.concatenate([ops, np.full_like(ops, IDLE)])
+            mb = np.concatenate([mb, np.zeros_like(mb)])
+        for run, op, counter in ((run_f, F, nf), (run_i, I, ni), (run_w, W, nw)):
+            np.copyto(ops[tick], op, where=run)
+            np.copyto(mb[tick], counter, where=run)
+            counter += run
         remaining -= done
-    ops = np.stack(columns_op, axis=1).astype(np.int8)
-    mb = np.stack(columns_mb, axis=1).astype(_index_dtype(n_micro))
-    return _timeline("zb-h1", pp, n_micro, 1, ops, mb, None)
+        tick += 1
+    return _timeline("zb-h1", pp, n_micro, 1, np.ascontiguousarray(ops[:tick].T),
+                     np.ascontiguousarray(mb[:tick].T), None)
 
 
 ScheduleFn = Callable[[int, int, int], list[list[Action]]]

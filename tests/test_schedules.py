@@ -167,3 +167,23 @@ def test_gpipe_first_rank_program_reads_as_expected():
     assert [str(a) for a in programs[0]] == [
         "s0F0", "s0SEND_F0@1", "s0F1", "s0SEND_F1@1", "s0RECV_B0@1", "s0B0", "s0RECV_B1@1", "s0B1",
         "ALLREDUCE", "OPT_STEP"]
+
+
+# The array (timeline) form is now the one definition of every schedule; its action lists must be the
+# lists the former imperative generators (frozen in schedule_reference.py) produced, action for action.
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_action_lists_equal_the_former_generators(name):
+    from schedule_reference import REFERENCE
+
+    compared = 0
+    for pp, m, v in GRID:
+        try:
+            expected = REFERENCE[name](pp, m, v)
+        except ScheduleError as err:
+            with pytest.raises(ScheduleError) as ours:
+                build_schedule(name, pp, m, v)
+            assert str(ours.value) == str(err)
+            continue
+        assert build_schedule(name, pp, m, v) == expected, (name, pp, m, v)
+        compared += 1
+    assert compared >= 8 * 32

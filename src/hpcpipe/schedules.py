@@ -3,7 +3,7 @@
 A schedule says only which compute action each pipeline rank runs in which
 order; :mod:`hpcpipe.lowering` adds the communication and proves the result
 deadlock-free, and the engine, the simulator and the tests all consume the
-same lists. This module imports nothing but the standard library.
+same lists. This module imports nothing but the standard library and NumPy.
 
 Compute actions (the IR, after PyTorch's pipelining):
 
@@ -15,18 +15,32 @@ Compute actions (the IR, after PyTorch's pipelining):
 Stages are global virtual-stage indices: with ``pp`` ranks and ``v`` virtual
 stages per rank there are ``pp * v`` stages and stage ``s`` lives on pipeline
 rank ``s % pp`` (Megatron's interleaved placement; ``v = 1`` is the plain one).
+
+Every schedule is defined once, as a :class:`Timeline`: NumPy arrays indexed
+``[rank, tick]`` that place each rank's actions on a unit clock (one tick per
+action) such that an action needing another rank's output sits at a later
+tick than the action that produces it. The action lists are read off it
+(:meth:`Timeline.actions`: each rank's actions in tick order); the vectorised
+validator (:func:`hpcpipe.lowering.validate_timeline`) and simulator
+(:func:`hpcpipe.simulate.simulate_timeline`) use the arrays themselves, which
+is what makes pp = 1024 x 8192 micro-batches (17 M actions) tractable.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from .errors import ScheduleError
 
 COMPUTE_OPS = ("F", "B", "I", "W")
 COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 STEP_OPS = ("ALLREDUCE", "OPT_STEP")
+
+F, B, I, W = range(4)      # op codes in Timeline.ops: indices into COMPUTE_OPS
+IDLE = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +64,99 @@ def stage_rank(stage: int, pp: int) -> int:
     return stage % pp
 
 
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """A schedule in array form: at tick t, rank r runs ``ops[r, t]`` on stage ``chunk[r, t] * pp + r``, micro-batch ``mb[r, t]``.
+
+    ``ops`` holds op codes (F, B, I, W = 0..3, the order of COMPUTE_OPS) or
+    IDLE (-1); idle cells have chunk 0 and micro-batch 0. All three arrays
+    have shape (pp, n_ticks) and are read-only; ``chunk`` is a broadcast view
+    of zeros when ``virtual`` is 1. The ticks are a dependency order (every
+    message's producer runs at an earlier tick than its consumer), not a
+    prediction: the simulator puts the real costs on them.
+    """
+
+    name: str
+    pp: int
+    n_micro: int
+    virtual: int
+    ops: np.ndarray
+    chunk: np.ndarray
+    mb: np.ndarray
+
+    def __post_init__(self) -> None:
+        for label, arr in (("ops", self.ops), ("chunk", self.chunk), ("mb", self.mb)):
+            if arr.ndim != 2 or arr.shape[0] != self.pp or arr.shape != self.ops.shape:
+                raise ScheduleError(f"{self.name} timeline: {label} has shape {arr.shape}, expected "
+                                    f"(pp, ticks) = ({self.pp}, {self.ops.shape[-1]})")
+
+    @property
+    def n_stages(self) -> int:
+        """Number of global stages, pp x virtual."""
+        return self.pp * self.virtual
+
+    @property
+    def n_ticks(self) -> int:
+        """Length of the unit-tick clock (idle ticks included)."""
+        return self.ops.shape[1]
+
+    def actions(self) -> list[list[Action]]:
+        """Return every rank's compute actions in tick order (the Action-list form of the schedule)."""
+        programs = []
+        for r in range(self.pp):
+            ticks = np.flatnonzero(self.ops[r] != IDLE)
+            ops = self.ops[r, ticks].tolist()
+            stages = (self.chunk[r, ticks].astype(np.int64) * self.pp + r).tolist()
+            mbs = self.mb[r, ticks].tolist()
+            programs.append([Action(COMPUTE_OPS[o], s, m) for o, s, m in zip(ops, stages, mbs, strict=True)])
+        return programs
+
+
 def _check_sizes(name: str, pp: int, n_micro: int, virtual: int) -> None:
     for label, value in (("pp", pp), ("micro-batches", n_micro), ("virtual stages", virtual)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}: {label} must be a positive integer, got {value!r}")
+
+
+def _index_dtype(count: int) -> type:
+    """Smallest signed integer type holding 0..count-1 (the grids are pp x ticks: 17 M cells at pp = 1024)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if count <= np.iinfo(dtype).max + 1:
+            return dtype
+    return np.int64
+
+
+def _empty_grid(pp: int, n_micro: int, virtual: int, n_ticks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    ops = np.full((pp, n_ticks), IDLE, np.int8)
+    mb = np.zeros((pp, n_ticks), _index_dtype(n_micro))
+    chunk = np.zeros((pp, n_ticks), _index_dtype(virtual)) if virtual > 1 else None
+    return ops, mb, chunk
+
+
+def _timeline(name: str, pp: int, n_micro: int, virtual: int, ops: np.ndarray, mb: np.ndarray,
+              chunk: np.ndarray | None) -> Timeline:
+    if chunk is None:
+        chunk = np.broadcast_to(np.zeros((), np.int8), ops.shape)
+    for arr in (ops, mb, chunk):
+        arr.flags.writeable = False   # schedules are values: nobody downstream may edit one in place
+    return Timeline(name, pp, n_micro, virtual, ops, chunk, mb)
+
+
+def gpipe_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:
+    """GPipe's timeline: rank r runs F(i) at tick r + i and B(i) at tick m + 2p - 2 - r + i."""
+    _check_sizes("gpipe", pp, n_micro, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"gpipe runs one stage per rank (virtual stages: {virtual}); "
+                            f"use an interleaved schedule for virtual_stages > 1")
+    ops, mb, _ = _empty_grid(pp, n_micro, 1, 2 * (n_micro + pp - 1))
+    micro = np.arange(n_micro)
+    for r in range(pp):
+        ops[r, r:r + n_micro] = F
+        mb[r, r:r + n_micro] = micro
+        first_b = n_micro + 2 * pp - 2 - r     # one tick after rank r + 1's B(0)
+        ops[r, first_b:first_b + n_micro] = B
+        mb[r, first_b:first_b + n_micro] = micro
+    return _timeline("gpipe", pp, n_micro, 1, ops, mb, None)
 
 
 def gpipe(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
@@ -68,14 +171,39 @@ def gpipe(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
         rank 3  .  .  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .  .  .  .  .
 
     Bubble fraction (p - 1) / (m + p - 1); every stage stashes the activations
-    of all m micro-batches before the first backward (peak m).
+    of all m micro-batches before the first backward (peak m). Read off
+    :func:`gpipe_timeline`.
     """
-    _check_sizes("gpipe", pp, n_micro, virtual)
+    return gpipe_timeline(pp, n_micro, virtual).actions()
+
+
+def one_f_one_b_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:
+    """1F1B's timeline: F(i) at tick r + i while i <= w, then B(i) at 2p - 1 - r + 2i with the later F's in between.
+
+    With w = min(p - r - 1, m) warm-up forwards on rank r: F(i) for
+    i < min(w + 1, m) at tick r + i, F(w + k) for k >= 1 at tick
+    2p - 2 - r + 2k, and B(i) at tick 2p - 1 - r + 2i (one tick after rank
+    r + 1's B(i), two after its own F(w + i)); 2(m + p - 1) ticks in all.
+    """
+    _check_sizes("1f1b", pp, n_micro, virtual)
     if virtual != 1:
-        raise ScheduleError(f"gpipe runs one stage per rank (virtual stages: {virtual}); "
-                            f"use an interleaved schedule for virtual_stages > 1")
-    return [[Action("F", r, m) for m in range(n_micro)] + [Action("B", r, m) for m in range(n_micro)]
-            for r in range(pp)]
+        raise ScheduleError(f"1f1b runs one stage per rank (virtual stages: {virtual}); "
+                            f"use interleaved-1f1b for virtual_stages > 1")
+    ops, mb, _ = _empty_grid(pp, n_micro, 1, 2 * (n_micro + pp - 1))
+    micro = np.arange(n_micro)
+    for r in range(pp):
+        warm = min(pp - r - 1, n_micro)
+        lead = min(warm + 1, n_micro)          # forwards before the first backward
+        ops[r, r:r + lead] = F
+        mb[r, r:r + lead] = micro[:lead]
+        later = n_micro - lead                 # forwards that each follow a backward
+        first = 2 * pp - r
+        ops[r, first:first + 2 * later:2] = F
+        mb[r, first:first + 2 * later:2] = micro[lead:]
+        first_b = 2 * pp - 1 - r
+        ops[r, first_b:first_b + 2 * n_micro:2] = B
+        mb[r, first_b:first_b + 2 * n_micro:2] = micro
+    return _timeline("1f1b", pp, n_micro, 1, ops, mb, None)
 
 
 def one_f_one_b(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
@@ -91,31 +219,49 @@ def one_f_one_b(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
         rank 3  .  .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5 .  .  .  .  .  .
 
     Bubble fraction (p - 1) / (m + p - 1), as GPipe, but rank r stashes at most
-    min(p - r, m) micro-batches instead of m.
+    min(p - r, m) micro-batches instead of m. Read off :func:`one_f_one_b_timeline`.
     """
-    _check_sizes("1f1b", pp, n_micro, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"1f1b runs one stage per rank (virtual stages: {virtual}); "
-                            f"use interleaved-1f1b for virtual_stages > 1")
-    programs = []
+    return one_f_one_b_timeline(pp, n_micro, virtual).actions()
+
+
+def interleaved_1f1b_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeline:
+    """Interleaved 1F1B's timeline (v > 1; v = 1 is 1F1B's).
+
+    Forwards and backwards follow Megatron's order (groups of pp
+    micro-batches, chunk by chunk; backwards through the chunks in reverse),
+    the same on every rank. Rank r runs w = min(2(p - r - 1) + (v - 1)p, vm)
+    warm-up forwards, forward k at tick r + k + max(0, k - vp); then, with
+    a = vp - 1 + 2(p - 1 - r), forward w + i at tick a + 2i and backward i at
+    tick a + 2i + 1. Not the fastest unit-tick placement (a forward of chunk
+    c > 0 on rank 0 can wait for rank p - 1), but every message goes to a
+    later tick, which is all a timeline promises.
+    """
+    _check_sizes("interleaved-1f1b", pp, n_micro, virtual)
+    if virtual > 1 and n_micro % pp:
+        raise ScheduleError(f"interleaved-1f1b needs micro-batches to be a multiple of pp "
+                            f"(micro-batches: {n_micro}, pp: {pp}, virtual stages: {virtual})")
+    if virtual == 1:
+        return replace(one_f_one_b_timeline(pp, n_micro, 1), name="interleaved-1f1b")
+    total = virtual * n_micro
+    k = np.arange(total)
+    group, within = np.divmod(k, virtual * pp)
+    fwd_chunk = within // pp
+    bwd_chunk = virtual - 1 - fwd_chunk
+    micro = group * pp + within % pp           # the same micro-batch sequence forwards and backwards
+    warm_tick = k + np.maximum(k - virtual * pp, 0)
+    ops, mb, chunk = _empty_grid(pp, n_micro, virtual, 2 * total + virtual * pp + 2 * pp - 3)
     for r in range(pp):
-        warm = min(pp - r - 1, n_micro)
-        prog = [Action("F", r, m) for m in range(warm)]
-        for i in range(n_micro - warm):
-            prog += [Action("F", r, warm + i), Action("B", r, i)]
-        prog += [Action("B", r, m) for m in range(n_micro - warm, n_micro)]
-        programs.append(prog)
-    return programs
-
-
-def _interleaved_order(pp: int, n_micro: int, virtual: int, backward: bool) -> list[tuple[int, int]]:
-    """Megatron's (chunk, micro-batch) order on one rank: groups of pp micro-batches, chunk by chunk."""
-    order = []
-    for first in range(0, n_micro, pp):
-        group = range(first, min(first + pp, n_micro))
-        chunks = range(virtual - 1, -1, -1) if backward else range(virtual)
-        order += [(c, m) for c in chunks for m in group]
-    return order
+        warm = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
+        steady = virtual * pp - 1 + 2 * (pp - 1 - r)
+        f_tick = np.concatenate([warm_tick[:warm] + r, steady + 2 * np.arange(total - warm)])
+        b_tick = steady + 1 + 2 * k
+        ops[r, f_tick] = F
+        chunk[r, f_tick] = fwd_chunk
+        mb[r, f_tick] = micro
+        ops[r, b_tick] = B
+        chunk[r, b_tick] = bwd_chunk
+        mb[r, b_tick] = micro
+    return _timeline("interleaved-1f1b", pp, n_micro, virtual, ops, mb, chunk)
 
 
 def interleaved_1f1b(pp: int, n_micro: int, virtual: int = 2) -> list[list[Action]]:
@@ -134,29 +280,18 @@ def interleaved_1f1b(pp: int, n_micro: int, virtual: int = 2) -> list[list[Actio
     Each chunk costs 1/v of a
     stage, so the bubble shrinks v-fold: idle / compute = (p - 1) / (v * m).
     Peak stash on rank r: w + 1 chunk activations (each 1/v of a stage's).
-    Requires m to be a multiple of pp (Megatron's rule) when v > 1.
+    Requires m to be a multiple of pp (Megatron's rule) when v > 1. Read off
+    :func:`interleaved_1f1b_timeline`.
     """
-    _check_sizes("interleaved-1f1b", pp, n_micro, virtual)
-    if virtual > 1 and n_micro % pp:
-        raise ScheduleError(f"interleaved-1f1b needs micro-batches to be a multiple of pp "
-                            f"(micro-batches: {n_micro}, pp: {pp}, virtual stages: {virtual})")
-    if virtual == 1:
-        return one_f_one_b(pp, n_micro, 1)
-    total = virtual * n_micro
-    fwd = _interleaved_order(pp, n_micro, virtual, backward=False)
-    bwd = _interleaved_order(pp, n_micro, virtual, backward=True)
-    programs = []
-    for r in range(pp):
-        warm = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
-        prog = [Action("F", c * pp + r, m) for c, m in fwd[:warm]]
-        for i in range(total - warm):
-            c, m = fwd[warm + i]
-            prog.append(Action("F", c * pp + r, m))
-            c, m = bwd[i]
-            prog.append(Action("B", c * pp + r, m))
-        prog += [Action("B", c * pp + r, m) for c, m in bwd[total - warm:]]
-        programs.append(prog)
-    return programs
+    return interleaved_1f1b_timeline(pp, n_micro, virtual).actions()
+
+
+def zero_bubble_h1_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:
+    """ZB-H1's timeline: the greedy list schedule's own ticks (rules in :func:`zero_bubble_h1`)."""
+    _check_sizes("zb-h1", pp, n_micro, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"zb-h1 runs one stage per rank (virtual stages: {virtual})")
+    return _greedy_split(pp, n_micro)
 
 
 def zero_bubble_h1(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
@@ -179,60 +314,60 @@ def zero_bubble_h1(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]
     Idle time per rank (p - 1)(F + I - W) instead of 1F1B's (p - 1)(F + B):
     a third of it when F = I = W. Every rank holds at most min(p, m)
     micro-batches between F and W: the peak of 1F1B's first rank (Qi et
-    al.'s "same peak memory as 1F1B"), now on every rank.
+    al.'s "same peak memory as 1F1B"), now on every rank. Read off
+    :func:`zero_bubble_h1_timeline`.
     """
-    _check_sizes("zb-h1", pp, n_micro, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"zb-h1 runs one stage per rank (virtual stages: {virtual})")
-    return _greedy_split(pp, n_micro)
+    return zero_bubble_h1_timeline(pp, n_micro, virtual).actions()
 
 
-def _greedy_split(pp: int, n_micro: int) -> list[list[Action]]:
-    """Unit-cost greedy list schedule of F / I / W on one stage per rank (rules in zero_bubble_h1)."""
-    programs: list[list[Action]] = [[] for _ in range(pp)]
-    f_ready = [[0 if r == 0 else -1] * n_micro for r in range(pp)]      # tick the input is available
-    i_ready = [[-1] * n_micro for _ in range(pp)]                        # tick the output gradient is available
-    next_f, next_i, next_w = [0] * pp, [0] * pp, [0] * pp
-    remaining = 3 * pp * n_micro
-    tick = 0
-    limit = 3 * n_micro * pp + pp   # every tick some rank works: all ranks' work in sequence is the worst case
+def _greedy_split(pp: int, n_micro: int) -> Timeline:
+    """Unit-cost greedy list schedule of F / I / W on one stage per rank, all ranks one tick at a time."""
+    ahead = pp - np.arange(pp)        # 1F1B's warm-up: F may run while f - i < pp - r
+    hold = min(pp, n_micro)           # ... and while fewer than min(p, m) micro-batches wait for their W
+    nf, ni, nw = (np.zeros(pp, np.int64) for _ in range(3))   # next F, I, W micro-batch per rank
+    f_src, i_src, gap = (np.empty(pp, np.int64) for _ in range(3))
+    f_src[0] = n_micro                # rank 0 has every input from the start
+    run_f, run_i, run_w, ok = (np.empty(pp, bool) for _ in range(4))
+    # tick-major while running (a tick writes one contiguous row), transposed once at the end; the
+    # greedy needs about 3m + p ticks, and the buffers double if that is ever short
+    ops = np.full((3 * n_micro + 2 * pp, pp), IDLE, np.int8)
+    mb = np.zeros(ops.shape, _index_dtype(n_micro))
+    remaining, tick = 3 * pp * n_micro, 0
     while remaining:
-        if tick > limit:
+        # A rank runs its F's and I's in micro-batch order, so "the producer finished micro-batch j at
+        # an earlier tick" is "the producer's counter at the start of this tick is past j": the input
+        # of F(j) on rank r comes from rank r - 1's F's, the gradient of I(j) from rank r + 1's I's
+        # (on the last rank from its own F(j)).
+        f_src[1:] = nf[:-1]
+        i_src[:-1] = ni[1:]
+        i_src[-1] = nf[-1]
+        np.greater(f_src, nf, out=run_f)
+        run_f &= np.less(np.subtract(nf, ni, out=gap), ahead, out=ok)
+        run_f &= np.less(np.subtract(nf, nw, out=gap), hold, out=ok)
+        np.greater(i_src, ni, out=run_i)
+        run_i &= np.less(ni, nf, out=ok)
+        run_i &= np.logical_not(run_f, out=ok)
+        np.less(nw, ni, out=run_w)
+        run_w &= np.logical_not(np.logical_or(run_f, run_i, out=ok), out=ok)
+        done = int(np.count_nonzero(run_f) + np.count_nonzero(run_i) + np.count_nonzero(run_w))
+        if not done:
+            # nothing ran, so nothing new becomes available: every later tick would be the same
             raise ScheduleError(f"zb-h1 list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
-        done_f, done_i = [], []
-        for r in range(pp):
-            f, i, w = next_f[r], next_i[r], next_w[r]
-            # F first keeps the forward wave (and so the backward chain behind it) moving;
-            # f - i < pp - r is 1F1B's warm-up rule, f - w < min(pp, m) bounds the activations held.
-            if (f < n_micro and 0 <= f_ready[r][f] <= tick and f - i < pp - r
-                    and f - w < min(pp, n_micro)):
-                programs[r].append(Action("F", r, f))
-                next_f[r] += 1
-                done_f.append((r, f))
-            elif i < n_micro and 0 <= i_ready[r][i] <= tick and i < f:
-                programs[r].append(Action("I", r, i))
-                next_i[r] += 1
-                done_i.append((r, i))
-            elif w < i:
-                programs[r].append(Action("W", r, w))
-                next_w[r] += 1
-            else:
-                continue
-            remaining -= 1
-        # results become visible to neighbours at the next tick
-        for r, m in done_f:
-            if r + 1 < pp:
-                f_ready[r + 1][m] = tick + 1
-            else:
-                i_ready[r][m] = tick + 1
-        for r, m in done_i:
-            if r > 0:
-                i_ready[r - 1][m] = tick + 1
+        if tick == len(ops):
+            ops = np.concatenate([ops, np.full_like(ops, IDLE)])
+            mb = np.concatenate([mb, np.zeros_like(mb)])
+        for run, op, counter in ((run_f, F, nf), (run_i, I, ni), (run_w, W, nw)):
+            np.copyto(ops[tick], op, where=run)
+            np.copyto(mb[tick], counter, where=run)
+            counter += run
+        remaining -= done
         tick += 1
-    return programs
+    return _timeline("zb-h1", pp, n_micro, 1, np.ascontiguousarray(ops[:tick].T),
+                     np.ascontiguousarray(mb[:tick].T), None)
 
 
 ScheduleFn = Callable[[int, int, int], list[list[Action]]]
+TimelineFn = Callable[[int, int, int], Timeline]
 
 SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
@@ -241,12 +376,26 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "zb-h1": zero_bubble_h1,
 }
 
+TIMELINES: dict[str, TimelineFn] = {
+    "gpipe": gpipe_timeline,
+    "1f1b": one_f_one_b_timeline,
+    "interleaved-1f1b": interleaved_1f1b_timeline,
+    "zb-h1": zero_bubble_h1_timeline,
+}
+
 
 def build_schedule(name: str, pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
     """Return the compute action list of every pipeline rank for a named schedule."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})")
     return SCHEDULES[name](pp, n_micro, virtual)
+
+
+def build_timeline(name: str, pp: int, n_micro: int, virtual: int = 1) -> Timeline:
+    """Return a named schedule in array form (the form the vectorised validator and simulator take)."""
+    if name not in TIMELINES:
+        raise ScheduleError(f"unknown schedule {name!r} (known: {', '.join(TIMELINES)})")
+    return TIMELINES[name](pp, n_micro, virtual)
 
 
 def format_grid(programs: list[list[Action]], mark: dict[int, int] | None = None) -> str:

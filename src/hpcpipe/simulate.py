@@ -17,19 +17,40 @@ until B, or until W for split backwards).
 Costs are per action kind, optionally per stage; ``costs_from_trace`` takes
 them from the Chrome trace a training run writes (``log.trace``), so that
 the prediction can be compared with the measured step time.
+
+Two paths give the same numbers: ``simulate`` runs the lowered action lists
+one action at a time and records every action's start and end (for
+``--ascii`` and ``--plot``, and for cores shared between ranks), and
+``simulate_timeline`` sweeps a schedule's timeline arrays tick by tick with
+all ranks as one NumPy vector (the command's default: pp = 1024 x 8192
+micro-batches in a fraction of a second).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import ScheduleError
-from .lowering import lower, validate
-from .schedules import SCHEDULES, Action, build_schedule
+from .lowering import check_timeline_values, lower, validate, validate_timeline
+from .schedules import (
+    COMPUTE_OPS,
+    IDLE,
+    SCHEDULES,
+    Action,
+    B,
+    F,
+    Timeline,
+    W,
+    build_schedule,
+    build_timeline,
+)
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -61,7 +82,7 @@ class Costs:
             return self.weight
         return self.backward - self.weight   # I
 
-    def scaled(self, factor: float) -> "Costs":
+    def scaled(self, factor: float) -> Costs:
         """Return the uniform compute costs multiplied by factor (a stage cut into virtual chunks)."""
         return Costs(self.forward * factor, self.backward * factor, self.weight * factor, self.comm,
                      self.step, dict(self.per_stage))
@@ -76,7 +97,8 @@ class SimResult:
     busy: list[float]                   # compute time per rank
     peak_stashed: list[int]             # per rank: micro-batch activations held at once (all its stages)
     peak_stashed_stage: dict[int, int]  # per stage
-    events: list[list[tuple[Action, float, float]]]   # per rank: (action, start, end); waits are gaps
+    # per rank: (action, start, end), waits are gaps; None from the vectorised path (simulate_timeline)
+    events: list[list[tuple[Action, float, float]]] | None
 
     @property
     def bubble_over_compute(self) -> float:
@@ -120,7 +142,7 @@ def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs,
                     if not queue:
                         break
                     arrival = queue.popleft()
-                    end = arrival if arrival > t else t
+                    end = max(t, arrival)
                     ev.append((a, t, end))
                     t = end
                 elif op == "SEND_F" or op == "SEND_B":
@@ -134,10 +156,8 @@ def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs,
                     if op == "F":
                         held[r] += 1
                         held_stage[a.stage] += 1
-                        if held[r] > peak[r]:
-                            peak[r] = held[r]
-                        if held_stage[a.stage] > peak_stage[a.stage]:
-                            peak_stage[a.stage] = held_stage[a.stage]
+                        peak[r] = max(peak[r], held[r])
+                        peak_stage[a.stage] = max(peak_stage[a.stage], held_stage[a.stage])
                     elif op != "I":
                         held[r] -= 1
                         held_stage[a.stage] -= 1
@@ -159,21 +179,211 @@ def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs,
 
 
 def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs: Costs | None = None,
-                      check: bool = True, cores: int | None = None, per_rank_costs: bool = True) -> SimResult:
+                      check: bool = True, cores: int | None = None, per_rank_costs: bool = True,
+                      events: bool = True) -> SimResult:
     """Build, lower, (validate) and simulate a named schedule.
 
     With ``per_rank_costs`` uniform costs describe a rank's whole share of the
     model, and with virtual stages each chunk costs 1/virtual of it; otherwise
     (costs from :func:`calibrated_costs`) they are per stage already.
+
+    ``events=False`` means the caller needs no per-action events (no ASCII
+    timeline, no plot): the schedule is then validated and simulated from its
+    array form (:func:`validate_timeline`, :func:`simulate_timeline`), with the
+    same numbers, in a time that grows with the timeline's length rather than
+    with the number of actions. Shared cores (``cores`` < pp) and non-finite
+    costs always take the per-action path.
     """
     costs = costs or Costs()
     n_stages = pp * virtual
+    if per_rank_costs and virtual > 1:
+        costs = costs.scaled(1.0 / virtual)
+    if not events and (cores is None or cores >= pp) and _finite(costs):
+        timeline = build_timeline(name, pp, n_micro, virtual)
+        if check:
+            validate_timeline(timeline)
+        return simulate_timeline(timeline, costs)
     programs = lower(build_schedule(name, pp, n_micro, virtual), pp, n_stages)
     if check:
         validate(programs, pp, n_stages, n_micro)
-    if per_rank_costs and virtual > 1:
-        costs = costs.scaled(1.0 / virtual)
     return simulate(programs, pp, n_stages, costs, cores)
+
+
+def _finite(costs: Costs) -> bool:
+    uniform = (costs.forward, costs.backward, costs.weight, costs.comm, costs.step)
+    return all(math.isfinite(c) for c in uniform) and all(math.isfinite(c) for c in costs.per_stage.values())
+
+
+# -------------------------------------------------------------------- vectorised (timeline) path ----
+
+def simulate_timeline(timeline: Timeline, costs: Costs, block: int = 64) -> SimResult:
+    """Simulate a schedule from its timeline arrays: what simulate(lower(actions)) gives, vectorised over ranks.
+
+    Step time, bubble, busy time and peak stash are those :func:`simulate`
+    computes for the lowered action lists (each end time by the same
+    floating-point operations, so they are bit-identical); ``events`` is None.
+    Messages are matched by (stage, micro-batch), which is the order of each
+    channel for any timeline that passes :func:`validate_timeline`. Costs must
+    be finite.
+
+    An action ends at max(end of its rank's previous action, end of the
+    action whose output it receives + comm) + its cost: a longest path over
+    the ranks' chains and the message edges. The timeline's ticks order that
+    graph (a message's producer has an earlier tick than its consumer), so one
+    sweep over the ticks, with the ranks as one NumPy vector, computes every
+    end time: at each tick every rank reads its input's end time from an
+    array indexed by (producer stage, micro-batch), takes the max with its own
+    clock, adds its cost and writes its own end time. That is a handful of
+    vector operations per tick (2(m + p - 1) ticks for GPipe and 1F1B),
+    whatever the number of actions. The array starts at +inf, so an input
+    read before it was written poisons its rank's clock: a timeline out of
+    dependency order raises ScheduleError instead of returning a wrong number.
+    """
+    if not _finite(costs):
+        raise ScheduleError(f"simulate_timeline needs finite costs, got {costs}")
+    if block < 1:
+        raise ScheduleError(f"block must be a positive number of ticks, got {block}")
+    check_timeline_values(timeline)     # an out-of-range micro-batch would read another row's cell
+    sweep = _Sweep(timeline, costs)
+    if not sweep.run(block):
+        sweep.run(block, find_error=True)   # raises, naming the first action that read an unwritten input
+        raise ScheduleError(f"{timeline.name} timeline is not in dependency order")   # (not reached)
+    pp = timeline.pp
+    busy = sweep.busy.tolist()
+    clock = sweep.clock + costs.step / 2    # ALLREDUCE, then OPT_STEP, as simulate() adds them
+    clock += costs.step / 2
+    step_time = max(clock.tolist())
+    idle = pp * step_time - sum(busy)
+    peak, peak_stage = timeline_peaks(timeline)
+    return SimResult(step_time, idle / (pp * step_time) if step_time else 0.0, busy, peak, peak_stage, None)
+
+
+def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[int], dict[int, int]]:
+    """Peak number of micro-batches whose activations each rank and each stage holds (F takes, B and W release).
+
+    Only the order of each rank's actions matters, so this is a running sum
+    along the tick axis, a few ranks at a time into reused buffers.
+    """
+    pp, v = timeline.pp, timeline.virtual
+    if ranks_per_pass < 1:
+        raise ScheduleError(f"ranks_per_pass must be a positive integer, got {ranks_per_pass}")
+    rows = min(ranks_per_pass, pp)
+    shape = (rows, timeline.n_ticks)
+    is_op, delta, mine = np.empty(shape, bool), np.empty(shape, np.int8), np.empty(shape, np.int8)
+    running = np.empty(shape, np.int32)
+    peak = np.zeros(pp, np.int32)
+    peak_stage = np.zeros((v, pp), np.int32)
+    for r0 in range(0, pp, rows):
+        ops = timeline.ops[r0:r0 + rows]
+        n = len(ops)
+        d, on, run = delta[:n], is_op[:n], running[:n]
+        np.equal(ops, F, out=d, casting="unsafe")
+        d -= np.equal(ops, B, out=on)
+        d -= np.equal(ops, W, out=on)
+        np.cumsum(d, axis=1, out=run).max(axis=1, out=peak[r0:r0 + n])
+        if v > 1:
+            chunk = timeline.chunk[r0:r0 + rows]
+            for c in range(v):
+                np.multiply(d, np.equal(chunk, c, out=on), out=mine[:n])
+                np.cumsum(mine[:n], axis=1, out=run).max(axis=1, out=peak_stage[c, r0:r0 + n])
+    if v == 1:
+        peak_stage[0] = peak
+    return peak.tolist(), {c * pp + r: int(n) for c in range(v) for r, n in enumerate(peak_stage[c].tolist())}
+
+
+class _Sweep:
+    """The tick-by-tick sweep of simulate_timeline and the tables it reads (one instance per simulation)."""
+
+    def __init__(self, timeline: Timeline, costs: Costs) -> None:
+        self.tl = timeline
+        self.comm = costs.comm
+        pp, v, n_micro = timeline.pp, timeline.virtual, timeline.n_micro
+        n_stages = pp * v
+        # End times live in one flat array of rows of n_micro cells: F of stage s in row n_stages - 1 - s,
+        # B or I of stage s in row n_stages + 1 + s, so an action's input is always the next row (the
+        # same cell of it). Rows n_stages and 2 n_stages + 1 are the -inf "inputs" of stage 0's F and the
+        # last stage's B; W's and idle ticks write into row `sink`, whose next row is -inf as well. A row
+        # is padded to an odd number of 64-byte lines so that the ranks' rows spread over the cache sets.
+        self.row = n_micro + (8 - n_micro) % 16
+        sink = 2 * n_stages + 2
+        # Per-rank lookup tables by code = (op + 1) * v + chunk (IDLE -> 0), flattened with rank * width.
+        width = 5 * v
+        ranks = np.arange(pp)
+        self.code_base = ranks * width + v
+        keys = np.full((pp, width), sink * self.row, np.intp)
+        cost = np.zeros((pp, width))
+        for c in range(v):
+            stage = c * pp + ranks
+            keys[:, v + c] = (n_stages - 1 - stage) * self.row
+            keys[:, 2 * v + c] = keys[:, 3 * v + c] = (n_stages + 1 + stage) * self.row
+            for op in range(4):
+                cost[:, (op + 1) * v + c] = [costs.of(COMPUTE_OPS[op], s) for s in stage.tolist()]
+        self.keys, self.cost = keys, cost
+        self.n_rows = 2 * n_stages + 4
+        self.minus_inf_rows = (n_stages, 2 * n_stages + 1, sink + 1)
+        self.clock = np.zeros(pp)
+        self.busy = np.zeros(pp)
+
+    def run(self, block: int, find_error: bool = False) -> bool:
+        """Sweep all ticks; False if some rank read an input that no earlier tick wrote."""
+        tl = self.tl
+        pp, v = tl.pp, tl.virtual
+        row, comm = self.row, self.comm
+        end = np.full(self.n_rows * row, np.inf)     # +inf: not computed yet
+        for r in self.minus_inf_rows:
+            end[r * row:(r + 1) * row] = -np.inf
+        inputs = end[row:]                       # inputs[k] is end[k + row], the input of the cell at k
+        clock, nxt = np.zeros(pp), np.empty(pp)
+        messages = pp > 1                        # with one rank every stage hands over locally
+        # reused every block (fresh temporaries would page-fault every block)
+        code_buf = np.empty((block, pp), np.intp)
+        key_buf = np.empty((block, pp), np.intp)
+        cost_buf = np.empty((block, pp))
+        busy = np.zeros(pp)
+        for t0 in range(0, tl.n_ticks, block):
+            cols = slice(t0, t0 + block)
+            ops = tl.ops[:, cols].T              # (ticks, pp): the sweep wants a row per tick
+            n = len(ops)
+            code, key, cost = code_buf[:n], key_buf[:n], cost_buf[:n]
+            if v > 1:
+                np.multiply(ops, np.intp(v), out=code)
+                code += tl.chunk[:, cols].T
+                code += self.code_base
+            else:
+                np.add(ops, self.code_base, out=code)
+            # "wrap" skips numpy's buffered bounds check; simulate_timeline checked every value's range
+            self.keys.take(code, out=key, mode="wrap")
+            key += tl.mb[:, cols].T
+            self.cost.take(code, out=cost, mode="wrap")
+            for t in range(n):
+                if messages:
+                    k = key[t]
+                    inputs.take(k, out=nxt, mode="wrap")
+                    if comm:
+                        nxt += comm
+                    np.maximum(nxt, clock, out=nxt)
+                    nxt += cost[t]
+                    end[k] = nxt
+                else:
+                    np.add(clock, cost[t], out=nxt)
+                busy += cost[t]                  # simulate()'s busy += cost, in the same order
+                clock, nxt = nxt, clock
+                if find_error and not np.isfinite(clock).all():
+                    self._raise_unready(t0 + t, int(np.flatnonzero(~np.isfinite(clock))[0]))
+            if not np.isfinite(clock).all():
+                return False
+        self.clock, self.busy = clock, busy
+        return True
+
+    def _raise_unready(self, tick: int, rank: int) -> None:
+        tl = self.tl
+        op = COMPUTE_OPS[int(tl.ops[rank, tick])] if tl.ops[rank, tick] != IDLE else "IDLE"
+        stage = int(tl.chunk[rank, tick]) * tl.pp + rank
+        action = Action(op, stage, int(tl.mb[rank, tick]))
+        source = (stage - 1 if op == "F" else stage + 1) % tl.pp
+        raise ScheduleError(f"{tl.name} timeline is not in dependency order: rank {rank} runs {action} at "
+                            f"tick {tick}, but its input from rank {source} is not computed at an earlier "
+                            f"tick (or at all)")
 
 
 def _advance_idle(r, prog, t, pos, computing, remaining, started, blocked_until, channels, events, busy,
@@ -365,13 +575,21 @@ def measured_events(path: str, step: int | None = None) -> list[list[tuple[str, 
 
 # ----------------------------------------------------------------------------------- pictures --
 
+def _events(result: SimResult) -> list[list[tuple[Action, float, float]]]:
+    if result.events is None:
+        raise ScheduleError("this result has no per-action events (vectorised simulation); "
+                            "simulate with events=True to draw it")
+    return result.events
+
+
 def ascii_timeline(result: SimResult, tick: float | None = None) -> str:
     """Render a simulated step as text, one row per rank, one column per tick (default: smallest F)."""
-    computes = [(a, s, e) for ev in result.events for a, s, e in ev if a.op in COMPUTE and e > s]
+    events = _events(result)
+    computes = [(a, s, e) for ev in events for a, s, e in ev if a.op in COMPUTE and e > s]
     if not computes:
         return ""
     tick = tick or min(e - s for _, s, e in computes)
-    pp = len(result.events)
+    pp = len(events)
     chunked = any(a.stage >= pp for a, _, _ in computes)
 
     def label(a: Action) -> str:
@@ -380,13 +598,13 @@ def ascii_timeline(result: SimResult, tick: float | None = None) -> str:
 
     width = max(len(label(a)) for a, _, _ in computes) + 1
     lines = []
-    for r, ev in enumerate(result.events):
+    for r, ev in enumerate(events):
         cells: dict[int, str] = {}
         for a, s, e in ev:
             if a.op in COMPUTE:
-                for k in range(int(round(s / tick)), int(round(e / tick))):
+                for k in range(round(s / tick), round(e / tick)):
                     cells[k] = label(a)
-        n = int(round(result.step_time / tick))
+        n = round(result.step_time / tick)
         lines.append(f"rank {r}  " + "".join(cells.get(k, ".").ljust(width) for k in range(n)).rstrip())
     return "\n".join(lines)
 
@@ -430,7 +648,7 @@ def plot_timeline(rows: list[list[tuple[str, float, float]]], path: str, title: 
 
 def sim_rows(result: SimResult) -> list[list[tuple[str, float, float]]]:
     """Return a simulated step as (name, start, end) rows for plot_timeline."""
-    return [[(a.op if a.op not in COMPUTE else f"{a.op}{a.mb}", s, e) for a, s, e in ev] for ev in result.events]
+    return [[(a.op if a.op not in COMPUTE else f"{a.op}{a.mb}", s, e) for a, s, e in ev] for ev in _events(result)]
 
 
 # ----------------------------------------------------------------------------------- CLI -------
@@ -466,7 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", metavar="TRACE", help="draw/print a measured trace instead of simulating")
     parser.add_argument("--plot", metavar="PNG", help="draw the rank x time chart with matplotlib")
     parser.add_argument("--ascii", action="store_true", help="print the timeline as text")
-    parser.add_argument("--no-validate", action="store_true", help="skip the validator (huge sizes)")
+    parser.add_argument("--no-validate", action="store_true",
+                        help="skip the validator (the output then says the schedule was not checked)")
+    parser.add_argument("--per-action", action="store_true",
+                        help="simulate action by action, the reference path (--ascii and --plot imply it; "
+                             "otherwise the schedule's timeline arrays are simulated, same numbers, much faster)")
     args = parser.parse_args(argv)
     try:
         if args.measured:
@@ -483,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
             costs = _parse_costs(args.costs)
         result = simulate_schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages,
                                    costs, check=not args.no_validate, cores=args.cores,
-                                   per_rank_costs=not args.calibrate)
+                                   per_rank_costs=not args.calibrate,
+                                   events=bool(args.per_action or args.ascii or args.plot))
     except ScheduleError as exc:
         print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -495,6 +718,13 @@ def main(argv: list[str] | None = None) -> int:
           + "  (micro-batches per rank)")
     if args.virtual_stages > 1:
         print("per stage        " + " ".join(f"s{s}:{n}" for s, n in sorted(result.peak_stashed_stage.items())))
+    vectorised = result.events is None
+    print("simulator        " + ("vectorised over the schedule's timeline arrays" if vectorised else "per action"))
+    if args.no_validate:
+        print("validation       SKIPPED (--no-validate): the schedule was not checked")
+    else:
+        print("validation       " + ("vectorised (validate_timeline)" if vectorised else "per action (validate)")
+              + ": complete, channels in order, deadlock-free")
     if args.ascii:
         print(ascii_timeline(result))
     if args.plot:

@@ -668,6 +668,13 @@ def _parse_costs(text: str) -> Costs:
     return Costs(f, b, w, comm)
 
 
+def _listing(items: list[str], edge: int = 8) -> str:
+    """Join per-rank entries; for hundreds of ranks show the first and last `edge` (a line per rank is unreadable)."""
+    if len(items) <= 3 * edge:
+        return " ".join(items)
+    return " ".join(items[:edge]) + f" ... ({len(items) - 2 * edge} more) ... " + " ".join(items[-edge:])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.simulate``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0],
@@ -714,10 +721,10 @@ def main(argv: list[str] | None = None) -> int:
           f"virtual stages={args.virtual_stages}")
     print(f"step time        {result.step_time:.6g}")
     print(f"bubble           {result.bubble:.4f} of rank time ({result.bubble_over_compute:.4f} of compute)")
-    print("peak stashed     " + " ".join(f"r{r}:{n}" for r, n in enumerate(result.peak_stashed))
+    print("peak stashed     " + _listing([f"r{r}:{n}" for r, n in enumerate(result.peak_stashed)])
           + "  (micro-batches per rank)")
     if args.virtual_stages > 1:
-        print("per stage        " + " ".join(f"s{s}:{n}" for s, n in sorted(result.peak_stashed_stage.items())))
+        print("per stage        " + _listing([f"s{s}:{n}" for s, n in sorted(result.peak_stashed_stage.items())]))
     vectorised = result.events is None
     print("simulator        " + ("vectorised over the schedule's timeline arrays" if vectorised else "per action"))
     if args.no_validate:

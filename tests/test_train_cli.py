@@ -117,6 +117,6 @@ def test_exception_on_one_rank_ends_the_whole_job_fast(tmp_path):
     reader.join(timeout=10)
     stderr = "".join(lines)
     assert proc.returncode != 0
-    assert "fault" in seen, stderr
+    assert "fault" in seen, f"exit {proc.returncode}, stderr:\n{stderr}"
     assert ended - seen["fault"] < 30, f"job took {ended - seen['fault']:.1f} s to end after the fault"
     assert "[dp01-pp01] error: RuntimeError: injected fault" in stderr

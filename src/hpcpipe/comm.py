@@ -10,6 +10,7 @@ device buffers are staged through host copies.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -256,6 +257,18 @@ def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
     return comm.bcast(error if comm.Get_rank() == owner else None, root=owner) if size > 1 else error
 
 
+ABORT_GRACE_S = 0.5
+
+
 def abort(comm: Any, code: int) -> None:
     """End every rank of the job now (MPI_Abort), so one failing rank never hangs the others."""
+    # The launcher's proxy forwards our stderr asynchronously and kills everything as soon as the
+    # abort reaches it; without a short grace period the failing rank's own error message (the
+    # one line the user needs) was sometimes lost on a loaded node.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    time.sleep(ABORT_GRACE_S)
     comm.Abort(code)

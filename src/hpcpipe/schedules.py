@@ -434,7 +434,10 @@ def zero_bubble_v(pp: int, n_micro: int, virtual: int = 2) -> list[list[Action]]
     --pp 4 --micro-batches 8 --virtual-stages 2 --ascii``; a = stages 0..3, b =
     stages 4..7; ``b`` on rank r is stage 7 - r)::
 
-ASCII_PLACEHOLDER
+        rank 0  F0a F1a F2a F3a F4a F5a F6a F0b I0b W0b F1b I1b W1b F2b I2b W2b F3b I0a I3b W0a F7a I1a W3b F4b I2a I4b W1a I3a W2a W4b F5b I5b W3a I4a W5b F6b I6b W4a W6b I5a W5a F7b I7b I6a W7b W6a .   .   .   I7a W7a
+        rank 1  .   F0a F1a F2a F3a F4a F0b F5a F1b I0b W0b F2b I1b W1b F3b I0a I2b W0a F6a I1a I3b W2b F4b I2a W1a F7a I3a I4b W3b F5b W2a W3a I4a I5b F6b W4b W4a I6b I5a W5b F7b W6b I6a I7b W5a W6a W7b .   I7a W7a .
+        rank 2  .   .   F0a F1a F2a F0b F3a F1b F4a F2b I0b W0b F3b I0a I1b W0a F5a I1a I2b W1b F4b I2a I3b W1a F6a I3a W2b F5b I4b W2a F7a I4a W3b F6b I5b W3a W4b I5a I6b F7b W4a I6a W5b W5a I7b W6b W6a I7a W7b W7a .
+        rank 3  .   .   .   F0a F0b F1a F1b F2a F2b F3a F3b I0b I0a W0b F4a I1b I1a W0a F4b I2b I2a W1b F5a I3b I3a W1a F5b W2b F6a I4b I4a W2a F6b W3b F7a I5b I5a W3a F7b I6b I6a W4b W4a W5b W5a I7b I7a W6b W6a W7b W7a
 
     Bubble (F = I = W): with pp = 4, m = 8 the step is 51 chunk ticks for 48
     ticks of work per rank (idle 5.9 %), against ZB-H1's 27 and 1F1B's 33

@@ -3,8 +3,10 @@
 ``lower`` inserts, around every compute action, the point-to-point messages
 it needs: a forward of stage s > 0 receives its input from the rank of stage
 s - 1, a forward of a non-last stage sends its output to the rank of stage
-s + 1, and backwards do the same in reverse. Neighbouring stages on the same
-rank (pp = 1 with virtual stages) hand over locally and get no message.
+s + 1, and backwards do the same in reverse; which rank owns a stage is the
+schedule's placement (:func:`hpcpipe.schedules.stage_rank`), passed in.
+Neighbouring stages on the same rank (pp = 1 with virtual stages, or the turn
+of ZB-V's V on rank pp - 1) hand over locally and get no message.
 Every program ends with ALLREDUCE (data-parallel gradient average) and
 OPT_STEP.
 

@@ -428,21 +428,24 @@ def zero_bubble_v(pp: int, n_micro: int, virtual: int = 2) -> list[list[Action]]
     messages): a free rank runs, in this order of preference, the next chunk-b
     forward, then the next chunk-a forward, if its input has arrived and the
     rank holds fewer than 2p chunk activations (F to W); else a chunk-a I, then
-    a chunk-b I, whose gradient has arrived; else the oldest pending W. Each
-    chunk runs its F's and I's in micro-batch order, so every channel is FIFO.
+    a chunk-b I, whose gradient has arrived; else the oldest pending W. When a
+    chunk-b forward is ready but the rank is at the cap, the oldest W runs
+    first to make room. Each chunk runs its F's and I's in micro-batch order,
+    so every channel is FIFO.
     Timeline for pp = 4, m = 8 (``python -m hpcpipe.simulate --schedule zb-v
     --pp 4 --micro-batches 8 --virtual-stages 2 --ascii``; a = stages 0..3, b =
     stages 4..7; ``b`` on rank r is stage 7 - r)::
 
-        rank 0  F0a F1a F2a F3a F4a F5a F6a F0b I0b W0b F1b I1b W1b F2b I2b W2b F3b I0a I3b W0a F7a I1a W3b F4b I2a I4b W1a I3a W2a W4b F5b I5b W3a I4a W5b F6b I6b W4a W6b I5a W5a F7b I7b I6a W7b W6a .   .   .   I7a W7a
-        rank 1  .   F0a F1a F2a F3a F4a F0b F5a F1b I0b W0b F2b I1b W1b F3b I0a I2b W0a F6a I1a I3b W2b F4b I2a W1a F7a I3a I4b W3b F5b W2a W3a I4a I5b F6b W4b W4a I6b I5a W5b F7b W6b I6a I7b W5a W6a W7b .   I7a W7a .
-        rank 2  .   .   F0a F1a F2a F0b F3a F1b F4a F2b I0b W0b F3b I0a I1b W0a F5a I1a I2b W1b F4b I2a I3b W1a F6a I3a W2b F5b I4b W2a F7a I4a W3b F6b I5b W3a W4b I5a I6b F7b W4a I6a W5b W5a I7b W6b W6a I7a W7b W7a .
-        rank 3  .   .   .   F0a F0b F1a F1b F2a F2b F3a F3b I0b I0a W0b F4a I1b I1a W0a F4b I2b I2a W1b F5a I3b I3a W1a F5b W2b F6a I4b I4a W2a F6b W3b F7a I5b I5a W3a F7b I6b I6a W4b W4a W5b W5a I7b I7a W6b W6a W7b W7a
+        rank 0  F0a F1a F2a F3a F4a F5a F6a F0b I0b W0b F1b I1b W1b F2b I2b W2b F3b I0a I3b W0a F7a W3b F4b I1a I4b W1a W4b F5b I2a I5b W2a W5b F6b I3a I6b W3a W6b F7b I7b I4a W7b I5a W4a I6a W5a I7a W6a W7a .   .   .
+        rank 1  .   F0a F1a F2a F3a F4a F0b F5a F1b I0b W0b F2b I1b W1b F3b I0a I2b W0a F6a W2b F4b I1a I3b W1a F7a W3b F5b I2a I4b W2a I5b F6b I3a W4b W5b I6b F7b W3a I4a I7b I5a W6b I6a W4a I7a W7b W5a W6a W7a .   .
+        rank 2  .   .   F0a F1a F2a F0b F3a F1b F4a F2b I0b W0b F3b I0a I1b W0a F5a W1b F4b I1a I2b W1a F6a W2b F5b I2a I3b W2a F7a W3b F6b I3a I4b I5b W3a F7b I6b I4a W4b I5a I7b I6a W5b I7a W6b W4a W5a W7b W6a W7a .
+        rank 3  .   .   .   F0a F0b F1a F1b F2a F2b F3a F3b I0b I0a W0b F4a W0a F4b I1b I1a W1b F5a W1a F5b I2b I2a W2b F6a W2a F6b I3b I3a W3b F7a W3a F7b I4b I4a I5b I5a I6b I6a I7b I7a W4b W4a W5b W5a W6b W6a W7b W7a
 
     Bubble (F = I = W): with pp = 4, m = 8 the step is 51 chunk ticks for 48
     ticks of work per rank (idle 5.9 %), against ZB-H1's 27 and 1F1B's 33
     stage ticks for 24 (11 % and 27 %); with pp = 8, m = 32: 3.5 % against
-    6.8 % and 18 % (the simulator's numbers, checked in the tests). Memory: at
+    6.8 % and 18 %; at most 0.6 of ZB-H1's bubble whenever m >= p, for
+    p = 2..8, m up to 32 (the simulator's numbers, checked in the tests). Memory: at
     most 2p chunk activations per rank, i.e. p stages' worth, 1F1B's first-rank
     peak, on every rank (min(2p, 2m)). Requires virtual stages = 2. Read off
     :func:`zero_bubble_v_timeline`.
@@ -473,15 +476,20 @@ def _greedy_v(pp: int, n_micro: int) -> Timeline:
         i_src[1, 0], i_src[1, 1:] = nf[1, 0], ni[1, :-1]
         i_src[0, -1], i_src[0, :-1] = ni[1, -1], ni[0, 1:]
         room = nf.sum(axis=0) - nw < cap
-        busy = np.zeros(pp, bool)
+        pending_w = nw < ni.sum(axis=0)
+        # a chunk-b forward held back only by the memory cap: free a chunk with the oldest W first, or the
+        # last micro-batches' chains wait for W's the greedy would run last (p = 8, m = 9: 67 ticks, not 61)
+        free_first = (f_src[1] > nf[1]) & ~room & pending_w
+        busy = free_first.copy()
         picks = []
         for op, c, ready in ((F, 1, f_src[1] > nf[1]), (F, 0, f_src[0] > nf[0]),
                              (I, 0, i_src[0] > ni[0]), (I, 1, i_src[1] > ni[1])):
             run = ready & ~busy & (room if op == F else True)
             busy |= run
             picks.append((op, c, run))
-        run_w = (nw < ni.sum(axis=0)) & ~busy
-        if not (busy.any() or run_w.any()):
+        run_w = free_first | (pending_w & ~busy)
+        busy |= run_w
+        if not busy.any():
             raise ScheduleError(f"zb-v list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
         if tick == len(ops):
             ops = np.concatenate([ops, np.full_like(ops, IDLE)])
@@ -500,7 +508,7 @@ def _greedy_v(pp: int, n_micro: int) -> Timeline:
         chunk[tick, run_w] = i_chunk[w_ranks, nw[run_w]]
         mb[tick, run_w] = i_mb[w_ranks, nw[run_w]]
         nw += run_w
-        remaining -= int(busy.sum() + run_w.sum())
+        remaining -= int(busy.sum())
         tick += 1
     return _timeline("zb-v", pp, n_micro, 2, np.ascontiguousarray(ops[:tick].T), np.ascontiguousarray(mb[:tick].T),
                      np.ascontiguousarray(chunk[:tick].T), placement="v")

@@ -6,7 +6,15 @@ import pytest
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.lowering import lower, validate
-from hpcpipe.schedules import SCHEDULES, Action, build_schedule, gpipe, placement_of, rank_stages, stage_rank
+from hpcpipe.schedules import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    gpipe,
+    placement_of,
+    rank_stages,
+    stage_rank,
+)
 
 GRID = list(itertools.product(range(1, 9), range(1, 33), range(1, 4)))
 

@@ -12,7 +12,14 @@ import pytest
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import IDLE, TIMELINES, Timeline, build_schedule, build_timeline, chunk_stage
+from hpcpipe.schedules import (
+    IDLE,
+    TIMELINES,
+    Timeline,
+    build_schedule,
+    build_timeline,
+    chunk_stage,
+)
 from hpcpipe.simulate import (
     Costs,
     ascii_timeline,

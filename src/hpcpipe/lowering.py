@@ -29,7 +29,19 @@ from collections import deque
 import numpy as np
 
 from .errors import ScheduleError
-from .schedules import IDLE, Action, B, F, I, Timeline, W, chunk_stage, format_grid, rank_stages, stage_rank
+from .schedules import (
+    IDLE,
+    Action,
+    B,
+    F,
+    I,
+    Timeline,
+    W,
+    chunk_stage,
+    format_grid,
+    rank_stages,
+    stage_rank,
+)
 
 
 def lower(schedule: list[list[Action]], pp: int, n_stages: int, placement: str = "interleaved") -> list[list[Action]]:

@@ -84,13 +84,18 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
+def _virtual(schedule: str) -> int:
+    """Model chunks per rank this benchmark runs a schedule with (ZB-V always has 2)."""
+    return 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
+
+
 def main() -> int:
     """Run every job once, print the tables, write the JSON results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3, help="repeat every job; each keeps its best round")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v")
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--plots", default="", help="directory for measured/simulated timeline PNGs")
     ap.add_argument("--skip-8", action="store_true", help="skip the 8-rank runs")
@@ -121,14 +126,14 @@ def main() -> int:
     jobs = []   # (table, key, ranks, worker, args)
     for pp in (2, 4):
         for s in schedules:
-            v = ["--virtual-stages", "2"] if s == "interleaved-1f1b" else []
+            v = ["--virtual-stages", "2"] if _virtual(s) > 1 else []
             jobs.append(("hpcpipe", f"{s}/pp{pp}", pp, "hpcpipe_worker.py", ["--schedule", s, "--pp", str(pp)] + v))
     if not args.no_torch:
         for s in ("gpipe", "1f1b"):
             jobs.append(("torch", s, 2, "torch_worker.py", ["--schedule", s]))
     if not args.skip_8:
         for s in schedules:
-            if s != "interleaved-1f1b":   # pp=4 x v=2 leaves one layer per stage: not the comparison asked
+            if _virtual(s) == 1:   # pp=4 x v=2 leaves one layer per stage: not the comparison asked
                 # the same global batch of 2048: 8 micro-batches of 128 per replica keep 128-row matmuls
                 jobs.append(("hpcpipe", f"{s}/dp2pp4", 8, "hpcpipe_worker.py",
                              ["--schedule", s, "--pp", "4", "--micro-batches", "8"]))
@@ -161,7 +166,7 @@ def main() -> int:
     for pp in (2, 4):
         for s in schedules:
             r = results["hpcpipe"][f"{s}/pp{pp}"]
-            v = 2 if s == "interleaved-1f1b" else 1
+            v = _virtual(s)
             sim = {}
             if calib:
                 costs = calibrated_costs(calib, pp, v)
@@ -203,7 +208,7 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
             sim = res["sim"][f"{s}/pp{pp}"]
             cal = f"{sim['calibrated_s'] * 1e3:.0f} ({(sim['calibrated_s'] - t) / t:+.0%})" if "calibrated_s" in sim else "-"
             own = f"{sim['own_trace_s'] * 1e3:.0f} ({(sim['own_trace_s'] - t) / t:+.0%})"
-            name = s + (" (v=2)" if s == "interleaved-1f1b" else "")
+            name = s + (" (v=2)" if _virtual(s) > 1 else "")
             print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {cal} | {own} |")
     print("\n| schedule | pp=2 (2 ranks, 16 x 128) ms | dp=2 x pp=4 (8 ranks, 8 x 128 per replica) ms | ratio "
           "| CPU s per step, all ranks: 2 ranks / 8 ranks |")

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1",
        "OPENBLAS_NUM_THREADS": "1"}
-VIRTUAL = {"interleaved-1f1b": 2}           # virtual stages used for a schedule (1 otherwise)
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2}  # virtual stages used for a schedule (1 otherwise)
 
 
 def child(name: str, pp: int, n_micro: int, virtual: int) -> dict:

@@ -29,12 +29,12 @@ def _trainer(comm, sections):
     return Trainer(plan(from_dict(sections), comm.Get_size()), comm)
 
 
-def _save_reference(world, ck_dir):
+def _save_reference(world, ck_dir, schedule="gpipe", virtual=1):
     """At (dp=2, pp=4): 3 steps, save, then one more step. Returns (params, optimizer, next loss) on all ranks."""
     comm = sub_world(world, 8)
     result = None
     if comm is not None:
-        trainer = _trainer(comm, _sections(ck_dir, 2, 4))
+        trainer = _trainer(comm, _sections(ck_dir, 2, 4, schedule=schedule, virtual=virtual))
         for step in range(3):
             trainer.train_step(step)
         trainer.save_checkpoint(3)
@@ -53,7 +53,7 @@ def test_reshard_to_other_layouts_is_bit_exact(world, shared_tmp):
     # saved with GPipe at (2, 4); loaded at other layouts and under other schedules
     for dp, pp, schedule, virtual in [(2, 4, "gpipe", 1), (1, 2, "gpipe", 1), (4, 1, "gpipe", 1), (1, 8, "gpipe", 1),
                                       (2, 2, "gpipe", 1), (2, 2, "1f1b", 1), (1, 4, "zb-h1", 1),
-                                      (1, 2, "interleaved-1f1b", 2)]:
+                                      (1, 2, "interleaved-1f1b", 2), (1, 4, "zb-v", 2), (2, 2, "zb-v", 2)]:
         comm = sub_world(world, dp * pp)
         if comm is None:
             continue
@@ -66,6 +66,30 @@ def test_reshard_to_other_layouts_is_bit_exact(world, shared_tmp):
             assert_nested_equal(got_opt, opt)
             assert sorted(got_opt[0]) == ["exp_avg", "exp_avg_sq"]
         tolerance = 0.0 if (dp, pp) == (2, 4) else 1e-5   # same layout: bitwise; others: float32 reordering
+        assert abs(loss - next_loss) <= tolerance * abs(next_loss), (dp, pp, schedule, loss, next_loss)
+        trainer.close()
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=8)
+def test_zbv_checkpoint_reshards_to_other_layouts_and_schedules(world, shared_tmp):
+    """Saved with ZB-V at (2, 4) (rank r's file holds stages r and 7 - r), resumed under GPipe and others."""
+    ck_dir = os.path.join(shared_tmp, "ck-zbv")
+    params, opt, next_loss = _save_reference(world, ck_dir, schedule="zb-v", virtual=2)
+    for dp, pp, schedule, virtual in [(2, 4, "zb-v", 2), (2, 4, "gpipe", 1), (1, 2, "gpipe", 1), (4, 1, "gpipe", 1),
+                                      (1, 8, "1f1b", 1), (1, 2, "interleaved-1f1b", 2), (1, 4, "zb-v", 2)]:
+        comm = sub_world(world, dp * pp)
+        if comm is None:
+            continue
+        trainer = _trainer(comm, _sections(ck_dir, dp, pp, resume=True, schedule=schedule, virtual=virtual))
+        assert trainer.start_step == 3 and trainer.optimizer.steps == 3
+        got_params, got_opt = trainer.gather("params"), trainer.gather("optimizer")
+        loss = trainer.train_step(3)
+        if comm.Get_rank() == 0:
+            assert_nested_equal(got_params, params)
+            assert_nested_equal(got_opt, opt)
+        same = (dp, pp, schedule) == (2, 4, "zb-v")       # same layout and schedule: bitwise
+        tolerance = 0.0 if same else 1e-5
         assert abs(loss - next_loss) <= tolerance * abs(next_loss), (dp, pp, schedule, loss, next_loss)
         trainer.close()
         comm.Free()

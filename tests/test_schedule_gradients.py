@@ -65,6 +65,57 @@ def test_random_16_layer_model_every_schedule_matches_gpipe(world, shared_tmp, d
     comm.Free()
 
 
+def _random_16_layer(seed: int = 16):
+    rng = np.random.default_rng(seed)
+    dims = [int(d) for d in rng.integers(5, 20, size=17)]
+    model = {"dims": dims, "bias": True, "activation": "tanh", "final_activation": False}
+    weights = {i: {"weight": (rng.standard_normal((dims[i], dims[i + 1])) / np.sqrt(dims[i])).astype(np.float32),
+                   "bias": (0.1 * rng.standard_normal(dims[i + 1])).astype(np.float32)} for i in range(16)}
+    return rng, dims, model, weights
+
+
+def _compare_zbv(comm, tmp, tag, model, weights, x, y, dp, pp, micro_batches, batch):
+    """GPipe, then ZB-V (two chunks per rank in a V) at the same layout; compare on rank 0."""
+    base = {"parallel": {"pp": pp, "dp": dp, "schedule": "gpipe"}, "model": model,
+            "train": {"micro_batches": micro_batches, "micro_batch_size": batch}}
+    _, ref, _ = run_gradients(comm, tmp, f"{tag}-gpipe", base, weights, x, y)
+    sections = {**base, "parallel": {"pp": pp, "dp": dp, "schedule": "zb-v", "virtual_stages": 2}}
+    _, grads, _ = run_gradients(comm, tmp, f"{tag}-zb-v", sections, weights, x, y)
+    if comm.Get_rank() == 0:
+        assert sorted(grads) == sorted(ref)
+        rel = _max_rel_diff(grads, ref)
+        assert rel <= 1e-5, f"zb-v dp={dp} pp={pp}: max |grad - gpipe| = {rel:.3g} x max |grad|"
+
+
+# The seed model has 4 layers: ZB-V's 2 x pp stages fit only at pp = 2 (pp = 4 needs 8 layers).
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("dp,pp", [(1, 2), (2, 2)])
+def test_zbv_matches_gpipe_on_seed_example6(world, shared_tmp, dp, pp):
+    comm = sub_world(world, dp * pp)
+    if comm is None:
+        return
+    w, b, x, y = seed_draws(micro_batches=8)
+    weights = {i: {"weight": w[i], "bias": b[i]} for i in range(4)}
+    _compare_zbv(comm, shared_tmp, f"zbv-ex6-{dp}x{pp}", SEED_MODEL, weights, x.reshape(-1, 16),
+                 y.reshape(-1, 16), dp, pp, 8, 4 // dp)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("dp,pp,micro_batches", [(1, 2, 8), (2, 2, 5), (1, 4, 8), (2, 4, 3), (1, 8, 8)])
+def test_zbv_matches_gpipe_on_random_16_layer_model(world, shared_tmp, dp, pp, micro_batches):
+    comm = sub_world(world, dp * pp)
+    if comm is None:
+        return
+    rng, dims, model, weights = _random_16_layer()
+    batch = 3
+    n = dp * micro_batches * batch
+    x = rng.standard_normal((n, dims[0])).astype(np.float32)
+    y = rng.standard_normal((n, dims[-1])).astype(np.float32)
+    _compare_zbv(comm, shared_tmp, f"zbv-r16-{dp}x{pp}", model, weights, x, y, dp, pp, micro_batches, batch)
+    comm.Free()
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("micro_batches", [2, 6])
 def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
@@ -90,4 +141,29 @@ def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
         assert stats.peak_stash_bytes == expected[stage] * 2 * 3 * 16 * 4, (schedule, stage)
         assert stats.peak_stash_bytes_stage == {stage: stats.peak_stash_bytes}
         trainer.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("micro_batches", [2, 6])
+def test_engine_counts_zbv_stash_as_simulated(world, micro_batches):
+    """ZB-V on 2 ranks (4 one-layer stages in a V): the engine's per-stage and per-rank peaks are the simulator's."""
+    from hpcpipe.config import from_dict
+    from hpcpipe.simulate import simulate_schedule
+    from hpcpipe.trainer import Trainer, plan
+
+    comm = sub_world(world, 2)
+    if comm is None:
+        return
+    sim = simulate_schedule("zb-v", 2, micro_batches, 2)
+    cfg = from_dict({"parallel": {"pp": 2, "dp": 1, "schedule": "zb-v", "virtual_stages": 2},
+                     "train": {"micro_batches": micro_batches, "micro_batch_size": 3}, "log": {"progress": False}})
+    trainer = Trainer(plan(cfg, 2), comm)
+    trainer.compute_gradients(0)
+    stats = trainer.last_stats
+    rank = trainer.topo.pp_rank
+    mine = {rank, 3 - rank}                       # stages r and 2p - 1 - r
+    assert stats.peak_stashed_stage == {s: sim.peak_stashed_stage[s] for s in mine}
+    assert stats.peak_stashed == sim.peak_stashed[rank]
+    trainer.close()
     comm.Free()

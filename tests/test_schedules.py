@@ -6,7 +6,15 @@ import pytest
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.lowering import lower, validate
-from hpcpipe.schedules import SCHEDULES, Action, build_schedule, gpipe
+from hpcpipe.schedules import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    gpipe,
+    placement_of,
+    rank_stages,
+    stage_rank,
+)
 
 GRID = list(itertools.product(range(1, 9), range(1, 33), range(1, 4)))
 
@@ -15,19 +23,21 @@ def _supported(name: str, pp: int, m: int, v: int) -> bool:
     """The documented support matrix (what each schedule's docstring promises)."""
     if name == "interleaved-1f1b":
         return v == 1 or m % pp == 0
+    if name == "zb-v":
+        return v == 2
     return v == 1
 
 
-def _check_program_facts(compute, pp, m, v):
+def _check_program_facts(compute, pp, m, v, placement="interleaved"):
     """Independent of the validator: each (stage, mb) once per needed op, on its rank, F before backward."""
     n_stages = pp * v
     for rank, prog in enumerate(compute):
         seen = {}
         for i, a in enumerate(prog):
-            assert a.stage % pp == rank, f"{a} on rank {rank}"
+            assert stage_rank(a.stage, pp, placement) == rank, f"{a} on rank {rank}"
             assert (a.op, a.stage, a.mb) not in seen, f"{a} twice"
             seen[(a.op, a.stage, a.mb)] = i
-        for s in range(rank, n_stages, pp):
+        for s in rank_stages(rank, pp, n_stages, placement):
             for mb in range(m):
                 f = seen[("F", s, mb)]
                 if ("B", s, mb) in seen:
@@ -49,9 +59,10 @@ def test_every_schedule_validates_over_the_grid(name):
             assert str(v) in text and name in text, text
             continue
         compute = build_schedule(name, pp, m, v)
-        _check_program_facts(compute, pp, m, v)
-        programs = lower(compute, pp, pp * v)
-        validate(programs, pp, pp * v, m)
+        placement = placement_of(name)
+        _check_program_facts(compute, pp, m, v, placement)
+        programs = lower(compute, pp, pp * v, placement)
+        validate(programs, pp, pp * v, m, placement)
         sends = sum(a.op.startswith("SEND") for p in programs for a in p)
         recvs = sum(a.op.startswith("RECV") for p in programs for a in p)
         assert sends == recvs
@@ -171,7 +182,8 @@ def test_gpipe_first_rank_program_reads_as_expected():
 
 # The array (timeline) form is now the one definition of every schedule; its action lists must be the
 # lists the former imperative generators (frozen in schedule_reference.py) produced, action for action.
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+# (zb-v postdates the frozen generators: tests/test_zbv.py checks its action lists against its timeline)
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"zb-v"}))
 def test_action_lists_equal_the_former_generators(name):
     from schedule_reference import REFERENCE
 

@@ -12,7 +12,14 @@ import pytest
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import IDLE, TIMELINES, Timeline, build_schedule, build_timeline
+from hpcpipe.schedules import (
+    IDLE,
+    TIMELINES,
+    Timeline,
+    build_schedule,
+    build_timeline,
+    chunk_stage,
+)
 from hpcpipe.simulate import (
     Costs,
     ascii_timeline,
@@ -56,7 +63,7 @@ def test_vectorised_simulator_equals_per_action_simulator(name):
     rng = random.Random(name)
     count = 0
     for tl in _timelines((name,)):
-        programs = lower(tl.actions(), tl.pp, tl.n_stages)
+        programs = lower(tl.actions(), tl.pp, tl.n_stages, tl.placement)
         for _ in range(2):
             costs = _random_costs(rng, tl.n_stages)
             reference = simulate(programs, tl.pp, tl.n_stages, costs)
@@ -98,20 +105,23 @@ def test_every_builtin_timeline_validates_and_agrees_with_the_validator():
     for tl in _timelines():
         validate_timeline(tl)
         validate_timeline(tl, ranks_per_pass=1)
-        validate(lower(tl.actions(), tl.pp, tl.n_stages), tl.pp, tl.n_stages, tl.n_micro)
+        validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro,
+                 tl.placement)
         count += 1
     assert count >= 400
 
 
 def test_larger_sizes_with_wider_index_types():
     # micro-batch numbers past int8 and int16, chunk x micro-batch keys past int16: both paths agree
-    for name, p, m, v in [("interleaved-1f1b", 2, 200, 2), ("1f1b", 3, 40000, 1), ("zb-h1", 3, 300, 1)]:
+    for name, p, m, v in [("interleaved-1f1b", 2, 200, 2), ("1f1b", 3, 40000, 1), ("zb-h1", 3, 300, 1),
+                          ("zb-v", 3, 300, 2)]:
         tl = build_timeline(name, p, m, v)
         assert tl.mb.dtype == (np.int16 if m <= 32768 else np.int32)
         validate_timeline(tl)
         if m <= 300:
             costs = Costs(1.0, 2.5, 1.25, 0.5)
-            assert _same(simulate(lower(tl.actions(), p, p * v), p, p * v, costs), simulate_timeline(tl, costs))
+            programs = lower(tl.actions(), p, p * v, tl.placement)
+            assert _same(simulate(programs, p, p * v, costs), simulate_timeline(tl, costs))
         else:       # too many actions for the per-action simulator in a unit test: 1F1B's closed form
             fast = simulate_timeline(tl, Costs(1.0, 2.5, 1.25, 0.0))
             assert fast.step_time == (m + p - 1) * 3.5
@@ -198,13 +208,14 @@ def test_validator_catches_backward_before_forward_and_w_before_i():
 def _oracle(tl: Timeline) -> bool:
     """The per-action validator, plus the Timeline promise: each message's producer at an earlier tick."""
     try:
-        validate(lower(tl.actions(), tl.pp, tl.n_stages), tl.pp, tl.n_stages, tl.n_micro)
+        validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro,
+                 tl.placement)
     except ScheduleError:
         return False
     tick = {}
     for r, t in zip(*np.nonzero(tl.ops != IDLE), strict=True):
         op = {0: "F", 1: "G", 2: "G", 3: "W"}[int(tl.ops[r, t])]
-        tick[(op, int(tl.chunk[r, t]) * tl.pp + int(r), int(tl.mb[r, t]))] = int(t)
+        tick[(op, int(chunk_stage(int(tl.chunk[r, t]), int(r), tl.pp, tl.placement)), int(tl.mb[r, t]))] = int(t)
     if tl.pp == 1:
         return True
     return all(tick[(op, s - 1 if op == "F" else s + 1, mb)] < t for (op, s, mb), t in tick.items()
@@ -236,7 +247,7 @@ def _mutate(tl: Timeline, rng: random.Random) -> Timeline:
             arr[r] = np.roll(arr[r], rng.choice([-1, 1]))
     else:
         chunk[r, t] = rng.randrange(tl.virtual)
-    return Timeline(tl.name, tl.pp, tl.n_micro, tl.virtual, ops, chunk, mb)
+    return Timeline(tl.name, tl.pp, tl.n_micro, tl.virtual, ops, chunk, mb, tl.placement)
 
 
 def test_vectorised_validator_agrees_with_the_per_action_one_on_mutated_timelines():
@@ -262,7 +273,8 @@ def test_vectorised_validator_agrees_with_the_per_action_one_on_mutated_timeline
         verdicts[want] += 1
         if want:    # a valid mutant: the simulators agree on it too
             costs = _random_costs(rng, tl.n_stages)
-            assert _same(simulate(lower(tl.actions(), p, p * v), p, p * v, costs), simulate_timeline(tl, costs))
+            programs = lower(tl.actions(), p, p * v, tl.placement)
+            assert _same(simulate(programs, p, p * v, costs), simulate_timeline(tl, costs))
     assert verdicts[True] >= 100 and verdicts[False] >= 500
 
 
@@ -278,7 +290,7 @@ def test_out_of_order_timeline_with_valid_programs_is_refused_by_the_simulator()
             continue
         tl = _mutate(tl, rng)
         try:
-            validate(lower(tl.actions(), p, p * v), p, p * v, m)
+            validate(lower(tl.actions(), p, p * v, tl.placement), p, p * v, m, tl.placement)
         except ScheduleError:
             continue
         if not _oracle(tl):
@@ -314,5 +326,5 @@ def test_cli_fast_and_per_action_print_the_same_numbers(capsys):
 
 def test_action_lists_are_read_off_the_timeline():
     for name in TIMELINES:
-        tl = build_timeline(name, 4, 8, 2 if name == "interleaved-1f1b" else 1)
+        tl = build_timeline(name, 4, 8, 2 if name in ("interleaved-1f1b", "zb-v") else 1)
         assert tl.actions() == build_schedule(name, 4, 8, tl.virtual)

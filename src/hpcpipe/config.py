@@ -244,6 +244,9 @@ def validate(config: Config) -> None:
     _require(par.schedule in SCHEDULES,
              f"parallel.schedule {par.schedule!r} is not one of {', '.join(SCHEDULES)}")
     _require(par.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
+    _require(par.schedule != "zb-v" or par.virtual_stages == 2,
+             f"parallel.schedule = \"zb-v\" places two model chunks per rank in a V and needs "
+             f"parallel.virtual_stages = 2, got {par.virtual_stages}")
     _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
              f"model.dims needs at least two positive widths, got {mod.dims}")
     _require(mod.activation in ACTIVATIONS,

@@ -53,11 +53,12 @@ class Engine:
     def __init__(self, program: list[Action], params: RankParameters, comm: PipeComm, *,
                  pp: int, n_stages: int, n_micro: int, widths: list[int], micro_batch_size: int,
                  loss_fn: Callable, loss_scale: float, dtype: Any, keep_input_grads: bool = False,
-                 record_events: bool = False):
+                 record_events: bool = False, placement: str = "interleaved"):
         self.program = program
         self.params = params
         self.comm = comm
         self.pp, self.n_stages, self.n_micro = pp, n_stages, n_micro
+        self.placement = placement            # which rank owns each stage: the schedule's (lowering used it too)
         self.widths = widths                  # widths[s] = input width of stage s; widths[-1] = output width
         self.batch = micro_batch_size
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
@@ -119,7 +120,7 @@ class Engine:
             loss, grad = self.loss_fn(self.xp, y, self.feed.y[a.mb], self.loss_scale)
             self.stats.loss_sum += loss
             self.out_grads[key] = grad
-        elif stage_rank(a.stage + 1, self.pp) == stage_rank(a.stage, self.pp):
+        elif self._local(a.stage, a.stage + 1):
             self.inputs[(a.stage + 1, a.mb)] = y
         else:
             self.outputs[key] = y
@@ -135,12 +136,16 @@ class Engine:
     def _hand_back(self, a: Action, gx: Any) -> None:
         """Route dL/dx of a stage: to the previous stage (locally or by message) or keep it."""
         if a.stage > 0:
-            if stage_rank(a.stage - 1, self.pp) == stage_rank(a.stage, self.pp):
+            if self._local(a.stage, a.stage - 1):
                 self.out_grads[(a.stage - 1, a.mb)] = gx
             else:
                 self.in_grads[(a.stage, a.mb)] = gx
         elif self.keep_input_grads:
             self.input_grads[a.mb] = gx
+
+    def _local(self, stage: int, other: int) -> bool:
+        """Whether two stages live on the same rank (their hand-over needs no message)."""
+        return stage_rank(stage, self.pp, self.placement) == stage_rank(other, self.pp, self.placement)
 
     def _needs_input_grad(self, stage: int) -> bool:
         return stage > 0 or self.keep_input_grads

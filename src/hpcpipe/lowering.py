@@ -3,8 +3,10 @@
 ``lower`` inserts, around every compute action, the point-to-point messages
 it needs: a forward of stage s > 0 receives its input from the rank of stage
 s - 1, a forward of a non-last stage sends its output to the rank of stage
-s + 1, and backwards do the same in reverse. Neighbouring stages on the same
-rank (pp = 1 with virtual stages) hand over locally and get no message.
+s + 1, and backwards do the same in reverse; which rank owns a stage is the
+schedule's placement (:func:`hpcpipe.schedules.stage_rank`), passed in.
+Neighbouring stages on the same rank (pp = 1 with virtual stages, or the turn
+of ZB-V's V on rank pp - 1) hand over locally and get no message.
 Every program ends with ALLREDUCE (data-parallel gradient average) and
 OPT_STEP.
 
@@ -27,11 +29,27 @@ from collections import deque
 import numpy as np
 
 from .errors import ScheduleError
-from .schedules import IDLE, Action, B, F, I, Timeline, W, format_grid, stage_rank
+from .schedules import (
+    IDLE,
+    Action,
+    B,
+    F,
+    I,
+    Timeline,
+    W,
+    chunk_stage,
+    format_grid,
+    rank_stages,
+    stage_rank,
+)
 
 
-def lower(schedule: list[list[Action]], pp: int, n_stages: int) -> list[list[Action]]:
-    """Return the per-rank programs of a schedule with communication and step actions added."""
+def lower(schedule: list[list[Action]], pp: int, n_stages: int, placement: str = "interleaved") -> list[list[Action]]:
+    """Return the per-rank programs of a schedule with communication and step actions added.
+
+    ``placement`` says which rank owns each stage (:func:`hpcpipe.schedules.stage_rank`); it must be the
+    schedule's own (:func:`hpcpipe.schedules.placement_of`).
+    """
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} rank programs, expected pp = {pp}")
     programs = []
@@ -39,19 +57,19 @@ def lower(schedule: list[list[Action]], pp: int, n_stages: int) -> list[list[Act
         prog: list[Action] = []
         for a in compute:
             if a.op == "F":
-                prev = stage_rank(a.stage - 1, pp)
+                prev = stage_rank(a.stage - 1, pp, placement)
                 if a.stage > 0 and prev != rank:
                     prog.append(Action("RECV_F", a.stage, a.mb, prev))
                 prog.append(a)
-                nxt = stage_rank(a.stage + 1, pp)
+                nxt = stage_rank(a.stage + 1, pp, placement)
                 if a.stage < n_stages - 1 and nxt != rank:
                     prog.append(Action("SEND_F", a.stage, a.mb, nxt))
             elif a.op in ("B", "I"):
-                nxt = stage_rank(a.stage + 1, pp)
+                nxt = stage_rank(a.stage + 1, pp, placement)
                 if a.stage < n_stages - 1 and nxt != rank:
                     prog.append(Action("RECV_B", a.stage, a.mb, nxt))
                 prog.append(a)
-                prev = stage_rank(a.stage - 1, pp)
+                prev = stage_rank(a.stage - 1, pp, placement)
                 if a.stage > 0 and prev != rank:
                     prog.append(Action("SEND_B", a.stage, a.mb, prev))
             elif a.op == "W":
@@ -67,7 +85,7 @@ def _fail(programs: list[list[Action]], message: str, mark: dict[int, int]) -> S
     return ScheduleError(f"{message}\n{format_grid(programs, mark)}")
 
 
-def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int) -> None:
+def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int, placement: str) -> None:
     """Every (stage, mb) has one F and one B (or one I then one W) on its owning rank, F first."""
     for rank, prog in enumerate(programs):
         seen: dict[tuple[str, int, int], int] = {}
@@ -77,8 +95,10 @@ def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro
             if not (0 <= a.stage < n_stages and 0 <= a.mb < n_micro):
                 raise _fail(programs, f"rank {rank}: {a} is outside stages 0..{n_stages - 1} "
                                       f"x micro-batches 0..{n_micro - 1}", {rank: i})
-            if stage_rank(a.stage, pp) != rank:
-                raise _fail(programs, f"rank {rank}: {a} belongs to rank {stage_rank(a.stage, pp)}", {rank: i})
+            owner = stage_rank(a.stage, pp, placement)
+            if owner != rank:
+                raise _fail(programs, f"rank {rank}: {a} belongs to rank {owner} ({placement} placement)",
+                            {rank: i})
             key = (a.op, a.stage, a.mb)
             if key in seen:
                 raise _fail(programs, f"rank {rank}: {a} appears twice", {rank: i})
@@ -87,7 +107,7 @@ def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro
                 raise _fail(programs, f"rank {rank}: {a} runs before its forward", {rank: i})
             if a.op == "W" and ("I", a.stage, a.mb) not in seen:
                 raise _fail(programs, f"rank {rank}: {a} runs before its input-gradient I", {rank: i})
-        for stage in range(rank, n_stages, pp):
+        for stage in rank_stages(rank, pp, n_stages, placement):
             for mb in range(n_micro):
                 if ("F", stage, mb) not in seen:
                     raise _fail(programs, f"rank {rank}: forward of stage {stage} micro-batch {mb} is missing", {})
@@ -97,13 +117,14 @@ def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro
                                           f"or one I and one W", {})
 
 
-def validate(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int) -> None:
-    """Raise ScheduleError unless the lowered programs are complete, paired and deadlock-free."""
+def validate(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int,
+             placement: str = "interleaved") -> None:
+    """Raise ScheduleError unless the lowered programs are complete, paired and deadlock-free under a placement."""
     if len(programs) != pp:
         raise ScheduleError(f"{len(programs)} rank programs for pp = {pp}")
     if n_stages % pp:
         raise ScheduleError(f"stages ({n_stages}) must be a multiple of pp ({pp})")
-    _check_compute(programs, pp, n_stages, n_micro)
+    _check_compute(programs, pp, n_stages, n_micro, placement)
     channels: dict[tuple[int, int, str], deque[tuple[int, int]]] = {}
     have: list[set[tuple[str, int, int]]] = [set() for _ in programs]  # data present on each rank
     pos = [0] * pp
@@ -114,7 +135,7 @@ def validate(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int)
         for rank, prog in enumerate(programs):
             while pos[rank] < len(prog):
                 a = prog[pos[rank]]
-                if not _step(programs, rank, pos[rank], a, pp, n_stages, channels, have[rank]):
+                if not _step(programs, rank, pos[rank], a, pp, n_stages, placement, channels, have[rank]):
                     break
                 pos[rank] += 1
                 done += 1
@@ -129,7 +150,7 @@ def validate(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int)
                             f"{format_grid(programs)}")
 
 
-def _step(programs, rank, index, a, pp, n_stages, channels, have) -> bool:
+def _step(programs, rank, index, a, pp, n_stages, placement, channels, have) -> bool:
     """Symbolically execute one action; False when it must wait; raise on an error."""
     op = a.op
     if op in ("SEND_F", "SEND_B"):
@@ -137,7 +158,7 @@ def _step(programs, rank, index, a, pp, n_stages, channels, have) -> bool:
         need = ("F" if kind == "F" else "G", a.stage, a.mb)
         if need not in have:
             raise _fail(programs, f"rank {rank}: {a} sends data not yet computed", {rank: index})
-        expected = stage_rank(a.stage + (1 if kind == "F" else -1), pp)
+        expected = stage_rank(a.stage + (1 if kind == "F" else -1), pp, placement)
         if a.peer != expected:
             raise _fail(programs, f"rank {rank}: {a} must go to rank {expected}", {rank: index})
         channels.setdefault((rank, a.peer, kind), deque()).append((a.stage, a.mb))
@@ -145,8 +166,9 @@ def _step(programs, rank, index, a, pp, n_stages, channels, have) -> bool:
     if op in ("RECV_F", "RECV_B"):
         kind = op[-1]
         src_stage = a.stage - 1 if kind == "F" else a.stage + 1
-        if a.peer != stage_rank(src_stage, pp):
-            raise _fail(programs, f"rank {rank}: {a} must come from rank {stage_rank(src_stage, pp)}", {rank: index})
+        source = stage_rank(src_stage, pp, placement)
+        if a.peer != source:
+            raise _fail(programs, f"rank {rank}: {a} must come from rank {source}", {rank: index})
         queue = channels.get((a.peer, rank, kind))
         if not queue:
             return False
@@ -202,11 +224,22 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
     With one rank (no messages) the same facts are checked on the local
     hand-overs. Where 6 does not apply (a rank mixing B and I, or W's in
     another order than the I's) the per-action validator decides, after 1-5.
+
+    Steps 3-5 are written for the interleaved placement (rank r's chunk c is
+    stage c * pp + r). A timeline with another placement (ZB-V's ``"v"``) is
+    checked for 1, proved by the per-action validator on its lowered
+    programs with its placement, and then checked to keep the Timeline
+    promise (every message's producer at an earlier tick): the same verdict,
+    at per-action speed.
     """
     pp, v, m = tl.pp, tl.virtual, tl.n_micro
     if ranks_per_pass < 1:
         raise ScheduleError(f"ranks_per_pass must be a positive integer, got {ranks_per_pass}")
     check_timeline_values(tl)
+    if tl.placement != "interleaved":
+        _validate_per_action(tl)
+        _check_ticks_any_placement(tl)
+        return
     work = _Workspace(tl, min(ranks_per_pass, pp))
     rank0 = prev = None          # (forward, backward) sequences of rank 0 and of the rank before this pass
     per_action = False           # some rank's W's are outside 6: prove them per action at the end
@@ -244,13 +277,39 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
 
 
 def _validate_per_action(tl: Timeline) -> None:
-    validate(lower(tl.actions(), tl.pp, tl.n_stages), tl.pp, tl.n_stages, tl.n_micro)
+    validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro, tl.placement)
+
+
+def _check_ticks_any_placement(tl: Timeline) -> None:
+    """Each F's input and each backward's output gradient was produced at an earlier tick (any placement).
+
+    Run after the per-action validator, so every (stage, micro-batch) has exactly one F and one backward.
+    """
+    ranks, ticks = np.nonzero(tl.ops != IDLE)
+    ops = tl.ops[ranks, ticks]
+    stage = chunk_stage(tl.chunk[ranks, ticks].astype(np.int64), ranks, tl.pp, tl.placement)
+    mb = tl.mb[ranks, ticks].astype(np.int64)
+    done = {}                        # op kind -> tick of (stage, mb): forwards, backwards (B or I)
+    for kind, sel in (("forward", ops == F), ("backward", (ops == B) | (ops == I))):
+        table = np.full((tl.n_stages, tl.n_micro), -1, np.int64)
+        table[stage[sel], mb[sel]] = ticks[sel]
+        done[kind] = (sel, table)
+    for kind, step in (("forward", -1), ("backward", 1)):
+        sel, table = done[kind]
+        src = stage[sel] + step
+        inside = (src >= 0) & (src < tl.n_stages)
+        src_tick = np.where(inside, table[np.clip(src, 0, tl.n_stages - 1), mb[sel]], -1)
+        late = np.flatnonzero(src_tick >= ticks[sel])
+        if late.size:
+            k = int(late[0])
+            src_rank = stage_rank(int(src[k]), tl.pp, tl.placement)
+            _order_error(tl, kind, src_rank, int(ranks[sel][k]), src_tick[k], ticks[sel][k])
 
 
 def _action(tl: Timeline, rank: int, tick: int) -> Action:
     code = int(tl.ops[rank, tick])
     op = ("F", "B", "I", "W")[code] if code != IDLE else "IDLE"
-    return Action(op, int(tl.chunk[rank, tick]) * tl.pp + rank, int(tl.mb[rank, tick]))
+    return Action(op, int(chunk_stage(int(tl.chunk[rank, tick]), rank, tl.pp, tl.placement)), int(tl.mb[rank, tick]))
 
 
 def check_timeline_values(tl: Timeline) -> None:

@@ -24,7 +24,7 @@ from .engine import Engine, StepFeed
 from .lowering import lower, validate
 from .model import RankParameters, initial_arrays, layer_specs, partition
 from .optim import clip_factor, make_optimizer
-from .schedules import build_schedule
+from .schedules import build_schedule, placement_of, rank_stages
 from .topology import make_topology
 from .checkpoint import WeightsSource, resolve_weights
 from .errors import AgreedError
@@ -41,6 +41,7 @@ class Plan:
     n_stages: int
     stage_ranges: list[range]
     programs: list[list]
+    placement: str = "interleaved"          # the schedule's stage -> rank map (schedules.stage_rank)
     init: WeightsSource | None = None      # model.init, resolved and checked against the model
     resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
 
@@ -89,13 +90,15 @@ def plan(config: Config, world_size: int) -> Plan:
         init = resolve_weights(config.model.init)
         init.check(specs)
     try:
-        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages)
-        validate(programs, pp, n_stages, tr.micro_batches)
+        placement = placement_of(par.schedule)
+        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages,
+                         placement)
+        validate(programs, pp, n_stages, tr.micro_batches, placement)
     except ScheduleError as exc:
         # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
         # refused on every rank before the first collective
         raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
-    return Plan(config, dp, pp, n_stages, ranges, programs, init, resume)
+    return Plan(config, dp, pp, n_stages, ranges, programs, placement, init, resume)
 
 
 class Trainer:
@@ -110,7 +113,7 @@ class Trainer:
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller)
         pp_rank = self.topo.pp_rank
-        self.my_stages = {s: p.stage_ranges[s] for s in range(pp_rank, p.n_stages, p.pp)}
+        self.my_stages = {s: p.stage_ranges[s] for s in rank_stages(pp_rank, p.pp, p.n_stages, p.placement)}
         specs = layer_specs(cfg)
         self.specs = specs
         self.params = RankParameters(specs, self.my_stages, xp, cfg.model.dtype)
@@ -126,7 +129,7 @@ class Trainer:
                              n_micro=tr.micro_batches, widths=widths, micro_batch_size=tr.micro_batch_size,
                              loss_fn=losses.LOSSES[tr.loss], loss_scale=1.0 / replica_norm,
                              dtype=np.dtype(cfg.model.dtype), keep_input_grads=keep_input_grads,
-                             record_events=record_events)
+                             record_events=record_events, placement=p.placement)
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-import hpcpipe.schedules as schedules
+from hpcpipe import schedules
 
 
 def _same(pp: int, n_micro: int) -> bool:

@@ -290,19 +290,26 @@ def interleaved_1f1b_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeli
     fwd_chunk = within // pp
     bwd_chunk = virtual - 1 - fwd_chunk
     micro = group * pp + within % pp           # the same micro-batch sequence forwards and backwards
-    warm_tick = k + np.maximum(k - virtual * pp, 0)
     ops, mb, chunk = _empty_grid(pp, n_micro, virtual, 2 * total + virtual * pp + 2 * pp - 3)
+    fwd_chunk, bwd_chunk, micro = fwd_chunk.astype(chunk.dtype), bwd_chunk.astype(chunk.dtype), micro.astype(mb.dtype)
     for r in range(pp):
         warm = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
         steady = virtual * pp - 1 + 2 * (pp - 1 - r)
-        f_tick = np.concatenate([warm_tick[:warm] + r, steady + 2 * np.arange(total - warm)])
-        b_tick = steady + 1 + 2 * k
-        ops[r, f_tick] = F
-        chunk[r, f_tick] = fwd_chunk
-        mb[r, f_tick] = micro
-        ops[r, b_tick] = B
-        chunk[r, b_tick] = bwd_chunk
-        mb[r, b_tick] = micro
+        # the forward ticks r + k + max(0, k - vp) for k < warm, then steady + 2i, and the backward ticks
+        # steady + 1 + 2k are runs of consecutive or every-other ticks: strided slices, not index lists
+        head = min(warm, virtual * pp + 1)    # k <= vp: tick r + k; k > vp: tick r + 2k - vp
+        after = r + virtual * pp + 2
+        runs = [(slice(r, r + head), slice(0, head)),
+                (slice(after, after + 2 * (warm - head), 2), slice(head, warm)),
+                (slice(steady, steady + 2 * (total - warm), 2), slice(warm, total))]
+        for ticks, ks in runs:
+            ops[r, ticks] = F
+            chunk[r, ticks] = fwd_chunk[ks]
+            mb[r, ticks] = micro[ks]
+        b_ticks = slice(steady + 1, steady + 1 + 2 * total, 2)
+        ops[r, b_ticks] = B
+        chunk[r, b_ticks] = bwd_chunk
+        mb[r, b_ticks] = micro
     return _timeline("interleaved-1f1b", pp, n_micro, virtual, ops, mb, chunk)
 
 

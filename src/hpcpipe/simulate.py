@@ -340,6 +340,7 @@ class _Sweep:
         self.minus_inf_rows = (n_stages, 2 * n_stages + 1, sink + 1)
         self.clock = np.zeros(pp)
         self.busy = np.zeros(pp)
+        self.narrow = np.int16 if width < 2 ** 15 else np.intp     # holds op * v + chunk, -v .. 4v - 1
 
     def run(self, block: int, find_error: bool = False) -> bool:
         """Sweep all ticks; False if some rank read an input that no earlier tick wrote."""
@@ -352,29 +353,38 @@ class _Sweep:
         inputs = end[row:]                       # inputs[k] is end[k + row], the input of the cell at k
         clock, nxt = np.zeros(pp), np.empty(pp)
         messages = pp > 1                        # with one rank every stage hands over locally
-        # reused every block (fresh temporaries would page-fault every block)
-        code_buf = np.empty((block, pp), np.intp)
+        # reused every block (fresh temporaries would page-fault every block). A block's tables are
+        # computed in the timeline's own (rank, tick) layout, where every read is contiguous, and only
+        # the two the sweep reads, key and cost, are transposed to a row per tick: transposed reads of
+        # the narrow ops / chunk / micro-batch arrays cost more than all the arithmetic
+        base = self.code_base[:, None]
+        local_buf = np.empty((pp, block), self.narrow)
+        code_buf = np.empty((pp, block), np.intp)
+        key_rm, cost_rm = np.empty((pp, block), np.intp), np.empty((pp, block))
+        comm_rm = np.empty((pp, block)) if self.local else None
         key_buf = np.empty((block, pp), np.intp)
         cost_buf = np.empty((block, pp))
         comm_buf = np.empty((block, pp)) if self.local else None
         busy = np.zeros(pp)
         for t0 in range(0, tl.n_ticks, block):
             cols = slice(t0, t0 + block)
-            ops = tl.ops[:, cols].T              # (ticks, pp): the sweep wants a row per tick
-            n = len(ops)
-            code, key, cost = code_buf[:n], key_buf[:n], cost_buf[:n]
+            n = min(block, tl.n_ticks - t0)
+            code = code_buf[:, :n]
             if v > 1:
-                np.multiply(ops, np.intp(v), out=code)
-                code += tl.chunk[:, cols].T
-                code += self.code_base
+                local = np.multiply(tl.ops[:, cols], self.narrow(v), out=local_buf[:, :n])
+                local += tl.chunk[:, cols]
+                np.add(local, base, out=code)
             else:
-                np.add(ops, self.code_base, out=code)
+                np.add(tl.ops[:, cols], base, out=code)
             # "wrap" skips numpy's buffered bounds check; simulate_timeline checked every value's range
-            self.keys.take(code, out=key, mode="wrap")
-            key += tl.mb[:, cols].T
-            self.cost.take(code, out=cost, mode="wrap")
+            key = self.keys.take(code, out=key_rm[:, :n], mode="wrap")
+            key += tl.mb[:, cols]
+            key = key_buf[:n]
+            key[...] = key_rm[:, :n].T
+            cost = cost_buf[:n]
+            cost[...] = self.cost.take(code, out=cost_rm[:, :n], mode="wrap").T
             if comm_buf is not None:
-                self.comm_of.take(code, out=comm_buf[:n], mode="wrap")
+                comm_buf[:n] = self.comm_of.take(code, out=comm_rm[:, :n], mode="wrap").T
             for t in range(n):
                 if messages:
                     k = key[t]

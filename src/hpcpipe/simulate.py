@@ -275,7 +275,7 @@ def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[i
     rows = min(ranks_per_pass, pp)
     shape = (rows, timeline.n_ticks)
     is_op, delta, mine = np.empty(shape, bool), np.empty(shape, np.int8), np.empty(shape, np.int8)
-    running = np.empty(shape, np.int32)
+    running, mine_running = np.empty(shape, np.int32), np.empty(shape, np.int32) if v > 1 else None
     peak = np.zeros(pp, np.int32)
     peak_stage = np.zeros((v, pp), np.int32)
     for r0 in range(0, pp, rows):
@@ -288,9 +288,13 @@ def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[i
         np.cumsum(d, axis=1, out=run).max(axis=1, out=peak[r0:r0 + n])
         if v > 1:
             chunk = timeline.chunk[r0:r0 + rows]
-            for c in range(v):
+            mine_run = mine_running[:n]
+            for c in range(v - 1):
                 np.multiply(d, np.equal(chunk, c, out=on), out=mine[:n])
-                np.cumsum(mine[:n], axis=1, out=run).max(axis=1, out=peak_stage[c, r0:r0 + n])
+                np.cumsum(mine[:n], axis=1, out=mine_run).max(axis=1, out=peak_stage[c, r0:r0 + n])
+                run -= mine_run
+            # what is left of the rank's running sum is the last chunk's (integers: exact), one cumsum fewer
+            run.max(axis=1, out=peak_stage[v - 1, r0:r0 + n])
     if v == 1:
         peak_stage[0] = peak
     stages = [chunk_stage(c, ranks, pp, timeline.placement).tolist() for c in range(v)]

@@ -246,8 +246,9 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
     for r0 in range(0, pp, ranks_per_pass):
         ops = np.ascontiguousarray(tl.ops[r0:r0 + ranks_per_pass])
         fwd = work.sequence(0, r0, ops, "forwards")
-        bwd = work.sequence(1, r0, ops, "backwards")
         n_i, n_w = work.count(ops, I), work.count(ops, W)
+        # without I's in the pass a backward is a B: one comparison instead of B, I and their union
+        bwd = work.sequence(1, r0, ops, "backwards", with_i=bool(n_i.any()))
         if not (((n_i == 0) | (n_i == v * m)) & (n_w == n_i)).all():
             per_action = True    # a rank mixing B and I, or W's without their I's
         elif n_i.any():
@@ -356,16 +357,16 @@ class _Workspace:
         """Actions with this op code on each of the pass's ranks."""
         return np.count_nonzero(np.equal(ops, code, out=self.mask[:len(ops)]), axis=1)
 
-    def sequence(self, slot: int, r0: int, ops: np.ndarray, kind: str) -> _Seq:
-        """Each rank's forwards, backwards (B or I) or W's in tick order; every rank must have v * m of them."""
+    def sequence(self, slot: int, r0: int, ops: np.ndarray, kind: str, with_i: bool = True) -> _Seq:
+        """Each rank's forwards, backwards (B or I; B alone if not ``with_i``) or W's in tick order, v * m each."""
         tl = self.tl
         rows = len(ops)
         n = tl.virtual * tl.n_micro
         mask = self.mask[:rows]
-        if kind == "backwards":
+        if kind == "backwards" and with_i:
             np.logical_or(np.equal(ops, B, out=mask), np.equal(ops, I, out=self.mask2[:rows]), out=mask)
         else:
-            np.equal(ops, F if kind == "forwards" else W, out=mask)
+            np.equal(ops, {"forwards": F, "backwards": B}.get(kind, W), out=mask)
         counts = np.count_nonzero(mask, axis=1)
         if (counts != n).any():
             rank = r0 + int(np.flatnonzero(counts != n)[0])

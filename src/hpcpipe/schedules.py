@@ -290,19 +290,26 @@ def interleaved_1f1b_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeli
     fwd_chunk = within // pp
     bwd_chunk = virtual - 1 - fwd_chunk
     micro = group * pp + within % pp           # the same micro-batch sequence forwards and backwards
-    warm_tick = k + np.maximum(k - virtual * pp, 0)
     ops, mb, chunk = _empty_grid(pp, n_micro, virtual, 2 * total + virtual * pp + 2 * pp - 3)
+    fwd_chunk, bwd_chunk, micro = fwd_chunk.astype(chunk.dtype), bwd_chunk.astype(chunk.dtype), micro.astype(mb.dtype)
     for r in range(pp):
         warm = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
         steady = virtual * pp - 1 + 2 * (pp - 1 - r)
-        f_tick = np.concatenate([warm_tick[:warm] + r, steady + 2 * np.arange(total - warm)])
-        b_tick = steady + 1 + 2 * k
-        ops[r, f_tick] = F
-        chunk[r, f_tick] = fwd_chunk
-        mb[r, f_tick] = micro
-        ops[r, b_tick] = B
-        chunk[r, b_tick] = bwd_chunk
-        mb[r, b_tick] = micro
+        # the forward ticks r + k + max(0, k - vp) for k < warm, then steady + 2i, and the backward ticks
+        # steady + 1 + 2k are runs of consecutive or every-other ticks: strided slices, not index lists
+        head = min(warm, virtual * pp + 1)    # k <= vp: tick r + k; k > vp: tick r + 2k - vp
+        after = r + virtual * pp + 2
+        runs = [(slice(r, r + head), slice(0, head)),
+                (slice(after, after + 2 * (warm - head), 2), slice(head, warm)),
+                (slice(steady, steady + 2 * (total - warm), 2), slice(warm, total))]
+        for ticks, ks in runs:
+            ops[r, ticks] = F
+            chunk[r, ticks] = fwd_chunk[ks]
+            mb[r, ticks] = micro[ks]
+        b_ticks = slice(steady + 1, steady + 1 + 2 * total, 2)
+        ops[r, b_ticks] = B
+        chunk[r, b_ticks] = bwd_chunk
+        mb[r, b_ticks] = micro
     return _timeline("interleaved-1f1b", pp, n_micro, virtual, ops, mb, chunk)
 
 
@@ -362,8 +369,37 @@ def zero_bubble_h1(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]
     return zero_bubble_h1_timeline(pp, n_micro, virtual).actions()
 
 
-def _greedy_split(pp: int, n_micro: int) -> Timeline:
-    """Unit-cost greedy list schedule of F / I / W on one stage per rank, all ranks one tick at a time."""
+_PERIOD_PROBE = 64      # _greedy_split looks for its steady state every this many ticks
+
+
+def _steady_repeats(n_micro: int, mark: tuple, nf: np.ndarray, ni: np.ndarray, nw: np.ndarray) -> int:
+    """How many more times the greedy provably repeats its last 3 ticks, each time one micro-batch further.
+
+    ``mark`` holds (nf, ni, nw) at the start of tick t - 3; the arrays are
+    the counters at the start of tick t. The greedy's choice at a tick is a
+    function of the counters that depends only on their differences, except
+    rank 0's "input has arrived", m > nf[0]. So if every counter of every rank
+    is exactly one more at t than at t - 3, ticks t, t + 1, t + 2 make the
+    choices of t - 3, t - 2, t - 1, one micro-batch further, and so on by
+    induction, as long as rank 0's test keeps its value: nf[0] at the start
+    of the window's ticks is at most nf[0] at t, so q repeats are exact while
+    nf[0](t) + q <= m - 1. Returns 0 when the counters are not periodic.
+    """
+    for now, then in zip((nf, ni, nw), mark, strict=True):
+        if not np.array_equal(now, then + 1):
+            return 0
+    return max(int(n_micro - 1 - nf[0]), 0)
+
+
+def _greedy_split(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
+    """Unit-cost greedy list schedule of F / I / W on one stage per rank, all ranks one tick at a time.
+
+    Once every rank has settled into its steady state (one F, one I and one W
+    every 3 ticks) ``fast_forward`` writes the repeats of that period at once
+    (:func:`_steady_repeats` says why that is the greedy's own result) and
+    the greedy resumes for the drain; ``fast_forward=False`` runs every tick
+    (the reference the tests compare against).
+    """
     ahead = pp - np.arange(pp)        # 1F1B's warm-up: F may run while f - i < pp - r
     hold = min(pp, n_micro)           # ... and while fewer than min(p, m) micro-batches wait for their W
     nf, ni, nw = (np.zeros(pp, np.int64) for _ in range(3))   # next F, I, W micro-batch per rank
@@ -371,10 +407,12 @@ def _greedy_split(pp: int, n_micro: int) -> Timeline:
     f_src[0] = n_micro                # rank 0 has every input from the start
     run_f, run_i, run_w, ok = (np.empty(pp, bool) for _ in range(4))
     # tick-major while running (a tick writes one contiguous row), transposed once at the end; the
-    # greedy needs about 3m + p ticks, and the buffers double if that is ever short
-    ops = np.full((3 * n_micro + 2 * pp, pp), IDLE, np.int8)
+    # greedy needs about 3m + p ticks (about 5p when it fast-forwards), and the buffers double if short
+    rows = 3 * n_micro + 2 * pp if not fast_forward else min(3 * n_micro + 2 * pp, 6 * pp + 2 * _PERIOD_PROBE)
+    ops = np.full((rows, pp), IDLE, np.int8)
     mb = np.zeros(ops.shape, _index_dtype(n_micro))
-    remaining, tick = 3 * pp * n_micro, 0
+    remaining, row = 3 * pp * n_micro, 0      # row: next buffer row (the tick, less the skipped ticks)
+    mark, jump = None, None                   # jump: (buffer row, repeats) of the fast-forward
     while remaining:
         # A rank runs its F's and I's in micro-batch order, so "the producer finished micro-batch j at
         # an earlier tick" is "the producer's counter at the start of this tick is past j": the input
@@ -395,17 +433,52 @@ def _greedy_split(pp: int, n_micro: int) -> Timeline:
         if not done:
             # nothing ran, so nothing new becomes available: every later tick would be the same
             raise ScheduleError(f"zb-h1 list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
-        if tick == len(ops):
+        if row == len(ops):
             ops = np.concatenate([ops, np.full_like(ops, IDLE)])
             mb = np.concatenate([mb, np.zeros_like(mb)])
         for run, op, counter in ((run_f, F, nf), (run_i, I, ni), (run_w, W, nw)):
-            np.copyto(ops[tick], op, where=run)
-            np.copyto(mb[tick], counter, where=run)
+            np.copyto(ops[row], op, where=run)
+            np.copyto(mb[row], counter, where=run)
             counter += run
         remaining -= done
-        tick += 1
-    return _timeline("zb-h1", pp, n_micro, 1, np.ascontiguousarray(ops[:tick].T),
-                     np.ascontiguousarray(mb[:tick].T), None)
+        row += 1
+        if not fast_forward or jump is not None:
+            continue
+        if row % _PERIOD_PROBE == 0:
+            mark = nf.copy(), ni.copy(), nw.copy()
+        elif mark is not None and row % _PERIOD_PROBE == 3:
+            repeats = _steady_repeats(n_micro, mark, nf, ni, nw)
+            if repeats:
+                jump = row, repeats
+                for counter in (nf, ni, nw):
+                    counter += repeats
+                remaining -= repeats * int(np.count_nonzero(ops[row - 3:row] != IDLE))
+            mark = None
+    return _timeline("zb-h1", pp, n_micro, 1, *_rank_major(ops[:row], mb[:row], jump), None)
+
+
+def _rank_major(ops: np.ndarray, mb: np.ndarray, jump: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy's tick-major buffers as (pp, ticks) arrays, the skipped periods written in at the jump."""
+    if jump is None:
+        return np.ascontiguousarray(ops.T), np.ascontiguousarray(mb.T)
+    at, repeats = jump
+    pp, span = ops.shape[1], 3 * repeats
+    n_ticks = len(ops) + span
+    out_ops = np.empty((pp, n_ticks), ops.dtype)
+    out_mb = np.empty((pp, n_ticks), mb.dtype)
+    for out, buf in ((out_ops, ops), (out_mb, mb)):
+        out[:, :at] = buf[:at].T
+        out[:, at + span:] = buf[at:].T
+    shift = np.arange(1, repeats + 1, dtype=mb.dtype)    # repeat q runs the window's micro-batches + q
+    # one window tick at a time, so that NumPy's inner loop runs along the repeats, not over 3 cells
+    for i in range(3):
+        ticks = slice(at + i, at + span, 3)
+        out_ops[:, ticks] = ops[at - 3 + i][:, None]
+        np.add(mb[at - 3 + i][:, None], shift, out=out_mb[:, ticks])
+        idle = np.flatnonzero(ops[at - 3 + i] == IDLE)
+        if idle.size:
+            out_mb[idle, ticks] = 0      # idle cells keep micro-batch 0
+    return out_ops, out_mb
 
 
 def zero_bubble_v_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeline:

@@ -275,7 +275,7 @@ def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[i
     rows = min(ranks_per_pass, pp)
     shape = (rows, timeline.n_ticks)
     is_op, delta, mine = np.empty(shape, bool), np.empty(shape, np.int8), np.empty(shape, np.int8)
-    running = np.empty(shape, np.int32)
+    running, mine_running = np.empty(shape, np.int32), np.empty(shape, np.int32) if v > 1 else None
     peak = np.zeros(pp, np.int32)
     peak_stage = np.zeros((v, pp), np.int32)
     for r0 in range(0, pp, rows):
@@ -288,9 +288,13 @@ def timeline_peaks(timeline: Timeline, ranks_per_pass: int = 16) -> tuple[list[i
         np.cumsum(d, axis=1, out=run).max(axis=1, out=peak[r0:r0 + n])
         if v > 1:
             chunk = timeline.chunk[r0:r0 + rows]
-            for c in range(v):
+            mine_run = mine_running[:n]
+            for c in range(v - 1):
                 np.multiply(d, np.equal(chunk, c, out=on), out=mine[:n])
-                np.cumsum(mine[:n], axis=1, out=run).max(axis=1, out=peak_stage[c, r0:r0 + n])
+                np.cumsum(mine[:n], axis=1, out=mine_run).max(axis=1, out=peak_stage[c, r0:r0 + n])
+                run -= mine_run
+            # what is left of the rank's running sum is the last chunk's (integers: exact), one cumsum fewer
+            run.max(axis=1, out=peak_stage[v - 1, r0:r0 + n])
     if v == 1:
         peak_stage[0] = peak
     stages = [chunk_stage(c, ranks, pp, timeline.placement).tolist() for c in range(v)]
@@ -340,6 +344,7 @@ class _Sweep:
         self.minus_inf_rows = (n_stages, 2 * n_stages + 1, sink + 1)
         self.clock = np.zeros(pp)
         self.busy = np.zeros(pp)
+        self.narrow = np.int16 if width < 2 ** 15 else np.intp     # holds op * v + chunk, -v .. 4v - 1
 
     def run(self, block: int, find_error: bool = False) -> bool:
         """Sweep all ticks; False if some rank read an input that no earlier tick wrote."""
@@ -352,29 +357,38 @@ class _Sweep:
         inputs = end[row:]                       # inputs[k] is end[k + row], the input of the cell at k
         clock, nxt = np.zeros(pp), np.empty(pp)
         messages = pp > 1                        # with one rank every stage hands over locally
-        # reused every block (fresh temporaries would page-fault every block)
-        code_buf = np.empty((block, pp), np.intp)
+        # reused every block (fresh temporaries would page-fault every block). A block's tables are
+        # computed in the timeline's own (rank, tick) layout, where every read is contiguous, and only
+        # the two the sweep reads, key and cost, are transposed to a row per tick: transposed reads of
+        # the narrow ops / chunk / micro-batch arrays cost more than all the arithmetic
+        base = self.code_base[:, None]
+        local_buf = np.empty((pp, block), self.narrow)
+        code_buf = np.empty((pp, block), np.intp)
+        key_rm, cost_rm = np.empty((pp, block), np.intp), np.empty((pp, block))
+        comm_rm = np.empty((pp, block)) if self.local else None
         key_buf = np.empty((block, pp), np.intp)
         cost_buf = np.empty((block, pp))
         comm_buf = np.empty((block, pp)) if self.local else None
         busy = np.zeros(pp)
         for t0 in range(0, tl.n_ticks, block):
             cols = slice(t0, t0 + block)
-            ops = tl.ops[:, cols].T              # (ticks, pp): the sweep wants a row per tick
-            n = len(ops)
-            code, key, cost = code_buf[:n], key_buf[:n], cost_buf[:n]
+            n = min(block, tl.n_ticks - t0)
+            code = code_buf[:, :n]
             if v > 1:
-                np.multiply(ops, np.intp(v), out=code)
-                code += tl.chunk[:, cols].T
-                code += self.code_base
+                local = np.multiply(tl.ops[:, cols], self.narrow(v), out=local_buf[:, :n])
+                local += tl.chunk[:, cols]
+                np.add(local, base, out=code)
             else:
-                np.add(ops, self.code_base, out=code)
+                np.add(tl.ops[:, cols], base, out=code)
             # "wrap" skips numpy's buffered bounds check; simulate_timeline checked every value's range
-            self.keys.take(code, out=key, mode="wrap")
-            key += tl.mb[:, cols].T
-            self.cost.take(code, out=cost, mode="wrap")
+            key = self.keys.take(code, out=key_rm[:, :n], mode="wrap")
+            key += tl.mb[:, cols]
+            key = key_buf[:n]
+            key[...] = key_rm[:, :n].T
+            cost = cost_buf[:n]
+            cost[...] = self.cost.take(code, out=cost_rm[:, :n], mode="wrap").T
             if comm_buf is not None:
-                self.comm_of.take(code, out=comm_buf[:n], mode="wrap")
+                comm_buf[:n] = self.comm_of.take(code, out=comm_rm[:, :n], mode="wrap").T
             for t in range(n):
                 if messages:
                     k = key[t]

@@ -758,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time        {result.step_time:.6g}")
     print(f"bubble           {result.bubble:.4f} of rank time ({result.bubble_over_compute:.4f} of compute)")
     print("peak stashed     " + _listing([f"r{r}:{n}" for r, n in enumerate(result.peak_stashed)])
-          + "  (micro-batches per rank)")
+          + ("  (micro-batches per rank)" if args.virtual_stages == 1 else
+             f"  (stage activations per rank; each is 1/{args.virtual_stages} of a rank's layers)"))
     if args.virtual_stages > 1:
         print("per stage        " + _listing([f"s{s}:{n}" for s, n in sorted(result.peak_stashed_stage.items())]))
     vectorised = result.events is None

@@ -457,28 +457,37 @@ def _greedy_split(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
     return _timeline("zb-h1", pp, n_micro, 1, *_rank_major(ops[:row], mb[:row], jump), None)
 
 
-def _rank_major(ops: np.ndarray, mb: np.ndarray, jump: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """The greedy's tick-major buffers as (pp, ticks) arrays, the skipped periods written in at the jump."""
+def _rank_major(ops: np.ndarray, mb: np.ndarray, jump: tuple[int, int] | None, period: int = 3,
+                chunk: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """The greedy's tick-major buffers as (pp, ticks) arrays, the skipped periods written in at the jump.
+
+    Returns (ops, mb), or (ops, mb, chunk) when ``chunk`` is given; a repeat keeps the window's chunks.
+    """
     if jump is None:
-        return np.ascontiguousarray(ops.T), np.ascontiguousarray(mb.T)
+        out = (np.ascontiguousarray(ops.T), np.ascontiguousarray(mb.T))
+        return out if chunk is None else (*out, np.ascontiguousarray(chunk.T))
     at, repeats = jump
-    pp, span = ops.shape[1], 3 * repeats
+    pp, span = ops.shape[1], period * repeats
     n_ticks = len(ops) + span
     out_ops = np.empty((pp, n_ticks), ops.dtype)
     out_mb = np.empty((pp, n_ticks), mb.dtype)
-    for out, buf in ((out_ops, ops), (out_mb, mb)):
-        out[:, :at] = buf[:at].T
-        out[:, at + span:] = buf[at:].T
+    out_chunk = None if chunk is None else np.empty((pp, n_ticks), chunk.dtype)
+    for out, buf in ((out_ops, ops), (out_mb, mb), (out_chunk, chunk)):
+        if out is not None:
+            out[:, :at] = buf[:at].T
+            out[:, at + span:] = buf[at:].T
     shift = np.arange(1, repeats + 1, dtype=mb.dtype)    # repeat q runs the window's micro-batches + q
-    # one window tick at a time, so that NumPy's inner loop runs along the repeats, not over 3 cells
-    for i in range(3):
-        ticks = slice(at + i, at + span, 3)
-        out_ops[:, ticks] = ops[at - 3 + i][:, None]
-        np.add(mb[at - 3 + i][:, None], shift, out=out_mb[:, ticks])
-        idle = np.flatnonzero(ops[at - 3 + i] == IDLE)
+    # one window tick at a time, so that NumPy's inner loop runs along the repeats, not over a few cells
+    for i in range(period):
+        ticks = slice(at + i, at + span, period)
+        out_ops[:, ticks] = ops[at - period + i][:, None]
+        if out_chunk is not None:
+            out_chunk[:, ticks] = chunk[at - period + i][:, None]
+        np.add(mb[at - period + i][:, None], shift, out=out_mb[:, ticks])
+        idle = np.flatnonzero(ops[at - period + i] == IDLE)
         if idle.size:
             out_mb[idle, ticks] = 0      # idle cells keep micro-batch 0
-    return out_ops, out_mb
+    return (out_ops, out_mb) if chunk is None else (out_ops, out_mb, out_chunk)
 
 
 def zero_bubble_v_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeline:
@@ -526,19 +535,69 @@ def zero_bubble_v(pp: int, n_micro: int, virtual: int = 2) -> list[list[Action]]
     return zero_bubble_v_timeline(pp, n_micro, virtual).actions()
 
 
-def _greedy_v(pp: int, n_micro: int) -> Timeline:
-    """Unit-cost greedy list schedule of F / I / W on two V-placed chunks per rank, all ranks one tick at a time."""
+_V_PERIOD = 6           # ZB-V's steady state: every rank runs F, I and W of both chunks every 6 ticks
+
+
+def _v_steady_repeats(n_micro: int, mark: tuple, now: tuple, i_chunk: np.ndarray, i_mb: np.ndarray) -> int:
+    """How many more times ZB-V's greedy provably repeats its last 6 ticks, each time one micro-batch further.
+
+    ``mark`` and ``now`` hold (nf, ni, nw) at the start of ticks t - 6 and t.
+    The greedy's choice at a tick depends on the counters only through
+    their differences (inputs arrived: a producer's counter past the
+    consumer's; the memory cap: nf[a] + nf[b] - nw; a pending W: nw below
+    ni[a] + ni[b]), on which I the oldest pending W belongs to (the rank's
+    queue of I's without their W, ``i_chunk`` / ``i_mb`` from index nw), and
+    on rank 0's chunk-a test "input has arrived", m > nf[a][0]. So if every
+    F and I counter of every rank is one more at t than at t - 6, every nw
+    two more (one W per chunk), and every rank's pending queue at t is its
+    queue at t - 6 with each micro-batch + 1, ticks t..t + 5 repeat
+    t - 6..t - 1 one micro-batch further and leave the same relation, and
+    so on by induction while rank 0's test keeps its value: nf[a][0] in the
+    window is at most its value at t, so q repeats are exact while
+    nf[a][0](t) + q <= m - 1. Returns 0 when the state is not periodic.
+    """
+    (nf0, ni0, nw0), (nf, ni, nw) = mark, now
+    if not (np.array_equal(nf, nf0 + 1) and np.array_equal(ni, ni0 + 1) and np.array_equal(nw, nw0 + 2)):
+        return 0
+    queue = ni.sum(axis=0) - nw                      # the same length at t - 6 (ni + 1 per chunk, nw + 2)
+    depth = int(queue.max())
+    if depth:
+        j = np.arange(depth)
+        inside = j < queue[:, None]
+        rows = np.arange(len(nw))[:, None]
+        then_at, now_at = np.where(inside, nw0[:, None] + j, 0), np.where(inside, nw[:, None] + j, 0)
+        if (i_chunk[rows, now_at] != i_chunk[rows, then_at])[inside].any() or \
+                (i_mb[rows, now_at] != i_mb[rows, then_at] + 1)[inside].any():
+            return 0
+    return max(int(n_micro - 1 - nf[0, 0]), 0)
+
+
+def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
+    """Unit-cost greedy list schedule of F / I / W on two V-placed chunks per rank, all ranks one tick at a time.
+
+    Once every rank has settled into its steady state (F, I and W of each
+    chunk every 6 ticks) ``fast_forward`` writes the repeats of that period
+    at once (:func:`_v_steady_repeats` says why that is the greedy's own
+    result) and the greedy resumes for the drain; ``fast_forward=False`` runs
+    every tick (the reference the tests compare against).
+    """
     cap = 2 * pp                        # chunk activations a rank may hold (F to W): p stages, 1F1B's rank 0
     nf, ni = np.zeros((2, pp), np.int64), np.zeros((2, pp), np.int64)   # next F / I micro-batch per chunk
     nw = np.zeros(pp, np.int64)         # W's done; the k-th W is the k-th I (i_chunk, i_mb record them)
-    i_chunk = np.zeros((pp, 2 * n_micro), np.int64)
-    i_mb = np.zeros((pp, 2 * n_micro), np.int64)
+    i_chunk = np.zeros((pp, 2 * n_micro), np.int8)
+    i_mb = np.zeros((pp, 2 * n_micro), _index_dtype(n_micro))
     ranks = np.arange(pp)
     f_src, i_src = np.empty((2, pp), np.int64), np.empty((2, pp), np.int64)
-    ops = np.full((6 * n_micro + 4 * pp, pp), IDLE, np.int8)      # tick-major while running, as _greedy_split
+    # tick-major while running, as _greedy_split; about 6m + 4p ticks (far fewer rows when it fast-forwards),
+    # and the buffers double if short
+    rows = 6 * n_micro + 4 * pp
+    if fast_forward:
+        rows = min(rows, 16 * pp + 2 * _PERIOD_PROBE)
+    ops = np.full((rows, pp), IDLE, np.int8)
     chunk = np.zeros(ops.shape, np.int8)
     mb = np.zeros(ops.shape, _index_dtype(n_micro))
-    remaining, tick = 6 * pp * n_micro, 0
+    remaining, tick = 6 * pp * n_micro, 0       # tick: next buffer row (the tick, less the skipped ticks)
+    mark, jump = None, None                     # jump: (buffer row, repeats) of the fast-forward
     while remaining:
         # the producer of each input, read from the counters at the start of the tick (so it ran earlier):
         # chunk a's F from the rank above (rank 0: the data), chunk b's F from the rank below (rank p-1: its
@@ -583,8 +642,28 @@ def _greedy_v(pp: int, n_micro: int) -> Timeline:
         nw += run_w
         remaining -= int(busy.sum())
         tick += 1
-    return _timeline("zb-v", pp, n_micro, 2, np.ascontiguousarray(ops[:tick].T), np.ascontiguousarray(mb[:tick].T),
-                     np.ascontiguousarray(chunk[:tick].T), placement="v")
+        if not fast_forward or jump is not None:
+            continue
+        if tick % _PERIOD_PROBE == 0:
+            mark = nf.copy(), ni.copy(), nw.copy()
+        elif mark is not None and tick % _PERIOD_PROBE == _V_PERIOD:
+            repeats = _v_steady_repeats(n_micro, mark, (nf, ni, nw), i_chunk, i_mb)
+            if repeats:
+                jump = tick, repeats
+                # the skipped I's, for the W's after the jump: each repeat appends the window's two I's
+                # per rank (queue indices k - 2, k - 1) one micro-batch further
+                step = np.arange(2 * repeats)
+                dst = ni.sum(axis=0)[:, None] + step          # repeat q = step // 2 + 1 writes two entries
+                src, rows_of = dst - step - 2 + step % 2, ranks[:, None]
+                i_chunk[rows_of, dst] = i_chunk[rows_of, src]
+                i_mb[rows_of, dst] = i_mb[rows_of, src] + (step // 2 + 1).astype(i_mb.dtype)
+                nf += repeats
+                ni += repeats
+                nw += 2 * repeats
+                remaining -= repeats * int(np.count_nonzero(ops[tick - _V_PERIOD:tick] != IDLE))
+            mark = None
+    out_ops, out_mb, out_chunk = _rank_major(ops[:tick], mb[:tick], jump, _V_PERIOD, chunk[:tick])
+    return _timeline("zb-v", pp, n_micro, 2, out_ops, out_mb, out_chunk, placement="v")
 
 
 ScheduleFn = Callable[[int, int, int], list[list[Action]]]

@@ -598,6 +598,9 @@ def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
     mb = np.zeros(ops.shape, _index_dtype(n_micro))
     remaining, tick = 6 * pp * n_micro, 0       # tick: next buffer row (the tick, less the skipped ticks)
     mark, jump = None, None                     # jump: (buffer row, repeats) of the fast-forward
+    held, done_i = np.zeros(pp, np.int64), np.zeros(pp, np.int64)   # nf[a] + nf[b] - nw, and ni[a] + ni[b]
+    room, pending_w, busy, ok = (np.empty(pp, bool) for _ in range(4))
+    runs = np.empty((4, pp), bool)
     while remaining:
         # the producer of each input, read from the counters at the start of the tick (so it ran earlier):
         # chunk a's F from the rank above (rank 0: the data), chunk b's F from the rank below (rank p-1: its
@@ -607,19 +610,22 @@ def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
         f_src[1, -1], f_src[1, :-1] = nf[0, -1], nf[1, 1:]
         i_src[1, 0], i_src[1, 1:] = nf[1, 0], ni[1, :-1]
         i_src[0, -1], i_src[0, :-1] = ni[1, -1], ni[0, 1:]
-        room = nf.sum(axis=0) - nw < cap
-        pending_w = nw < ni.sum(axis=0)
+        np.less(held, cap, out=room)
+        np.less(nw, done_i, out=pending_w)
         # a chunk-b forward held back only by the memory cap: free a chunk with the oldest W first, or the
         # last micro-batches' chains wait for W's the greedy would run last (p = 8, m = 9: 67 ticks, not 61)
-        free_first = (f_src[1] > nf[1]) & ~room & pending_w
-        busy = free_first.copy()
-        picks = []
-        for op, c, ready in ((F, 1, f_src[1] > nf[1]), (F, 0, f_src[0] > nf[0]),
-                             (I, 0, i_src[0] > ni[0]), (I, 1, i_src[1] > ni[1])):
-            run = ready & ~busy & (room if op == F else True)
-            busy |= run
-            picks.append((op, c, run))
-        run_w = free_first | (pending_w & ~busy)
+        np.greater(f_src[1], nf[1], out=runs[0])
+        run_w = runs[0] & ~room & pending_w            # free_first, then every W of the tick
+        np.copyto(busy, run_w)
+        for k, (op, c) in enumerate(((F, 1), (F, 0), (I, 0), (I, 1))):
+            if k:
+                np.greater(f_src[c] if op == F else i_src[c], nf[c] if op == F else ni[c], out=runs[k])
+            r = runs[k]
+            r &= np.logical_not(busy, out=ok)
+            if op == F:
+                r &= room
+            busy |= r
+        run_w |= pending_w & ~busy
         busy |= run_w
         if not busy.any():
             raise ScheduleError(f"zb-v list schedule made no progress (pp: {pp}, micro-batches: {n_micro})")
@@ -627,19 +633,25 @@ def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
             ops = np.concatenate([ops, np.full_like(ops, IDLE)])
             chunk = np.concatenate([chunk, np.zeros_like(chunk)])
             mb = np.concatenate([mb, np.zeros_like(mb)])
-        for op, c, run in picks:
-            ops[tick, run], chunk[tick, run] = op, c
+        for k, (op, c) in enumerate(((F, 1), (F, 0), (I, 0), (I, 1))):
+            r = runs[k]
+            np.copyto(ops[tick], op, where=r)
+            np.copyto(chunk[tick], c, where=r)
             counter = nf[c] if op == F else ni[c]
-            mb[tick, run] = counter[run]
+            np.copyto(mb[tick], counter, where=r)
             if op == I:
-                k = ni.sum(axis=0)[run]
-                i_chunk[ranks[run], k], i_mb[ranks[run], k] = c, counter[run]
-            counter += run
+                at = ranks[r]
+                i_chunk[at, done_i[r]], i_mb[at, done_i[r]] = c, counter[r]
+                done_i += r
+            else:
+                held += r
+            counter += r
         w_ranks = ranks[run_w]
         ops[tick, run_w] = W
         chunk[tick, run_w] = i_chunk[w_ranks, nw[run_w]]
         mb[tick, run_w] = i_mb[w_ranks, nw[run_w]]
         nw += run_w
+        held -= run_w
         remaining -= int(busy.sum())
         tick += 1
         if not fast_forward or jump is not None:
@@ -660,6 +672,7 @@ def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
                 nf += repeats
                 ni += repeats
                 nw += 2 * repeats
+                done_i += 2 * repeats
                 remaining -= repeats * int(np.count_nonzero(ops[tick - _V_PERIOD:tick] != IDLE))
             mark = None
     out_ops, out_mb, out_chunk = _rank_major(ops[:tick], mb[:tick], jump, _V_PERIOD, chunk[:tick])

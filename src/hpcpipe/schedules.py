@@ -664,11 +664,12 @@ def _greedy_v(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
                 jump = tick, repeats
                 # the skipped I's, for the W's after the jump: each repeat appends the window's two I's
                 # per rank (queue indices k - 2, k - 1) one micro-batch further
-                step = np.arange(2 * repeats)
-                dst = ni.sum(axis=0)[:, None] + step          # repeat q = step // 2 + 1 writes two entries
-                src, rows_of = dst - step - 2 + step % 2, ranks[:, None]
-                i_chunk[rows_of, dst] = i_chunk[rows_of, src]
-                i_mb[rows_of, dst] = i_mb[rows_of, src] + (step // 2 + 1).astype(i_mb.dtype)
+                shift = np.arange(1, repeats + 1, dtype=i_mb.dtype)[:, None]
+                # rank by rank: each rank's entries are one contiguous run (an index array over all ranks
+                # would cost more than the greedy's ticks)
+                for r, k in enumerate(done_i.tolist()):
+                    i_chunk[r, k:k + 2 * repeats].reshape(repeats, 2)[:] = i_chunk[r, k - 2:k]
+                    np.add(i_mb[r, k - 2:k], shift, out=i_mb[r, k:k + 2 * repeats].reshape(repeats, 2))
                 nf += repeats
                 ni += repeats
                 nw += 2 * repeats

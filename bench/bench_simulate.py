@@ -84,7 +84,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pp", type=int, default=1024)
     parser.add_argument("--micro-batches", type=int, default=8192)
-    parser.add_argument("--schedules", default="gpipe,1f1b,zb-h1,interleaved-1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,zb-h1,interleaved-1f1b,zb-v")
     parser.add_argument("--child", nargs=4, metavar=("SCHEDULE", "PP", "M", "V"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -7,10 +7,16 @@ only while the others wait in a collective, so the failing rank prints its
 message and calls MPI_Abort, which ends the whole job at once. An
 AgreedError is the exception: every rank raised it together after an
 agreement (e.g. a corrupt checkpoint), so rank 0 prints it and all exit.
+
+The command line is parsed before MPI is initialised (importing mpi4py is
+slow and a usage error should not need MPI), so :class:`CommandParser`
+learns the world rank from the launcher's environment and lets only rank 0
+print usage, help and errors; every rank exits with the same status.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -21,6 +27,36 @@ from .guard import EXIT_INTERRUPTED
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
+
+# world rank as set by MPICH/Hydra (PMI), Open MPI, PMIx launchers and srun, in that order of trust
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    """Return this process's world rank from the launcher's environment (0 when not launched by one)."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage, help and errors are printed by world rank 0 only.
+
+    Under ``mpiexec -n 8`` every rank parses the same command line; without
+    this a typo prints the usage eight times. Errors read ``hpcpipe: error: ...``
+    and exit with status 2 on every rank.
+    """
+
+    def _print_message(self, message: str, file=None) -> None:
+        if launcher_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        """Print the usage and one ``hpcpipe: error:`` line (rank 0), then exit 2 (every rank)."""
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_CONFIG, f"hpcpipe: error: {message} (see {self.prog} --help)\n")
 
 
 def fault_injection(world_rank: int, step: int) -> None:

@@ -1,10 +1,14 @@
 """Run guards: preemption signals, the stall watchdog, the per-step health decision, and exit statuses.
 
-Nothing here touches MPI. The step decision is a small float64 vector that
-the trainer sums over every rank with its one per-step allreduce (comm.py);
-the watchdog is given an ``abort(code)`` callable (comm.abort on the world).
+Nothing here touches MPI, and NumPy is loaded only when a step decision is
+made, so that importing this module stays cheap for the commands' start-up.
+The step decision is a small float64 vector that the trainer sums over every
+rank with its one per-step allreduce (comm.py); the watchdog is given an
+``abort(code)`` callable (comm.abort on the world).
 
-* Signals (SIGUSR1, SIGTERM): the handler only records the signal number.
+* Signals (SIGUSR1, SIGTERM; :mod:`hpcpipe.stopsignal`, re-exported here):
+  the handler only records the signal number; ``python -m hpcpipe.train``
+  installs it before anything slow, so a signal during start-up is kept.
   At the next step boundary every rank learns, through the step decision,
   whether any rank was signalled; all then write a checkpoint and exit with
   EXIT_PREEMPTED together. No I/O and no collectives in the handler.
@@ -24,15 +28,17 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
-import signal
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
+from .stopsignal import STOP_SIGNALS, StopSignals  # noqa: F401 - re-exported: guard.StopSignals
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Exit statuses (documented in docs/cluster.md; keep the table in step).
 EXIT_OK = 0
@@ -43,7 +49,6 @@ EXIT_STALLED = 76         # the watchdog saw no progress for run.stall_timeout s
 EXIT_DIVERGED = 77        # train.max_bad_steps steps in a row had a non-finite loss or gradient
 EXIT_INTERRUPTED = 130    # SIGINT (Ctrl-C): stopped at once, no checkpoint (128 + SIGINT)
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def hook_fields(name: str) -> dict[str, str]:
@@ -73,43 +78,6 @@ def nan_injection(world_rank: int, step: int) -> str | None:
     if _hits(fields, world_rank, step):
         return fields.get("what", "grad")
     return None
-
-
-class StopSignals:
-    """Installs SIGUSR1/SIGTERM handlers that only record which signal came; restores the old ones on close."""
-
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
-        self.signals = signals
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        # Only a flag: a handler runs between two bytecodes of the main thread, possibly inside
-        # MPI or HDF5 calls, so it must neither do I/O nor start a collective.
-        self.received = signum
-
-    def install(self) -> "StopSignals":
-        """Install the handlers (main thread only; elsewhere a no-op, as Python allows no other)."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handler)
-        return self
-
-    @property
-    def requested(self) -> bool:
-        """True once any stop signal has arrived."""
-        return self.received is not None
-
-    @property
-    def name(self) -> str:
-        """Name of the signal received ('' when none)."""
-        return signal.Signals(self.received).name if self.received is not None else ""
-
-    def close(self) -> None:
-        """Restore the previous handlers."""
-        for sig, old in self._previous.items():
-            signal.signal(sig, old)
-        self._previous.clear()
 
 
 class Watchdog:
@@ -216,6 +184,8 @@ def local_decision(grad_sq: float, loss_sum: float, count_norm: bool, stop: bool
     grad_sq counts once per stage (count_norm on one replica only), so that the
     world sum is the squared global norm exactly as a sum over the pipeline.
     """
+    import numpy as np  # here, not at module import: see the module docstring
+
     out = np.zeros(DECISION_SIZE, dtype=np.float64)
     out[NORM] = grad_sq if count_norm else 0.0
     out[LOSS] = loss_sum
@@ -227,5 +197,5 @@ def local_decision(grad_sq: float, loss_sum: float, count_norm: bool, stop: bool
 def decide(total: np.ndarray) -> StepDecision:
     """Turn the world sum of local_decision vectors into the agreed StepDecision."""
     bad = int(total[BAD])
-    norm = float(np.sqrt(total[NORM])) if not bad else float("nan")
+    norm = math.sqrt(float(total[NORM])) if not bad else float("nan")
     return StepDecision(grad_norm=norm, loss_sum=float(total[LOSS]), bad_ranks=bad, stop_ranks=int(total[STOP]))

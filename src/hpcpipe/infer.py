@@ -26,7 +26,7 @@ import numpy as np
 
 from . import checkpoint_mpi
 from .checkpoint import WeightsSource, resolve_weights
-from .cli import run_planned
+from .cli import CommandParser, run_planned
 from .comm import Poller, abort, agree, barrier, broadcast, clock_offset, gather_to_root
 from .config import Config, from_dict, load_raw, resolve_layout
 from .errors import AgreedError, ConfigError
@@ -271,8 +271,8 @@ def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(prog="python -m hpcpipe.infer", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m hpcpipe.infer", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, metavar="PATH",
                         help="weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
     parser.add_argument("--input", required=True, metavar="IN.h5", help="HDF5 file with dataset infer.x (N, dims[0])")

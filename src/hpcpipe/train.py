@@ -1,10 +1,23 @@
 """``python -m hpcpipe.train``: pipeline-parallel training over MPI.
 
     mpiexec -n 8 python -m hpcpipe.train                  # embedded default: dp=2 x pp=4
-    mpiexec -n 8 python -m hpcpipe.train --config configs/X.toml --set train.steps=50 --set parallel.pp=2
+    mpiexec -n 8 python -m hpcpipe.train --config configs/default.toml --set train.steps=50 --set parallel.pp=2
+
+Run as ``python -m hpcpipe.train``, the SIGUSR1/SIGTERM handlers are
+installed by the first statement of this file, before anything else is
+imported; :func:`main` installs them first otherwise (console script). This
+module never loads NumPy or mpi4py (which initialises MPI) at import. A stop
+signal during the slow start-up is thus only recorded, and every rank learns
+of it at the first step decision: the run stops after step 0 with a
+checkpoint and exit status 75.
 """
 
 from __future__ import annotations
+
+from .stopsignal import StopSignals
+
+# before the imports below, on purpose (see the module docstring)
+EARLY_STOP = StopSignals().install() if __name__ == "__main__" else None
 
 import argparse
 import json
@@ -14,11 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli import fault_injection, run_planned
-from .comm import gather_to_root
+from .cli import CommandParser, fault_injection, launcher_rank, run_planned
 from .config import load_config
 from .errors import AgreedError
-from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, StopSignals, Watchdog, stall_injection
+from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, Watchdog, stall_injection
 
 DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
@@ -39,8 +51,8 @@ exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuratio
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
-    parser = argparse.ArgumentParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
@@ -60,7 +72,11 @@ def step_sleep() -> None:
 
 
 def write_pid(world_rank: int) -> None:
-    """Test hook: with HPCPIPE_PID_DIR set, write this rank's process id to DIR/rank-R.pid."""
+    """Test hook: with HPCPIPE_PID_DIR set, write this rank's process id to DIR/rank-R.pid.
+
+    Written right after the stop handlers are installed (before MPI starts), so a
+    test can signal the ranks during start-up.
+    """
     directory = os.environ.get("HPCPIPE_PID_DIR", "")
     if directory:
         Path(directory, f"rank-{world_rank}.pid").write_text(f"{os.getpid()}\n")
@@ -126,6 +142,8 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     exit 77), and a stop signal on any rank makes every rank checkpoint and return
     with summary["stopped"] set. Returns a summary (rank 0 logs).
     """
+    from .comm import gather_to_root
+
     cfg = trainer.config
     rank = world.Get_rank()
     progress = Progress(cfg, trainer) if rank == 0 else None
@@ -233,7 +251,17 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.train``; returns the exit status."""
-    args = parse_args(argv)
+    # Handlers first, before MPI and NumPy load: a signal during start-up, planning or a resume
+    # load is only recorded, and every rank learns of it at the first step decision.
+    stop = EARLY_STOP or StopSignals().install()
+    try:
+        write_pid(launcher_rank())
+        return _main(parse_args(argv), stop)
+    finally:
+        stop.close()
+
+
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from mpi4py import MPI
 
     from .trainer import Trainer, plan
@@ -246,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return plan(config, world.Get_size())
 
     def body(p) -> int:
-        write_pid(world.Get_rank())
         from .comm import abort
-        # Handlers first, so a signal during startup or a resume load is kept for the first step.
-        stop = StopSignals().install()
         watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
         try:
             trainer = Trainer(p, world, record_events=bool(p.config.log.trace))
@@ -257,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
             summary = train(trainer, world, stop, watchdog)
         finally:
             watchdog.stop()
-            stop.close()
         if world.Get_rank() == 0:
             report(p, trainer, summary)
         trainer.close()

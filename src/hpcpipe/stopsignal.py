@@ -1,0 +1,56 @@
+"""Stop signals (SIGUSR1, SIGTERM) that only set a flag, installable before anything slow is imported.
+
+This module imports nothing but :mod:`signal` (not even :mod:`typing`), so
+``python -m hpcpipe.train`` installs the handlers before NumPy and mpi4py
+(which initialises MPI) load: a batch system's warning signal that arrives
+during start-up is then recorded instead of killing the rank, and every rank
+learns of it at the first step decision (see :mod:`hpcpipe.guard`).
+"""
+
+from __future__ import annotations
+
+import signal
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopSignals:
+    """Installs SIGUSR1/SIGTERM handlers that only record which signal came; restores the old ones on close."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        # Only a flag: a handler runs between two bytecodes of the main thread, possibly inside
+        # MPI or HDF5 calls, so it must neither do I/O nor start a collective.
+        self.received = signum
+
+    def install(self) -> StopSignals:
+        """Install the handlers (main thread only; elsewhere a no-op, as Python allows no other)."""
+        for sig in self.signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:   # not the main thread
+                break
+            # restart interrupted system calls (SA_RESTART): a signal arriving inside MPI start-up
+            # or an HDF5 read must not make a C library's read or write fail with EINTR
+            signal.siginterrupt(sig, False)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        """True once any stop signal has arrived."""
+        return self.received is not None
+
+    @property
+    def name(self) -> str:
+        """Name of the signal received ('' when none)."""
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    def close(self) -> None:
+        """Restore the previous handlers."""
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous.clear()

@@ -9,6 +9,7 @@ collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -134,7 +135,13 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:   # an integer beyond float range
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{where} must be a finite number, got {value!r}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value
@@ -192,13 +199,7 @@ def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, .
     """
     raw: dict[str, dict[str, Any]] = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+        raw = _read_toml(Path(path))
     for item in overrides:
         section, key, value = parse_override(item)
         section_values = raw.setdefault(section, {})
@@ -206,6 +207,26 @@ def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, .
             raise ConfigError(f"[{section}] must be a table of keys, got {section_values!r}")
         section_values[key] = value
     return raw
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """Return a config file's tables, or raise ConfigError saying what is wrong with the file."""
+    label = f"config file {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{label} is a directory, not a TOML file")
+    if not p.exists():
+        raise ConfigError(f"{label} does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                          f"TOML files must be UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{label} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label} is not valid TOML: {exc}") from None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -274,7 +295,10 @@ def validate(config: Config) -> None:
     _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {tr.grad_clip}")
     _require(0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1,
              f"train.beta1/beta2 must be in [0, 1), got {tr.beta1}/{tr.beta2}")
+    _require(tr.eps > 0, f"train.eps must be > 0, got {tr.eps}")
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
+    for key, seed in (("model.seed", mod.seed), ("data.seed", config.data.seed)):
+        _require(seed >= 0, f"{key} must be >= 0, got {seed}")
     _require(config.data.synthetic_samples >= 1,
              f"data.synthetic_samples must be >= 1, got {config.data.synthetic_samples}")
     _require(config.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {config.checkpoint.every}")

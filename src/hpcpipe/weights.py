@@ -98,24 +98,63 @@ def open_checked(path: str | Path) -> h5py.File:
 
 
 def stored_layers(f: h5py.File) -> list[int]:
-    """Return the global layer indices a file holds, ascending."""
-    return sorted(int(k) for k in f["layers"].keys()) if "layers" in f else []
+    """Return the global layer indices a file holds, ascending; ConfigError if /layers is malformed."""
+    if "layers" not in f:
+        return []
+    label = f"weights file {str(f.filename)!r}"
+    layers = f["layers"]
+    if not isinstance(layers, h5py.Group):
+        raise ConfigError(f"{label}: layers is a {_kind(layers)}, not a group of layers")
+    names = list(layers.keys())
+    bad = [name for name in names if not (name.isascii() and name.isdigit())]
+    if bad:
+        raise ConfigError(f"{label}: layers/{bad[0]} is not a layer (layers are named by index: 0000, 0001, ...)")
+    return sorted(int(name) for name in names)
+
+
+def _kind(obj: Any) -> str:
+    """Return what an HDF5 object is, for messages: group, dataset, or what else h5py gave."""
+    if isinstance(obj, h5py.Group):
+        return "group"
+    if isinstance(obj, h5py.Dataset):
+        return "dataset"
+    return type(obj).__name__
+
+
+def dataset_problem(obj: Any, shape: tuple[int, ...]) -> str | None:
+    """Return why obj cannot hold a parameter of the given shape (None when it can).
+
+    A parameter must be a dataset (not a group or link) of real floating-point
+    numbers (not integers, strings, bytes, compound, object or complex values)
+    with exactly that shape (a scalar or empty dataset is refused).
+    """
+    if not isinstance(obj, h5py.Dataset):
+        return f"is a {_kind(obj)}, not a dataset"
+    dtype = obj.dtype
+    if dtype.kind != "f" or dtype.fields is not None or dtype.subdtype is not None:
+        return f"holds {dtype} values, not real floating-point numbers"
+    if obj.shape is None or obj.shape != shape:
+        return f"has shape {obj.shape}, the model needs {shape}"
+    return None
 
 
 def check_layers(f: h5py.File, specs: list[LayerSpec], label: str) -> None:
-    """Raise ConfigError unless the file holds each given layer with the model's names and shapes."""
+    """Raise ConfigError unless the file holds each given layer with the model's names, types and shapes."""
     for s in specs:
-        if layer_group(s.index) not in f:
-            raise ConfigError(f"{label}: layer {s.index} ({layer_group(s.index)}) is missing")
-        group = f[layer_group(s.index)]
+        name = layer_group(s.index)
+        if name not in f:
+            raise ConfigError(f"{label}: layer {s.index} ({name}) is missing")
+        group = f[name]
+        if not isinstance(group, h5py.Group):
+            raise ConfigError(f"{label}: {name} is a {_kind(group)}, not a group holding weight and bias")
         shapes = param_shapes(s)
         if sorted(group.keys()) != sorted(shapes):
             raise ConfigError(f"{label}: layer {s.index} holds {sorted(group.keys())}, the model needs "
                               f"{sorted(shapes)}")
-        for name, shape in shapes.items():
-            if group[name].shape != shape:
-                raise ConfigError(f"{label}: {layer_group(s.index)}/{name} has shape {group[name].shape}, "
-                                  f"the model needs {shape}")
+        for param, shape in shapes.items():
+            problem = dataset_problem(group[param], shape)
+            if problem:
+                raise ConfigError(f"{label}: {name}/{param} {problem}")
 
 
 def check_weights(path: str | Path, specs: list[LayerSpec]) -> None:
@@ -130,10 +169,26 @@ def check_weights(path: str | Path, specs: list[LayerSpec]) -> None:
 
 
 def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
+    """Read every dataset of a group; ConfigError naming file and dataset if one is corrupt, malformed or not finite."""
+    out = {}
     try:
-        return {name: f[group][name][...] for name in f[group]}
+        members = f[group]
+        if not isinstance(members, h5py.Group):
+            raise ConfigError(f"{label}: {group} is a {_kind(members)}, not a group of datasets")
+        for name in members:
+            obj = members[name]
+            problem = dataset_problem(obj, obj.shape if isinstance(obj, h5py.Dataset) else ())
+            if problem:
+                raise ConfigError(f"{label}: {group}/{name} {problem}")
+            out[name] = obj[...]
     except (OSError, KeyError) as exc:   # fletcher32 mismatch, truncated chunk, missing object
         raise ConfigError(f"{label}: cannot read {group} (corrupt: {exc})") from None
+    for name, array in out.items():
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad:
+            raise ConfigError(f"{label}: {group}/{name} holds {bad} non-finite value(s) (NaN or Inf) "
+                              f"of {array.size}")
+    return out
 
 
 def read_layers(path: str | Path, indices: list[int]) -> LayerArrays:

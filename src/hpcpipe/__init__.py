@@ -10,14 +10,14 @@ import os as _os
 __version__ = "0.1.0"
 
 
-def _local_rank_count() -> int:
-    """Return how many ranks of this job share this node, from the launcher's environment."""
+def _local_rank_count(default: int = 1) -> int:
+    """Return how many ranks of this job share this node, from the launcher's environment (else default)."""
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
                  "PMI_LOCAL_SIZE", "MPI_LOCAL_NRANKS"):
         value = _os.environ.get(name, "").split("(")[0].split(",")[0]
         if value.isdigit() and int(value) > 0:
             return int(value)
-    return 1
+    return default
 
 
 def _cap_threads() -> None:

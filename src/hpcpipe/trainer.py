@@ -24,6 +24,7 @@ from .engine import Engine, StepFeed
 from .lowering import lower, validate
 from .model import RankParameters, initial_arrays, layer_specs, partition
 from .optim import clip_factor, make_optimizer
+from .preflight import check_memory, check_output_file
 from .schedules import build_schedule, placement_of, rank_stages
 from .topology import make_topology
 from .checkpoint import WeightsSource, resolve_weights
@@ -77,6 +78,10 @@ def plan(config: Config, world_size: int) -> Plan:
     n_stages = pp * par.virtual_stages
     specs = layer_specs(config)
     ranges = partition(specs, n_stages, par.stage_layers)
+    for key in ("metrics", "trace"):
+        path = getattr(config.log, key)
+        if path:
+            check_output_file(path, f"log.{key}")
     if config.data.path:
         check_data_file(config)
     init = resume = None
@@ -98,6 +103,7 @@ def plan(config: Config, world_size: int) -> Plan:
         # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
         # refused on every rank before the first collective
         raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
+    check_memory(config, ranges, pp, placement, world_size)
     return Plan(config, dp, pp, n_stages, ranges, programs, placement, init, resume)
 
 
@@ -151,8 +157,13 @@ class Trainer:
             self.params.load(initial_arrays(self.specs, indices, cfg.model.seed, cfg.model.dtype))
             return
         resuming = source is self.plan.resume
-        state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
-                                    clean_root=cfg.checkpoint.dir if resuming else None)
+        try:
+            state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
+                                        clean_root=cfg.checkpoint.dir if resuming else None)
+        except AgreedError as exc:
+            if resuming:
+                raise
+            raise AgreedError(f"model.init: {exc}", exc.code) from None   # say which key named the bad file
         self.params.load(state.arrays)
         if not resuming:
             return

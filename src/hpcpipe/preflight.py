@@ -1,0 +1,128 @@
+"""Checks against the machine before the first collective: output files can be created, the model fits in memory.
+
+Called by :func:`hpcpipe.trainer.plan` on every rank (identically), so a
+metrics path in a missing directory or a model too large for the node is
+refused with one message and exit status 2 before step 0, instead of a
+traceback at the first write or a MemoryError after minutes of allocation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _local_rank_count
+from .config import Config
+from .errors import ConfigError
+from .model import layer_specs
+from .optim import make_optimizer
+from .schedules import rank_stages
+
+GIB = 1024 ** 3
+ITEMSIZE = {"float32": 4, "float64": 8}
+
+
+def check_output_file(path: str, key: str) -> None:
+    """Raise ConfigError unless a file can be created (or appended to) at path, naming the config key."""
+    p = Path(path)
+    label = f"{key} {path!r}"
+    if p.is_dir():
+        raise ConfigError(f"{label} is a directory; give the path of a file to write")
+    parent = p.parent
+    if not parent.exists():
+        raise ConfigError(f"{label}: directory {str(parent)!r} does not exist (create it first)")
+    if not parent.is_dir():
+        raise ConfigError(f"{label}: {str(parent)!r} is not a directory")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ConfigError(f"{label} exists and is not writable")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{label}: cannot create a file in directory {str(parent)!r} (permission denied)")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs at most (the pipeline rank with the most), by what holds them."""
+
+    parameters: int    # parameters and their gradients
+    optimizer: int     # optimizer state buffers (SGD momentum: 1, Adam(W): 2)
+    activations: int   # layer caches of every micro-batch held at once (an upper bound)
+    data: int          # the synthetic data set, built on every rank
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.parameters + self.optimizer + self.activations + self.data
+
+
+def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str) -> MemoryEstimate:
+    """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
+    import numpy as np
+
+    specs = layer_specs(config)
+    itemsize = ITEMSIZE[config.model.dtype]
+    tr = config.train
+    buffers = len(make_optimizer(tr, np, 0, np.float32).state)
+    rows = tr.micro_batches * tr.micro_batch_size
+    worst = MemoryEstimate(0, 0, 0, 0)
+    for rank in range(pp):
+        layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
+        n_params = sum(s.n_params for s in layers)
+        # each layer's cache holds its input and what its activation saved (one row of each per
+        # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
+        widths = sum(s.fan_in + s.fan_out for s in layers)
+        mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
+        worst = max(worst, mine, key=lambda e: e.total)
+    data = 0
+    if not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
+        dims = config.model.dims
+        data = config.data.synthetic_samples * (dims[0] + dims[-1]) * (8 + itemsize) + dims[0] * dims[-1] * 8
+    return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
+
+
+def available_bytes() -> int:
+    """Return the memory this node can still give (MemAvailable; else physical memory), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
+
+
+def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: str, world_size: int,
+                 available: int | None = None, ranks_here: int | None = None) -> MemoryEstimate:
+    """Raise ConfigError when one rank's estimated need exceeds its share of this node's memory.
+
+    The share is the available memory over the ranks on this node (from the
+    launcher's environment; all world_size ranks when it does not say).
+    Skipped when the arrays may live on a GPU (run.backend cupy, or auto with
+    CuPy installed) or when the memory cannot be read.
+    """
+    need = estimate_rank_bytes(config, stage_ranges, pp, placement)
+    backend = config.run.backend
+    if backend == "cupy" or (backend == "auto" and importlib.util.find_spec("cupy") is not None):
+        return need
+    available = available_bytes() if available is None else available
+    ranks_here = ranks_here or _local_rank_count(default=world_size)
+    if available > 0 and need.total > available / ranks_here:
+        raise ConfigError(
+            f"the model needs about {_gib(need.total)} per rank (parameters and gradients "
+            f"{_gib(need.parameters)}, optimizer {_gib(need.optimizer)}, activations {_gib(need.activations)}, "
+            f"data {_gib(need.data)}) with model.dims {config.model.dims}, parallel.pp = {pp}, "
+            f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
+            f"{config.train.micro_batch_size}; this node has {_gib(available)} available for {ranks_here} "
+            f"rank(s) ({_gib(available / ranks_here)} each): use more pipeline stages or nodes, or a smaller model "
+            f"or micro-batch")
+    return need

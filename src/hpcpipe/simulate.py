@@ -733,6 +733,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulate action by action, the reference path (--ascii and --plot imply it; "
                              "otherwise the schedule's timeline arrays are simulated, same numbers, much faster)")
     args = parser.parse_args(argv)
+    if args.plot:   # say it before a simulation that may take seconds, not after printing its results
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            print(f"hpcpipe.simulate: error: --plot needs matplotlib ({exc}): pip install matplotlib "
+                  f"(or, in the source tree, pip install \".[plot]\")", file=sys.stderr)
+            return 2
     try:
         if args.measured:
             rows = measured_events(args.measured)

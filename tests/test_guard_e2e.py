@@ -161,3 +161,26 @@ def test_m_bad_steps_in_a_row_abort_with_status_77(tmp_path):
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 5
     assert not (tmp_path / "ck").exists()
     assert wait_until_gone(str(tmp_path), 10) == []
+
+
+@pytest.mark.parametrize("how", ["USR1 to mpiexec", "USR1 to every rank"])
+def test_stop_signal_during_startup_stops_after_step_0_with_a_checkpoint(tmp_path, how):
+    # each rank writes its pid file right after installing the stop handlers, before NumPy, mpi4py
+    # (MPI_Init), planning and the Trainer: signalling then lands in the slow part of start-up
+    proc = _start(tmp_path, _env(tmp_path))
+    t0 = time.time()
+    pids = [_rank_pid(tmp_path, r) for r in range(8)]
+    if how == "USR1 to mpiexec":
+        proc.send_signal(signal.SIGUSR1)
+    else:
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+    signalled = time.time() - t0
+    out, err, _ = _finish(proc, 120)
+    assert proc.returncode == guard.EXIT_PREEMPTED, f"{out}\n{err}"
+    assert "BAD TERMINATION" not in out + err
+    assert f"stopped for a stop signal on 8 of 8 rank(s) (SIGUSR1 here) after step 1 of {STEPS}" in out, \
+        f"signalled {signalled:.2f} s after launch:\n{out}"
+    assert cf.read_latest(tmp_path / "ck") == cf.step_name(1)
+    assert len(metrics_losses(tmp_path / "m.jsonl")) == 1
+    assert wait_until_gone(str(tmp_path), 10) == []

@@ -120,3 +120,97 @@ def test_exception_on_one_rank_ends_the_whole_job_fast(tmp_path):
     assert "fault" in seen, f"exit {proc.returncode}, stderr:\n{stderr}"
     assert ended - seen["fault"] < 30, f"job took {ended - seen['fault']:.1f} s to end after the fault"
     assert "[dp01-pp01] error: RuntimeError: injected fault" in stderr
+
+# -- issue #11: start-up hardening, end to end (one message from rank 0, exit 2, nothing written) ----------
+
+def _files(root):
+    """Every file under root with its bytes (to show that a refused run changed nothing)."""
+    import os
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[path] = f.read()
+    return out
+
+
+def _init_file(tmp_path, change):
+    """A model.init file for dims [16]*3 (pp=2) with one dataset changed by change(h5py.File)."""
+    from hpcpipe.config import from_dict
+    from hpcpipe.model import initial_arrays, layer_specs
+    from hpcpipe.weights import write_weights
+    specs = layer_specs(from_dict({"model": {"dims": [16, 16, 16]}, "parallel": {"pp": 2}}))
+    path = tmp_path / "w.h5"
+    write_weights(path, initial_arrays(specs, [0, 1], 0, "float32"), n_layers=2)
+    with h5py.File(path, "r+") as f:
+        change(f)
+    return str(path)
+
+
+def _nan_weights(f):
+    w = f["layers/0001/weight"][...]
+    w[2, 3:6] = [np.nan, np.inf, np.nan]
+    f["layers/0001/weight"][...] = w
+
+
+def _bias_group(f):
+    del f["layers/0000/bias"]
+    f.create_group("layers/0000/bias")
+
+
+def _bias_bytes(f):
+    del f["layers/0000/bias"]
+    f["layers/0000/bias"] = np.bytes_(b"not numbers")
+
+
+INIT = ["--set", "model.dims=[16, 16, 16]", "--set", "parallel.pp=2", "--set", "model.init=\"INIT\""]
+
+
+@pytest.mark.parametrize("n,args,change,message", [
+    (2, ["--config", "DIR"], None, "config file 'DIR' is a directory, not a TOML file"),
+    (2, ["--config", "LATIN1"], None, "config file 'LATIN1' is not UTF-8 text (byte 20: b'\\xe9')"),
+    (2, ["--set", "train.lr=inf"], None, "train.lr must be a finite number, got inf"),
+    (2, ["--set", "train.weight_decay=inf"], None, "train.weight_decay must be a finite number, got inf"),
+    (2, ["--set", "parallel.pp=2", "--set", "log.metrics=\"nodir/m.jsonl\""], None,
+     "log.metrics 'nodir/m.jsonl': directory 'nodir' does not exist (create it first)"),
+    (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"DIR\""], None,
+     "log.trace 'DIR' is a directory; give the path of a file to write"),
+    (2, ["--set", "model.dims=[16, 1e9, 16]"], None, "model.dims must be list[int], got [16, 1000000000.0, 16]"),
+    (2, ["--set", "model.dims=[16, 1000000000, 16]", "--set", "parallel.pp=2"], None,
+     "the model needs about "),
+    (8, INIT[:2] + ["--set", "parallel.dp=4"] + INIT[2:], _nan_weights,
+     "model.init: weights file 'INIT': layers/0001/weight holds 3 non-finite value(s) (NaN or Inf) of 256"),
+    (2, INIT, _bias_group, "weights file 'INIT': layers/0000/bias is a group, not a dataset"),
+    (2, INIT, _bias_bytes, "weights file 'INIT': layers/0000/bias holds |S11 values, not real floating-point numbers"),
+])
+def test_startup_attacks_end_in_one_message_exit_2_before_step_0(tmp_path, n, args, change, message):
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "latin1.toml").write_bytes("[train]\nsteps = 3 # \xe9t\xe9\n".encode("latin-1"))
+    init = _init_file(tmp_path, change) if change else ""
+    subst = {"DIR": "cfgdir", "LATIN1": "latin1.toml", "INIT": init}
+    for key, value in subst.items():
+        args = [a.replace(key, value) for a in args]
+    message = message.replace("'DIR'", "'cfgdir'").replace("LATIN1", "latin1.toml").replace("INIT", init)
+    before = _files(tmp_path)
+    proc = run_command(n, "hpcpipe.train", args, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcpipe: error:") == 1, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout + proc.stderr
+    assert "step 1/" not in proc.stdout                  # refused before step 0
+    assert _files(tmp_path) == before                    # nothing created (no checkpoints/), inputs intact
+
+
+@pytest.mark.parametrize("module", ["hpcpipe.train", "hpcpipe.infer"])
+def test_usage_error_and_help_are_printed_once_on_8_ranks(tmp_path, module):
+    required = ["--weights", "w.h5", "--input", "in.h5", "--output", "out.h5"] if module.endswith("infer") else []
+    proc = run_command(8, module, required + ["--bogus"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("usage:") == 1, proc.stderr
+    assert proc.stderr.count("hpcpipe: error: unrecognized arguments: --bogus") == 1, proc.stderr
+    assert "BAD TERMINATION" not in proc.stdout + proc.stderr
+    helped = run_command(8, module, ["--help"], cwd=tmp_path, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.count("usage:") == 1 and helped.stderr == ""
+    assert list(tmp_path.iterdir()) == []

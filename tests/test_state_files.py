@@ -273,3 +273,29 @@ def test_data_file_mismatches_are_clear_errors(tmp_path, x, y, loss, message):
     cfg = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}, "data": {"path": str(path)}, "train": {"loss": loss}})
     with pytest.raises(ConfigError, match=message):
         check_data_file(cfg)
+
+
+def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
+    """HDF5 2.0 segfaulted closing a file whose writes hit ENOSPC (issue #11's exit 11); now nothing crashes."""
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    script = (f"import errno, numpy as np\n"
+              f"from hpcpipe.weights import write_weights\n"
+              f"arrays = {{i: {{'weight': np.ones((100, 100), np.float32)}} for i in range(8)}}\n"
+              f"try:\n    write_weights({str(mnt / 'w.h5')!r}, arrays, n_layers=8)\n"
+              f"except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        left = sorted(p.name for p in mnt.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+    assert result.returncode == 0 and result.stdout.strip() == "ENOSPC", (result.returncode, result.stderr)
+    assert result.stderr == ""                     # no HDF5 error stacks, no "Exception ignored" tracebacks
+    assert left == []                              # the partial file is removed

@@ -85,8 +85,13 @@ def _space_message(root: Path, where: Path, step: int, needed: int) -> str:
         free = human_bytes(free_bytes(where))
     except OSError:
         free = "no space"
+    try:
+        previous = cf.read_latest(where if where.name != cf.tmp_name(step) else where.parent)
+    except ConfigError:
+        previous = None
+    kept = f"{previous} is kept" if previous else "nothing was saved"
     return (f"checkpoint.dir {str(root)!r} has {free} free, the checkpoint of step {step} needs about "
-            f"{human_bytes(needed)}; the previous checkpoint is kept (free some space or set checkpoint.dir)")
+            f"{human_bytes(needed)}; {kept} (free some space or set checkpoint.dir)")
 
 
 def _failure(exc: Exception, what: str, root: Path, where: Path, step: int, needed: int) -> str:

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              "every run")
     p_export = sub.add_parser("export", help="write one weights file holding every layer: export PATH OUT")
     p_export.add_argument("dir", metavar="PATH")
-    p_export.add_argument("out", help="output HDF5 weights file")
+    p_export.add_argument("out", metavar="OUT", help="output HDF5 weights file")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
     p_info = sub.add_parser("info", help="print runs, step, layout, optimizer and files (or a weights file's layers)")
     p_info.add_argument("dir", metavar="PATH")
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{str(root)!r} holds no committed checkpoint")
             for target in targets:
                 source = verify(target)
-                print(f"ok: {source.describe()} step {source.step}, {len(source.manifest['files'])} files, "
-                      f"{source.n_layers} layers")
+                files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
+                print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
         elif args.command == "export":
             source = export(args.dir, args.out, args.optimizer)
             print(f"exported {source.describe()} step {source.step} ({source.n_layers} layers) to {args.out!r}")

@@ -230,10 +230,10 @@ def tmpfs(tmp_path):
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "full"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], check=False).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_during_a_checkpoint_is_one_message_exit_1_and_cleaned(tmpfs, tmp_path):
@@ -262,13 +262,13 @@ def test_unusable_checkpoint_dir_is_refused_before_step_0(tmp_path, case):
     if case == "read-only":   # root ignores permission bits: a read-only file system then
         (tmp_path / "ro").mkdir(mode=0o555)
         if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
-                                                 str(tmp_path / "ro")], capture_output=True).returncode != 0:
+                                                 str(tmp_path / "ro")], capture_output=True, check=False).returncode != 0:
             pytest.skip("cannot mount a read-only tmpfs as root here")
     try:
         result = _train(target, tmp_path / "m.jsonl", timeout=60)
     finally:
         if case == "read-only" and os.geteuid() == 0:
-            subprocess.run(["umount", "-l", str(tmp_path / "ro")], capture_output=True)
+            subprocess.run(["umount", "-l", str(tmp_path / "ro")], capture_output=True, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("hpcpipe: error:") == 1 and "checkpoint.dir" in result.stderr, result.stderr
     assert str(target) in result.stderr

@@ -284,7 +284,7 @@ def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "full"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     script = (f"import errno, numpy as np\n"
               f"from hpcpipe.weights import write_weights\n"
@@ -292,10 +292,11 @@ def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
               f"try:\n    write_weights({str(mnt / 'w.h5')!r}, arrays, n_layers=8)\n"
               f"except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
     try:
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                                check=False)
         left = sorted(p.name for p in mnt.iterdir())
     finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ENOSPC", (result.returncode, result.stderr)
     assert result.stderr == ""                     # no HDF5 error stacks, no "Exception ignored" tracebacks
     assert left == []                              # the partial file is removed

@@ -132,3 +132,52 @@ def test_init_from_checkpoint_loads_parameters_only(world, shared_tmp):
         assert all(not np.any(v) for layer in opt.values() for state in layer.values() for v in state.values())
     trainer.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, shared_tmp, monkeypatch):
+    """ENOSPC on one writer after the free-space check passed: one agreed message, exit code 1, nothing left."""
+    import errno
+
+    from hpcpipe import checkpoint_mpi
+    from hpcpipe import ckpt_files as cf
+    from hpcpipe.errors import AgreedError
+
+    comm = sub_world(world, 2)
+    if comm is None:
+        return
+    real = checkpoint_mpi.write_file_durably
+
+    def full(path, data):
+        if comm.Get_rank() == 1:     # pipeline rank 1's writer hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    ck_dir = os.path.join(shared_tmp, "ck-full")
+    trainer = _trainer(comm, _sections(ck_dir, 1, 2))
+    trainer.train_step(0)
+    first = trainer.save_checkpoint(1)
+    monkeypatch.setattr(checkpoint_mpi, "write_file_durably", full)
+    trainer.train_step(1)
+    with pytest.raises(AgreedError) as info:
+        trainer.save_checkpoint(2)
+    message = str(info.value)
+    assert info.value.code == 1 and len(set(comm.allgather(message))) == 1
+    assert f"checkpoint.dir {ck_dir!r} has " in message and "the checkpoint of step 2 needs about" in message
+    assert "step-00000001 is kept" in message
+    comm.Barrier()
+    run_dir = first.parent
+    assert trainer.run_dir == run_dir
+    assert cf.leftovers(run_dir) == [] and cf.committed_steps(run_dir) == [1]       # the partial save is gone
+    assert cf.read_latest(ck_dir) == f"{run_dir.name}/{cf.step_name(1)}"            # latest kept
+    trainer.close()
+
+    # a fresh run whose first save fails leaves no run directory behind
+    other = os.path.join(shared_tmp, "ck-full-fresh")
+    trainer = _trainer(comm, _sections(other, 1, 2))
+    with pytest.raises(AgreedError):
+        trainer.save_checkpoint(0)
+    comm.Barrier()
+    assert cf.run_dirs(other) == [] and trainer.run_dir is None
+    trainer.close()
+    comm.Free()

@@ -92,7 +92,7 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches_uninterrupted(refer
     out, err, took = _finish(proc, 60)
     assert proc.returncode == guard.EXIT_PREEMPTED, err
     assert took < 30
-    stopped = int(cf.read_latest(tmp_path / "ck")[5:])
+    stopped = int(cf.read_latest(tmp_path / "ck").rsplit("step-", 1)[1])   # latest names run-0001/step-N
     assert 3 <= stopped < STEPS
     assert f"after step {stopped} of {STEPS}" in out and "exit status 75" in out, out
     assert len(metrics_losses(tmp_path / "m.jsonl")) == stopped           # checkpoint = last finished step

@@ -39,6 +39,15 @@ def _train(ck_dir, metrics, *more, env=None, timeout=180, **extra):
                timeout=timeout)
 
 
+RUN = "run-0001"          # a fresh run's directory under checkpoint.dir
+
+
+def _latest_step(ck_dir: Path) -> int | None:
+    """The step ck_dir/latest names (it names run-NNNN/step-NNNNNNNN), None when there is none yet."""
+    name = cf.read_latest(ck_dir)
+    return None if name is None else int(name.rsplit("step-", 1)[1])
+
+
 def _ckpt_cli(*args):
     return run([sys.executable, "-m", "hpcpipe.checkpoint", *map(str, args)], timeout=60)
 
@@ -55,7 +64,8 @@ def reference(tmp_path_factory):
 def _assert_same_as_reference(reference, ck_dir, metrics):
     ref_dir, ref_losses = reference
     assert metrics_losses(metrics) == ref_losses          # every step's loss, bit for bit
-    assert (cf.read_latest(ck_dir)) == cf.step_name(STEPS)
+    assert cf.read_latest(ck_dir) == f"{RUN}/{cf.step_name(STEPS)}"    # resumed into the same run directory
+    assert cf.run_dirs(ck_dir) == [ck_dir / RUN]
     ref_params, ref_opt = checkpoint_state(ref_dir)
     params, opt = checkpoint_state(ck_dir)
     assert_nested_equal(params, ref_params)
@@ -70,7 +80,7 @@ def test_kill_9_one_rank_then_resume_is_bit_identical(reference, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         deadline = time.time() + 120
-        while cf.read_latest(ck_dir) != cf.step_name(4) and proc.poll() is None and time.time() < deadline:
+        while _latest_step(ck_dir) != 4 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before it could be killed"
         victim = int((pid_dir / "rank-5.pid").read_text())
@@ -86,13 +96,13 @@ def test_kill_9_one_rank_then_resume_is_bit_identical(reference, tmp_path):
     left = wait_until_gone(str(tmp_path), 30 - (time.time() - killed_at))
     assert left == [] and pids_alive(pid_dir) == [], f"left behind after the kill: {left}"
     assert time.time() - killed_at < 30
-    crashed_at = cf.read_latest(ck_dir)
-    assert crashed_at is not None and cf.step_name(4) <= crashed_at < cf.step_name(STEPS)
+    crashed_at = _latest_step(ck_dir)
+    assert crashed_at is not None and 4 <= crashed_at < STEPS
     assert 0 < len(metrics_losses(metrics)) < STEPS
 
     result = _train(ck_dir, metrics, "--resume")
     assert result.returncode == 0, result.stderr
-    assert f"resumed at step {int(crashed_at[5:])}" in result.stdout
+    assert f"resumed at step {crashed_at}" in result.stdout
     _assert_same_as_reference(reference, ck_dir, metrics)
 
 
@@ -102,9 +112,10 @@ def test_crash_during_save_leaves_latest_complete(reference, tmp_path, point, ra
     env = {"HPCPIPE_CRASH_IN_SAVE": f"step=6,rank={rank},point={point}"}
     result = _train(ck_dir, metrics, env=env)
     assert result.returncode != 0
-    assert cf.read_latest(ck_dir) == cf.step_name(4)
-    assert (ck_dir / cf.tmp_name(6)).is_dir()                          # the interrupted save is left over ...
-    assert not (ck_dir / cf.step_name(6)).exists()
+    run_dir = ck_dir / RUN
+    assert _latest_step(ck_dir) == 4 and cf.read_latest(run_dir) == cf.step_name(4)
+    assert (run_dir / cf.tmp_name(6)).is_dir()                         # the interrupted save is left over ...
+    assert not (run_dir / cf.step_name(6)).exists()
     verified = _ckpt_cli("verify", ck_dir)
     assert verified.returncode == 0 and "step 4" in verified.stdout, verified.stderr   # ... and ignored
     assert "leftover" in _ckpt_cli("info", ck_dir).stdout
@@ -112,8 +123,8 @@ def test_crash_during_save_leaves_latest_complete(reference, tmp_path, point, ra
     result = _train(ck_dir, metrics, "--resume")
     assert result.returncode == 0, result.stderr
     assert "resumed at step 4" in result.stdout
-    assert cf.leftovers(ck_dir) == []                                   # cleaned
-    assert cf.committed_steps(ck_dir) == [10, 12]                       # keep = 2
+    assert cf.leftovers(run_dir) == []                                  # cleaned
+    assert cf.committed_steps(run_dir) == [10, 12]                      # keep = 2
     _assert_same_as_reference(reference, ck_dir, metrics)
 
 
@@ -153,7 +164,7 @@ CORRUPTIONS = {"truncated": _corrupt_truncate, "bit-flipped": _corrupt_flip, "mi
 def test_verify_refuses_each_corruption_naming_the_file(reference, tmp_path, case):
     ck_dir = tmp_path / "ck"
     shutil.copytree(reference[0], ck_dir)
-    name, reason = CORRUPTIONS[case](ck_dir / cf.step_name(STEPS))
+    name, reason = CORRUPTIONS[case](ck_dir / RUN / cf.step_name(STEPS))
     result = _ckpt_cli("verify", ck_dir)
     assert result.returncode == 1
     assert name in result.stderr and reason in result.stderr, result.stderr
@@ -165,7 +176,7 @@ def test_verify_refuses_each_corruption_naming_the_file(reference, tmp_path, cas
 def test_resume_refuses_corruption_with_one_message_and_no_hang(reference, tmp_path, case):
     ck_dir = tmp_path / "ck"
     shutil.copytree(reference[0], ck_dir)
-    name, reason = CORRUPTIONS[case](ck_dir / cf.step_name(STEPS))
+    name, reason = CORRUPTIONS[case](ck_dir / RUN / cf.step_name(STEPS))
     result = _train(ck_dir, tmp_path / "m.jsonl", "--resume", timeout=120, train={"steps": 16})
     assert result.returncode == 2, result.stderr
     assert result.stderr.count(name) == 1 and reason in result.stderr, result.stderr   # one rank prints
@@ -212,13 +223,57 @@ def test_bad_init_file_is_a_clear_error(tmp_path):
     assert "w.h5" in result.stderr and "holds 3 layers" in result.stderr and result.stderr.count("error") == 1
 
 
-def test_failed_save_is_one_message_and_exit_1(tmp_path):
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 200 KiB tmpfs mounted at tmp_path/full (root only), unmounted afterwards."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_a_checkpoint_is_one_message_exit_1_and_cleaned(tmpfs, tmp_path):
+    """Issue #11: a 200 KiB checkpoint.dir with every = 1 segfaulted (exit 11) after h5py tracebacks."""
+    wide = {"checkpoint": {"every": 1}}   # about 130 KiB a checkpoint: the second does not fit
+    result = _train(tmpfs, tmp_path / "m.jsonl", timeout=120, **wide)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, result.stderr                       # one line: no tracebacks, no HDF5 noise
+    assert f"checkpoint.dir '{tmpfs}' has " in errors[0] and "free, the checkpoint of step 2 needs about" in errors[0]
+    assert "step-00000001 is kept" in errors[0]
+    run_dir = tmpfs / RUN
+    assert cf.leftovers(run_dir) == [] and [p.name for p in run_dir.iterdir()] \
+        and not any(p.name.startswith(".") for p in run_dir.iterdir())   # the partial save is gone
+    assert cf.read_latest(tmpfs) == f"{RUN}/{cf.step_name(1)}"          # the previous latest is kept ...
+    verified = _ckpt_cli("verify", tmpfs)
+    assert verified.returncode == 0 and "step 1" in verified.stdout       # ... and complete
+
+
+@pytest.mark.parametrize("case", ["file", "parent-file", "read-only"])
+def test_unusable_checkpoint_dir_is_refused_before_step_0(tmp_path, case):
+    """Issue #11: a checkpoint.dir that is a file or read-only failed only after every step had run."""
     blocker = tmp_path / "afile"
     blocker.write_text("not a directory")
-    result = _train(blocker / "ck", tmp_path / "m.jsonl", timeout=60)
-    assert result.returncode == 1, result.stderr
-    assert result.stderr.count("cannot create checkpoint directory") == 1, result.stderr
-    assert len(metrics_losses(tmp_path / "m.jsonl")) == 2      # it failed at the first save (every = 2)
+    target = {"file": blocker, "parent-file": blocker / "ck", "read-only": tmp_path / "ro" / "ck"}[case]
+    if case == "read-only":   # root ignores permission bits: a read-only file system then
+        (tmp_path / "ro").mkdir(mode=0o555)
+        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
+                                                 str(tmp_path / "ro")], capture_output=True, check=False).returncode != 0:
+            pytest.skip("cannot mount a read-only tmpfs as root here")
+    try:
+        result = _train(target, tmp_path / "m.jsonl", timeout=60)
+    finally:
+        if case == "read-only" and os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(tmp_path / "ro")], capture_output=True, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("hpcpipe: error:") == 1 and "checkpoint.dir" in result.stderr, result.stderr
+    assert str(target) in result.stderr
+    assert not (tmp_path / "m.jsonl").exists()                      # refused before step 0
+    assert blocker.read_text() == "not a directory"
 
 
 def test_digits_example_reaches_95_percent_held_out(tmp_path):

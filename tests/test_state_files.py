@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcpipe import ckpt_check
 from hpcpipe import ckpt_files as cf
 from hpcpipe.checkpoint import resolve_weights
 from hpcpipe.config import from_dict
@@ -104,9 +106,24 @@ def test_latest_pointer_is_replaced_atomically_and_validated(tmp_path):
     cf.set_latest(tmp_path, "step-00000004")
     assert cf.read_latest(tmp_path) == "step-00000004"
     assert not cf.leftovers(tmp_path)   # the temporary pointer was renamed over `latest`
-    (tmp_path / cf.LATEST).write_text("../../etc")
-    with pytest.raises(ConfigError, match="not a step-NNNNNNNN name"):
-        cf.read_latest(tmp_path)
+    cf.set_latest(tmp_path, "run-0003/step-00000004")   # a root of runs names the run too
+    assert cf.read_latest(tmp_path) == "run-0003/step-00000004"
+    for bad in ("../../etc", "/etc/step-00000001", "run-0001/../step-00000001", "step-00000001/../../x"):
+        (tmp_path / cf.LATEST).write_text(bad)
+        with pytest.raises(ConfigError, match="not a step-NNNNNNNN or run-NNNN/step-NNNNNNNN name"):
+            cf.read_latest(tmp_path)
+
+
+def test_latest_through_a_symlink_out_of_the_root_is_refused(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    _fake_checkpoint(outside, 4)
+    root.mkdir()
+    (root / "run-0001").symlink_to(outside)
+    cf.set_latest(root, "run-0001/step-00000004")
+    with pytest.raises(ConfigError, match="leads out of"):
+        cf.read_latest(root)
+    with pytest.raises(ConfigError, match="leads out of"):
+        resolve_weights(root)
 
 
 def test_prune_keeps_newest_and_never_the_latest_target(tmp_path):
@@ -145,31 +162,79 @@ def test_commit_renames_and_replaces_an_unreferenced_copy(tmp_path):
     assert not tmp.exists() and not cf.leftovers(tmp_path)
 
 
+SMALL = {"model": {"dims": [2, 2, 2]}, "parallel": {"pp": 1}}
+GOOD_ENTRY = {"name": "stage-000.h5", "pp_rank": 0, "layers": [0, 1], "bytes": 1, "sha256": "0" * 64}
+
+
 def _manifest(files, n_layers=2):
-    return cf.build_manifest(3, n_layers, {"dp": 1, "pp": 1}, {"model": {"dims": [2, 2, 2]}},
-                             {"name": "sgd", "steps": 3, "state": []}, {"samples_seen": 0}, files)
+    return cf.build_manifest(3, n_layers, {"dp": 1, "pp": 1}, copy.deepcopy(SMALL), {"name": "sgd", "steps": 3, "state": []},
+                             {"samples_seen": 0}, files, run="run-0001")
+
+
+def _write_manifest(step_dir: Path, m) -> Path:
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (step_dir / "stage-000.h5").write_bytes(b"x")
+    (step_dir / cf.MANIFEST).write_text(json.dumps(m))
+    return step_dir
+
+
+def _bogus_entries(m):
+    m["files"] = [dict(GOOD_ENTRY, name=f"stage-{i:03d}.h5", pp_rank=i) for i in range(200_000)]
 
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda m: m.update(format="other"), "not an hpcpipe checkpoint manifest"),
     (lambda m: m.update(format_version=99), "format_version 99"),
     (lambda m: m["files"][0].update(layers=[0]), r"maps layers \[0\] to files"),
-    (lambda m: m["files"][0].update(name="../x.h5"), "malformed"),
-    (lambda m: m.pop("n_layers"), "malformed"),
+    (lambda m: m["files"][0].update(name="../x.h5"), "malformed.*bad file name"),
+    (lambda m: m.pop("n_layers"), "malformed: n_layers is None"),
+    # issue #11: these resumed before; now verify and resume refuse them alike (one validator)
+    (lambda m: m.update(step=-5), r"malformed: step is -5, expected an integer >= 0"),
+    (lambda m: m.update(step=True), r"malformed: step is True"),
+    (_bogus_entries, r"malformed: 'files' has 200000 entries, expected 1\.\.2"),
+    (lambda m: m["files"].append(dict(GOOD_ENTRY, name="stage-001.h5", pp_rank=1, layers=[1])),
+     r"layer.*exactly once"),
+    (lambda m: m["files"][0].update(sha256="0"), "malformed.*64 hex digits"),
+    (lambda m: m["files"][0].update(pp_rank=3), "malformed.*pp_rank 3"),
+    (lambda m: m["optimizer"].update(steps=4), r"optimizer steps \(update count\) is 4, expected an integer in 0\.\.3"),
+    (lambda m: m["optimizer"].update(name="lbfgs"), "optimizer name is 'lbfgs'"),
+    (lambda m: m.update(n_layers=3), "maps layers"),
+    (lambda m: m["config"]["model"].update(dims=[2, 2]), "n_layers 2 disagrees with its model.dims"),
+    (lambda m: m["config"]["model"].update(dims="x"), "holds an invalid config"),
+    (lambda m: m.update(data=[]), "malformed: 'data' is list"),
 ])
 def test_manifest_validation_names_the_file(tmp_path, mutate, message):
-    m = _manifest([{"name": "stage-000.h5", "pp_rank": 0, "layers": [0, 1], "bytes": 1, "sha256": "0"}])
+    m = _manifest([dict(GOOD_ENTRY)])
+    ckpt_check.read_manifest(_write_manifest(tmp_path / "step-00000003", m))   # the good one passes
     mutate(m)
-    (tmp_path / cf.MANIFEST).write_text(json.dumps(m))
+    step_dir = _write_manifest(tmp_path / "step-00000003", m)
     with pytest.raises(ConfigError, match=message) as info:
-        cf.read_manifest(tmp_path)
+        ckpt_check.read_manifest(step_dir)
     assert "manifest.json" in str(info.value)
+    with pytest.raises(ConfigError, match=message):    # every reader (resume, init, infer) runs the same check
+        resolve_weights(step_dir)
+
+
+def test_manifest_must_agree_with_its_directory(tmp_path):
+    m = _manifest([dict(GOOD_ENTRY)])
+    with pytest.raises(ConfigError, match=r"named for step 7 but its manifest says step 3"):
+        resolve_weights(_write_manifest(tmp_path / "step-00000007", m))
+    with pytest.raises(ConfigError, match=r"interrupted save, not a committed checkpoint"):
+        resolve_weights(_write_manifest(tmp_path / ".tmp-step-00000003", m))
+    d = _write_manifest(tmp_path / "step-00000003", m)
+    (d / "stage-000.h5").unlink()
+    with pytest.raises(ConfigError, match=r"stage-000\.h5' is missing"):
+        resolve_weights(d)
+    _write_manifest(d, m)
+    (d / "stage-004.h5").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"holds \['stage-004\.h5'\], which its manifest does not list"):
+        resolve_weights(d)
 
 
 def test_manifest_that_is_not_json_is_refused(tmp_path):
     (tmp_path / cf.MANIFEST).write_bytes(b"\x00\xff garbage")
     with pytest.raises(ConfigError, match=r"manifest\.json.*not valid JSON"):
-        cf.read_manifest(tmp_path)
+        ckpt_check.read_manifest(tmp_path)
 
 
 def test_check_file_catches_size_and_hash(tmp_path):
@@ -208,3 +273,30 @@ def test_data_file_mismatches_are_clear_errors(tmp_path, x, y, loss, message):
     cfg = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}, "data": {"path": str(path)}, "train": {"loss": loss}})
     with pytest.raises(ConfigError, match=message):
         check_data_file(cfg)
+
+
+def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
+    """HDF5 2.0 segfaulted closing a file whose writes hit ENOSPC (issue #11's exit 11); now nothing crashes."""
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    script = (f"import errno, numpy as np\n"
+              f"from hpcpipe.weights import write_weights\n"
+              f"arrays = {{i: {{'weight': np.ones((100, 100), np.float32)}} for i in range(8)}}\n"
+              f"try:\n    write_weights({str(mnt / 'w.h5')!r}, arrays, n_layers=8)\n"
+              f"except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                                check=False)
+        left = sorted(p.name for p in mnt.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "ENOSPC", (result.returncode, result.stderr)
+    assert result.stderr == ""                     # no HDF5 error stacks, no "Exception ignored" tracebacks
+    assert left == []                              # the partial file is removed

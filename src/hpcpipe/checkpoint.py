@@ -1,13 +1,15 @@
 """Reading state: weights files and checkpoints by global layer index; ``verify``, ``export``, ``info``.
 
-    python -m hpcpipe.checkpoint verify DIR        # manifest, sizes, SHA-256, shapes, checksums; exit 1 naming the bad file
-    python -m hpcpipe.checkpoint export DIR out.h5 # one weights file holding every layer
-    python -m hpcpipe.checkpoint info DIR          # step, layout, optimizer, files
+    python -m hpcpipe.checkpoint verify PATH         # manifest, sizes, SHA-256, shapes, checksums; exit 1 naming the bad file
+    python -m hpcpipe.checkpoint export PATH out.h5  # one weights file holding every layer
+    python -m hpcpipe.checkpoint info PATH           # runs, step, layout, optimizer, files (or a weights file's layers)
 
-DIR is a checkpoint root (its ``latest`` is used), a ``step-NNNNNNNN``
-directory, or the ``latest`` pointer file itself. Nothing here uses MPI:
-the collective save and load live in :mod:`hpcpipe.checkpoint_mpi`, the
-directory protocol in :mod:`hpcpipe.ckpt_files`.
+PATH is a checkpoint root (its ``latest`` is followed into the run that
+wrote it), a run directory, a ``step-NNNNNNNN`` directory, a ``latest``
+pointer file, or (verify, info, export) a single weights file. Nothing here
+uses MPI: the collective save and load live in :mod:`hpcpipe.checkpoint_mpi`,
+the directory protocol in :mod:`hpcpipe.ckpt_files`, what makes a
+checkpoint valid in :mod:`hpcpipe.ckpt_check`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import h5py
 
 from . import ckpt_files as cf
+from .ckpt_check import check_stage_file, manifest_specs, read_manifest
 from .errors import ConfigError
 from .model import LayerSpec
 from .weights import (LayerArrays, OptimizerArrays, check_layers, check_weights, open_checked, read_layers,
@@ -45,6 +48,7 @@ class WeightsSource:
     model: dict[str, Any]              # the model config stored with the weights ({} when unknown)
     files: dict[int, Path]             # global layer -> file holding it
     manifest: dict[str, Any] | None = None
+    specs: list[LayerSpec] | None = None  # the model of a checkpoint's manifest
     _verified: set[Path] = field(default_factory=set)
 
     def _entry(self, path: Path) -> dict[str, Any]:
@@ -52,7 +56,7 @@ class WeightsSource:
 
     def _verify(self, path: Path) -> None:
         if self.manifest is not None and path not in self._verified:
-            cf.check_file(self.path, self._entry(path))
+            check_stage_file(self.path, self._entry(path), self.manifest, self.specs)
             self._verified.add(path)
 
     def _by_file(self, indices: list[int]) -> dict[Path, list[int]]:
@@ -119,10 +123,11 @@ def _file_source(path: Path) -> WeightsSource:
 def checkpoint_source(step_dir: str | Path) -> WeightsSource:
     """Return the source of one committed checkpoint directory (manifest validated, files not yet hashed)."""
     step_dir = Path(step_dir)
-    manifest = cf.read_manifest(step_dir)
+    manifest = read_manifest(step_dir)
     files = {int(i): step_dir / e["name"] for e in manifest["files"] for i in e["layers"]}
+    specs = manifest_specs(manifest, f"manifest {str(step_dir / cf.MANIFEST)!r}")
     return WeightsSource(step_dir, "checkpoint", int(manifest["step"]), int(manifest["n_layers"]),
-                         manifest["config"]["model"], files, manifest)
+                         manifest["config"]["model"], files, manifest, specs)
 
 
 def latest_dir(root: str | Path) -> Path:
@@ -173,40 +178,42 @@ def resolve_weights(path: str | Path) -> WeightsSource:
 
 
 def verify(path: str | Path) -> WeightsSource:
-    """Fully check one checkpoint: manifest, every file's size and SHA-256, format, layers, shapes, checksums.
+    """Fully check one checkpoint or weights file: manifest, sizes, SHA-256, format, layers, shapes, checksums.
 
-    Raises ConfigError naming the first bad file; returns the source when all is well.
+    The checks are those every reader runs (:mod:`hpcpipe.ckpt_check`) on every file,
+    plus a read of every dataset. Raises ConfigError naming the first bad file.
     """
-    from .config import from_dict
-    from .model import layer_specs
-
-    source = checkpoint_source(resolve_step_dir(path))
-    manifest = source.manifest
-    try:
-        specs = layer_specs(from_dict(manifest["config"]))
-    except ConfigError as exc:
-        raise ConfigError(f"manifest {str(source.path / cf.MANIFEST)!r} holds an invalid config: {exc}") from None
-    if len(specs) != source.n_layers:
-        raise ConfigError(f"manifest {str(source.path / cf.MANIFEST)!r}: n_layers {source.n_layers} disagrees "
-                          f"with its model.dims ({len(specs)} layers)")
-    states = list(manifest["optimizer"].get("state", []))
-    for entry in manifest["files"]:
-        path_i = cf.check_file(source.path, entry)
-        label = f"checkpoint file {str(path_i)!r}"
-        with open_checked(path_i) as f:
-            if int(f.attrs.get("step", -1)) != source.step:
-                raise ConfigError(f"{label} is from step {f.attrs.get('step')}, the manifest says {source.step}")
-            if stored_layers(f) != sorted(int(i) for i in entry["layers"]):
-                raise ConfigError(f"{label} holds layers {stored_layers(f)}, the manifest says {entry['layers']}")
-            check_layers(f, [specs[int(i)] for i in entry["layers"]], label)
+    p = Path(path)
+    if p.is_file() and p.name != cf.LATEST:
+        return _verify_weights_file(p)
+    source = checkpoint_source(resolve_step_dir(p))
+    for entry in source.manifest["files"]:
+        path_i = check_stage_file(source.path, entry, source.manifest, source.specs)
         layers = [int(i) for i in entry["layers"]]
         read_layers(path_i, layers)                       # every dataset through its fletcher32 check
-        _, opt = read_optimizer(path_i, layers)
-        for i in layers:
-            if sorted(opt[i]) != sorted(states):
-                raise ConfigError(f"{label}: layer {i} has optimizer state {sorted(opt[i])}, the manifest "
-                                  f"says {sorted(states)}")
+        read_optimizer(path_i, layers)
         source._verified.add(path_i)
+    return source
+
+
+def _verify_weights_file(path: Path) -> WeightsSource:
+    """Check a single weights file: format, layers 0..n-1 with the shapes its stored model needs, checksums."""
+    from .config import from_dict
+    from .model import layer_specs
+    source = resolve_weights(path)
+    label = f"weights file {str(path)!r}"
+    if not source.model:
+        raise ConfigError(f"{label} records no model config, so its shapes cannot be checked")
+    try:
+        specs = layer_specs(from_dict({"model": source.model, "parallel": {"pp": 1}}))
+    except ConfigError as exc:
+        raise ConfigError(f"{label} records an invalid model: {exc}") from None
+    check_weights(path, specs)
+    read_layers(path, list(range(source.n_layers)))      # every dataset through its fletcher32 check
+    with open_checked(path) as f:
+        has_optimizer = "optimizer" in f
+    if has_optimizer:
+        read_optimizer(path, list(range(source.n_layers)))
     return source
 
 
@@ -227,17 +234,41 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     return source
 
 
+def _describe_dir(p: Path) -> list[str]:
+    """Lines about a root or run directory: where latest points, runs, committed steps, leftovers."""
+    kind = "run directory" if cf.is_run_dir(p) else "checkpoint root"
+    lines = [f"{kind} {str(p)!r}: latest -> {cf.read_latest(p)}"]
+    for d in [p] + cf.run_dirs(p):
+        steps = cf.committed_steps(d)
+        if d is p and not steps:
+            continue
+        where = "." if d is p else d.name
+        lines.append(f"  {where}: {', '.join(cf.step_name(s) for s in steps) or 'no committed checkpoint'}")
+        for extra in cf.leftovers(d):
+            lines.append(f"  leftover from an interrupted save (ignored): {where}/{extra.name}")
+    return lines
+
+
+def _describe_weights_file(source: WeightsSource) -> list[str]:
+    lines = [(f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, "
+              f"{source.n_layers} layers, dims {source.model.get('dims')}")]
+    with open_checked(source.path) as f:
+        for i in stored_layers(f):
+            group = f[f"layers/{i:04d}"]
+            shapes = ", ".join(f"{name} {tuple(group[name].shape)}" for name in sorted(group))
+            lines.append(f"  layer {i}: {shapes}")
+        if "optimizer" in f:
+            attrs = dict(f["optimizer"].attrs)
+            lines.append(f"  optimizer state of {attrs.get('name')} (update count {attrs.get('steps')})")
+    return lines
+
+
 def info(path: str | Path) -> str:
-    """Return a human summary of a checkpoint root or one checkpoint (step, layout, optimizer, files)."""
+    """Return a human summary of a checkpoint root, run, one checkpoint or a weights file."""
     p = Path(path)
-    lines = []
-    if p.is_dir() and not (p / cf.MANIFEST).exists():
-        latest = cf.read_latest(p)
-        steps = cf.committed_steps(p)
-        lines.append(f"checkpoint root {str(p)!r}: latest -> {latest}; committed: "
-                     f"{', '.join(cf.step_name(s) for s in steps) or 'none'}")
-        for extra in cf.leftovers(p):
-            lines.append(f"  leftover from an interrupted save (ignored): {extra.name}")
+    if p.is_file() and p.name != cf.LATEST:
+        return "\n".join(_describe_weights_file(resolve_weights(p)))
+    lines = _describe_dir(p) if p.is_dir() and not (p / cf.MANIFEST).exists() else []
     source = checkpoint_source(resolve_step_dir(p))
     m = source.manifest
     lay, opt, data = m["layout"], m["optimizer"], m.get("data", {})
@@ -253,34 +284,44 @@ def info(path: str | Path) -> str:
     return "\n".join(lines)
 
 
+def all_checkpoints(root: Path) -> list[Path]:
+    """Return every committed checkpoint under a root or run directory (its own and its runs'), oldest run first."""
+    return [d / cf.step_name(s) for d in [root] + cf.run_dirs(root) for s in cf.committed_steps(d)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.checkpoint``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.checkpoint",
-                                     description="Verify, export and describe hpcpipe checkpoints.",
+                                     description="Verify, export and describe hpcpipe checkpoints and weights "
+                                                 "files. PATH: a checkpoint root (checkpoint.dir; its latest is "
+                                                 "followed), a run-NNNN or step-NNNNNNNN directory, a latest file, "
+                                                 "or a weights file.",
                                      epilog="exit status: 0 ok, 1 the checkpoint is bad (the message names the "
                                             "file), 2 usage error")
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="check manifest, sizes, SHA-256, shapes and checksums")
-    p_verify.add_argument("dir", help="checkpoint root, step-NNNNNNNN directory or latest file")
-    p_verify.add_argument("--all", action="store_true", help="with a root: verify every committed checkpoint")
-    p_export = sub.add_parser("export", help="write one weights file holding every layer")
-    p_export.add_argument("dir")
-    p_export.add_argument("out", help="output HDF5 weights file")
+    p_verify.add_argument("dir", metavar="PATH", help="checkpoint root, run or step directory, latest file, "
+                                                       "or weights file")
+    p_verify.add_argument("--all", action="store_true", help="with a root: verify every committed checkpoint of "
+                                                             "every run")
+    p_export = sub.add_parser("export", help="write one weights file holding every layer: export PATH OUT")
+    p_export.add_argument("dir", metavar="PATH")
+    p_export.add_argument("out", metavar="OUT", help="output HDF5 weights file")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
-    p_info = sub.add_parser("info", help="print step, layout, optimizer and files")
-    p_info.add_argument("dir")
+    p_info = sub.add_parser("info", help="print runs, step, layout, optimizer and files (or a weights file's layers)")
+    p_info.add_argument("dir", metavar="PATH")
     args = parser.parse_args(argv)
     try:
         if args.command == "verify":
             root = Path(args.dir)
-            targets = [root / cf.step_name(s) for s in cf.committed_steps(root)] \
-                if args.all and not (root / cf.MANIFEST).exists() else [root]
+            targets = all_checkpoints(root) if args.all and root.is_dir() and not (root / cf.MANIFEST).exists() \
+                else [root]
             if not targets:
                 raise ConfigError(f"{str(root)!r} holds no committed checkpoint")
             for target in targets:
                 source = verify(target)
-                print(f"ok: {source.describe()} step {source.step}, {len(source.manifest['files'])} files, "
-                      f"{source.n_layers} layers")
+                files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
+                print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
         elif args.command == "export":
             source = export(args.dir, args.out, args.optimizer)
             print(f"exported {source.describe()} step {source.step} ({source.n_layers} layers) to {args.out!r}")

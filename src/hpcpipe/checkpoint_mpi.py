@@ -21,7 +21,10 @@ file's layers are written and before the optimizer state, ``commit`` (rank
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,23 +34,74 @@ import numpy as np
 
 from . import ckpt_files as cf
 from .checkpoint import WeightsSource
-from .comm import Poller, agree, gather_to_root
+from .comm import Poller, agree, broadcast, gather_to_root
 from .errors import AgreedError, ConfigError
-from .weights import OptimizerArrays, write_weights
+from .weights import OptimizerArrays, weights_image, write_file_durably
+
+
+def _crash_due(point: str, step: int, world_rank: int) -> bool:
+    """Whether HPCPIPE_CRASH_IN_SAVE names this point, step and rank."""
+    spec = os.environ.get("HPCPIPE_CRASH_IN_SAVE", "")
+    if not spec:
+        return False
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    return (fields.get("point", "write") == point and int(fields.get("step", -1)) == step
+            and int(fields.get("rank", 0)) == world_rank)
 
 
 def _crash_hook(point: str, step: int, world_rank: int) -> None:
     """Kill this process (SIGKILL) when HPCPIPE_CRASH_IN_SAVE names this point, step and rank."""
-    spec = os.environ.get("HPCPIPE_CRASH_IN_SAVE", "")
-    if not spec:
-        return
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    if (fields.get("point", "write") == point and int(fields.get("step", -1)) == step
-            and int(fields.get("rank", 0)) == world_rank):
+    if _crash_due(point, step, world_rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def human_bytes(n: float) -> str:
+    """Return a size as e.g. '180 KiB' or '1.2 MiB'."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit in ("bytes", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_bytes(path: Path) -> int:
+    """Return the bytes an unprivileged writer may still use on path's file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# per file: its size rounded up to whole blocks; plus the directory, manifest and two pointers
+_BLOCK = 4096
+_SLACK = 4 * _BLOCK
+
+
+def space_needed(sizes: list[int]) -> int:
+    """Return about how many bytes a checkpoint with files of these sizes takes on disk."""
+    return sum(-(-n // _BLOCK) * _BLOCK for n in sizes) + _SLACK
+
+
+def _space_message(root: Path, where: Path, step: int, needed: int) -> str:
+    try:
+        free = human_bytes(free_bytes(where))
+    except OSError:
+        free = "no space"
+    try:
+        previous = cf.read_latest(where if where.name != cf.tmp_name(step) else where.parent)
+    except ConfigError:
+        previous = None
+    kept = f"{previous} is kept" if previous else "nothing was saved"
+    return (f"checkpoint.dir {str(root)!r} has {free} free, the checkpoint of step {step} needs about "
+            f"{human_bytes(needed)}; {kept} (free some space or set checkpoint.dir)")
+
+
+def _failure(exc: Exception, what: str, root: Path, where: Path, step: int, needed: int) -> str:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return _space_message(root, where, step, needed)
+    return f"{what}: {type(exc).__name__}: {exc}"
+
+
 def _agreed(world: Any, poller: Poller, error: str | None, code: int) -> None:
+    """Raise AgreedError(code) on every rank if any rank reported an error (collective)."""
     message = agree(world, poller, error)
     if message is not None:
         raise AgreedError(message, code)
@@ -73,43 +127,118 @@ class SaveInfo:
     global_batch: int
 
 
-def save(world: Any, poller: Poller, root: str | Path, step: int, *, dp_rank: int, pp_rank: int,
-         params: Any, optimizer: Any, n_layers: int, info: SaveInfo, keep: int) -> Path:
+def _abandon(tmp: Path | None, run_dir: Path | None, made_run: bool) -> None:
+    """Remove what a failed save of this run left: its temporary directory, and a run directory it just made."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if made_run and run_dir is not None:
+        try:
+            run_dir.rmdir()   # only while empty: never anything else
+        except OSError:
+            pass
+
+
+def _commit(root: Path, run_dir: Path, tmp: Path, step: int, manifest: dict[str, Any], keep: int) -> Path:
+    """Rank 0: write the manifest, commit, move the run's latest and ROOT's, prune the run's old checkpoints."""
+    cf.write_json_durably(tmp / cf.MANIFEST, manifest)
+    _crash_hook("commit", step, 0)
+    final = cf.commit(run_dir, tmp, step)
+    try:
+        cf.set_latest(run_dir, final.name)
+    except OSError:
+        aside = run_dir / f".del-{final.name}"   # nothing points at it: this run's own, removed
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    if run_dir.resolve() != root.resolve():
+        cf.set_latest(root, f"{run_dir.name}/{final.name}", cf.root_latest_tmp(run_dir))
+    cf.prune(run_dir, keep)
+    return final
+
+
+def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Path | None, dp_rank: int,
+         pp_rank: int, params: Any, optimizer: Any, n_layers: int, info: SaveInfo, keep: int) -> Path:
     """Save a checkpoint of `step` completed steps (collective over world); return its directory.
 
-    Any failure on any rank (disk full, permissions) raises AgreedError(code=1) on every rank.
+    ``run_dir`` is the run's directory under the root ``checkpoint.dir``; None for a fresh
+    run's first save, which creates ROOT/run-NNNN (world rank 0, the next free number).
+    Any failure on any rank (disk full, permissions) raises AgreedError(code=1) on every
+    rank after rank 0 removed the save's temporary directory; the previous checkpoint and
+    every ``latest`` stay as they were. Free space is checked before any file is written.
     """
     rank = world.Get_rank()
     root = Path(root)
-    tmp = root / cf.tmp_name(step)
-    error = None
+    fresh = run_dir is None
+    made_run, tmp, error = False, None, None
     if rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            cf.clean_leftovers(root)
+            if run_dir is None:
+                run_dir, made_run = cf.new_run_dir(root), True
+            cf.clean_leftovers(run_dir)
+            (root / cf.root_latest_tmp(run_dir)).unlink(missing_ok=True)
+            tmp = run_dir / cf.tmp_name(step)
             tmp.mkdir()
         except OSError as exc:
-            error = f"cannot create checkpoint directory {str(tmp)!r}: {exc}"
-    _agreed(world, poller, error, 1)
+            error = f"cannot create checkpoint directory {str(tmp or run_dir or root)!r}: {exc}"
+    failed = agree(world, poller, error)
+    if failed is not None:
+        if rank == 0:
+            _abandon(tmp, run_dir, made_run)
+        raise AgreedError(failed, 1)
+    if fresh:
+        run_dir = Path(broadcast(world, str(run_dir) if rank == 0 else None))
+    tmp = run_dir / cf.tmp_name(step)
 
-    entry, error = None, None
+    def fail_if(error: str | None) -> None:
+        failed = agree(world, poller, error)
+        if failed is not None:
+            if rank == 0:
+                _abandon(tmp, run_dir, made_run)
+            raise AgreedError(failed, 1)
+
+    # 1. every writer builds its file in memory; rank 0 checks there is room for all of them
+    image, entry, error = None, None, None
+    path = tmp / cf.stage_file(pp_rank)
     if dp_rank == 0:
-        path = tmp / cf.stage_file(pp_rank)
         try:
             opt = optimizer_arrays(params, optimizer)
-            write_weights(path, params.export(), n_layers=n_layers, model_config=info.config["model"], step=step,
-                          optimizer=opt, optimizer_attrs={"name": info.config["train"]["optimizer"],
-                                                          "steps": optimizer.steps},
-                          attrs={"pp_rank": pp_rank}, after_layers=lambda: _crash_hook("write", step, rank))
-            cf.fsync_path(path)
-            entry = {"name": path.name, "pp_rank": pp_rank, "layers": params.layer_indices(),
-                     "bytes": path.stat().st_size, "sha256": cf.sha256_file(path)}
-        except Exception as exc:  # noqa: BLE001 - any failure must be agreed on, not hang the others
-            error = f"cannot write checkpoint file {str(path)!r}: {type(exc).__name__}: {exc}"
-    _agreed(world, poller, error, 1)
 
+            def crash_point(partial: bytes) -> None:
+                if _crash_due("write", step, rank):   # leave the half-written file a killed writer would
+                    path.write_bytes(partial)
+                    _crash_hook("write", step, rank)
+
+            image = weights_image(params.export(), n_layers=n_layers, model_config=info.config["model"], step=step,
+                                  optimizer=opt, optimizer_attrs={"name": info.config["train"]["optimizer"],
+                                                                  "steps": optimizer.steps},
+                                  attrs={"pp_rank": pp_rank}, after_layers=crash_point)
+            entry = {"name": path.name, "pp_rank": pp_rank, "layers": params.layer_indices(),
+                     "bytes": len(image), "sha256": hashlib.sha256(image).hexdigest()}
+        except Exception as exc:  # noqa: BLE001 - any failure must be agreed on, not hang the others
+            error = f"cannot build checkpoint file {str(path)!r}: {type(exc).__name__}: {exc}"
     entries = gather_to_root(world, entry)
-    final, error = root / cf.step_name(step), None
+    needed = 0
+    if rank == 0:
+        needed = space_needed([e["bytes"] for e in entries if e is not None])
+        try:
+            if error is None and free_bytes(tmp) < needed:
+                error = _space_message(root, tmp, step, needed)
+        except OSError as exc:
+            error = f"cannot check free space in {str(tmp)!r}: {exc}"
+    fail_if(error)
+    needed = broadcast(world, needed)
+
+    # 2. every writer writes its file (in parallel)
+    if image is not None:
+        try:
+            write_file_durably(path, image)
+        except Exception as exc:  # noqa: BLE001
+            error = _failure(exc, f"cannot write checkpoint file {str(path)!r}", root, tmp, step, needed)
+    image = None
+    fail_if(error)
+
+    # 3. rank 0 commits
+    final = run_dir / cf.step_name(step)
     if rank == 0:
         try:
             manifest = cf.build_manifest(
@@ -117,15 +246,11 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, dp_rank: in
                 {"name": info.config["train"]["optimizer"], "steps": optimizer.steps, "state": sorted(optimizer.state)},
                 {"samples_seen": info.samples_seen, "global_batch": info.global_batch,
                  "shuffle": info.config["data"]["shuffle"], "seed": info.config["data"]["seed"]},
-                [e for e in entries if e is not None])
-            cf.write_json_durably(tmp / cf.MANIFEST, manifest)
-            _crash_hook("commit", step, rank)
-            final = cf.commit(root, tmp, step)
-            cf.set_latest(root, final.name)
-            cf.prune(root, keep)
+                [e for e in entries if e is not None], run=run_dir.name)
+            final = _commit(root, run_dir, tmp, step, manifest, keep)
         except Exception as exc:  # noqa: BLE001
-            error = f"cannot commit checkpoint {str(final)!r}: {type(exc).__name__}: {exc}"
-    _agreed(world, poller, error, 1)
+            error = _failure(exc, f"cannot commit checkpoint {str(final)!r}", root, run_dir, step, needed)
+    fail_if(error)
     return final
 
 

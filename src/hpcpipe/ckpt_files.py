@@ -1,17 +1,26 @@
-"""The on-disk protocol of a checkpoint directory: names, manifest, atomic commit, ``latest``, retention.
+"""The on-disk protocol of checkpoints: run directories, names, atomic commit, ``latest``, retention.
 
-No MPI here: :mod:`hpcpipe.checkpoint_mpi` decides who calls what. Layout::
+No MPI here: :mod:`hpcpipe.checkpoint_mpi` decides who calls what; what makes
+a manifest valid is :mod:`hpcpipe.ckpt_check`. ``checkpoint.dir`` is a root
+of runs; every fresh run writes into its own run directory::
 
-    DIR/latest                      text file naming the newest committed checkpoint ("step-00000006")
-    DIR/step-00000006/manifest.json layout, step, config, SHA-256 and size of every file
-    DIR/step-00000006/stage-000.h5  one file per pipeline rank, layers by global index
-    DIR/.tmp-step-00000008/         a save in progress (or left by a crash: ignored, then cleaned)
-    DIR/.del-step-00000002/         a checkpoint being deleted by retention (ignored, then cleaned)
+    ROOT/latest                              "run-0002/step-00000006": the newest checkpoint any run committed
+    ROOT/run-0002/latest                     "step-00000006": this run's newest checkpoint
+    ROOT/run-0002/step-00000006/manifest.json layout, step, run, config, SHA-256 and size of every file
+    ROOT/run-0002/step-00000006/stage-000.h5 one file per pipeline rank, layers by global index
+    ROOT/run-0002/.tmp-step-00000008/        a save in progress (or left by a crash: ignored, then cleaned)
+    ROOT/run-0002/.del-step-00000002/        a checkpoint being deleted by retention (ignored, then cleaned)
+
+A run directory is a checkpoint directory exactly as roots were before runs
+existed; such an old-layout root (``latest`` = "step-N", step directories in
+ROOT itself) is still read, and a resumed run keeps writing into it.
 
 A save writes into ``.tmp-step-N``, fsyncs every file, writes and fsyncs
-the manifest, fsyncs the directory, renames it to ``step-N`` and fsyncs
-``DIR``; only then is ``latest`` replaced (write ``.latest.tmp``, fsync,
-rename). A crash at any point leaves ``latest`` naming a complete checkpoint.
+the manifest, fsyncs the directory, renames it to ``step-N`` and fsyncs the
+run directory; only then is the run's ``latest`` replaced (write
+``.latest.tmp``, fsync, rename), then ROOT's (through a temporary named
+after the run, so runs never remove each other's). A crash at any point
+leaves every ``latest`` naming a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ LATEST = "latest"
 MANIFEST_FORMAT = "hpcpipe-checkpoint"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+_RUN_RE = re.compile(r"^run-(\d{4,})$")
+_ANY_STEP_RE = re.compile(r"^(\.tmp-|\.del-)?step-(\d{8})$")
+_LATEST_RE = re.compile(r"^(run-\d{4,}/)?step-\d{8}$")
 _LEFTOVER_PREFIXES = (".tmp-step-", ".del-step-")
 _LATEST_TMP = ".latest.tmp"
 
@@ -39,6 +51,12 @@ _LATEST_TMP = ".latest.tmp"
 def step_name(step: int) -> str:
     """Return the directory name of the checkpoint taken after `step` completed steps."""
     return f"step-{step:08d}"
+
+
+def step_of_dir_name(name: str) -> tuple[int, bool] | None:
+    """Return (step, committed?) for step-N, .tmp-step-N and .del-step-N names, None for any other name."""
+    match = _ANY_STEP_RE.match(name)
+    return (int(match.group(2)), not match.group(1)) if match else None
 
 
 def tmp_name(step: int) -> str:
@@ -70,9 +88,11 @@ def sha256_file(path: str | Path) -> str:
 
 
 def build_manifest(step: int, n_layers: int, layout: dict[str, Any], config: dict[str, Any],
-                   optimizer: dict[str, Any], data: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """Return the manifest of a checkpoint (plain JSON data)."""
+                   optimizer: dict[str, Any], data: dict[str, Any], files: list[dict[str, Any]],
+                   run: str = "") -> dict[str, Any]:
+    """Return the manifest of a checkpoint (plain JSON data); `run` is the name of the run directory."""
     return {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, "step": step, "n_layers": n_layers,
+            "run": run,
             "layout": layout, "optimizer": optimizer, "data": data, "config": config,
             "files": sorted(files, key=lambda e: e["name"]), "created_unix": time.time()}
 
@@ -84,41 +104,6 @@ def write_json_durably(path: Path, obj: Any) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_manifest(step_dir: str | Path) -> dict[str, Any]:
-    """Read and validate a checkpoint's manifest; ConfigError naming the file on any problem."""
-    path = Path(step_dir) / MANIFEST
-    if not path.is_file():
-        raise ConfigError(f"checkpoint {str(step_dir)!r} has no {MANIFEST} (incomplete or not a checkpoint)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"manifest {str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ConfigError(f"manifest {str(path)!r} is not an hpcpipe checkpoint manifest")
-    if manifest.get("format_version") != MANIFEST_VERSION:
-        raise ConfigError(f"manifest {str(path)!r} has format_version {manifest.get('format_version')!r}; "
-                          f"this hpcpipe reads {MANIFEST_VERSION}")
-    try:
-        n_layers = int(manifest["n_layers"])
-        int(manifest["step"])
-        files = manifest["files"]
-        seen: list[int] = []
-        for entry in files:
-            if not (isinstance(entry["name"], str) and "/" not in entry["name"] and entry["name"] not in (".", "..")):
-                raise ValueError(f"bad file name {entry['name']!r}")
-            seen.extend(int(i) for i in entry["layers"])
-            str(entry["sha256"])
-            int(entry["bytes"])
-        manifest["config"]["model"]
-        manifest["optimizer"]["name"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"manifest {str(path)!r} is malformed: {type(exc).__name__}: {exc}") from None
-    if sorted(seen) != list(range(n_layers)):
-        raise ConfigError(f"manifest {str(path)!r} maps layers {sorted(seen)} to files; expected each of "
-                          f"0..{n_layers - 1} exactly once")
-    return manifest
 
 
 def check_file(step_dir: str | Path, entry: dict[str, Any]) -> Path:
@@ -138,29 +123,85 @@ def check_file(step_dir: str | Path, entry: dict[str, Any]) -> Path:
 
 
 def read_latest(root: str | Path) -> str | None:
-    """Return the checkpoint name `latest` points to, or None when there is no pointer."""
-    path = Path(root) / LATEST
-    if not path.exists():
+    """Return what `latest` in root names ("step-N" or, in a root of runs, "run-NNNN/step-N"), or None.
+
+    Anything else (an absolute path, '..', a symlink leading out of root) is refused with ConfigError.
+    """
+    root = Path(root)
+    path = root / LATEST
+    if not path.exists() and not path.is_symlink():
         return None
     try:
         name = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"checkpoint pointer {str(path)!r} is unreadable: {exc}") from None
-    if not _STEP_RE.match(name):
-        raise ConfigError(f"checkpoint pointer {str(path)!r} holds {name[:40]!r}, not a step-NNNNNNNN name")
+    if not _LATEST_RE.match(name):
+        raise ConfigError(f"checkpoint pointer {str(path)!r} holds {name[:40]!r}, not a step-NNNNNNNN or "
+                          f"run-NNNN/step-NNNNNNNN name")
+    target = root / name
+    try:
+        inside = target.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):
+        inside = False
+    if not inside:
+        raise ConfigError(f"checkpoint pointer {str(path)!r} names {name!r}, which leads out of {str(root)!r} "
+                          f"(a symbolic link?)")
     return name
 
 
-def set_latest(root: str | Path, name: str) -> None:
+def set_latest(root: str | Path, name: str, tmp_name: str = _LATEST_TMP) -> None:
     """Atomically point `latest` at a committed checkpoint (temporary file, fsync, rename, fsync dir)."""
     root = Path(root)
-    tmp = root / _LATEST_TMP
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
+    tmp = root / tmp_name
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / LATEST)
+    except OSError:
+        tmp.unlink(missing_ok=True)   # e.g. disk full: leave no half-written pointer behind
+        raise
     fsync_path(root)
+
+
+def root_latest_tmp(run_dir: Path) -> str:
+    """Return the name of the temporary file through which a run replaces ROOT/latest (its own, never shared)."""
+    return f"{_LATEST_TMP}-{run_dir.name}"
+
+
+def run_name(number: int) -> str:
+    """Return the name of a run directory, e.g. run-0003."""
+    return f"run-{number:04d}"
+
+
+def run_dirs(root: str | Path) -> list[Path]:
+    """Return the run directories of a root, by number."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), c) for c in root.iterdir() if (m := _RUN_RE.match(c.name)) and c.is_dir()]
+    return [c for _, c in sorted(found)]
+
+
+def new_run_dir(root: str | Path) -> Path:
+    """Create and return ROOT/run-NNNN with the next free number (mkdir is the lock: retried on a race)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(_RUN_RE.match(d.name).group(1)) for d in run_dirs(root)]
+    number = max(taken, default=0) + 1
+    while True:
+        path = root / run_name(number)
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            number += 1
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether path is named like a run directory (run-NNNN)."""
+    return bool(_RUN_RE.match(Path(path).name))
 
 
 def commit(root: str | Path, tmp_dir: str | Path, step: int) -> Path:

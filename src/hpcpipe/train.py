@@ -40,7 +40,7 @@ EPILOG = """examples:
   mpiexec -n 8 python -m hpcpipe.train
   mpiexec -n 4 python -m hpcpipe.train --config configs/example6.toml
   mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
-  mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue from checkpoints/latest
+  mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue the newest run in checkpoints/
 
 exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input,
   75 stopped by SIGUSR1/SIGTERM after writing a checkpoint (resume with --resume),
@@ -57,7 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from checkpoint.dir/latest (same as --set checkpoint.resume=true)")
+                        help="continue from checkpoint.dir/latest, the newest checkpoint any run saved there, in that run's "
+                             "directory (same as --set checkpoint.resume=true); without it a run saves into a new "
+                             "checkpoint.dir/run-NNNN")
     args = parser.parse_args(argv)
     if args.resume:
         args.overrides.append("checkpoint.resume=true")
@@ -240,10 +242,10 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     if summary["skipped"]:
         print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
     if summary["checkpoints"]:
-        print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {c.checkpoint.dir!r} in "
+        print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {str(trainer.run_dir)!r} in "
               f"{summary['checkpoint_s']:.2f} s (latest: step {summary['saved_step']})", flush=True)
     if summary["stopped"]:
-        where = (f"checkpoint of step {summary['saved_step']} in {c.checkpoint.dir!r}" if c.checkpoint.dir
+        where = (f"checkpoint of step {summary['saved_step']} in {str(trainer.run_dir)!r}" if trainer.run_dir
                  else "no checkpoint (checkpoint.dir is empty)")
         print(f"hpcpipe: stopped for {summary['stopped']} after step {trainer.start_step + summary['steps']} "
               f"of {c.train.steps}: {where}; exit status {EXIT_PREEMPTED} (continue with --resume)", flush=True)
@@ -274,6 +276,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         return plan(config, world.Get_size())
 
     def body(p) -> int:
+        if p.resume is not None and p.resume.step >= p.config.train.steps:
+            # a finished run: nothing to train, nothing to save (every rank decides the same from the plan)
+            if world.Get_rank() == 0:
+                print(f"hpcpipe: nothing to do: {str(p.resume.path)!r} is already at train.steps = "
+                      f"{p.config.train.steps} (raise train.steps to continue)", flush=True)
+            return 0
         from .comm import abort
         watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
         try:

@@ -8,7 +8,9 @@ builds communicators and runs steps.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,6 +73,32 @@ def check_resume(config: Config, source: WeightsSource) -> None:
                           f"train.steps = {config.train.steps}")
 
 
+def check_checkpoint_dir(directory: str) -> None:
+    """Raise ConfigError unless checkpoint.dir is, or can be created as, a directory this process can write.
+
+    Checked before step 0 so that a bad directory never costs a run its steps. The
+    nearest existing ancestor must be a directory on a writable file system; the
+    permission bits are checked only when not root (root passes os.access anyway).
+    """
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.dir {directory!r} is a file, not a directory (set checkpoint.dir to a "
+                          f"directory, or \"\" to save no checkpoints)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"checkpoint.dir {directory!r} cannot be created: {str(existing)!r} is not a directory")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only or (os.geteuid() != 0 and not os.access(existing, os.W_OK | os.X_OK)):
+        why = "is on a read-only file system" if read_only else "is not writable"
+        raise ConfigError(f"checkpoint.dir {directory!r} cannot be written: {str(existing)!r} {why} (set "
+                          f"checkpoint.dir to a writable directory, or \"\" to save no checkpoints)")
+
+
 def plan(config: Config, world_size: int) -> Plan:
     """Check config against the world size, data and weights files; lower and validate the schedule."""
     dp, pp = resolve_layout(config, world_size)
@@ -85,6 +113,8 @@ def plan(config: Config, world_size: int) -> Plan:
     if config.data.path:
         check_data_file(config)
     init = resume = None
+    if config.checkpoint.dir:
+        check_checkpoint_dir(config.checkpoint.dir)
     if config.checkpoint.resume:
         resume = resolve_weights(config.checkpoint.dir)
         if resume.kind != "checkpoint":
@@ -143,6 +173,9 @@ class Trainer:
         self.last_decision: StepDecision | None = None
         self.stop_requested = lambda: False   # set by the training loop (a signal flag)
         self.start_step = 0
+        # the run directory under checkpoint.dir this run saves into: the resumed checkpoint's,
+        # or (a fresh run) made by its first save
+        self.run_dir: Path | None = p.resume.path.parent if p.resume is not None else None
         try:
             self._load_initial_state(world)
         except AgreedError:
@@ -159,7 +192,7 @@ class Trainer:
         resuming = source is self.plan.resume
         try:
             state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
-                                        clean_root=cfg.checkpoint.dir if resuming else None)
+                                        clean_root=self.run_dir if resuming else None)
         except AgreedError as exc:
             if resuming:
                 raise
@@ -177,16 +210,18 @@ class Trainer:
         self.feeder.offset = int(source.manifest["data"]["samples_seen"]) - source.step * self.global_batch
 
     def save_checkpoint(self, step: int) -> Any:
-        """Write a checkpoint of `step` completed steps to checkpoint.dir (collective); return its directory."""
+        """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
         cfg, p = self.config, self.plan
         layout = {"dp": p.dp, "pp": p.pp, "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch)
-        return checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step,
-                                   dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
-                                   optimizer=self.optimizer, n_layers=len(self.specs), info=info,
-                                   keep=cfg.checkpoint.keep)
+        final = checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step, run_dir=self.run_dir,
+                                    dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
+                                    optimizer=self.optimizer, n_layers=len(self.specs), info=info,
+                                    keep=cfg.checkpoint.keep)
+        self.run_dir = final.parent
+        return final
 
     def _feed(self, step: int) -> StepFeed:
         xs, ys = self.feeder.step(step)

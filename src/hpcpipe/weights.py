@@ -16,7 +16,9 @@ turned into ConfigError naming the file.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +34,7 @@ FORMAT_VERSION = 1
 
 LayerArrays = dict[int, dict[str, np.ndarray]]            # layer -> {'weight', 'bias'}
 OptimizerArrays = dict[int, dict[str, dict[str, np.ndarray]]]   # layer -> state -> {'weight', 'bias'}
+_IMAGES = itertools.count()   # distinct names for in-memory files open at once
 
 
 def layer_group(index: int) -> str:
@@ -52,15 +55,19 @@ def param_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
-                  model_config: dict[str, Any] | None = None, step: int = 0,
-                  optimizer: OptimizerArrays | None = None, optimizer_attrs: dict[str, Any] | None = None,
-                  attrs: dict[str, Any] | None = None, after_layers: Callable[[], None] | None = None) -> None:
-    """Write {layer: {'weight', 'bias'}} (and optionally optimizer state) as one checksummed HDF5 file.
+def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str, Any] | None = None,
+                  step: int = 0, optimizer: OptimizerArrays | None = None,
+                  optimizer_attrs: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
+                  after_layers: Callable[[bytes], None] | None = None) -> bytes:
+    """Return the bytes of a checksummed HDF5 weights file holding `arrays` (and optionally optimizer state).
 
-    ``after_layers`` (a test hook) is called once the parameters are written, before the optimizer state.
+    Built in memory (HDF5 core driver, no backing store), so HDF5 never writes to the
+    target file system: a full disk is then a plain OSError from :func:`write_file_durably`.
+    (HDF5 2.0 closing a file after a failed write segfaulted the process.) ``after_layers``
+    (a test hook) gets the image once the parameters are in, before the optimizer state.
     """
-    with h5py.File(path, "w") as f:
+    image_name = f"hpcpipe-image-{os.getpid()}-{next(_IMAGES)}.h5"
+    with h5py.File(image_name, "w", driver="core", backing_store=False) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["step"] = step
@@ -74,7 +81,7 @@ def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
                 group.create_dataset(name, data=np.asarray(array), fletcher32=True)
         if after_layers is not None:
             f.flush()
-            after_layers()
+            after_layers(f.id.get_file_image())
         if optimizer is not None:
             root = f.require_group("optimizer")
             for key, value in (optimizer_attrs or {}).items():
@@ -84,6 +91,32 @@ def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
                     group = f.create_group(f"{optimizer_group(index)}/{state}")
                     for name, array in tensors.items():
                         group.create_dataset(name, data=np.asarray(array), fletcher32=True)
+        f.flush()
+        return f.id.get_file_image()
+
+
+def write_file_durably(path: str | Path, data: bytes) -> None:
+    """Write bytes to a new file and fsync it; on any error (e.g. disk full) remove the partial file and raise."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        Path(path).unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
+                  model_config: dict[str, Any] | None = None, step: int = 0,
+                  optimizer: OptimizerArrays | None = None, optimizer_attrs: dict[str, Any] | None = None,
+                  attrs: dict[str, Any] | None = None) -> None:
+    """Write {layer: {'weight', 'bias'}} (and optionally optimizer state) as one checksummed HDF5 file, fsynced."""
+    write_file_durably(path, weights_image(arrays, n_layers=n_layers, model_config=model_config, step=step,
+                                           optimizer=optimizer, optimizer_attrs=optimizer_attrs, attrs=attrs))
 
 
 def open_checked(path: str | Path) -> h5py.File:

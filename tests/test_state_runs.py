@@ -1,0 +1,154 @@
+"""End-to-end: run directories under checkpoint.dir, resume rules, and the checkpoint CLI on weights files.
+
+Issue #11: a fresh run pruned or shadowed checkpoints it did not write; --resume accepted manifests
+verify rejects; --resume of a finished run printed nan; `checkpoint info W.h5` said "does not exist".
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcpipe import ckpt_files as cf
+from state_helpers import command, flip_byte_in_dataset, run, sets
+
+TINY = {"model": {"dims": [8, 8, 8, 8]}, "parallel": {"dp": 1, "pp": 2},
+        "data": {"synthetic_samples": 32}, "log": {"progress": False},
+        "train": {"steps": 4, "micro_batches": 2, "micro_batch_size": 2, "optimizer": "adam"},
+        "checkpoint": {"every": 1, "keep": 1}}
+
+
+def _train(ck_dir: Path, *more: str, cwd=None, **extra):
+    args = sets(**TINY) + sets(checkpoint={"dir": str(ck_dir)}) + sets(**extra) + list(more)
+    return run(command(2, "hpcpipe.train", args), timeout=120, cwd=cwd)
+
+
+def _ckpt_cli(*args):
+    return run([sys.executable, "-m", "hpcpipe.checkpoint", *map(str, args)], timeout=60)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_two_fresh_runs_keep_their_checkpoints_and_resume_continues_the_newer(tmp_path):
+    root = tmp_path / "ck"
+    first = _train(root, train={"steps": 4})
+    assert first.returncode == 0, first.stderr
+    run1 = _tree(root / "run-0001")
+    second = _train(root, model={"dims": [8, 6, 6, 8]}, train={"steps": 3})   # another config, same root
+    assert second.returncode == 0, second.stderr
+    assert "checkpoint(s) to" in second.stdout and "run-0002" in second.stdout
+    assert _tree(root / "run-0001") == run1                              # untouched: nothing pruned or replaced
+    assert cf.committed_steps(root / "run-0001") == [4] and cf.committed_steps(root / "run-0002") == [3]
+    assert cf.read_latest(root) == "run-0002/step-00000003" and cf.read_latest(root / "run-0001") == "step-00000004"
+
+    resumed = _train(root, "--resume", model={"dims": [8, 6, 6, 8]}, train={"steps": 5})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
+    assert cf.committed_steps(root / "run-0002") == [5] and cf.read_latest(root) == "run-0002/step-00000005"
+    assert _tree(root / "run-0001") == run1 and cf.run_dirs(root) == [root / "run-0001", root / "run-0002"]
+    manifest = json.loads((root / "run-0002" / "step-00000005" / cf.MANIFEST).read_text())
+    assert manifest["run"] == "run-0002"
+
+    # --resume follows ROOT/latest (the newest run); the older run is continued by naming its directory
+    wrong = _train(root, "--resume", train={"steps": 6})
+    assert wrong.returncode == 2 and "model.dims" in wrong.stderr
+    older = _train(root / "run-0001", "--resume", train={"steps": 6})
+    assert older.returncode == 0 and "resumed at step 4" in older.stdout, older.stderr
+    assert cf.committed_steps(root / "run-0001") == [6] and cf.run_dirs(root / "run-0001") == []
+    for path in (root, root / "run-0001", root / "run-0002"):
+        assert _ckpt_cli("verify", path).returncode == 0
+
+
+def test_readme_first_command_twice_then_resume_says_nothing_to_do(tmp_path):
+    """`mpiexec -n 8 python -m hpcpipe.train` twice in a row, then --resume of the finished run."""
+    for _ in range(2):
+        result = run(command(8, "hpcpipe.train", ["--set", "log.progress=false"]), timeout=180, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    root = tmp_path / "checkpoints"
+    assert [d.name for d in cf.run_dirs(root)] == ["run-0001", "run-0002"]
+    assert cf.read_latest(root) == "run-0002/step-00000100"
+    done = run(command(8, "hpcpipe.train", ["--resume"]), timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("hpcpipe: nothing to do: 'checkpoints/run-0002/step-00000100' is already at "
+                                   "train.steps = 100 (raise train.steps to continue)")
+    assert "nan" not in done.stdout and cf.committed_steps(root / "run-0002") == [100]
+
+
+def test_old_layout_root_still_resumes_and_verifies(tmp_path):
+    """A root written before run directories: latest = "step-N", step directories in the root itself."""
+    made = _train(tmp_path / "new", train={"steps": 2})
+    assert made.returncode == 0, made.stderr
+    root = tmp_path / "old"
+    shutil.copytree(tmp_path / "new" / "run-0001", root)
+    manifest_path = root / "step-00000002" / cf.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["run"]                                            # old manifests do not name a run
+    manifest_path.write_text(json.dumps(manifest))
+    assert cf.read_latest(root) == "step-00000002"
+    assert _ckpt_cli("verify", root).returncode == 0
+    resumed = _train(root, "--resume", train={"steps": 3})
+    assert resumed.returncode == 0 and "resumed at step 2" in resumed.stdout, resumed.stderr
+    assert cf.read_latest(root) == "step-00000003" and cf.run_dirs(root) == []   # continued in the root itself
+    assert cf.committed_steps(root) == [3]
+    verified = _ckpt_cli("verify", root)
+    assert verified.returncode == 0 and "step 3" in verified.stdout
+
+
+def _negative_step(step_dir: Path) -> str:
+    path = step_dir / cf.MANIFEST
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), step=-5)))
+    return "step is -5, expected an integer >= 0"
+
+
+def _bogus_files(step_dir: Path) -> str:
+    path = step_dir / cf.MANIFEST
+    manifest = json.loads(path.read_text())
+    entry = manifest["files"][0]
+    manifest["files"] = [dict(entry, name=f"stage-{i:03d}.h5", pp_rank=i) for i in range(200_000)]
+    path.write_text(json.dumps(manifest))
+    return "'files' has 200000 entries"
+
+
+def _renamed(step_dir: Path) -> str:
+    step_dir.rename(step_dir.parent / "step-00000009")
+    cf.set_latest(step_dir.parent, "step-00000009")
+    cf.set_latest(step_dir.parent.parent, "run-0001/step-00000009")
+    return "is named for step 9 but its manifest says step 2"
+
+
+@pytest.mark.parametrize("attack", [_negative_step, _bogus_files, _renamed])
+def test_resume_refuses_what_verify_refuses(tmp_path, attack):
+    root = tmp_path / "ck"
+    assert _train(root, train={"steps": 2}).returncode == 0
+    reason = attack(root / "run-0001" / "step-00000002")
+    verified = _ckpt_cli("verify", root)
+    assert verified.returncode == 1 and reason in verified.stderr, verified.stderr
+    metrics = tmp_path / "m.jsonl"
+    resumed = _train(root, "--resume", train={"steps": 6}, log={"metrics": str(metrics)})
+    assert resumed.returncode == 2, resumed.stderr
+    assert resumed.stderr.count("hpcpipe: error:") == 1 and reason in resumed.stderr, resumed.stderr
+    assert "resumed" not in resumed.stdout and not metrics.exists()          # before any step
+
+
+def test_info_and_verify_describe_and_check_a_weights_file(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root, train={"steps": 2}).returncode == 0
+    usage = _ckpt_cli("export", root)                                       # export needs PATH OUT
+    assert usage.returncode == 2 and "OUT" in usage.stderr
+    out = tmp_path / "W.h5"
+    assert _ckpt_cli("export", root, out).returncode == 0
+    info = _ckpt_cli("info", out)
+    assert info.returncode == 0, info.stderr
+    assert "weights file" in info.stdout and "not a checkpoint directory" in info.stdout
+    assert "step 2, 3 layers" in info.stdout and "layer 2: bias (8,), weight (8, 8)" in info.stdout
+    verified = _ckpt_cli("verify", out)
+    assert verified.returncode == 0 and "weights file" in verified.stdout, verified.stderr
+    flip_byte_in_dataset(out, "layers/0001/weight")
+    bad = _ckpt_cli("verify", out)
+    assert bad.returncode == 1 and "W.h5" in bad.stderr and "layers/0001" in bad.stderr, bad.stderr

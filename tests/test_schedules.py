@@ -5,16 +5,11 @@ import itertools
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower, validate
-from hpcpipe.schedules import (
-    SCHEDULES,
-    Action,
-    build_schedule,
-    gpipe,
-    placement_of,
-    rank_stages,
-    stage_rank,
-)
+from hpcpipe.schedule.classic import gpipe
+from hpcpipe.schedule.ir import Action, rank_stages, stage_rank
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import SCHEDULES, build_schedule, placement_of
+from hpcpipe.schedule.validate import validate
 
 GRID = list(itertools.product(range(1, 9), range(1, 33), range(1, 4)))
 

@@ -5,9 +5,13 @@ import json
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower
-from hpcpipe.schedules import Action, build_schedule
-from hpcpipe.simulate import Costs, costs_from_trace, main, simulate, simulate_schedule
+from hpcpipe.schedule.calibrate import costs_from_trace
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import Action
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.simulate import main
 
 SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16, 32)]
 
@@ -109,7 +113,7 @@ def test_plot_writes_png(tmp_path):
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
 def test_shared_cores(name, v):
-    from hpcpipe.simulate import _simulate_shared
+    from hpcpipe.schedule.simulate import _simulate_shared
     p, m = 4, 8
     programs = lower(build_schedule(name, p, m, v), p, p * v)
     costs = Costs(1, 2, 1, 0.25, 0.5)
@@ -126,7 +130,7 @@ def test_shared_cores(name, v):
 
 
 def test_calibrated_costs_rescale_to_other_stage_counts(tmp_path):
-    from hpcpipe.simulate import calibrated_costs
+    from hpcpipe.schedule.calibrate import calibrated_costs
     path = _fake_trace(tmp_path / "t.json")     # 2 stages
     same = calibrated_costs(path, 2)
     assert same.per_stage and same.forward == pytest.approx(0.01)

@@ -11,24 +11,16 @@ import numpy as np
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import (
-    IDLE,
-    TIMELINES,
-    Timeline,
-    build_schedule,
-    build_timeline,
-    chunk_stage,
-)
-from hpcpipe.simulate import (
-    Costs,
-    ascii_timeline,
-    main,
-    sim_rows,
-    simulate,
-    simulate_schedule,
-    simulate_timeline,
-)
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import IDLE, Timeline, chunk_stage
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import TIMELINES, build_schedule, build_timeline
+from hpcpipe.schedule.render import ascii_timeline, sim_rows
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.schedule.sweep import simulate_timeline
+from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_timeline import validate_timeline
+from hpcpipe.simulate import main
 
 SIZES = [(p, m, v) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 8, 12, 13, 16, 24, 32) for v in (1, 2, 3)]
 

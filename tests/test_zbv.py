@@ -8,21 +8,23 @@ import pytest
 
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError, ScheduleError
-from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import (
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import (
     IDLE,
     Action,
     I,
     Timeline,
     W,
-    build_schedule,
-    build_timeline,
     chunk_stage,
-    placement_of,
     rank_stages,
     stage_rank,
 )
-from hpcpipe.simulate import Costs, simulate, simulate_schedule, simulate_timeline
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.schedule.sweep import simulate_timeline
+from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_timeline import validate_timeline
 
 GRID = list(itertools.product(range(1, 9), range(1, 33)))
 UNIT = Costs(1, 2, 1)          # per whole stage: F = I = W = 1

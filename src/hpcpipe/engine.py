@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .comm import PipeComm
-from .model import RankParameters
-from .schedules import Action, stage_rank
+from hpcpipe.comm import PipeComm
+from hpcpipe.model import RankParameters
+from hpcpipe.schedule.ir import Action, stage_rank
 
 
 @dataclass

@@ -13,22 +13,23 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint_mpi
-from . import loss as losses
-from .backend import select_backend
-from .comm import PipeComm, Poller, gather_to_root
-from .config import Config, resolve_layout
-from .data import ReplicaFeeder, check_data_file, open_data
-from .errors import ConfigError, ScheduleError
-from .engine import Engine, StepFeed
-from .lowering import lower, validate
-from .model import RankParameters, initial_arrays, layer_specs, partition
-from .optim import clip_factor, make_optimizer
-from .schedules import build_schedule, placement_of, rank_stages
-from .topology import make_topology
-from .checkpoint import WeightsSource, resolve_weights
-from .errors import AgreedError
-from .guard import StepDecision, decide, local_decision, nan_injection
+from hpcpipe import checkpoint_mpi
+from hpcpipe import loss as losses
+from hpcpipe.backend import select_backend
+from hpcpipe.checkpoint import WeightsSource, resolve_weights
+from hpcpipe.comm import PipeComm, Poller, gather_to_root
+from hpcpipe.config import Config, resolve_layout
+from hpcpipe.data import ReplicaFeeder, check_data_file, open_data
+from hpcpipe.engine import Engine, StepFeed
+from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
+from hpcpipe.guard import StepDecision, decide, local_decision, nan_injection
+from hpcpipe.model import RankParameters, initial_arrays, layer_specs, partition
+from hpcpipe.optim import clip_factor, make_optimizer
+from hpcpipe.schedule.ir import rank_stages
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, placement_of
+from hpcpipe.schedule.validate import validate
+from hpcpipe.topology import make_topology
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@ import random
 
 import numpy as np
 import pytest
+from test_timeline import _mutate, _oracle
+
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule import timeline_checks
 from hpcpipe.schedule.ir import Timeline, W
 from hpcpipe.schedule.registry import build_timeline
 from hpcpipe.schedule.validate_timeline import validate_timeline
-from test_timeline import _mutate, _oracle
 
 
 def _verdict(tl: Timeline, ranks_per_pass: int) -> bool:

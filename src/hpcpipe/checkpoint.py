@@ -25,8 +25,17 @@ import h5py
 from . import ckpt_files as cf
 from .errors import ConfigError
 from .model import LayerSpec
-from .weights import (LayerArrays, OptimizerArrays, check_layers, check_weights, open_checked, read_layers,
-                      read_optimizer, stored_layers, write_weights)
+from .weights import (
+    LayerArrays,
+    OptimizerArrays,
+    check_layers,
+    check_weights,
+    open_checked,
+    read_layers,
+    read_optimizer,
+    stored_layers,
+    write_weights,
+)
 
 
 @dataclass

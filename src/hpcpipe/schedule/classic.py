@@ -32,7 +32,7 @@ def gpipe_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:
         first_b = n_micro + 2 * pp - 2 - r     # one tick after rank r + 1's B(0)
         ops[r, first_b:first_b + n_micro] = B
         mb[r, first_b:first_b + n_micro] = micro
-    return _timeline("gpipe", pp, n_micro, 1, ops, mb, None)
+    return _timeline("gpipe", pp, n_micro, 1, ops, mb, None, "interleaved")
 
 
 def gpipe(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
@@ -79,7 +79,7 @@ def one_f_one_b_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:
         first_b = 2 * pp - 1 - r
         ops[r, first_b:first_b + 2 * n_micro:2] = B
         mb[r, first_b:first_b + 2 * n_micro:2] = micro
-    return _timeline("1f1b", pp, n_micro, 1, ops, mb, None)
+    return _timeline("1f1b", pp, n_micro, 1, ops, mb, None, "interleaved")
 
 
 def one_f_one_b(pp: int, n_micro: int, virtual: int = 1) -> list[list[Action]]:
@@ -144,7 +144,7 @@ def interleaved_1f1b_timeline(pp: int, n_micro: int, virtual: int = 2) -> Timeli
         ops[r, b_ticks] = B
         chunk[r, b_ticks] = bwd_chunk
         mb[r, b_ticks] = micro
-    return _timeline("interleaved-1f1b", pp, n_micro, virtual, ops, mb, chunk)
+    return _timeline("interleaved-1f1b", pp, n_micro, virtual, ops, mb, chunk, "interleaved")
 
 
 def interleaved_1f1b(pp: int, n_micro: int, virtual: int = 2) -> list[list[Action]]:

@@ -15,7 +15,7 @@ Compute actions (the IR, after PyTorch's pipelining):
 Stages are global virtual-stage indices: with ``pp`` ranks and ``v`` virtual
 stages per rank there are ``pp * v`` stages, cut into v chunks of pp
 consecutive stages. Where a stage lives is the schedule's *placement*
-(:data:`SCHEDULE_PLACEMENT`, :func:`stage_rank`), passed explicitly to
+(:data:`hpcpipe.schedule.registry.REGISTRY`, :class:`PipeShape`), passed explicitly to
 lowering, engine, trainer and simulator:
 
     interleaved   stage s on rank s % pp (Megatron's; v = 1 is the plain pipeline)
@@ -74,7 +74,7 @@ def _check_placement(placement: str) -> None:
         raise ScheduleError(f"unknown stage placement {placement!r} (known: {', '.join(PLACEMENTS)})")
 
 
-def stage_rank(stage: int, pp: int, placement: str = "interleaved") -> int:
+def stage_rank(stage: int, pp: int, placement: str) -> int:
     """Return the pipeline rank that owns a global (virtual) stage under a placement."""
     _check_placement(placement)
     chunk, offset = divmod(stage, pp)
@@ -83,7 +83,7 @@ def stage_rank(stage: int, pp: int, placement: str = "interleaved") -> int:
     return offset
 
 
-def chunk_stage(chunk, rank, pp: int, placement: str = "interleaved"):
+def chunk_stage(chunk, rank, pp: int, placement: str):
     """Return the global stage of a rank's chunk (ints or NumPy arrays): the inverse of :func:`stage_rank`."""
     _check_placement(placement)
     if placement == "interleaved":
@@ -92,12 +92,48 @@ def chunk_stage(chunk, rank, pp: int, placement: str = "interleaved"):
     return chunk * pp + rank + (chunk % 2) * (pp - 1 - 2 * rank)
 
 
-def rank_stages(rank: int, pp: int, n_stages: int, placement: str = "interleaved") -> list[int]:
+def rank_stages(rank: int, pp: int, n_stages: int, placement: str) -> list[int]:
     """Return the global stages a pipeline rank owns, in chunk order."""
     if pp < 1 or n_stages % pp or not 0 <= rank < pp:
         raise ScheduleError(f"rank {rank} of pp {pp} with {n_stages} stages: stages must be a multiple of pp "
                             f"and 0 <= rank < pp")
     return [int(chunk_stage(c, rank, pp, placement)) for c in range(n_stages // pp)]
+
+
+@dataclass(frozen=True)
+class PipeShape:
+    """The shape of one pipeline: ranks, stages, micro-batches per step, and which rank owns each stage.
+
+    One value instead of loose (pp, n_stages, n_micro, placement) arguments: the
+    placement has no default, so a V-placed schedule (ZB-V) can never be lowered,
+    validated, simulated or executed as if it were interleaved.
+    """
+
+    pp: int
+    n_stages: int
+    n_micro: int
+    placement: str
+
+    def __post_init__(self) -> None:
+        _check_placement(self.placement)
+        for label, value in (("pp", self.pp), ("stages", self.n_stages), ("micro-batches", self.n_micro)):
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{label} must be a positive integer, got {value!r}")
+        if self.n_stages % self.pp:
+            raise ScheduleError(f"stages ({self.n_stages}) must be a multiple of pp ({self.pp})")
+
+    @property
+    def virtual(self) -> int:
+        """Model chunks (virtual stages) per rank."""
+        return self.n_stages // self.pp
+
+    def stage_rank(self, stage: int) -> int:
+        """Return the pipeline rank that owns a global stage."""
+        return stage_rank(stage, self.pp, self.placement)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """Return the global stages a pipeline rank owns, in chunk order."""
+        return rank_stages(rank, self.pp, self.n_stages, self.placement)
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,7 +158,7 @@ class Timeline:
     ops: np.ndarray
     chunk: np.ndarray
     mb: np.ndarray
-    placement: str = "interleaved"
+    placement: str
 
     def __post_init__(self) -> None:
         _check_placement(self.placement)
@@ -135,6 +171,11 @@ class Timeline:
     def n_stages(self) -> int:
         """Number of global stages, pp x virtual."""
         return self.pp * self.virtual
+
+    @property
+    def shape(self) -> PipeShape:
+        """The pipeline this timeline schedules."""
+        return PipeShape(self.pp, self.n_stages, self.n_micro, self.placement)
 
     @property
     def n_ticks(self) -> int:
@@ -175,7 +216,7 @@ def _empty_grid(pp: int, n_micro: int, virtual: int, n_ticks: int) -> tuple[np.n
 
 
 def _timeline(name: str, pp: int, n_micro: int, virtual: int, ops: np.ndarray, mb: np.ndarray,
-              chunk: np.ndarray | None, placement: str = "interleaved") -> Timeline:
+              chunk: np.ndarray | None, placement: str) -> Timeline:
     if chunk is None:
         chunk = np.broadcast_to(np.zeros((), np.int8), ops.shape)
     for arr in (ops, mb, chunk):

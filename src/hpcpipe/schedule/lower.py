@@ -4,7 +4,7 @@
 it needs: a forward of stage s > 0 receives its input from the rank of stage
 s - 1, a forward of a non-last stage sends its output to the rank of stage
 s + 1, and backwards do the same in reverse; which rank owns a stage is the
-schedule's placement (:func:`hpcpipe.schedules.stage_rank`), passed in.
+schedule's placement (:class:`hpcpipe.schedule.ir.PipeShape`), passed in.
 Neighbouring stages on the same rank (pp = 1 with virtual stages, or the turn
 of ZB-V's V on rank pp - 1) hand over locally and get no message.
 Every program ends with ALLREDUCE (data-parallel gradient average) and
@@ -25,15 +25,16 @@ for sizes where per-action Python is too slow (pp = 1024 x 8192 micro-batches).
 from __future__ import annotations
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule.ir import Action, stage_rank
+from hpcpipe.schedule.ir import Action, PipeShape, stage_rank
 
 
-def lower(schedule: list[list[Action]], pp: int, n_stages: int, placement: str = "interleaved") -> list[list[Action]]:
+def lower(schedule: list[list[Action]], shape: PipeShape) -> list[list[Action]]:
     """Return the per-rank programs of a schedule with communication and step actions added.
 
-    ``placement`` says which rank owns each stage (:func:`hpcpipe.schedules.stage_rank`); it must be the
-    schedule's own (:func:`hpcpipe.schedules.placement_of`).
+    ``shape.placement`` says which rank owns each stage; it must be the schedule's own
+    (:func:`hpcpipe.schedule.registry.shape_of` builds the right shape from a schedule name).
     """
+    pp, n_stages, placement = shape.pp, shape.n_stages, shape.placement
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} rank programs, expected pp = {pp}")
     programs = []

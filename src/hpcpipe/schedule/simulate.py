@@ -28,22 +28,24 @@ from collections import defaultdict, deque
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.costs import COMPUTE, Costs, SimResult, finite
-from hpcpipe.schedule.ir import Action
+from hpcpipe.schedule.ir import Action, PipeShape
 from hpcpipe.schedule.lower import lower
-from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
+from hpcpipe.schedule.registry import build_schedule, build_timeline, shape_of
 from hpcpipe.schedule.sweep import simulate_timeline
 from hpcpipe.schedule.validate import validate
 from hpcpipe.schedule.validate_timeline import validate_timeline
 
 
-def simulate(programs: list[list[Action]], pp: int, n_stages: int, costs: Costs,
-             cores: int | None = None) -> SimResult:
-    """Run lowered per-rank programs on the cost model; raise ScheduleError on a deadlock.
+def simulate(programs: list[list[Action]], shape: PipeShape, costs: Costs, cores: int | None = None) -> SimResult:
+    """Run lowered per-rank programs of a pipeline on the cost model; raise ScheduleError on a deadlock.
 
     ``cores`` (fewer than the ranks) shares that many cores among the ranks
     that are computing at any moment (processor sharing), as when an 8-rank
     job runs on 2 cores; by default every rank has a core of its own.
     """
+    pp = shape.pp
+    if len(programs) != pp:
+        raise ScheduleError(f"{len(programs)} rank programs for pp = {pp}")
     if cores is not None and cores < 1:
         raise ScheduleError(f"cores must be >= 1, got {cores}")
     if cores is not None and cores < pp:
@@ -124,7 +126,6 @@ def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs:
     costs always take the per-action path.
     """
     costs = costs or Costs()
-    n_stages = pp * virtual
     if per_rank_costs and virtual > 1:
         costs = costs.scaled(1.0 / virtual)
     if not events and (cores is None or cores >= pp) and finite(costs):
@@ -132,11 +133,11 @@ def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs:
         if check:
             validate_timeline(timeline)
         return simulate_timeline(timeline, costs)
-    placement = placement_of(name)
-    programs = lower(build_schedule(name, pp, n_micro, virtual), pp, n_stages, placement)
+    shape = shape_of(name, pp, n_micro, virtual)
+    programs = lower(build_schedule(name, pp, n_micro, virtual), shape)
     if check:
-        validate(programs, pp, n_stages, n_micro, placement)
-    return simulate(programs, pp, n_stages, costs, cores)
+        validate(programs, shape)
+    return simulate(programs, shape, costs, cores)
 
 
 def _advance_idle(r, prog, t, pos, computing, remaining, started, blocked_until, channels, events, busy,

@@ -213,4 +213,4 @@ def check_timeline_values(tl: Timeline) -> None:
 
 def validate_per_action(tl: Timeline) -> None:
     """The reference path: validate(lower(actions)) one action at a time (small timelines, any placement)."""
-    validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro, tl.placement)
+    validate(lower(tl.actions(), tl.shape), tl.shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule.ir import Action, rank_stages, stage_rank
+from hpcpipe.schedule.ir import Action, PipeShape, rank_stages, stage_rank
 from hpcpipe.schedule.render import format_grid
 
 
@@ -45,9 +45,9 @@ def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro
                                           f"or one I and one W", {})
 
 
-def validate(programs: list[list[Action]], pp: int, n_stages: int, n_micro: int,
-             placement: str = "interleaved") -> None:
-    """Raise ScheduleError unless the lowered programs are complete, paired and deadlock-free under a placement."""
+def validate(programs: list[list[Action]], shape: PipeShape) -> None:
+    """Raise ScheduleError unless the lowered programs are complete, paired and deadlock-free for a pipeline shape."""
+    pp, n_stages, n_micro, placement = shape.pp, shape.n_stages, shape.n_micro, shape.placement
     if len(programs) != pp:
         raise ScheduleError(f"{len(programs)} rank programs for pp = {pp}")
     if n_stages % pp:

@@ -137,7 +137,7 @@ def _greedy_split(pp: int, n_micro: int, fast_forward: bool = True) -> Timeline:
                     counter += repeats
                 remaining -= repeats * int(np.count_nonzero(ops[row - 3:row] != IDLE))
             mark = None
-    return _timeline("zb-h1", pp, n_micro, 1, *_rank_major(ops[:row], mb[:row], jump), None)
+    return _timeline("zb-h1", pp, n_micro, 1, *_rank_major(ops[:row], mb[:row], jump), None, "interleaved")
 
 
 def _rank_major(ops: np.ndarray, mb: np.ndarray, jump: tuple[int, int] | None, period: int = 3,

@@ -110,7 +110,10 @@ def main() -> int:
         _report(res, [k.split("/")[0] for k in res["hpcpipe"] if k.endswith("/pp2")], res.get("loads", ["?", "?"]))
         return 0
     sys.path.insert(0, os.path.join(ROOT, "src"))
-    from hpcpipe.simulate import calibrated_costs, measured_events, plot_timeline, sim_rows, simulate_schedule
+    from hpcpipe.schedule.calibrate import calibrated_costs
+    from hpcpipe.schedule.render import plot_timeline, sim_rows
+    from hpcpipe.schedule.simulate import simulate_schedule
+    from hpcpipe.trace import measured_events
 
     schedules = args.schedules.split(",")
     loads = [load()]

@@ -38,9 +38,10 @@ VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2}  # virtual stages used for a schedu
 def child(name: str, pp: int, n_micro: int, virtual: int) -> dict:
     """Time the command's phases in this (fresh) process; return them with the results."""
     t0 = time.perf_counter()
-    from hpcpipe.lowering import validate_timeline
-    from hpcpipe.schedules import build_timeline
-    from hpcpipe.simulate import Costs, simulate_timeline
+    from hpcpipe.schedule.costs import Costs
+    from hpcpipe.schedule.registry import build_timeline
+    from hpcpipe.schedule.sweep import simulate_timeline
+    from hpcpipe.schedule.validate_timeline import validate_timeline
     t1 = time.perf_counter()
     timeline = build_timeline(name, pp, n_micro, virtual)
     t2 = time.perf_counter()

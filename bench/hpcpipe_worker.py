@@ -32,7 +32,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from hpcpipe.config import from_dict
-    from hpcpipe.trace import write_trace
+    from hpcpipe.train import write_trace
     from hpcpipe.trainer import Trainer, plan
 
     world = MPI.COMM_WORLD

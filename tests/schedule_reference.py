@@ -6,7 +6,7 @@ before every schedule became one NumPy timeline builder; the tests check that
 """
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedules import Action
+from hpcpipe.schedule.ir import Action
 
 
 def _check_sizes(name: str, pp: int, n_micro: int, virtual: int) -> None:

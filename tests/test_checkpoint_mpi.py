@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-
 from helpers import sub_world
 from state_helpers import assert_nested_equal, flip_byte_in_dataset
 
@@ -94,8 +93,8 @@ def test_zbv_checkpoint_reshards_to_other_layouts_and_schedules(world, shared_tm
 
 @pytest.mark.mpi(min_size=8)
 def test_corrupt_file_is_refused_on_every_rank_at_once(world, shared_tmp):
-    from hpcpipe.errors import AgreedError
     from hpcpipe.ckpt_files import read_latest
+    from hpcpipe.errors import AgreedError
 
     ck_dir = os.path.join(shared_tmp, "ck")
     _save_reference(world, ck_dir)

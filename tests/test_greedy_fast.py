@@ -5,7 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from hpcpipe import schedules
+from hpcpipe.schedule import zero_bubble
+from hpcpipe.schedule.ir import IDLE
+from hpcpipe.schedule.registry import build_timeline
 
 # builder, the fast-forward function it calls, sizes where the steady state is long enough to skip
 GREEDIES = {
@@ -16,7 +18,7 @@ GREEDIES = {
 
 
 def _same(name: str, pp: int, n_micro: int) -> bool:
-    build = getattr(schedules, GREEDIES[name][0])
+    build = getattr(zero_bubble, GREEDIES[name][0])
     fast, plain = build(pp, n_micro), build(pp, n_micro, fast_forward=False)
     return all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
                for a, b in ((fast.ops, plain.ops), (fast.mb, plain.mb), (fast.chunk, plain.chunk)))
@@ -33,20 +35,20 @@ def test_fast_forward_matches_greedy_on_small_grid(name):
 def test_fast_forward_matches_greedy_and_skips(monkeypatch, name, pp, n_micro):
     skipped = []
     steady_name = GREEDIES[name][1]
-    steady = getattr(schedules, steady_name)
+    steady = getattr(zero_bubble, steady_name)
 
     def spy(*args):
         repeats = steady(*args)
         skipped.append(repeats)
         return repeats
 
-    monkeypatch.setattr(schedules, steady_name, spy)
+    monkeypatch.setattr(zero_bubble, steady_name, spy)
     assert _same(name, pp, n_micro)
     assert max(skipped) > 0        # the fast path did skip ticks, so the comparison covers it
 
 
 @pytest.mark.parametrize("name, pp, n_micro", [("zb-h1", 64, 256), ("zb-v", 64, 512)])
 def test_fast_forward_keeps_idle_cells_at_micro_batch_and_chunk_zero(name, pp, n_micro):
-    tl = schedules.build_timeline(name, pp, n_micro, 2 if name == "zb-v" else 1)
-    idle = tl.ops == schedules.IDLE
+    tl = build_timeline(name, pp, n_micro, 2 if name == "zb-v" else 1)
+    idle = tl.ops == IDLE
     assert not tl.mb[idle].any() and not np.asarray(tl.chunk)[idle].any()

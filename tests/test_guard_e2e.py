@@ -13,11 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from state_helpers import (
+    ROOT,
+    assert_nested_equal,
+    checkpoint_state,
+    command,
+    metrics_losses,
+    run,
+    sets,
+    wait_until_gone,
+)
 
 from hpcpipe import ckpt_files as cf
 from hpcpipe import guard
-from state_helpers import (ROOT, assert_nested_equal, checkpoint_state, command, metrics_losses, run, sets,
-                           wait_until_gone)
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-
 from helpers import run_command, seed_draws
-from hpcpipe.weights import write_weights
 from state_helpers import flip_byte_in_dataset
+
+from hpcpipe.weights import write_weights
 
 pytestmark = pytest.mark.slow
 

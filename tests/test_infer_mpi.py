@@ -11,8 +11,8 @@ import os
 import h5py
 import numpy as np
 import pytest
-
 from helpers import seed_draws, sub_world
+
 from hpcpipe import infer
 from hpcpipe.evaluate import forward as sequential_forward
 from hpcpipe.weights import write_weights

@@ -11,8 +11,14 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.evaluate import forward as reference_forward
 from hpcpipe.infer import model_from_weights, plan
 from hpcpipe.infer_engine import ForwardChain, StreamStage
-from hpcpipe.infer_io import (RowReader, RowWriter, create_output, micro_batch_rows, n_micro_batches,
-                              replica_micro_batches)
+from hpcpipe.infer_io import (
+    RowReader,
+    RowWriter,
+    create_output,
+    micro_batch_rows,
+    n_micro_batches,
+    replica_micro_batches,
+)
 from hpcpipe.layers import make_activation
 from hpcpipe.weights import write_weights
 

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from helpers import jax_reference, replica_input_grads, run_gradients, sub_world
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (1, 8), (8, 1)]
@@ -75,10 +74,11 @@ def test_cross_entropy_without_bias_matches_reference(world, shared_tmp, dp, pp,
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("dp,pp", [(1, 1), (2, 4)])
 def test_global_norm_clipping_spans_all_stages_and_replicas(world, shared_tmp, dp, pp):
+    from helpers import write_data
+
     from hpcpipe.config import from_dict
     from hpcpipe.trainer import Trainer, plan
     from hpcpipe.weights import write_weights
-    from helpers import write_data
 
     comm = sub_world(world, dp * pp)
     if comm is None:

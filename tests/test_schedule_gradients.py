@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from helpers import run_gradients, seed_draws, sub_world
 
 SEED_MODEL = {"dims": [16] * 5, "bias": True, "activation": "relu", "final_activation": True}
@@ -121,7 +120,7 @@ def test_zbv_matches_gpipe_on_random_16_layer_model(world, shared_tmp, dp, pp, m
 def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
     """The engine's measured peak: GPipe holds m micro-batches, 1F1B min(pp - stage, m), as simulated."""
     from hpcpipe.config import from_dict
-    from hpcpipe.simulate import simulate_schedule
+    from hpcpipe.schedule.simulate import simulate_schedule
     from hpcpipe.trainer import Trainer, plan
 
     comm = sub_world(world, 4)
@@ -149,7 +148,7 @@ def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
 def test_engine_counts_zbv_stash_as_simulated(world, micro_batches):
     """ZB-V on 2 ranks (4 one-layer stages in a V): the engine's per-stage and per-rank peaks are the simulator's."""
     from hpcpipe.config import from_dict
-    from hpcpipe.simulate import simulate_schedule
+    from hpcpipe.schedule.simulate import simulate_schedule
     from hpcpipe.trainer import Trainer, plan
 
     comm = sub_world(world, 2)

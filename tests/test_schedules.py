@@ -5,16 +5,11 @@ import itertools
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower, validate
-from hpcpipe.schedules import (
-    SCHEDULES,
-    Action,
-    build_schedule,
-    gpipe,
-    placement_of,
-    rank_stages,
-    stage_rank,
-)
+from hpcpipe.schedule.classic import gpipe
+from hpcpipe.schedule.ir import Action, PipeShape, rank_stages, stage_rank
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import SCHEDULES, build_schedule, placement_of, shape_of
+from hpcpipe.schedule.validate import validate
 
 GRID = list(itertools.product(range(1, 9), range(1, 33), range(1, 4)))
 
@@ -28,7 +23,7 @@ def _supported(name: str, pp: int, m: int, v: int) -> bool:
     return v == 1
 
 
-def _check_program_facts(compute, pp, m, v, placement="interleaved"):
+def _check_program_facts(compute, pp, m, v, placement):
     """Independent of the validator: each (stage, mb) once per needed op, on its rank, F before backward."""
     n_stages = pp * v
     for rank, prog in enumerate(compute):
@@ -61,8 +56,9 @@ def test_every_schedule_validates_over_the_grid(name):
         compute = build_schedule(name, pp, m, v)
         placement = placement_of(name)
         _check_program_facts(compute, pp, m, v, placement)
-        programs = lower(compute, pp, pp * v, placement)
-        validate(programs, pp, pp * v, m, placement)
+        shape = PipeShape(pp, pp * v, m, placement)
+        programs = lower(compute, shape)
+        validate(programs, shape)
         sends = sum(a.op.startswith("SEND") for p in programs for a in p)
         recvs = sum(a.op.startswith("RECV") for p in programs for a in p)
         assert sends == recvs
@@ -89,21 +85,25 @@ def test_one_f_one_b_shape():
 
 
 def _lowered(name, pp, m, v=1):
-    return lower(build_schedule(name, pp, m, v), pp, pp * v)
+    return lower(build_schedule(name, pp, m, v), shape_of(name, pp, m, v))
+
+
+def _shape(pp, m):
+    return PipeShape(pp, pp, m, "interleaved")
 
 
 def test_validator_catches_a_missing_action():
     programs = _lowered("1f1b", 3, 4)
     programs[1] = [a for a in programs[1] if str(a) != "s1B2"]
     with pytest.raises(ScheduleError, match="missing|needs exactly one B"):
-        validate(programs, 3, 3, 4)
+        validate(programs, _shape(3, 4))
 
 
 def test_validator_catches_a_duplicate_action():
     programs = _lowered("gpipe", 2, 2)
     programs[0].insert(1, Action("F", 0, 0))
     with pytest.raises(ScheduleError, match="appears twice"):
-        validate(programs, 2, 2, 2)
+        validate(programs, _shape(2, 2))
 
 
 def test_validator_catches_backward_before_forward():
@@ -111,16 +111,16 @@ def test_validator_catches_backward_before_forward():
     w = next(i for i, a in enumerate(programs[1]) if a.op == "W")
     programs[1].insert(0, programs[1].pop(w))
     with pytest.raises(ScheduleError, match="before its"):
-        validate(programs, 2, 2, 3)
+        validate(programs, _shape(2, 3))
 
 
 def test_validator_reports_deadlock_with_grid():
     # rank 1 waits for mb 1's activation before it sends mb 0's gradient that rank 0 waits on first
     compute = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
                [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
-    programs = lower(compute, 2, 2)
+    programs = lower(compute, _shape(2, 2))
     with pytest.raises(ScheduleError) as err:
-        validate(programs, 2, 2, 2)
+        validate(programs, _shape(2, 2))
     assert "deadlock" in str(err.value) and "<-- ERROR HERE" in str(err.value)
 
 
@@ -131,14 +131,14 @@ def test_validator_catches_out_of_order_messages():
     p = programs[1]
     p[recvs[0]], p[recvs[1]] = p[recvs[1]], p[recvs[0]]
     with pytest.raises(ScheduleError, match="arrive in order|no input"):
-        validate(programs, 2, 2, 3)
+        validate(programs, _shape(2, 3))
 
 
 def test_validator_catches_unmatched_send():
     programs = _lowered("1f1b", 2, 2)
     programs[0].insert(-2, Action("SEND_F", 0, 1, 1))
     with pytest.raises(ScheduleError, match="unmatched"):
-        validate(programs, 2, 2, 2)
+        validate(programs, _shape(2, 2))
 
 
 def test_plan_turns_unsupported_schedule_into_config_error():
@@ -162,8 +162,8 @@ def test_plan_turns_unsupported_schedule_into_config_error():
 @pytest.mark.parametrize("pp", range(1, 9))
 @pytest.mark.parametrize("micro", range(1, 17))
 def test_gpipe_lowers_to_a_valid_program(pp, micro):
-    programs = lower(gpipe(pp, micro), pp, pp)
-    validate(programs, pp, pp, micro)
+    programs = lower(gpipe(pp, micro), _shape(pp, micro))
+    validate(programs, _shape(pp, micro))
     for rank, prog in enumerate(programs):
         ops = [a.op for a in prog]
         assert ops.count("F") == micro and ops.count("B") == micro
@@ -174,7 +174,7 @@ def test_gpipe_lowers_to_a_valid_program(pp, micro):
 
 
 def test_gpipe_first_rank_program_reads_as_expected():
-    programs = lower(gpipe(2, 2), 2, 2)
+    programs = lower(gpipe(2, 2), _shape(2, 2))
     assert [str(a) for a in programs[0]] == [
         "s0F0", "s0SEND_F0@1", "s0F1", "s0SEND_F1@1", "s0RECV_B0@1", "s0B0", "s0RECV_B1@1", "s0B1",
         "ALLREDUCE", "OPT_STEP"]

@@ -2,8 +2,13 @@
 
 import numpy as np
 import pytest
-
-from helpers import jax_reference, replica_input_grads, run_gradients, seed_draws, sub_world
+from helpers import (
+    jax_reference,
+    replica_input_grads,
+    run_gradients,
+    seed_draws,
+    sub_world,
+)
 
 SEED_MODEL = {"dims": [16] * 5, "bias": True, "activation": "relu", "final_activation": True}
 

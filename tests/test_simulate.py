@@ -5,9 +5,13 @@ import json
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower
-from hpcpipe.schedules import Action, build_schedule
-from hpcpipe.simulate import Costs, costs_from_trace, main, simulate, simulate_schedule
+from hpcpipe.schedule.calibrate import costs_from_trace
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import Action, PipeShape
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, shape_of
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.simulate import main
 
 SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16, 32)]
 
@@ -57,7 +61,8 @@ def test_simulator_detects_deadlock():
     compute = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
                [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
     with pytest.raises(ScheduleError, match="deadlocked"):
-        simulate(lower(compute, 2, 2), 2, 2, Costs())
+        shape = PipeShape(2, 2, 2, "interleaved")
+        simulate(lower(compute, shape), shape, Costs())
 
 
 def _fake_trace(path, f=0.01, b=0.02):
@@ -109,24 +114,25 @@ def test_plot_writes_png(tmp_path):
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
 def test_shared_cores(name, v):
-    from hpcpipe.simulate import _simulate_shared
+    from hpcpipe.schedule.simulate import _simulate_shared
     p, m = 4, 8
-    programs = lower(build_schedule(name, p, m, v), p, p * v)
+    shape = shape_of(name, p, m, v)
+    programs = lower(build_schedule(name, p, m, v), shape)
     costs = Costs(1, 2, 1, 0.25, 0.5)
-    alone = simulate(programs, p, p * v, costs)
+    alone = simulate(programs, shape, costs)
     # enough cores: the time-ordered simulation agrees with the per-rank one
     same = _simulate_shared(programs, p, costs, cores=p)
     assert same.step_time == pytest.approx(alone.step_time)
     assert same.peak_stashed == alone.peak_stashed
     # one core: the step is all the work in sequence (messages overlap with others' compute)
-    one = simulate(programs, p, p * v, costs, cores=1)
+    one = simulate(programs, shape, costs, cores=1)
     assert one.step_time == pytest.approx(sum(alone.busy) + p * costs.step, rel=0.02)
-    two = simulate(programs, p, p * v, costs, cores=2)
+    two = simulate(programs, shape, costs, cores=2)
     assert alone.step_time <= two.step_time <= one.step_time
 
 
 def test_calibrated_costs_rescale_to_other_stage_counts(tmp_path):
-    from hpcpipe.simulate import calibrated_costs
+    from hpcpipe.schedule.calibrate import calibrated_costs
     path = _fake_trace(tmp_path / "t.json")     # 2 stages
     same = calibrated_costs(path, 2)
     assert same.per_stage and same.forward == pytest.approx(0.01)

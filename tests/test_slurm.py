@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from state_helpers import ROOT, assert_nested_equal, checkpoint_state
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
+from state_helpers import (
+    ROOT,
+    assert_nested_equal,
+    checkpoint_state,
+    command,
+    flip_byte_in_dataset,
+    metrics_losses,
+    pids_alive,
+    run,
+    sets,
+    wait_until_gone,
+)
 
 from hpcpipe import ckpt_files as cf
-from state_helpers import (ROOT, assert_nested_equal, checkpoint_state, command, flip_byte_in_dataset,
-                           metrics_losses, pids_alive, run, sets, wait_until_gone)
 
 pytestmark = pytest.mark.slow
 
@@ -199,10 +209,11 @@ def test_export_and_info_and_init_from_exported_file(reference, tmp_path):
     result = _train(tmp_path / "ck2", metrics, model={"init": str(out)}, parallel={"pp": 2}, train={"steps": 1})
     assert result.returncode == 0, result.stderr
     import numpy as np
+
+    from hpcpipe.checkpoint import resolve_weights
     from hpcpipe.config import from_dict
     from hpcpipe.data import SyntheticData, step_samples
     from hpcpipe.evaluate import forward
-    from hpcpipe.checkpoint import resolve_weights
     cfg = from_dict({k: v for k, v in TINY.items() if k in ("model", "data", "train")})
     source = resolve_weights(out)
     data = SyntheticData(cfg)
@@ -213,8 +224,9 @@ def test_export_and_info_and_init_from_exported_file(reference, tmp_path):
 
 
 def test_bad_init_file_is_a_clear_error(tmp_path):
-    from hpcpipe.weights import write_weights
     import numpy as np
+
+    from hpcpipe.weights import write_weights
     bad = tmp_path / "w.h5"
     write_weights(bad, {i: {"weight": np.zeros((8, 8), np.float32), "bias": np.zeros(8, np.float32)}
                         for i in range(3)}, n_layers=3)

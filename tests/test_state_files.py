@@ -10,6 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from state_helpers import flip_byte_in_dataset
 
 from hpcpipe import ckpt_check
 from hpcpipe import ckpt_files as cf
@@ -19,8 +20,6 @@ from hpcpipe.data import check_data_file, step_samples
 from hpcpipe.errors import ConfigError
 from hpcpipe.model import initial_arrays, layer_specs
 from hpcpipe.weights import check_weights, read_layers, read_optimizer, write_weights
-
-from state_helpers import flip_byte_in_dataset
 
 CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
 SPECS = layer_specs(CFG)

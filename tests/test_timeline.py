@@ -11,29 +11,21 @@ import numpy as np
 import pytest
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import (
-    IDLE,
-    TIMELINES,
-    Timeline,
-    build_schedule,
-    build_timeline,
-    chunk_stage,
-)
-from hpcpipe.simulate import (
-    Costs,
-    ascii_timeline,
-    main,
-    sim_rows,
-    simulate,
-    simulate_schedule,
-    simulate_timeline,
-)
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import IDLE, Timeline, chunk_stage
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import SCHEDULES, build_schedule, build_timeline
+from hpcpipe.schedule.render import ascii_timeline, sim_rows
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.schedule.sweep import simulate_timeline
+from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_timeline import validate_timeline
+from hpcpipe.simulate import main
 
 SIZES = [(p, m, v) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 8, 12, 13, 16, 24, 32) for v in (1, 2, 3)]
 
 
-def _timelines(names=tuple(TIMELINES), sizes=SIZES):
+def _timelines(names=tuple(SCHEDULES), sizes=SIZES):
     for name in names:
         for p, m, v in sizes:
             try:
@@ -58,15 +50,15 @@ def _same(a, b):
         (b.step_time, b.bubble, b.busy, b.peak_stashed, b.peak_stashed_stage)
 
 
-@pytest.mark.parametrize("name", sorted(TIMELINES))
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_vectorised_simulator_equals_per_action_simulator(name):
     rng = random.Random(name)
     count = 0
     for tl in _timelines((name,)):
-        programs = lower(tl.actions(), tl.pp, tl.n_stages, tl.placement)
+        programs = lower(tl.actions(), tl.shape)
         for _ in range(2):
             costs = _random_costs(rng, tl.n_stages)
-            reference = simulate(programs, tl.pp, tl.n_stages, costs)
+            reference = simulate(programs, tl.shape, costs)
             fast = simulate_timeline(tl, costs, block=rng.choice([1, 5, 128]))
             assert _same(reference, fast), (name, tl.pp, tl.n_micro, tl.virtual, costs)
             assert fast.events is None
@@ -105,8 +97,7 @@ def test_every_builtin_timeline_validates_and_agrees_with_the_validator():
     for tl in _timelines():
         validate_timeline(tl)
         validate_timeline(tl, ranks_per_pass=1)
-        validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro,
-                 tl.placement)
+        validate(lower(tl.actions(), tl.shape), tl.shape)
         count += 1
     assert count >= 400
 
@@ -120,8 +111,8 @@ def test_larger_sizes_with_wider_index_types():
         validate_timeline(tl)
         if m <= 300:
             costs = Costs(1.0, 2.5, 1.25, 0.5)
-            programs = lower(tl.actions(), p, p * v, tl.placement)
-            assert _same(simulate(programs, p, p * v, costs), simulate_timeline(tl, costs))
+            programs = lower(tl.actions(), tl.shape)
+            assert _same(simulate(programs, tl.shape, costs), simulate_timeline(tl, costs))
         else:       # too many actions for the per-action simulator in a unit test: 1F1B's closed form
             fast = simulate_timeline(tl, Costs(1.0, 2.5, 1.25, 0.0))
             assert fast.step_time == (m + p - 1) * 3.5
@@ -137,7 +128,8 @@ def test_timeline_arrays_are_read_only_and_shaped():
     one = build_timeline("1f1b", 4, 8)
     assert not one.chunk.any() and one.chunk.strides == (0, 0)     # no chunk array for one stage per rank
     with pytest.raises(ScheduleError, match=r"mb has shape \(3, 2\), expected \(pp, ticks\) = \(2, 2\)"):
-        Timeline("x", 2, 1, 1, np.zeros((2, 2), np.int8), np.zeros((2, 2), np.int8), np.zeros((3, 2), np.int8))
+        Timeline("x", 2, 1, 1, np.zeros((2, 2), np.int8), np.zeros((2, 2), np.int8), np.zeros((3, 2), np.int8),
+                 "interleaved")
 
 
 # ----------------------------------------------------------------------------- broken timelines ----
@@ -148,7 +140,7 @@ def _edit(tl: Timeline, **cells) -> Timeline:
     for name, edits in cells.items():
         for rank, tick, value in edits if isinstance(edits, list) else [edits]:
             arrays[name][rank, tick] = value
-    return Timeline(tl.name, tl.pp, tl.n_micro, tl.virtual, arrays["ops"], arrays["chunk"], arrays["mb"])
+    return Timeline(tl.name, tl.pp, tl.n_micro, tl.virtual, arrays["ops"], arrays["chunk"], arrays["mb"], tl.placement)
 
 
 def _tick(tl: Timeline, rank: int, op: int, mb: int, chunk: int = 0) -> int:
@@ -184,12 +176,12 @@ def test_validator_catches_a_timeline_out_of_dependency_order():
     # programs are the same, the ticks impossible
     ops, mb = tl.ops.copy(), tl.mb.copy()
     ops[1], mb[1] = np.roll(ops[1], -1), np.roll(mb[1], -1)
-    moved = Timeline(tl.name, 2, 2, 1, ops, tl.chunk, mb)
+    moved = Timeline(tl.name, 2, 2, 1, ops, tl.chunk, mb, "interleaved")
     with pytest.raises(ScheduleError, match="not in dependency order: rank 1 runs s1F0 at tick 0"):
         validate_timeline(moved)
     with pytest.raises(ScheduleError, match="not in dependency order: rank 1 runs s1F0 at tick 0"):
         simulate_timeline(moved, Costs())
-    validate(lower(moved.actions(), 2, 2), 2, 2, 2)      # the programs themselves are fine
+    validate(lower(moved.actions(), moved.shape), moved.shape)      # the programs themselves are fine
 
 
 def test_validator_catches_backward_before_forward_and_w_before_i():
@@ -208,8 +200,7 @@ def test_validator_catches_backward_before_forward_and_w_before_i():
 def _oracle(tl: Timeline) -> bool:
     """The per-action validator, plus the Timeline promise: each message's producer at an earlier tick."""
     try:
-        validate(lower(tl.actions(), tl.pp, tl.n_stages, tl.placement), tl.pp, tl.n_stages, tl.n_micro,
-                 tl.placement)
+        validate(lower(tl.actions(), tl.shape), tl.shape)
     except ScheduleError:
         return False
     tick = {}
@@ -255,7 +246,7 @@ def test_vectorised_validator_agrees_with_the_per_action_one_on_mutated_timeline
     sizes = list(itertools.product(range(1, 6), range(1, 7), range(1, 4)))
     verdicts = {True: 0, False: 0}
     while sum(verdicts.values()) < 1500:
-        name = rng.choice(sorted(TIMELINES))
+        name = rng.choice(sorted(SCHEDULES))
         p, m, v = rng.choice(sizes)
         try:
             tl = build_timeline(name, p, m, v)
@@ -273,8 +264,8 @@ def test_vectorised_validator_agrees_with_the_per_action_one_on_mutated_timeline
         verdicts[want] += 1
         if want:    # a valid mutant: the simulators agree on it too
             costs = _random_costs(rng, tl.n_stages)
-            programs = lower(tl.actions(), p, p * v, tl.placement)
-            assert _same(simulate(programs, p, p * v, costs), simulate_timeline(tl, costs))
+            programs = lower(tl.actions(), tl.shape)
+            assert _same(simulate(programs, tl.shape, costs), simulate_timeline(tl, costs))
     assert verdicts[True] >= 100 and verdicts[False] >= 500
 
 
@@ -282,7 +273,7 @@ def test_out_of_order_timeline_with_valid_programs_is_refused_by_the_simulator()
     rng = random.Random(3)
     refused = 0
     for _ in range(3000):
-        name = rng.choice(sorted(TIMELINES))
+        name = rng.choice(sorted(SCHEDULES))
         p, m, v = rng.randint(2, 5), rng.randint(1, 6), rng.randint(1, 3)
         try:
             tl = build_timeline(name, p, m, v)
@@ -290,7 +281,7 @@ def test_out_of_order_timeline_with_valid_programs_is_refused_by_the_simulator()
             continue
         tl = _mutate(tl, rng)
         try:
-            validate(lower(tl.actions(), p, p * v, tl.placement), p, p * v, m, tl.placement)
+            validate(lower(tl.actions(), tl.shape), tl.shape)
         except ScheduleError:
             continue
         if not _oracle(tl):
@@ -325,6 +316,6 @@ def test_cli_fast_and_per_action_print_the_same_numbers(capsys):
 
 
 def test_action_lists_are_read_off_the_timeline():
-    for name in TIMELINES:
+    for name in SCHEDULES:
         tl = build_timeline(name, 4, 8, 2 if name in ("interleaved-1f1b", "zb-v") else 1)
         assert tl.actions() == build_schedule(name, 4, 8, tl.virtual)

@@ -4,15 +4,15 @@ import json
 import os
 
 import pytest
-
 from helpers import sub_world
 
 
 @pytest.mark.mpi(min_size=2)
 def test_trace_has_one_track_per_rank_and_every_action(world, shared_tmp):
     from hpcpipe.config import from_dict
-    from hpcpipe.simulate import costs_from_trace, measured_events
-    from hpcpipe.trace import write_trace
+    from hpcpipe.schedule.calibrate import costs_from_trace
+    from hpcpipe.trace import measured_events
+    from hpcpipe.train import write_trace
     from hpcpipe.trainer import Trainer, plan
 
     comm = sub_world(world, 2)

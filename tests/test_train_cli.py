@@ -9,7 +9,6 @@ import time
 import h5py
 import numpy as np
 import pytest
-
 from helpers import run_command
 
 

@@ -8,29 +8,36 @@ import pytest
 
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError, ScheduleError
-from hpcpipe.lowering import lower, validate, validate_timeline
-from hpcpipe.schedules import (
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import (
     IDLE,
     Action,
     I,
+    PipeShape,
     Timeline,
     W,
-    build_schedule,
-    build_timeline,
     chunk_stage,
-    placement_of,
     rank_stages,
     stage_rank,
 )
-from hpcpipe.simulate import Costs, simulate, simulate_schedule, simulate_timeline
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
+from hpcpipe.schedule.simulate import simulate, simulate_schedule
+from hpcpipe.schedule.sweep import simulate_timeline
+from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_timeline import validate_timeline
 
 GRID = list(itertools.product(range(1, 9), range(1, 33)))
 UNIT = Costs(1, 2, 1)          # per whole stage: F = I = W = 1
 
 
-def _lowered(pp, m, programs=None, placement="v"):
+def _v(pp, m):
+    return PipeShape(pp, 2 * pp, m, "v")
+
+
+def _lowered(pp, m, programs=None):
     programs = programs if programs is not None else build_schedule("zb-v", pp, m, 2)
-    return lower(programs, pp, 2 * pp, placement)
+    return lower(programs, _v(pp, m))
 
 
 # ------------------------------------------------------------------------------------ placement ----
@@ -79,7 +86,7 @@ def test_zbv_action_lists_are_its_timeline_and_validate_over_the_grid():
             assert sorted({a.stage for a in prog}) == sorted(rank_stages(r, pp, 2 * pp, "v"))
             assert len(prog) == 6 * m                     # F, I, W of both chunks
         lowered = _lowered(pp, m, programs)
-        validate(lowered, pp, 2 * pp, m, "v")
+        validate(lowered, _v(pp, m))
         validate_timeline(tl)
         if pp > 1:
             # the V's turn on rank pp - 1 is local: no message between stage pp - 1 and pp
@@ -115,18 +122,18 @@ def test_validators_reject_broken_zbv_variants():
     ok = build_schedule("zb-v", 4, 8, 2)
     # the right programs under the wrong placement: stages on ranks that do not own them
     with pytest.raises(ScheduleError, match="belongs to rank"):
-        validate(lower(ok, 4, 8), 4, 8, 8)
+        validate(lower(ok, PipeShape(4, 8, 8, "interleaved")), PipeShape(4, 8, 8, "interleaved"))
     # a missing action
     dropped = [list(p) for p in ok]
     dropped[2].pop()                      # its last W
     with pytest.raises(ScheduleError, match="needs exactly one B, or one I and one W"):
-        validate(_lowered(4, 8, dropped), 4, 8, 8, "v")
+        validate(_lowered(4, 8, dropped), _v(4, 8))
     # chunk b's forwards out of micro-batch order on one rank: that channel is FIFO
     swapped = [list(p) for p in ok]
     f = [i for i, a in enumerate(swapped[1]) if a.op == "F" and a.stage == 6]
     swapped[1][f[0]], swapped[1][f[1]] = swapped[1][f[1]], swapped[1][f[0]]
     with pytest.raises(ScheduleError, match="arrive in order|deadlock"):
-        validate(_lowered(4, 8, swapped), 4, 8, 8, "v")
+        validate(_lowered(4, 8, swapped), _v(4, 8))
     # a W before its I
     w_first = [list(p) for p in ok]
     i = next(k for k, a in enumerate(w_first[3]) if a.op == "I")
@@ -134,7 +141,7 @@ def test_validators_reject_broken_zbv_variants():
                                                                                         w_first[3][i].mb))
     w_first[3].insert(i, w_first[3].pop(w))
     with pytest.raises(ScheduleError, match="before its input-gradient I"):
-        validate(_lowered(4, 8, w_first), 4, 8, 8, "v")
+        validate(_lowered(4, 8, w_first), _v(4, 8))
     # timeline forms: a duplicate, an action out of range, and one out of dependency order
     t = _tick(tl, 0, I, 1, 0)
     with pytest.raises(ScheduleError):
@@ -155,7 +162,7 @@ def test_timeline_out_of_dependency_order_is_refused_with_valid_programs():
     for arr in (ops, chunk, mb):
         arr[2] = np.roll(arr[2], -1)
     moved = Timeline(tl.name, 3, 4, 2, ops, chunk, mb, "v")
-    validate(_lowered(3, 4, moved.actions()), 3, 6, 4, "v")          # the programs are fine
+    validate(_lowered(3, 4, moved.actions()), _v(3, 4))          # the programs are fine
     with pytest.raises(ScheduleError, match="not in dependency order"):
         validate_timeline(moved)
     with pytest.raises(ScheduleError, match="not in dependency order"):
@@ -181,7 +188,7 @@ def test_both_simulators_agree_on_zbv_with_random_costs():
             b = rng.uniform(0.2, 3.0)
             costs = Costs(rng.uniform(0.1, 3.0), b, rng.uniform(0.0, b), rng.choice([0.0, 0.37, 2.5]),
                           rng.choice([0.0, 0.5]), per_stage)
-            assert _same(simulate(programs, pp, 2 * pp, costs), simulate_timeline(tl, costs, block=rng.choice([1, 7]))), \
+            assert _same(simulate(programs, _v(pp, m), costs), simulate_timeline(tl, costs, block=rng.choice([1, 7]))), \
                 (pp, m, costs)
             count += 1
     assert count >= 90
@@ -218,7 +225,7 @@ def test_pp1_is_two_local_stages():
     tl = build_timeline("zb-v", 1, 3, 2)
     assert [str(a) for a in tl.actions()[0][:3]] == ["s0F0", "s1F0", "s1I0"]
     assert not any(a.op.startswith(("SEND", "RECV")) for a in _lowered(1, 3)[0])
-    assert _same(simulate(_lowered(1, 3), 1, 2, UNIT.scaled(0.5)), simulate_timeline(tl, UNIT.scaled(0.5)))
+    assert _same(simulate(_lowered(1, 3), _v(1, 3), UNIT.scaled(0.5)), simulate_timeline(tl, UNIT.scaled(0.5)))
 
 
 # ---------------------------------------------------------------------------------------- config ----
@@ -239,7 +246,7 @@ def test_plan_places_stages_in_a_v():
     cfg = from_dict({"parallel": {"pp": 4, "dp": 1, "schedule": "zb-v", "virtual_stages": 2},
                      "model": {"dims": [8] * 9}, "train": {"micro_batches": 6}})
     p = plan(cfg, 4)
-    assert p.placement == "v" and p.n_stages == 8
+    assert p.shape.placement == "v" and p.n_stages == 8
     assert [a.stage for a in p.programs[0] if a.op == "F"][:1] == [0]
     assert {a.stage for a in p.programs[0] if a.op in ("F", "I", "W")} == {0, 7}
     assert Action("F", 4, 0) in p.programs[3]

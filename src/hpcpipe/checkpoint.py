@@ -28,8 +28,17 @@ from . import ckpt_files as cf
 from .ckpt_check import check_stage_file, manifest_specs, read_manifest
 from .errors import ConfigError
 from .model import LayerSpec
-from .weights import (LayerArrays, OptimizerArrays, check_layers, check_weights, open_checked, read_layers,
-                      read_optimizer, stored_layers, write_weights)
+from .weights import (
+    LayerArrays,
+    OptimizerArrays,
+    check_layers,
+    check_weights,
+    open_checked,
+    read_layers,
+    read_optimizer,
+    stored_layers,
+    write_weights,
+)
 
 
 @dataclass

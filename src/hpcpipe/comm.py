@@ -58,7 +58,7 @@ class PipeComm:
         self.backend = backend
         self.poller = poller
         self.stage_through_host = backend.on_gpu and not (cuda_aware() if gpu_direct is None else gpu_direct)
-        self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+        self.tag_ub = int(pp_comm.Get_attr(MPI.TAG_UB) or 32767)   # the bound of the communicator the tags travel on
         self._sends: list = []      # (request, buffer) pairs kept alive until completion
         self.bytes_sent = 0
         self.host_device_bytes = 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from .errors import ConfigError
+from hpcpipe.errors import ConfigError
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "identity")
 LOSSES = ("mse", "cross_entropy")
@@ -253,7 +253,9 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Check value ranges and cross-field rules that do not depend on the world size."""
-    from .schedules import SCHEDULES  # local import: schedules is pure and imports nothing of ours
+    from hpcpipe.schedule.registry import (
+        SCHEDULES,  # local import: schedules is pure and imports nothing of ours
+    )
 
     par, mod, tr = config.parallel, config.model, config.train
     for axis in ("pp", "dp"):

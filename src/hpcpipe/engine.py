@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .comm import PipeComm
-from .model import RankParameters
-from .schedules import Action, stage_rank
+from hpcpipe.comm import PipeComm
+from hpcpipe.model import RankParameters
+from hpcpipe.schedule.ir import Action, PipeShape
 
 
 @dataclass
@@ -51,14 +51,14 @@ class Engine:
     """Runs one rank's action list: compute through the stage modules, messages through PipeComm."""
 
     def __init__(self, program: list[Action], params: RankParameters, comm: PipeComm, *,
-                 pp: int, n_stages: int, n_micro: int, widths: list[int], micro_batch_size: int,
+                 shape: PipeShape, widths: list[int], micro_batch_size: int,
                  loss_fn: Callable, loss_scale: float, dtype: Any, keep_input_grads: bool = False,
-                 record_events: bool = False, placement: str = "interleaved"):
+                 record_events: bool = False):
         self.program = program
         self.params = params
         self.comm = comm
-        self.pp, self.n_stages, self.n_micro = pp, n_stages, n_micro
-        self.placement = placement            # which rank owns each stage: the schedule's (lowering used it too)
+        self.shape = shape                    # which rank owns each stage: the schedule's (lowering used it too)
+        self.n_stages, self.n_micro = shape.n_stages, shape.n_micro
         self.widths = widths                  # widths[s] = input width of stage s; widths[-1] = output width
         self.batch = micro_batch_size
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
@@ -145,7 +145,7 @@ class Engine:
 
     def _local(self, stage: int, other: int) -> bool:
         """Whether two stages live on the same rank (their hand-over needs no message)."""
-        return stage_rank(stage, self.pp, self.placement) == stage_rank(other, self.pp, self.placement)
+        return self.shape.stage_rank(stage) == self.shape.stage_rank(other)
 
     def _needs_input_grad(self, stage: int) -> bool:
         return stage > 0 or self.keep_input_grads

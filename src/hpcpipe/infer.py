@@ -31,12 +31,23 @@ from .comm import Poller, abort, agree, barrier, broadcast, clock_offset, gather
 from .config import Config, from_dict, load_raw, resolve_layout
 from .errors import AgreedError, ConfigError
 from .infer_engine import StreamStage
-from .infer_io import (RowReader, RowWriter, check_input, check_output, check_writable, commit, create_output,
-                       discard, replica_micro_batches, temporary_name)
-from .infer_report import chrome_trace, format_summary, summarize, write_json
+from .infer_io import (
+    RowReader,
+    RowWriter,
+    check_input,
+    check_output,
+    check_writable,
+    commit,
+    create_output,
+    discard,
+    replica_micro_batches,
+    temporary_name,
+)
+from .infer_report import format_summary, summarize
 from .layers import make_activation
 from .model import layer_specs, partition
 from .topology import make_topology
+from .trace import inference_trace, write_json
 
 # model keys the weights decide; the config may repeat them but not contradict them
 MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
@@ -233,7 +244,7 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
                           setup_s=t_start - t_begin, total_s=time.perf_counter() - t_begin)
             if p.trace:
                 try:
-                    write_json(p.trace, chrome_trace(parts))
+                    write_json(p.trace, inference_trace(parts))
                     report["trace"] = p.trace
                 except OSError as exc:   # the results are written: a lost trace is not worth failing for
                     report["trace_error"] = f"cannot write trace {p.trace!r}: {exc}"

@@ -26,12 +26,9 @@ Every rank hands in its (K, 5) timestamps (see
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
-
-from .topology import rank_name
 
 
 def summarize(parts: list[dict[str, Any]], n_rows: int, batch: int, dp: int, pp: int) -> dict[str, Any]:
@@ -90,30 +87,3 @@ def format_summary(report: dict[str, Any]) -> str:
             f"latency p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms; fill {r['fill_ms']:.1f} ms "
             f"drain {r['drain_ms']:.1f} ms ({100 * r['fill_drain_fraction']:.1f}% of the run); "
             f"bubble {100 * r['bubble']:.1f}% (ideal {100 * r['ideal_bubble']:.1f}%)")
-
-
-def chrome_trace(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Return every rank's micro-batch phases as Chrome-trace JSON (one track per world rank, microseconds)."""
-    t0 = min(p["start"] for p in parts)
-    events: list[dict[str, Any]] = []
-    for p in sorted(parts, key=lambda q: q["rank"]):
-        tid, first, last = p["rank"], p["pp_rank"] == 0, p["last"]
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
-                       "args": {"name": f"rank {tid} ({rank_name(p['dp_rank'], p['pp_rank'])})"}})
-        phases = (("read" if first else "recv", 0, 1), ("send-wait", 1, 2), ("compute", 2, 3),
-                  ("write" if last else "send", 3, 4))
-        for m, rows, ev in zip(p["mbs"], p["rows"], p["events"]):
-            for cat, a, b in phases:
-                if cat == "send-wait" and ev[b] - ev[a] < 1e-6:
-                    continue
-                name = f"s{p['pp_rank']}F{m}" if cat == "compute" else f"{cat} {m}"
-                events.append({"name": name, "cat": cat, "ph": "X", "ts": (ev[a] - t0) * 1e6,
-                               "dur": (ev[b] - ev[a]) * 1e6, "pid": 0, "tid": tid,
-                               "args": {"mb": int(m), "rows": int(rows), "stage": p["pp_rank"]}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_json(path: str, obj: Any) -> None:
-    """Write obj as JSON text to path."""
-    with open(path, "w") as f:
-        json.dump(obj, f)

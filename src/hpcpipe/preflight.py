@@ -13,12 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _local_rank_count
-from .config import Config
-from .errors import ConfigError
-from .model import layer_specs
-from .optim import make_optimizer
-from .schedules import rank_stages
+from hpcpipe import _local_rank_count
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+from hpcpipe.model import layer_specs
+from hpcpipe.optim import make_optimizer
+from hpcpipe.schedule.ir import rank_stages
 
 GIB = 1024 ** 3
 ITEMSIZE = {"float32": 4, "float64": 8}

@@ -1,11 +1,14 @@
-"""Traces: per-rank timed engine events -> one Chrome-trace JSON file (Perfetto, chrome://tracing).
+"""Chrome traces (Perfetto, chrome://tracing): written by training and inference, read back by the simulator.
 
-Each world rank is one track (``tid`` = world rank, named "rank R (dp D, pp P)");
-each action is a complete event (``ph: "X"``) named like the IR (``s1F3``),
-with its kind as category and (stage, mb, step, cpu_us) as arguments, which is what
-:func:`hpcpipe.simulate.costs_from_trace` and ``--measured`` read back.
-Times are each rank's ``time.perf_counter``, which is one clock for all
-processes of a node; across nodes the tracks are aligned at their first event.
+Each world rank is one track (``tid`` = world rank, named "rank R (dp D, pp P)").
+Training writes each action as a complete event (``ph: "X"``) named like the IR
+(``s1F3``), with its kind as category and (stage, mb, step, cpu_us) as
+arguments, which is what :func:`hpcpipe.schedule.calibrate.costs_from_trace`
+and ``simulate --measured`` read back. Inference writes each micro-batch's
+phases (read/recv, send-wait, compute, write/send). Times are each rank's
+``time.perf_counter``, one clock for all processes of a node; across nodes
+the tracks are aligned at their first event. Nothing here uses MPI: the
+callers gather the per-rank parts (:func:`hpcpipe.runtime.comm.gather_to_root`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .comm import gather_to_root
+from hpcpipe.errors import ScheduleError
+from hpcpipe.topology import rank_name
+
+COMPUTE = ("F", "B", "I", "W")
+
+
+def _track(tid: int, name: str) -> dict[str, Any]:
+    return {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
 
 
 def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
@@ -29,19 +39,67 @@ def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
     return out
 
 
-def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], label: str = "") -> None:
-    """Gather every rank's events on world rank 0 and write them as one Chrome-trace JSON file (collective)."""
-    rank = world.Get_rank()
-    mine = (rank, label or f"rank {rank}", rank_events(events_by_step, rank))
-    parts = gather_to_root(world, mine, 0)
-    if parts is None:
-        return
+def training_trace(parts: list[tuple[int, str, list[dict]]]) -> dict[str, Any]:
+    """Merge every rank's (rank, label, rank_events) into one Chrome trace, aligned at the first event."""
     nodes_t0 = min((e["ts"] for _, _, evs in parts for e in evs), default=0.0)
     trace = []
     for r, name, evs in sorted(parts, key=lambda p: p[0]):
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": name}})
+        trace.append(_track(r, name))
         for e in evs:
-            e["ts"] -= nodes_t0
-            trace.append(e)
+            trace.append({**e, "ts": e["ts"] - nodes_t0})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def inference_trace(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return every rank's micro-batch phases as Chrome-trace JSON (one track per world rank, microseconds)."""
+    t0 = min(p["start"] for p in parts)
+    events: list[dict[str, Any]] = []
+    for p in sorted(parts, key=lambda q: q["rank"]):
+        tid, first, last = p["rank"], p["pp_rank"] == 0, p["last"]
+        events.append(_track(tid, f"rank {tid} ({rank_name(p['dp_rank'], p['pp_rank'])})"))
+        phases = (("read" if first else "recv", 0, 1), ("send-wait", 1, 2), ("compute", 2, 3),
+                  ("write" if last else "send", 3, 4))
+        for m, rows, ev in zip(p["mbs"], p["rows"], p["events"], strict=True):
+            for cat, a, b in phases:
+                if cat == "send-wait" and ev[b] - ev[a] < 1e-6:
+                    continue
+                name = f"s{p['pp_rank']}F{m}" if cat == "compute" else f"{cat} {m}"
+                events.append({"name": name, "cat": cat, "ph": "X", "ts": (ev[a] - t0) * 1e6,
+                               "dur": (ev[b] - ev[a]) * 1e6, "pid": 0, "tid": tid,
+                               "args": {"mb": int(m), "rows": int(rows), "stage": p["pp_rank"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write obj (a trace or a report) as JSON text to path."""
     with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        json.dump(obj, f)
+
+
+def load_trace(path: str) -> list[dict]:
+    """Return the complete ('X') events of a Chrome trace written by hpcpipe (times in microseconds)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def measured_events(path: str, step: int | None = None) -> list[list[tuple[str, float, float]]]:
+    """Return per-rank (name, start, end) of one step of a trace (the last one when step is None), seconds."""
+    events = load_trace(path)
+    steps = sorted({e.get("args", {}).get("step", 0) for e in events})
+    chosen = steps[-1] if step is None else step
+    picked = [e for e in events if e.get("args", {}).get("step", 0) == chosen]
+    if not picked:
+        raise ScheduleError(f"trace {path!r} has no events for step {chosen} (steps: {steps})")
+    ranks = sorted({e["tid"] for e in picked})
+    t0 = min(e["ts"] for e in picked)
+    out = []
+    for r in ranks:
+        mine = sorted((e for e in picked if e["tid"] == r), key=lambda e: e["ts"])
+        out.append([(e["cat"] if e["cat"] not in COMPUTE else e["name"], (e["ts"] - t0) * 1e-6,
+                     (e["ts"] + e["dur"] - t0) * 1e-6) for e in mine])
+    return out

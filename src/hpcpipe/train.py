@@ -31,6 +31,7 @@ from .cli import CommandParser, fault_injection, launcher_rank, run_planned
 from .config import load_config
 from .errors import AgreedError
 from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, Watchdog, stall_injection
+from .trace import rank_events, training_trace, write_json
 
 DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
@@ -212,7 +213,6 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
         if progress:
             progress.close()
     if cfg.log.trace:
-        from .trace import write_trace
         write_trace(cfg.log.trace, world, traced, trainer.topo.name)
     elapsed = time.perf_counter() - start
     steps = len(losses)
@@ -221,6 +221,15 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s, "skipped": skipped,
             "stopped": stopped, "saved_step": saved}
+
+
+def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], label: str = "") -> None:
+    """Gather every rank's timed actions on world rank 0 and write one Chrome-trace JSON file (collective)."""
+    from .comm import gather_to_root
+    rank = world.Get_rank()
+    parts = gather_to_root(world, (rank, label or f"rank {rank}", rank_events(events_by_step, rank)), 0)
+    if parts is not None:
+        write_json(path, training_trace(parts))
 
 
 def timed_save(trainer: Any, step: int) -> float:

@@ -15,23 +15,24 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint_mpi
-from . import loss as losses
-from .backend import select_backend
-from .comm import PipeComm, Poller, gather_to_root
-from .config import Config, resolve_layout
-from .data import ReplicaFeeder, check_data_file, open_data
-from .errors import ConfigError, ScheduleError
-from .engine import Engine, StepFeed
-from .lowering import lower, validate
-from .model import RankParameters, initial_arrays, layer_specs, partition
-from .optim import clip_factor, make_optimizer
-from .preflight import check_memory, check_output_file
-from .schedules import build_schedule, placement_of, rank_stages
-from .topology import make_topology
-from .checkpoint import WeightsSource, resolve_weights
-from .errors import AgreedError
-from .guard import StepDecision, decide, local_decision, nan_injection
+from hpcpipe import checkpoint_mpi
+from hpcpipe import loss as losses
+from hpcpipe.backend import select_backend
+from hpcpipe.checkpoint import WeightsSource, resolve_weights
+from hpcpipe.comm import PipeComm, Poller, gather_to_root
+from hpcpipe.config import Config, resolve_layout
+from hpcpipe.data import ReplicaFeeder, check_data_file, open_data
+from hpcpipe.engine import Engine, StepFeed
+from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
+from hpcpipe.guard import StepDecision, decide, local_decision, nan_injection
+from hpcpipe.model import RankParameters, initial_arrays, layer_specs, partition
+from hpcpipe.optim import clip_factor, make_optimizer
+from hpcpipe.preflight import check_memory, check_output_file
+from hpcpipe.schedule.ir import PipeShape
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, shape_of
+from hpcpipe.schedule.validate import validate
+from hpcpipe.topology import make_topology
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,21 @@ class Plan:
 
     config: Config
     dp: int
-    pp: int
-    n_stages: int
+    shape: PipeShape                        # pp, stages, micro-batches and the schedule's stage -> rank placement
     stage_ranges: list[range]
     programs: list[list]
-    placement: str = "interleaved"          # the schedule's stage -> rank map (schedules.stage_rank)
     init: WeightsSource | None = None      # model.init, resolved and checked against the model
     resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return self.shape.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Global (virtual) stages: pp x virtual stages."""
+        return self.shape.n_stages
 
 
 RESUME_MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
@@ -125,16 +134,15 @@ def plan(config: Config, world_size: int) -> Plan:
         init = resolve_weights(config.model.init)
         init.check(specs)
     try:
-        placement = placement_of(par.schedule)
-        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), pp, n_stages,
-                         placement)
-        validate(programs, pp, n_stages, tr.micro_batches, placement)
+        shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
+        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape)
+        validate(programs, shape)
     except ScheduleError as exc:
         # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
         # refused on every rank before the first collective
         raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
-    check_memory(config, ranges, pp, placement, world_size)
-    return Plan(config, dp, pp, n_stages, ranges, programs, placement, init, resume)
+    check_memory(config, ranges, pp, shape.placement, world_size)
+    return Plan(config, dp, shape, ranges, programs, init, resume)
 
 
 class Trainer:
@@ -149,7 +157,7 @@ class Trainer:
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller)
         pp_rank = self.topo.pp_rank
-        self.my_stages = {s: p.stage_ranges[s] for s in rank_stages(pp_rank, p.pp, p.n_stages, p.placement)}
+        self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         specs = layer_specs(cfg)
         self.specs = specs
         self.params = RankParameters(specs, self.my_stages, xp, cfg.model.dtype)
@@ -161,11 +169,11 @@ class Trainer:
         widths = [cfg.model.dims[r.start] for r in p.stage_ranges] + [out_dim]
         self.first = 0 in self.my_stages
         self.last = p.n_stages - 1 in self.my_stages
-        self.engine = Engine(p.programs[pp_rank], self.params, self.comm, pp=p.pp, n_stages=p.n_stages,
-                             n_micro=tr.micro_batches, widths=widths, micro_batch_size=tr.micro_batch_size,
+        self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, widths=widths,
+                             micro_batch_size=tr.micro_batch_size,
                              loss_fn=losses.LOSSES[tr.loss], loss_scale=1.0 / replica_norm,
                              dtype=np.dtype(cfg.model.dtype), keep_input_grads=keep_input_grads,
-                             record_events=record_events, placement=p.placement)
+                             record_events=record_events)
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0

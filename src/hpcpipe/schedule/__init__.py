@@ -1,0 +1,1 @@
+"""Pipeline schedules as data: IR, builders, one registry, lowering, validation, simulation, pictures."""

@@ -189,6 +189,6 @@ def test_stop_signal_during_startup_stops_after_step_0_with_a_checkpoint(tmp_pat
     assert "BAD TERMINATION" not in out + err
     assert f"stopped for a stop signal on 8 of 8 rank(s) (SIGUSR1 here) after step 1 of {STEPS}" in out, \
         f"signalled {signalled:.2f} s after launch:\n{out}"
-    assert cf.read_latest(tmp_path / "ck") == cf.step_name(1)
+    assert cf.read_latest(tmp_path / "ck") == f"run-0001/{cf.step_name(1)}"
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 1
     assert wait_until_gone(str(tmp_path), 10) == []

@@ -51,8 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     g = args.batch
     for n in (20_000_000, 625_000_000):
-        plain = per_step(lambda s: step_samples(s, g, n, False, 0), args.steps)
-        shuffled = per_step(lambda s: step_samples(s, g, n, True, 0), args.steps)
+        plain = per_step(lambda s, n=n: step_samples(s, g, n, False, 0), args.steps)
+        shuffled = per_step(lambda s, n=n: step_samples(s, g, n, True, 0), args.steps)
         print(f"n={n:.3g} batch={g}: order per step {plain:.3f} ms unshuffled, {shuffled:.3f} ms shuffled")
     if args.old:
         n = 20_000_000

@@ -11,8 +11,8 @@ import time
 import h5py
 import numpy as np
 import pytest
-
 from helpers import mpiexec, run_command
+
 from hpcpipe.config import from_dict
 from hpcpipe.data import HDF5Data
 from hpcpipe.errors import DataError

@@ -67,7 +67,7 @@ def main() -> None:
                 x = f.create_dataset("x", (n, width), dtype=np.float32)
                 block = 1_000_000
                 for a in range(0, n, block):
-                    x[a:a + block] = np.float32(a)
+                    x[a:a + block] = np.full((block, width), a, np.float32)
             with h5py.File(path, "r") as f:
                 x = f["x"]
 

@@ -91,3 +91,15 @@ def test_nan_in_the_data_stops_the_run_naming_file_dataset_and_row(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"dataset 'x' in '{data}' holds a non-finite value (nan) in row 37" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_data_that_overflows_stops_with_77_naming_the_data_file(tmp_path):
+    # finite but huge inputs pass the NaN check and overflow float32 in the forward pass
+    data = tmp_path / "huge.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.full((64, 16), 3e38, np.float32)
+        f["y"] = np.zeros((64, 16), np.float32)
+    proc = run_command(2, "hpcpipe.train", _train_args(data, tmp_path / "m.jsonl", 20)
+                       + ["--set", "train.max_bad_steps=2"], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 77, proc.stderr
+    assert f"or look for extreme values in data.path '{data}'" in proc.stderr

@@ -37,7 +37,7 @@ def _data(path, x=None, y=None, **more):
 
 def _evaluate(*args):
     return subprocess.run([sys.executable, "-m", "hpcpipe.evaluate", *map(str, args)], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
 
 
 def test_labels_print_accuracy_and_cross_entropy(tmp_path):
@@ -88,8 +88,8 @@ CASES = {
     "x dtype": (lambda t: _data(t / "d.h5", x=np.zeros((10, 4), np.int32)),
                 "dataset 'x' in data file '{data}' has dtype int32; a float dtype is needed"),
     "y shape": (lambda t: _data(t / "d.h5", y=np.zeros((10, 2), np.float32)),
-                "dataset 'y' in data file '{data}' has shape (10, 2) dtype float32; the weights give 3 outputs: "
-                "integer labels of shape (10,) or float targets of shape (10, 3) are needed"),
+                ("dataset 'y' in data file '{data}' has shape (10, 2) dtype float32; the weights give 3 outputs: "
+                 "integer labels of shape (10,) or float targets of shape (10, 3) are needed")),
     "row counts differ": (lambda t: _data(t / "d.h5", y=np.zeros(9, np.int64)),
                           "dataset 'y' in data file '{data}' has 9 rows but 'x' has 10"),
     "label out of range": (lambda t: _data(t / "d.h5", y=np.array([0, 1, 2, 0, 1, 7, 2, 0, 1, 2])),

@@ -222,10 +222,10 @@ def _intact_checkpoint(root):
 def _clobber_cases(root):
     from hpcpipe.checkpoint import resolve_weights
     step_dir = resolve_weights(root).path
-    stage_file = sorted(step_dir.glob("*.h5"))[0]
+    stage_file = min(step_dir.glob("*.h5"))
     return {   # weights given as, output path, words of the refusal
-        "output is latest": (root, root / "latest", f"is inside the checkpoint directory '{root}' that holds the "
-                                                     f"weights"),
+        "output is latest": (root, root / "latest",
+                             f"is inside the checkpoint directory '{root}' that holds the weights"),
         "output is a stage file": (root, stage_file, "is inside the checkpoint directory"),
         "output is the manifest": (step_dir, step_dir / "manifest.json",
                                    f"is inside the checkpoint directory '{step_dir}' that holds the weights"),

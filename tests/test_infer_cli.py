@@ -279,3 +279,15 @@ def test_trace_or_report_on_the_output_or_input_is_refused(tmp_path, seed8):
     proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--report", data), cwd=tmp_path, timeout=60)
     assert f"report path '{data}' is the input file" in _one_error(proc)
     _no_output(tmp_path, out)
+
+
+def test_huge_micro_batch_size_on_a_small_input_runs_in_small_memory(tmp_path, seed8):
+    """infer.micro_batch_size = 5e6 over 32 rows: one micro-batch of 32 rows, buffers of 32 rows (was GBs)."""
+    weights, data, ref = seed8
+    out = tmp_path / "out.h5"
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--set", "infer.micro_batch_size=5000000"),
+                       cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "inferred 32 rows" in proc.stdout and "1 micro-batches of 5000000" in proc.stdout
+    with h5py.File(out, "r") as f:
+        assert np.max(np.abs(f["y"][...] - ref)) < 1e-4

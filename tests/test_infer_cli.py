@@ -202,3 +202,92 @@ def test_help_lists_the_options():
     for option in ("--weights PATH", "--input IN.h5", "--output OUT.h5", "--config FILE",
                    "--set SECTION.KEY=VALUE", "--trace FILE", "--report FILE"):
         assert option in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory):
+    """A checkpoint root written by one training step of the default model (dims 16 x 5, like seed 8's input)."""
+    base = tmp_path_factory.mktemp("ck")
+    proc = run_command(4, "hpcpipe.train", ["--set", "train.steps=1", "--set", "log.progress=false",
+                                            "--set", f"checkpoint.dir={json.dumps(str(base / 'ck'))}"], cwd=base)
+    assert proc.returncode == 0, proc.stderr
+    return base / "ck"
+
+
+def _intact_checkpoint(root):
+    from hpcpipe.checkpoint import verify
+    return verify(root).step
+
+
+def _clobber_cases(root):
+    from hpcpipe.checkpoint import resolve_weights
+    step_dir = resolve_weights(root).path
+    stage_file = min(step_dir.glob("*.h5"))
+    return {   # weights given as, output path, words of the refusal
+        "output is latest": (root, root / "latest",
+                             f"is inside the checkpoint directory '{root}' that holds the weights"),
+        "output is a stage file": (root, stage_file, "is inside the checkpoint directory"),
+        "output is the manifest": (step_dir, step_dir / "manifest.json",
+                                   f"is inside the checkpoint directory '{step_dir}' that holds the weights"),
+        "output is a new file in the root": (root, root / "out.h5", f"checkpoint directory '{root}'"),
+        "weights given as latest": (root / "latest", root / "out.h5", f"checkpoint directory '{root}'"),
+        "output is the step directory's new file": (root, step_dir / "out.h5", f"checkpoint directory '{root}'"),
+    }
+
+
+@pytest.mark.parametrize("case", ["output is latest", "output is a stage file", "output is the manifest",
+                                  "output is a new file in the root", "weights given as latest",
+                                  "output is the step directory's new file"])
+def test_output_inside_the_checkpoint_is_refused_and_the_checkpoint_kept(tmp_path, seed8, trained_checkpoint, case):
+    _, data, _ = seed8
+    weights, out, words = _clobber_cases(trained_checkpoint)[case]
+    before = {p: p.stat().st_mtime_ns for p in trained_checkpoint.rglob("*")}
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out), cwd=tmp_path, timeout=60)
+    stderr = _one_error(proc)
+    assert f"output path '{out}' " in stderr and words in stderr and "choose a path outside it" in stderr
+    assert {p: p.stat().st_mtime_ns for p in trained_checkpoint.rglob("*")} == before
+    assert _intact_checkpoint(trained_checkpoint) == 1
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "trace", "report"])
+def test_output_that_is_the_weights_file_is_refused_and_the_weights_still_load(tmp_path, seed8, how):
+    from hpcpipe.checkpoint import resolve_weights
+    weights, data, _ = seed8
+    out = {"same path": weights, "symlink": tmp_path / "link.h5", "hard link": tmp_path / "hard.h5"}.get(
+        how, tmp_path / "out.h5")
+    if how == "symlink":
+        out.symlink_to(weights)
+    elif how == "hard link":
+        os.link(weights, out)
+    more = {"trace": ["--trace", weights], "report": ["--report", weights]}.get(how, [])
+    content = weights.read_bytes()
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, *more), cwd=tmp_path, timeout=60)
+    stderr = _one_error(proc)
+    what = {"trace": "trace path", "report": "report path"}.get(how, "output path")
+    written = weights if how in ("trace", "report") else out
+    assert f"{what} '{written}' is the weights file '{weights}'; writing there would destroy it" in stderr
+    assert weights.read_bytes() == content
+    assert resolve_weights(weights).read([0, 1, 2, 3])[3]["weight"].shape == (16, 16)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_trace_or_report_on_the_output_or_input_is_refused(tmp_path, seed8):
+    weights, data, _ = seed8
+    out = tmp_path / "out.h5"
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--trace", out), cwd=tmp_path, timeout=60)
+    assert f"trace path '{out}' is the output file '{out}'; writing there would destroy it" in _one_error(proc)
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--report", data), cwd=tmp_path, timeout=60)
+    assert f"report path '{data}' is the input file" in _one_error(proc)
+    _no_output(tmp_path, out)
+
+
+def test_huge_micro_batch_size_on_a_small_input_runs_in_small_memory(tmp_path, seed8):
+    """infer.micro_batch_size = 5e6 over 32 rows: one micro-batch of 32 rows, buffers of 32 rows (was GBs)."""
+    weights, data, ref = seed8
+    out = tmp_path / "out.h5"
+    proc = run_command(4, "hpcpipe.infer", _args(weights, data, out, "--set", "infer.micro_batch_size=5000000"),
+                       cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "inferred 32 rows" in proc.stdout and "1 micro-batches of 5000000" in proc.stdout
+    with h5py.File(out, "r") as f:
+        assert np.max(np.abs(f["y"][...] - ref)) < 1e-4

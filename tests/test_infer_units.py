@@ -127,6 +127,34 @@ def test_steady_state_allocates_nothing_per_micro_batch(tmp_path):
     assert max(peaks) < buffer_bytes / 2, peaks
 
 
+def test_buffers_are_sized_by_the_rows_there_are_not_the_micro_batch_size(tmp_path):
+    """infer.micro_batch_size = 5e6 over 300 rows used to allocate 2.4 GB; now every buffer holds <= 300 rows."""
+    tracemalloc.start()
+    stage, arrays, x, out = _single_rank_stage(tmp_path, 300, batch=5_000_000, width=16)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    assert all(b.shape == (300, 16) for b in stage.in_bufs + stage.out_bufs)
+    assert all(buf.size <= 300 * 16 for buf in stage.chain.inter + stage.chain.bias_rows)
+    stage.run()
+    stage.close()
+    with h5py.File(out, "r") as f:
+        np.testing.assert_allclose(f["y"][...], reference_forward(arrays, {"activation": "gelu"}, x), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_input_truncated_while_streaming_is_an_error_naming_the_file(tmp_path):
+    import os
+
+    from hpcpipe.errors import DataError
+    stage, _, _, _ = _single_rank_stage(tmp_path, 100, batch=32, width=16)
+    data = tmp_path / "in-100.h5"
+    os.truncate(data, 4000)
+    with pytest.raises(DataError, match=f"input file '{data}' changed size during the run \\(4000 bytes"):
+        stage.run()
+    stage.close()
+
+
 def test_model_comes_from_the_weights_and_contradictions_name_both_values():
     stored = {"dims": [4, 8, 2], "bias": False, "activation": "tanh", "final_activation": False,
               "dtype": "float32", "seed": 3, "init": ""}

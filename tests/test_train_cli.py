@@ -69,6 +69,7 @@ def _bad_data(tmp_path):
     (6, [], "world size 6 is not divisible by parallel.pp (4)"),
     (6, ["--set", "parallel.dp=2"], "world size 6 does not equal parallel.dp (2) x parallel.pp (4) = 8"),
     (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/nonexistent/d.h5\""], "data.path '/nonexistent/d.h5' does not exist"),
+    (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/tmp\""], "data.path '/tmp' is a directory, not an HDF5 file"),
     (2, ["--set", "parallel.pp=2", "--set", "data.path=\"BAD\""],
      "dataset 'x' in 'BAD' has shape (10, 8); model.dims[0] = 16 needs (N, 16)"),
     (2, ["--config", "/nonexistent/c.toml"], "config file '/nonexistent/c.toml' does not exist"),

@@ -22,7 +22,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from .errors import AgreedError, ConfigError
+from .errors import AgreedError, ConfigError, HpcpipeError
 from .guard import EXIT_INTERRUPTED
 
 EXIT_CONFIG = 2
@@ -92,7 +92,7 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         if isinstance(exc, SystemExit) and not exc.code:
             raise
         name = label()
-        detail = "" if isinstance(exc, (ConfigError, KeyboardInterrupt)) else "\n" + traceback.format_exc()
+        detail = "" if isinstance(exc, (HpcpipeError, KeyboardInterrupt)) else "\n" + traceback.format_exc()
         print(f"hpcpipe: [{name}] error: {type(exc).__name__}: {exc}{detail}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG if isinstance(exc, ConfigError) else \
             EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE

@@ -4,8 +4,11 @@ Which sample goes where (fixed, documented, independent of pp and schedule):
 
 * Step s consumes global positions ``s*G .. s*G + G - 1`` of the sample
   stream, G = dp x micro_batches x micro_batch_size. Position p is sample
-  ``p mod N`` of epoch ``p div N`` (file order, or a permutation seeded by
-  (data.seed, epoch) when data.shuffle is true).
+  ``p mod N`` of epoch ``p div N``: file order, or, when data.shuffle is
+  true, the sample at place ``p mod N`` of a permutation of [0, N) seeded by
+  (data.seed, epoch) (:class:`hpcpipe.shuffle.EpochPermutation`, a keyed
+  bijection evaluated only at the step's positions: O(batch) time and
+  memory per step, whatever N is).
 * Within the step's global batch, micro-batch m is the slice
   ``[m*dp*B, (m+1)*dp*B)`` and replica d takes rows ``[d*B, (d+1)*B)`` of it
   (B = micro_batch_size), as in the seeds' dp-sharded micro-batches.
@@ -16,14 +19,13 @@ each reads just its replica's rows, never the whole file.
 
 from __future__ import annotations
 
-from typing import Any
-
 import h5py
 import numpy as np
 
 from .config import Config
 from .errors import ConfigError
-from .h5files import open_hdf5
+from .h5files import WatchedFile, file_identity, open_hdf5
+from .shuffle import EpochPermutation
 
 
 class SyntheticData:
@@ -53,16 +55,17 @@ class SyntheticData:
 
 
 class HDF5Data:
-    """Samples read on demand from datasets x and y of an HDF5 file."""
+    """Samples read on demand from datasets x and y of an HDF5 file (its size re-checked after every read)."""
 
     def __init__(self, config: Config):
         self.path, self.xname, self.yname = config.data.path, config.data.x, config.data.y
         self.n = check_data_file(config)
-        self._file: Any = None
+        self.identity = file_identity(self.path)   # what was checked: any later change is a DataError
+        self._file: WatchedFile | None = None
 
-    def _f(self):
+    def _f(self) -> WatchedFile:
         if self._file is None:
-            self._file = h5py.File(self.path, "r")
+            self._file = WatchedFile(self.path, f"data file {self.path!r}", self.identity)
         return self._file
 
     def __len__(self) -> int:
@@ -71,10 +74,15 @@ class HDF5Data:
     def _read(self, name: str, idx: np.ndarray) -> np.ndarray:
         # h5py fancy selection needs increasing unique indices: read sorted, then restore order
         uniq, inverse = np.unique(idx, return_inverse=True)
-        if len(uniq) and uniq[-1] - uniq[0] + 1 == len(uniq):
-            rows = self._f()[name][int(uniq[0]):int(uniq[-1]) + 1]
-        else:
-            rows = self._f()[name][uniq]
+        watched = self._f()
+        try:
+            if len(uniq) and uniq[-1] - uniq[0] + 1 == len(uniq):
+                rows = watched.file[name][int(uniq[0]):int(uniq[-1]) + 1]
+            else:
+                rows = watched.file[name][uniq]
+        except OSError as exc:
+            raise watched.read_failed(f"dataset {name!r}", exc) from None
+        watched.check()   # a file truncated under us reads as zeros: refuse those rows
         return rows[inverse]
 
     def read_x(self, idx: np.ndarray) -> np.ndarray:
@@ -124,22 +132,24 @@ def open_data(config: Config) -> SyntheticData | HDF5Data:
     return HDF5Data(config) if config.data.path else SyntheticData(config)
 
 
-def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int, offset: int = 0) -> np.ndarray:
+def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int, offset: int = 0,
+                 rows: np.ndarray | None = None) -> np.ndarray:
     """Return the sample indices of a step's global batch (see the module docstring).
 
     ``offset`` shifts the stream position (``offset + step*G``); it is 0 except after
-    resuming a checkpoint taken with a different global batch size.
+    resuming a checkpoint taken with a different global batch size. ``rows`` picks
+    positions inside the global batch (a replica's share); default all G of them.
+    Time and memory are O(len(rows)), whatever n is.
     """
     start = offset + step * global_batch
-    positions = np.arange(start, start + global_batch, dtype=np.int64)
+    positions = start + (np.arange(global_batch, dtype=np.int64) if rows is None else np.asarray(rows, np.int64))
     epochs, offsets = np.divmod(positions, n)
     if not shuffle:
         return offsets
     out = np.empty_like(offsets)
-    for epoch in np.unique(epochs):
-        perm = np.random.default_rng([seed, int(epoch)]).permutation(n)
+    for epoch in np.unique(epochs):   # a step spans at most a few epochs
         sel = epochs == epoch
-        out[sel] = perm[offsets[sel]]
+        out[sel] = EpochPermutation(n, seed, int(epoch))(offsets[sel])
     return out
 
 
@@ -165,6 +175,7 @@ class ReplicaFeeder:
         self.offset = 0      # stream position shift, set when resuming at another global batch size
         self.n_classes = config.model.dims[-1] if config.train.loss == "cross_entropy" else 0
         self.label = config.data.path or "the synthetic data"
+        self.xname, self.yname = config.data.x, config.data.y
 
     def position(self, step: int) -> int:
         """Return the stream position (samples consumed) before the given step."""
@@ -174,16 +185,37 @@ class ReplicaFeeder:
         """Return ([x per micro-batch], [y per micro-batch]) for this replica at a step (empty when not needed)."""
         if not (self.need_x or self.need_y):
             return [], []
-        idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed,
-                           self.offset)[self.rows]
-        xs = np.split(np.ascontiguousarray(self.source.read_x(idx), dtype=self.dtype), self.n_micro) \
-            if self.need_x else []
-        ys = np.split(self.source.read_y(idx), self.n_micro) if self.need_y else []
-        if ys and ys[0].dtype.kind == "f":
-            ys = [y.astype(self.dtype, copy=False) for y in ys]
+        idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed, self.offset,
+                           self.rows)
+        x = np.ascontiguousarray(self.source.read_x(idx), dtype=self.dtype) if self.need_x else None
+        y = self.source.read_y(idx) if self.need_y else None
+        if y is not None and y.dtype.kind == "f":
+            y = y.astype(self.dtype, copy=False)
+        for name, rows in ((self.xname, x), (self.yname, y)):
+            if rows is not None and rows.dtype.kind == "f":
+                self._check_finite(name, rows, idx, step)
+        xs = np.split(x, self.n_micro) if x is not None else []
+        ys = np.split(y, self.n_micro) if y is not None else []
         if self.n_classes and ys:
             bad = [int(v) for y in ys for v in y[(y < 0) | (y >= self.n_classes)]]
             if bad:
                 raise ConfigError(f"labels in {self.label!r} must be in [0, {self.n_classes}) for "
                                   f"model.dims[-1] = {self.n_classes}; step {step} reads label {bad[0]}")
         return xs, ys
+
+    def _check_finite(self, name: str, rows: np.ndarray, idx: np.ndarray, step: int) -> None:
+        """Raise ConfigError naming the file, dataset and sample when a row read holds NaN or Inf.
+
+        A non-finite input or target makes every step that contains it non-finite: the
+        run would skip those steps (or stop with exit 77) instead of saying why. One
+        pass over the rows just read: O(batch), nothing is scanned ahead.
+        """
+        finite = np.isfinite(rows)
+        if finite.all():
+            return
+        bad = np.flatnonzero(~finite.reshape(len(rows), -1).all(axis=1))
+        sample = int(np.min(idx[bad]))
+        value = rows[idx == sample].reshape(-1)
+        value = value[~np.isfinite(value)][0]
+        raise ConfigError(f"dataset {name!r} in {self.label!r} holds a non-finite value ({value}) in row {sample} "
+                          f"(read at step {step}); fix or drop that row")

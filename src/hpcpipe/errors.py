@@ -24,3 +24,7 @@ class AgreedError(HpcpipeError):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+class DataError(HpcpipeError):
+    """An input file changed or became unreadable while running (exit 1: the job is aborted, the file named)."""

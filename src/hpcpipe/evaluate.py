@@ -4,7 +4,12 @@
 
 Weights are anything :func:`hpcpipe.checkpoint.resolve_weights` accepts; the
 model (dims, activation, final_activation) is the one stored with them.
-Prints accuracy (integer labels) or mean squared error (float targets).
+Prints one JSON line: ``{"n", "accuracy", "cross_entropy", "weights", "step"}``
+for integer labels (cross_entropy = mean softmax cross entropy of the outputs
+as logits) or ``{"n", "mse", "weights", "step"}`` for float targets. Bad
+input (a file that is not HDF5, a directory, missing datasets, wrong shapes
+or dtypes, row counts that differ, NaN/Inf values, labels out of range) is
+one ``hpcpipe.evaluate: error:`` line naming the file, exit status 2.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 
 from .checkpoint import resolve_weights
 from .errors import ConfigError
+from .h5files import open_hdf5
 from .layers import make_activation
 
 
@@ -37,27 +43,96 @@ def forward(arrays: dict[int, dict[str, np.ndarray]], model: dict[str, Any], x: 
     return a
 
 
+CHUNK_ROWS = 65536   # rows evaluated at a time: memory stays bounded whatever the file's size
+
+
+def _first_bad_row(ok: np.ndarray) -> int:
+    """Index of the first row with a False anywhere in it."""
+    return int(np.flatnonzero(~ok.reshape(len(ok), -1).all(axis=1))[0])
+
+
+def check_eval_data(f: h5py.File, label: str, x_name: str, y_name: str, in_dim: int, out_dim: int) -> bool:
+    """Check datasets, shapes and dtypes against the weights; return True for integer labels, False for targets."""
+    for name in (x_name, y_name):
+        if name not in f or not isinstance(f[name], h5py.Dataset):
+            raise ConfigError(f"{label} has no dataset {name!r} (it has: {sorted(f.keys())})")
+    x, y = f[x_name], f[y_name]
+    if x.ndim != 2 or x.shape[1] != in_dim:
+        raise ConfigError(f"dataset {x_name!r} in {label} has shape {x.shape}; the weights take {in_dim} features: "
+                          f"(N, {in_dim}) is needed")
+    if x.dtype.kind != "f":
+        raise ConfigError(f"dataset {x_name!r} in {label} has dtype {x.dtype}; a float dtype is needed")
+    n = x.shape[0]
+    if n == 0:
+        raise ConfigError(f"{label} holds no samples (dataset {x_name!r} has 0 rows)")
+    if y.ndim >= 1 and y.shape[0] != n:
+        raise ConfigError(f"dataset {y_name!r} in {label} has {y.shape[0]} rows but {x_name!r} has {n}")
+    if y.dtype.kind in "iu" and y.shape == (n,):
+        return True
+    if y.dtype.kind == "f" and y.shape == (n, out_dim):
+        return False
+    raise ConfigError(f"dataset {y_name!r} in {label} has shape {y.shape} dtype {y.dtype}; the weights give "
+                      f"{out_dim} outputs: integer labels of shape ({n},) or float targets of shape ({n}, {out_dim}) "
+                      f"are needed")
+
+
+def _read(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
+    try:
+        return dset[a:b]
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot read rows {a}..{b - 1} of dataset {dset.name.lstrip('/')!r}: {exc}") \
+            from None
+
+
 def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
-    """Return {'n', 'accuracy'} for integer labels or {'n', 'mse'} for float targets on a data file."""
+    """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets.
+
+    The data are checked against the weights first (datasets, shapes, dtypes,
+    row counts), then read CHUNK_ROWS at a time; a NaN/Inf input or target, a
+    label outside [0, outputs) or a non-finite model output is a ConfigError
+    naming the dataset and the first bad row, never a NaN in the result.
+    ``cross_entropy`` is the mean softmax cross entropy of the outputs taken
+    as logits (as ``train.loss = "cross_entropy"``); ``mse`` the mean over
+    every element (as ``train.loss = "mse"``).
+    """
     source = resolve_weights(weights)
     arrays = source.read(list(range(source.n_layers)))
-    p = Path(data)
-    if not p.is_file():
-        raise ConfigError(f"data file {str(p)!r} does not exist")
-    with h5py.File(p, "r") as f:
-        for name in (x_name, y_name):
-            if name not in f:
-                raise ConfigError(f"data file {str(p)!r} has no dataset {name!r}")
-        x, y = f[x_name][...], f[y_name][...]
-    if x.ndim != 2 or x.shape[1] != arrays[0]["weight"].shape[0]:
-        raise ConfigError(f"dataset {x_name!r} in {str(p)!r} has shape {x.shape}; the weights take "
-                          f"{arrays[0]['weight'].shape[0]} features")
-    out = forward(arrays, source.model, x)
-    result: dict[str, Any] = {"n": int(len(x)), "weights": str(source.path), "step": source.step}
-    if y.dtype.kind in "iu":
-        result["accuracy"] = float(np.mean(out.argmax(axis=1) == y))
+    in_dim, out_dim = arrays[0]["weight"].shape[0], arrays[source.n_layers - 1]["weight"].shape[1]
+    label = f"data file {str(data)!r}"
+    with open_hdf5(data, label) as f:
+        labels = check_eval_data(f, label, x_name, y_name, in_dim, out_dim)
+        x, y = f[x_name], f[y_name]
+        n = x.shape[0]
+        correct, total = 0, 0.0
+        for a in range(0, n, CHUNK_ROWS):
+            b = min(a + CHUNK_ROWS, n)
+            xs, ys = _read(x, a, b, label), _read(y, a, b, label)
+            for name, rows in ((x_name, xs), (y_name, ys)):
+                if rows.dtype.kind == "f" and not np.isfinite(rows).all():
+                    r = _first_bad_row(np.isfinite(rows))
+                    raise ConfigError(f"dataset {name!r} in {label} holds a non-finite value in row {a + r} "
+                                      f"({rows[r].reshape(-1)[~np.isfinite(rows[r].reshape(-1))][0]})")
+            if labels and ((ys < 0) | (ys >= out_dim)).any():
+                r = int(np.flatnonzero((ys < 0) | (ys >= out_dim))[0])
+                raise ConfigError(f"dataset {y_name!r} in {label} holds label {int(ys[r])} in row {a + r}; the "
+                                  f"weights give {out_dim} classes: labels must be in [0, {out_dim})")
+            out = forward(arrays, source.model, xs).astype(np.float64)
+            if not np.isfinite(out).all():
+                r = _first_bad_row(np.isfinite(out))
+                raise ConfigError(f"the output of {source.describe()} for row {a + r} of {label} is not finite "
+                                  f"(non-finite weights, or values beyond float32)")
+            if labels:
+                correct += int(np.sum(out.argmax(axis=1) == ys))
+                shifted = out - out.max(axis=1, keepdims=True)
+                total += float(np.sum(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(ys)), ys]))
+            else:
+                total += float(np.sum((out - ys) ** 2))
+    result: dict[str, Any] = {"n": int(n)}
+    if labels:
+        result.update(accuracy=correct / n, cross_entropy=total / n)
     else:
-        result["mse"] = float(np.mean((out - y) ** 2))
+        result["mse"] = total / (n * out_dim)
+    result.update(weights=str(source.path), step=source.step)
     return result
 
 
@@ -66,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", required=True, help="weights file, checkpoint root or step directory")
     parser.add_argument("--data", required=True, help="HDF5 file with datasets x and y")
-    parser.add_argument("--x", default="x")
-    parser.add_argument("--y", default="y")
+    parser.add_argument("--x", default="x", help="input dataset (N, features), float")
+    parser.add_argument("--y", default="y", help="integer labels (N,) or float targets (N, outputs)")
     args = parser.parse_args(argv)
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))
     except ConfigError as exc:
+        print(f"hpcpipe.evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # e.g. a file unreadable at the system level: still one line naming it
         print(f"hpcpipe.evaluate: error: {exc}", file=sys.stderr)
         return 2
     return 0

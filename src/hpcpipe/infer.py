@@ -31,18 +31,8 @@ from .comm import Poller, abort, agree, barrier, broadcast, clock_offset, gather
 from .config import Config, from_dict, load_raw, resolve_layout
 from .errors import AgreedError, ConfigError
 from .infer_engine import StreamStage
-from .infer_io import (
-    RowReader,
-    RowWriter,
-    check_input,
-    check_output,
-    check_writable,
-    commit,
-    create_output,
-    discard,
-    replica_micro_batches,
-    temporary_name,
-)
+from .infer_io import (RowReader, RowWriter, check_input, check_output, commit, create_output,
+                       discard, replica_micro_batches, temporary_name)
 from .infer_report import format_summary, summarize
 from .layers import make_activation
 from .model import layer_specs, partition
@@ -99,8 +89,14 @@ def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) 
 
 def plan(weights: str | Path, input: str | Path, output: str | Path, world_size: int,
          config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
-         trace: str = "") -> InferPlan:
-    """Check weights, config, layout, input, output and trace paths locally; raise ConfigError naming what is wrong."""
+         trace: str = "", report: str = "") -> InferPlan:
+    """Check weights, config, layout, input, output, trace and report paths locally; raise ConfigError naming what is wrong.
+
+    Nothing the run writes (output, trace, report) may be the input, the
+    weights file, or lie inside the checkpoint the weights come from (the
+    directory given as --weights, the one holding a given ``latest`` file,
+    and the resolved step directory).
+    """
     source = resolve_weights(weights)
     raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
     if isinstance(config, dict):
@@ -117,11 +113,28 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     ranges = partition(specs, pp, cfg.parallel.stage_layers)
     source.check(specs)
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
-    check_output(output, input)
+    files, dirs = weights_protection(weights, source)
+    check_output(output, input, files, dirs)
     trace = trace or cfg.log.trace
+    written = ((f"the output file {str(output)!r}", Path(output)),)
     if trace:
-        check_writable(trace, "trace path")
+        check_output(trace, input, files + written, dirs, "trace path")
+        written += ((f"the trace file {str(trace)!r}", Path(trace)),)
+    if report:
+        check_output(report, input, files + written, dirs, "report path")
     return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)
+
+
+def weights_protection(weights: str | Path, source: WeightsSource) -> tuple[tuple[tuple[str, Path], ...],
+                                                                         tuple[tuple[str, Path], ...]]:
+    """Return (files, directories) the run must not write into: the weights file, or the checkpoint's directories."""
+    if source.kind == "file":
+        return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
+    given = Path(weights)
+    top = given.parent if given.is_file() else given      # a `latest` pointer: its checkpoint root
+    dirs = [top] if os.path.realpath(top) != os.path.realpath(source.path) else []
+    dirs.append(Path(source.path))
+    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)
 
 
 def fault_step(rank: int) -> int:
@@ -305,10 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
 
     def planner() -> InferPlan:
-        if args.report:
-            check_writable(args.report, "report path")
         return plan(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides,
-                    args.trace)
+                    args.trace, args.report)
 
     def body(p: InferPlan) -> int:
         report = execute(p, world)

@@ -102,10 +102,14 @@ class StreamStage:
         self.n_rows, self.batch = n_rows, batch
         self.slots = slots
         self.reader, self.writer = reader, writer
-        tail = n_rows % batch
-        self.in_bufs = [np.zeros((batch, in_width), dtype=dtype) for _ in range(slots)]
-        self.out_bufs = [np.zeros((batch, out_width), dtype=dtype) for _ in range(slots)]
-        self.chain = ForwardChain(layers, batch, tail, self.in_bufs, self.out_bufs, dtype)
+        self.rows = [micro_batch_rows(m, n_rows, batch) for m in micro_batches]
+        # buffers as large as this replica's largest micro-batch, not infer.micro_batch_size:
+        # 5e6-row micro-batches over a 300-row input must not allocate gigabytes
+        cap = max((rows for _, rows in self.rows), default=0)
+        tail = n_rows % batch if n_rows % batch < cap else 0
+        self.in_bufs = [np.zeros((cap, in_width), dtype=dtype) for _ in range(slots)]
+        self.out_bufs = [np.zeros((cap, out_width), dtype=dtype) for _ in range(slots)]
+        self.chain = ForwardChain(layers, cap, tail, self.in_bufs, self.out_bufs, dtype)
         # tags: one stream per pipeline link, named by the sending stage
         self.recv = StreamLink(pp_comm, prev, self.in_bufs, 100 + prev, False, poller) if prev >= 0 else None
         self.send = StreamLink(pp_comm, next, self.out_bufs, 100 + pp_comm.Get_rank(), True, poller) \
@@ -122,7 +126,6 @@ class StreamStage:
             self.progress = links[0].progress
         else:
             self.progress = lambda: None
-        self.rows = [micro_batch_rows(m, n_rows, batch) for m in micro_batches]
         self.out_views = {rows: [buf[:rows] for buf in self.out_bufs] for _, rows in self.rows}
         self.events = np.zeros((len(micro_batches), len(EVENT_FIELDS)), dtype=np.float64)
         self.end_time = 0.0

@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 
 from .errors import ConfigError
-from .h5files import open_hdf5
+from .h5files import WatchedFile, open_hdf5
 
 
 def n_micro_batches(n_rows: int, batch: int) -> int:
@@ -85,12 +85,39 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
         raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
 
 
-def check_output(path: str | Path, input_path: str | Path) -> None:
-    """Raise ConfigError unless the output path can be created: its directory exists and it is not the input."""
-    check_writable(path, "output path")
+def _same_file(a: Path, b: Path) -> bool:
+    """True when both exist and are one file (symlinks followed, hard links included: same device and inode)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """True when path, with symlinks resolved, is directory itself or lies under it."""
+    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    return real == top or top in real.parents
+
+
+def check_output(path: str | Path, input_path: str | Path, protected_files: tuple[tuple[str, Path], ...] = (),
+                 protected_dirs: tuple[tuple[str, Path], ...] = (), what: str = "output path") -> None:
+    """Raise ConfigError unless a file can be created at path without replacing what the run reads.
+
+    Its directory must exist and be writable, and it must not be the input
+    file, one of ``protected_files`` or anything inside ``protected_dirs``
+    ((label, path) pairs, the label a phrase like "the weights file 'w.h5'").
+    Paths are compared after resolving symlinks, and hard links count as the same file.
+    """
+    check_writable(path, what)
     p = Path(path)
-    if p.exists() and Path(input_path).exists() and os.path.samefile(p, input_path):
-        raise ConfigError(f"output path {str(p)!r} is the input file")
+    if _same_file(p, Path(input_path)):
+        raise ConfigError(f"{what} {str(p)!r} is the input file")
+    for label, other in protected_files:
+        if _same_file(p, other) or os.path.realpath(p) == os.path.realpath(other):
+            raise ConfigError(f"{what} {str(p)!r} is {label}; writing there would destroy it")
+    for label, directory in protected_dirs:
+        if _inside(p, directory):
+            raise ConfigError(f"{what} {str(p)!r} is inside {label}; choose a path outside it")
 
 
 def temporary_name(path: str | Path) -> Path:
@@ -122,25 +149,33 @@ def create_output(tmp: Path, n_rows: int, width: int, dtype: str, dataset: str,
 class RowReader:
     """Reads micro-batches of input rows into caller-provided buffers (HDF5 converts the dtype).
 
+    The input's size is re-checked after every read (:class:`hpcpipe.h5files.WatchedFile`):
+    a file truncated during the run is a DataError naming it, never rows of zeros.
+
     Uses h5py's low-level calls with dataspaces made once, so a read creates
     no HDF5 objects (h5py's ``read_direct`` builds selections per call).
     """
 
     def __init__(self, path: str | Path, dataset: str, batch: int, dtype: Any):
-        self.file = h5py.File(path, "r")
+        self.watched = WatchedFile(path, f"input file {str(path)!r}")
+        self.file = self.watched.file
         self.dataset = self.file[dataset]
         self.width = self.dataset.shape[1]
         self.fspace = self.dataset.id.get_space()
         self.mtype = h5py.h5t.py_create(np.dtype(dtype))
         self.mspaces: dict[int, Any] = {}
         n = self.dataset.shape[0]
-        for rows in {batch, n % batch} - {0}:
+        for rows in {min(batch, n), n % batch} - {0}:   # only the row counts that occur
             self.mspaces[rows] = h5py.h5s.create_simple((rows, self.width))
 
     def read(self, start: int, rows: int, out: np.ndarray) -> None:
         """Fill out[:rows] with input rows [start, start + rows)."""
         self.fspace.select_hyperslab((start, 0), (rows, self.width))
-        self.dataset.id.read(self.mspaces[rows], self.fspace, out[:rows], self.mtype)
+        try:
+            self.dataset.id.read(self.mspaces[rows], self.fspace, out[:rows], self.mtype)
+        except OSError as exc:
+            raise self.watched.read_failed(f"rows {start}..{start + rows - 1}", exc) from None
+        self.watched.check()   # HDF5 reads zeros past the end of a file truncated under us
 
     def close(self) -> None:
         """Close the input file."""

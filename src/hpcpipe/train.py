@@ -154,6 +154,8 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     every, saved = cfg.checkpoint.every, trainer.start_step
     saves, save_s = 0, 0.0
     bad_run: list[int] = []
+    # NaN/Inf rows are refused when read; huge finite values can still overflow
+    data_hint = f", or look for extreme values in data.path {cfg.data.path!r}" if cfg.data.path else ""
     skipped = 0
     stopped = ""
     beat = watchdog.beat if watchdog else (lambda phase: None)
@@ -190,7 +192,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
                 raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0]}..{bad_run[-1]}) had a "
                                   f"non-finite loss or gradient (train.max_bad_steps = {cfg.train.max_bad_steps}); "
                                   f"the parameters are still those from before step {bad_run[0]}; no checkpoint written "
-                                  f"(lower train.lr or set train.grad_clip)", code=EXIT_DIVERGED)
+                                  f"(lower train.lr or set train.grad_clip{data_hint})", code=EXIT_DIVERGED)
             done = step + 1
             if cfg.checkpoint.dir and every and done % every == 0:
                 beat(f"checkpoint save of step {done}")

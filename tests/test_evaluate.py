@@ -130,7 +130,8 @@ def test_bad_data_is_one_line_exit_2(tmp_path, case):
 @pytest.mark.parametrize("case, message", [
     ("missing", "checkpoint '{w}' does not exist"),
     ("not hdf5", "weights file '{w}' is not an HDF5 file"),
-    ("non-finite", "the output of weights file '{w}' for row 0 of data file '{data}' is not finite"),
+    ("non-finite", "weights file '{w}': layers/0000/weight holds 20 non-finite value(s)"),
+    ("overflowing", "the output of weights file '{w}' for row 0 of data file '{data}' is not finite"),
 ])
 def test_bad_weights_are_one_line_exit_2(tmp_path, case, message):
     data = _data(tmp_path / "d.h5")
@@ -138,7 +139,11 @@ def test_bad_weights_are_one_line_exit_2(tmp_path, case, message):
     if case == "not hdf5":
         w.write_text("not weights")
     elif case == "non-finite":
-        _weights(w, scale=np.inf)
+        _weights(w, scale=np.inf)       # refused when read
+    elif case == "overflowing":           # finite weights whose sum overflows float32: 5 x tanh(1) x 3e38
+        write_weights(w, {0: {"weight": np.zeros((4, 5), np.float32), "bias": np.ones(5, np.float32)},
+                          1: {"weight": np.full((5, 3), 3e38, np.float32), "bias": np.zeros(3, np.float32)}},
+                      n_layers=2, model_config=MODEL)
     proc = _evaluate("--weights", w, "--data", data)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("hpcpipe.evaluate: error:") == 1 and "Traceback" not in proc.stderr

@@ -18,7 +18,15 @@ from .cli import fault_injection, run_planned
 from .comm import gather_to_root
 from .config import load_config
 from .errors import AgreedError
-from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, StopSignals, Watchdog, stall_injection
+from .guard import (
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    StopSignals,
+    Watchdog,
+    stall_injection,
+    write_stop_marker,
+)
+from .runenv import stdout_is_terminal
 
 DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
@@ -67,13 +75,18 @@ def write_pid(world_rank: int) -> None:
 
 
 class Progress:
-    """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics."""
+    """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics.
+
+    Redrawing with '\\r' only where a person watches a terminal: under Open MPI
+    every rank's stdout is a pty even when mpirun writes to a file, so
+    runenv.stdout_is_terminal asks mpirun's own stdout instead.
+    """
 
     def __init__(self, config: Any, trainer: Any):
         self.cfg = config
         self.trainer = trainer
         self.total = config.train.steps
-        self.tty = sys.stdout.isatty()
+        self.tty = stdout_is_terminal()
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
@@ -260,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             stop.close()
         if world.Get_rank() == 0:
             report(p, trainer, summary)
+            if summary["stopped"]:   # the batch script's proof of exit 75, whatever the launcher returns
+                write_stop_marker(summary["saved_step"] if p.config.checkpoint.dir else None, summary["stopped"],
+                                  p.config.checkpoint.dir)
         trainer.close()
         return EXIT_PREEMPTED if summary["stopped"] else 0
 

@@ -37,6 +37,7 @@ def test_mpi4py_build_names_the_wheel_abi_or_the_compiler_of_a_source_build():
     assert runenv.mpi4py_build(wheel, {}, "4.1.2") == "mpi4py 4.1.2 wheel, openmpi ABI"
     source = "/v/mpi4py/MPI.cpython-311-x86_64-linux-gnu.so"
     assert runenv.mpi4py_build(source, {"mpicc": "/usr/bin/mpicc"}, "4.1.2") == "mpi4py 4.1.2 built with /usr/bin/mpicc"
+    assert runenv.mpi4py_build(source, {}, "4.1.2") == "mpi4py 4.1.2 built from source"
 
 
 def test_mpi_line_is_one_line_with_library_path_build_and_ranks():

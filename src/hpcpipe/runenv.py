@@ -46,7 +46,7 @@ def mpi4py_build(module_file: str, config: dict[str, Any], version: str) -> str:
     if len(parts) > 2 and parts[1] in ("mpich", "openmpi", "mpiabi", "impi", "msmpi"):
         return f"mpi4py {version} wheel, {parts[1]} ABI"
     compiler = config.get("mpicc") or config.get("MPICC") or ""
-    return f"mpi4py {version} built with {compiler}" if compiler else f"mpi4py {version}"
+    return f"mpi4py {version} built with {compiler}" if compiler else f"mpi4py {version} built from source"
 
 
 def mpi_line(version_text: str, size: int, libmpi: str, build: str) -> str:

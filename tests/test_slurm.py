@@ -175,7 +175,6 @@ def _preempt_requeue_and_finish(slurm: Slurm, job: str, work: Path, signal_name:
     assert "requeueing job" in out and f"hpcpipe job {job} (restart 1)" in out and "--resume" in out, out
     stopped = int(out.split("resumed at step ")[1].split(")")[0])
     assert 2 <= stopped < STEPS
-    assert f"checkpoint of step {stopped}" in out
     assert f"step {STEPS}" in _verify(work / "ck")
     return info, out, stopped
 
@@ -191,7 +190,7 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm,
     _, ref_work, _ = uninterrupted
     job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
     _, out, stopped = _preempt_requeue_and_finish(slurm, job, tmp_path, "USR1")
-    assert "training exited with status 75" in out, out
+    assert "training exited with status 75" in out and f"checkpoint of step {stopped}" in out, out
     assert f"stop marker {tmp_path / f'hpcpipe-stop-{job}.json'}: " in out and '"step": %d' % stopped in out, out
     assert not list(tmp_path.glob("hpcpipe-stop-*"))
     _same_final_state(tmp_path, ref_work)
@@ -207,6 +206,7 @@ def test_open_mpi_mpirun_sigterm_requeues_through_the_stop_marker(slurm, uninter
     _, out, stopped = _preempt_requeue_and_finish(slurm, job, tmp_path, "TERM")
     assert "Open MPI launcher: MPI4PY_LIBMPI=" in out and "hpcpipe: MPI: Open MPI" in out, out
     assert out.count("hpcpipe: MPI: Open MPI") == 2 and ", 8 ranks" in out, out     # both runs, on Open MPI
+    # (rank 0's own "stopped ... checkpoint of step N" line may be lost: mpirun stops forwarding output on SIGTERM)
     launcher_rc = int(out.split("training exited with status ")[1].split()[0])
     assert f"the launcher returned {launcher_rc})" in out and '"step": %d' % stopped in out, out
     _same_final_state(tmp_path, ref_work)

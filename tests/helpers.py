@@ -117,15 +117,9 @@ def replica_input_grads(input_grads: dict, dp: int, n_micro: int, batch: int, di
 
 
 def mpiexec() -> str:
-    """Path of mpiexec: the one beside this Python (the mpich wheel), else the one on PATH."""
-    import shutil
-    import sys
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
-    if not found:
-        import pytest
-        pytest.skip("no mpiexec found (pip install 'hpcpipe[mpich]' or load your MPI module)")
-    return found
+    """Path of the launcher (tests/launchers.py): the mpiexec beside this Python unless HPCPIPE_TEST_LAUNCHER says."""
+    import launchers
+    return launchers.prefix(1)[0]
 
 
 def run_command(n: int, module: str, args: list[str], timeout: float = 120, env: dict | None = None, cwd=None):
@@ -134,5 +128,6 @@ def run_command(n: int, module: str, args: list[str], timeout: float = 120, env:
     import sys
     full_env = dict(os.environ, **(env or {}))
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-m", module, *args], capture_output=True,
+    import launchers
+    return subprocess.run([*launchers.prefix(n), sys.executable, "-m", module, *args], capture_output=True,
                           text=True, timeout=timeout, env=full_env, cwd=cwd)

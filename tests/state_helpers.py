@@ -4,30 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import h5py
+import launchers
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def mpiexec() -> str:
-    """Return the mpiexec beside this interpreter (the venv's), else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if not found:
-        import pytest
-        pytest.skip("no mpiexec")
-    return found
+    """Return the chosen launcher (tests/launchers.py: HPCPIPE_TEST_LAUNCHER; default the venv's mpiexec)."""
+    return launchers.prefix(1)[0]
 
 
 def command(n: int, module: str, args: list[str]) -> list[str]:
-    """Return the argv of `mpiexec -n N python -m MODULE ARGS`."""
-    return [mpiexec(), "-n", str(n), sys.executable, "-m", module, *args]
+    """Return the argv of `mpiexec -n N python -m MODULE ARGS` (or the launcher HPCPIPE_TEST_LAUNCHER names)."""
+    return [*launchers.prefix(n), sys.executable, "-m", module, *args]
 
 
 def run(argv: list[str], timeout: float = 180, env: dict | None = None, cwd: str | Path | None = None):

@@ -50,6 +50,8 @@ def test_seed_example8_command(tmp_path, seed8, n):
     proc = run_command(n, "hpcpipe.infer", _args(weights, data, out, "--set", "infer.micro_batch_size=4",
                                                  "--trace", trace, "--report", report), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]       # which MPI the job ran on, before anything else
+    assert first.startswith("hpcpipe: MPI: ") and "(libmpi at /" in first and first.endswith(f", {n} ranks"), first
     with h5py.File(out, "r") as f:
         y = f["y"][...]
         assert f.attrs["weights"] == str(weights)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import launchers
 import pytest
 from state_helpers import ROOT, assert_nested_equal, checkpoint_state
 
@@ -40,20 +41,21 @@ class Slurm:
         self.conf = conf
         self.jobs: list[str] = []
 
-    def env(self, **more: str) -> dict:
+    def env(self, drop: tuple[str, ...] = (), **more: str) -> dict:
         """Environment for Slurm commands and jobs: this Python's bin first on PATH (sbatch exports it)."""
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        return dict(os.environ, SLURM_CONF=self.conf, PATH=path, PYTHONUNBUFFERED="1", **more)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(drop)} if drop else os.environ
+        return dict(base, SLURM_CONF=self.conf, PATH=path, PYTHONUNBUFFERED="1", **more)
 
     def cmd(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this Slurm."""
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env())
 
-    def sbatch(self, workdir: Path, **env: str) -> str:
-        """Submit jobs/train.sbatch at 8 tasks from workdir; return the job id."""
+    def sbatch(self, workdir: Path, drop: tuple[str, ...] = (), **env: str) -> str:
+        """Submit jobs/train.sbatch at 8 tasks from workdir (without variables starting with `drop`); return the job id."""
         result = subprocess.run(["sbatch", "--parsable", "-n", "8", f"--chdir={workdir}",
                                  f"--output={workdir / 'job.out'}", str(SBATCH)],
-                                capture_output=True, text=True, timeout=30, env=self.env(**env))
+                                capture_output=True, text=True, timeout=30, env=self.env(drop, **env))
         assert result.returncode == 0, result.stderr
         job = result.stdout.strip().split(";")[0]
         self.jobs.append(job)
@@ -142,20 +144,19 @@ def test_sbatch_train_completes_with_a_verified_checkpoint(uninterrupted):
     assert f"step {STEPS}" in _verify(work / "ck")
 
 
-def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm, uninterrupted, tmp_path):
-    _, ref_work, _ = uninterrupted
-    job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
-    metrics = tmp_path / "m.jsonl"
+def _preempt_requeue_and_finish(slurm: Slurm, job: str, work: Path, signal_name: str) -> tuple[dict, str, int]:
+    """Signal the batch shell after 2 steps, follow the requeue to completion; return (info, output, stopped step)."""
+    metrics = work / "m.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
-        assert slurm.job(job).get("JobState") not in DONE, (tmp_path / "job.out").read_text()
+        assert slurm.job(job).get("JobState") not in DONE, (work / "job.out").read_text()
         time.sleep(0.1)
-    # what --signal=B:USR1@120 does before the time limit: USR1 to the batch shell only
-    sent = slurm.cmd("scancel", "--signal=USR1", "--batch", job)
+    # what --signal=B:USR1@120 does before the time limit (USR1), or scancel / preemption (TERM): to the batch shell
+    sent = slurm.cmd("scancel", f"--signal={signal_name}", "--batch", job)
     assert sent.returncode == 0, sent.stderr
     # Restarts=1 shows while the job is still REQUEUED/COMPLETING; wait until it is pending again (or on)
-    info = slurm.wait(job, lambda i: i.get("Restarts") == "1" and i.get("JobState") in ("PENDING", "RUNNING", *DONE),
-                      90, "requeue")
+    slurm.wait(job, lambda i: i.get("Restarts") == "1" and i.get("JobState") in ("PENDING", "RUNNING", *DONE),
+               90, "requeue")
 
     asked: list[bool] = []
 
@@ -168,16 +169,44 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm,
         return i.get("JobState") in DONE
 
     info = slurm.wait(job, released, 240, "completion after the requeue")
-    out = (tmp_path / "job.out").read_text()       # --open-mode=append: both runs' output
+    out = (work / "job.out").read_text()       # --open-mode=append: both runs' output
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", out
-    assert "batch shell got SIGUSR1" in out and "training exited with status 75" in out, out
+    assert f"batch shell got SIG{signal_name}" in out, out
     assert "requeueing job" in out and f"hpcpipe job {job} (restart 1)" in out and "--resume" in out, out
     stopped = int(out.split("resumed at step ")[1].split(")")[0])
     assert 2 <= stopped < STEPS
-    assert f"checkpoint of step {stopped}" in out
-    assert f"step {STEPS}" in _verify(tmp_path / "ck")
-    # the same final parameters (and optimizer state) as the uninterrupted job, bit for bit
-    assert_nested_equal(_export(tmp_path / "ck", tmp_path / "final.h5"),
-                        _export(ref_work / "ck", tmp_path / "reference.h5"))
-    for mine, reference in zip(checkpoint_state(tmp_path / "ck"), checkpoint_state(ref_work / "ck")):
+    assert f"step {STEPS}" in _verify(work / "ck")
+    return info, out, stopped
+
+
+def _same_final_state(work: Path, ref_work: Path) -> None:
+    """The same final parameters (and optimizer state) as the uninterrupted job, bit for bit."""
+    assert_nested_equal(_export(work / "ck", work / "final.h5"), _export(ref_work / "ck", work / "reference.h5"))
+    for mine, reference in zip(checkpoint_state(work / "ck"), checkpoint_state(ref_work / "ck")):
         assert_nested_equal(mine, reference)
+
+
+def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm, uninterrupted, tmp_path):
+    _, ref_work, _ = uninterrupted
+    job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
+    _, out, stopped = _preempt_requeue_and_finish(slurm, job, tmp_path, "USR1")
+    assert "training exited with status 75" in out and f"checkpoint of step {stopped}" in out, out
+    assert f"stop marker {tmp_path / f'hpcpipe-stop-{job}.json'}: " in out and '"step": %d' % stopped in out, out
+    assert not list(tmp_path.glob("hpcpipe-stop-*"))
+    _same_final_state(tmp_path, ref_work)
+
+
+def test_open_mpi_mpirun_sigterm_requeues_through_the_stop_marker(slurm, uninterrupted, tmp_path):
+    # the attack: under Open MPI's mpirun every rank checkpoints and exits 75 on SIGTERM, but mpirun returns 1
+    _, ref_work, _ = uninterrupted
+    mpirun, _ = launchers.openmpi_mpirun()
+    root_env = {k: v for k, v in launchers.openmpi_env().items() if not k.startswith("MPI4PY")}
+    job = slurm.sbatch(tmp_path, drop=("MPI4PY_",), HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck",
+                       HPCPIPE_STEP_SLEEP="0.3", HPCPIPE_LAUNCHER=mpirun, **root_env)
+    _, out, stopped = _preempt_requeue_and_finish(slurm, job, tmp_path, "TERM")
+    assert "Open MPI launcher: MPI4PY_LIBMPI=" in out and "hpcpipe: MPI: Open MPI" in out, out
+    assert out.count("hpcpipe: MPI: Open MPI") == 2 and ", 8 ranks" in out, out     # both runs, on Open MPI
+    # (rank 0's own "stopped ... checkpoint of step N" line may be lost: mpirun stops forwarding output on SIGTERM)
+    launcher_rc = int(out.split("training exited with status ")[1].split()[0])
+    assert f"the launcher returned {launcher_rc})" in out and '"step": %d' % stopped in out, out
+    _same_final_state(tmp_path, ref_work)

@@ -92,8 +92,8 @@ def test_exception_on_one_rank_ends_the_whole_job_fast(tmp_path):
     import os
     import threading
 
-    from helpers import mpiexec
-    args = [mpiexec(), "-n", "8", sys.executable, "-m", "hpcpipe.train", "--set", "train.steps=100000",
+    import launchers
+    args = [*launchers.prefix(8), sys.executable, "-m", "hpcpipe.train", "--set", "train.steps=100000",
             "--set", "log.progress=false", "--set", "checkpoint.dir=\"\""]
     env = dict(os.environ, HPCPIPE_FAULT="rank=5,step=3", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)

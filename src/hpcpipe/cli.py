@@ -82,6 +82,9 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         if rank == 0:
             print(f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
+    if rank == 0:   # which MPI the job really runs on: a wheel's MPI and the site's are easy to mix up
+        from .comm import library_line
+        print(library_line(world), flush=True)
     try:
         return body(planned)
     except AgreedError as exc:   # raised by every rank together: one message, no abort needed

@@ -225,6 +225,19 @@ def clock_offset(comm: Any, poller: Poller, root: int = 0, rounds: int = 8) -> f
     return offset
 
 
+def library_line(comm: Any) -> str:
+    """Return the run's one-line MPI description: library, the libmpi file loaded, mpi4py build, rank count."""
+    import mpi4py
+
+    from . import runenv
+    try:
+        config = mpi4py.get_config()
+    except Exception:  # noqa: BLE001 - a description must never stop a run
+        config = {}
+    build = runenv.mpi4py_build(getattr(MPI, "__file__", "") or "", config, mpi4py.__version__)
+    return runenv.mpi_line(MPI.Get_library_version(), comm.Get_size(), runenv.self_libmpi(), build)
+
+
 def broadcast(comm: Any, obj: Any, root: int = 0) -> Any:
     """Return root's picklable object on every rank (setup only, never the hot path)."""
     return comm.bcast(obj, root=root)

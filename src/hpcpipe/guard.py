@@ -26,6 +26,7 @@ rank with its one per-step allreduce (comm.py); the watchdog is given an
 from __future__ import annotations
 
 import faulthandler
+import json
 import math
 import os
 import sys
@@ -78,6 +79,38 @@ def nan_injection(world_rank: int, step: int) -> str | None:
     if _hits(fields, world_rank, step):
         return fields.get("what", "grad")
     return None
+
+
+STOP_MARKER_ENV = "HPCPIPE_STOP_MARKER"
+
+
+def write_stop_marker(step: int | None, reason: str, checkpoint_dir: str, env: dict | None = None) -> str:
+    """After a stop on a signal, write the JSON stop marker named by $HPCPIPE_STOP_MARKER; return its path ('' if unset).
+
+    Launchers disagree on what they return when every rank exits 75 (Open MPI's
+    mpirun returns 1 after a SIGTERM), so the batch script reads this file
+    instead of the launcher's status. Written atomically (temporary file and
+    rename) after the checkpoint is complete; a failure is reported on stderr
+    and does not change the exit status.
+    """
+    env = os.environ if env is None else env
+    path = env.get(STOP_MARKER_ENV, "")
+    if not path:
+        return ""
+    record = {"status": EXIT_PREEMPTED, "step": step, "checkpoint_dir": checkpoint_dir or None, "reason": reason,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "job_id": env.get("SLURM_JOB_ID"),
+              "restart": env.get("SLURM_RESTART_COUNT"), "pid": os.getpid()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"hpcpipe: warning: cannot write the stop marker {STOP_MARKER_ENV}={path!r}: {exc}; "
+              f"exit status {EXIT_PREEMPTED} stands", file=sys.stderr, flush=True)
+        return ""
+    return path
 
 
 class Watchdog:

@@ -32,6 +32,8 @@ from .config import load_config
 from .errors import AgreedError
 from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, Watchdog, stall_injection
 from .trace import rank_events, training_trace, write_json
+from .guard import write_stop_marker
+from .runenv import stdout_is_terminal
 
 DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
@@ -86,13 +88,18 @@ def write_pid(world_rank: int) -> None:
 
 
 class Progress:
-    """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics."""
+    """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics.
+
+    Redrawing with '\\r' only where a person watches a terminal: under Open MPI
+    every rank's stdout is a pty even when mpirun writes to a file, so
+    runenv.stdout_is_terminal asks mpirun's own stdout instead.
+    """
 
     def __init__(self, config: Any, trainer: Any):
         self.cfg = config
         self.trainer = trainer
         self.total = config.train.steps
-        self.tty = sys.stdout.isatty()
+        self.tty = stdout_is_terminal()
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
@@ -303,6 +310,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             watchdog.stop()
         if world.Get_rank() == 0:
             report(p, trainer, summary)
+            if summary["stopped"]:   # the batch script's proof of exit 75, whatever the launcher returns
+                write_stop_marker(summary["saved_step"] if p.config.checkpoint.dir else None, summary["stopped"],
+                                  p.config.checkpoint.dir)
         trainer.close()
         return EXIT_PREEMPTED if summary["stopped"] else 0
 

@@ -25,7 +25,7 @@ from state_helpers import (
 )
 
 from hpcpipe import ckpt_files as cf
-from hpcpipe import guard
+from hpcpipe import errors
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches_uninterrupted(refer
     else:
         os.kill(_rank_pid(tmp_path, 5), signal.SIGTERM)
     out, err, took = _finish(proc, 60)
-    assert proc.returncode == guard.EXIT_PREEMPTED, err
+    assert proc.returncode == errors.EXIT_PREEMPTED, err
     assert took < 30
     stopped = int(cf.read_latest(tmp_path / "ck").rsplit("step-", 1)[1])   # latest names run-0001/step-N
     assert 3 <= stopped < STEPS
@@ -122,7 +122,7 @@ def test_sigint_on_mpiexec_ends_the_whole_job_within_30_s(tmp_path):
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
     _, err, _ = _finish(proc, 30)
-    assert proc.returncode == guard.EXIT_INTERRUPTED, err
+    assert proc.returncode == errors.EXIT_INTERRUPTED, err
     assert wait_until_gone(str(tmp_path), 30 - (time.time() - t0)) == [], "processes left after Ctrl-C"
     assert time.time() - t0 < 30
     assert "KeyboardInterrupt" in err
@@ -135,7 +135,7 @@ def test_stalled_rank_triggers_the_watchdog(tmp_path):
     _wait_for_steps(proc, tmp_path / "m.jsonl", 1)
     t0 = time.time()
     _, err, _ = _finish(proc, timeout + 60)
-    assert proc.returncode == guard.EXIT_STALLED, err
+    assert proc.returncode == errors.EXIT_STALLED, err
     assert time.time() - t0 < timeout + 30
     assert wait_until_gone(str(tmp_path), 10) == [], "processes left after the watchdog abort"
     # the stuck rank (world rank 6 = dp01-pp02) says where it is stuck, in the test hook
@@ -164,7 +164,7 @@ def test_injected_nan_is_skipped_and_training_goes_on(reference, tmp_path):
 def test_m_bad_steps_in_a_row_abort_with_status_77(tmp_path):
     result = run(command(8, "hpcpipe.train", _args(tmp_path, train={"max_bad_steps": 3})), timeout=120,
                  env={"HPCPIPE_NAN": "rank=7,step=2,count=100,what=loss"})
-    assert result.returncode == guard.EXIT_DIVERGED, result.stderr
+    assert result.returncode == errors.EXIT_DIVERGED, result.stderr
     assert result.stderr.count("3 steps in a row (steps 2..4) had a non-finite loss") == 1, result.stderr
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 5
     assert not (tmp_path / "ck").exists()
@@ -185,7 +185,7 @@ def test_stop_signal_during_startup_stops_after_step_0_with_a_checkpoint(tmp_pat
             os.kill(pid, signal.SIGUSR1)
     signalled = time.time() - t0
     out, err, _ = _finish(proc, 120)
-    assert proc.returncode == guard.EXIT_PREEMPTED, f"{out}\n{err}"
+    assert proc.returncode == errors.EXIT_PREEMPTED, f"{out}\n{err}"
     assert "BAD TERMINATION" not in out + err
     assert f"stopped for a stop signal on 8 of 8 rank(s) (SIGUSR1 here) after step 1 of {STEPS}" in out, \
         f"signalled {signalled:.2f} s after launch:\n{out}"

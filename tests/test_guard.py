@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcpipe import guard
+from hpcpipe import errors, faults, guard
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 
@@ -43,7 +43,7 @@ def test_watchdog_dumps_every_thread_with_the_rank_name_then_aborts():
         time.sleep(0.05)
     dog.stop()
     text = out.getvalue()
-    assert codes == [guard.EXIT_STALLED]
+    assert codes == [errors.EXIT_STALLED]
     assert "[dp01-pp02] watchdog: no progress" in text and "in step 7" in text and "run.stall_timeout = 0.3" in text
     lines = text.splitlines()[1:]
     assert lines and all(line.startswith("[dp01-pp02] ") for line in lines)
@@ -78,21 +78,21 @@ def test_decision_sums_norm_once_per_stage_and_flags_non_finite():
 
 def test_hooks_parse_rank_step_and_count(monkeypatch):
     monkeypatch.setenv("HPCPIPE_NAN", "rank=3,step=5,count=2,what=loss")
-    assert [guard.nan_injection(3, s) for s in (4, 5, 6, 7)] == [None, "loss", "loss", None]
-    assert guard.nan_injection(2, 5) is None
+    assert [faults.nan_injection(3, s) for s in (4, 5, 6, 7)] == [None, "loss", "loss", None]
+    assert faults.nan_injection(2, 5) is None
     monkeypatch.setenv("HPCPIPE_STALL", "rank=1,step=2,seconds=0.2")
     t0 = time.perf_counter()
-    guard.stall_injection(1, 1)
-    guard.stall_injection(0, 2)
+    faults.stall_injection(1, 1)
+    faults.stall_injection(0, 2)
     assert time.perf_counter() - t0 < 0.1
-    guard.stall_injection(1, 2)
+    faults.stall_injection(1, 2)
     assert time.perf_counter() - t0 >= 0.2
 
 
 def test_exit_statuses_are_distinct():
-    codes = [guard.EXIT_OK, guard.EXIT_FAILURE, guard.EXIT_CONFIG, guard.EXIT_PREEMPTED, guard.EXIT_STALLED,
-             guard.EXIT_DIVERGED, guard.EXIT_INTERRUPTED]
-    assert len(set(codes)) == len(codes) and guard.EXIT_PREEMPTED == 75
+    codes = [errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_PREEMPTED, errors.EXIT_STALLED,
+             errors.EXIT_DIVERGED, errors.EXIT_INTERRUPTED]
+    assert len(set(codes)) == len(codes) and errors.EXIT_PREEMPTED == 75
 
 
 @pytest.mark.parametrize("section, key, value, message", [

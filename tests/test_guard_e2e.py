@@ -27,7 +27,7 @@ from state_helpers import (
 )
 
 from hpcpipe import ckpt_files as cf
-from hpcpipe import guard
+from hpcpipe import errors
 
 pytestmark = pytest.mark.slow
 
@@ -103,9 +103,9 @@ def test_stop_signal_checkpoints_exits_75_and_resume_matches_uninterrupted(refer
     out, err, took = _finish(proc, 60)
     if how == "TERM to mpiexec" and launchers.chosen() == "openmpi":
         # Open MPI's mpirun reports 1 although every rank exited 75: the stop marker is the contract
-        assert proc.returncode in (guard.EXIT_PREEMPTED, 1), err
+        assert proc.returncode in (errors.EXIT_PREEMPTED, 1), err
     else:
-        assert proc.returncode == guard.EXIT_PREEMPTED, err
+        assert proc.returncode == errors.EXIT_PREEMPTED, err
     assert took < 30
     stopped = int(cf.read_latest(tmp_path / "ck").rsplit("step-", 1)[1])   # latest names run-0001/step-N
     assert 3 <= stopped < STEPS
@@ -138,7 +138,7 @@ def test_sigint_on_mpiexec_ends_the_whole_job_within_30_s(tmp_path):
         assert "(SIGTERM here)" in out and "exit status 75" in out, out
         assert json.loads((tmp_path / "stop.json").read_text())["status"] == 75
     else:
-        assert proc.returncode == guard.EXIT_INTERRUPTED, err
+        assert proc.returncode == errors.EXIT_INTERRUPTED, err
         assert "KeyboardInterrupt" in err
     assert wait_until_gone(str(tmp_path), 30 - (time.time() - t0)) == [], "processes left after Ctrl-C"
     assert time.time() - t0 < 30
@@ -151,7 +151,7 @@ def test_stalled_rank_triggers_the_watchdog(tmp_path):
     _wait_for_steps(proc, tmp_path / "m.jsonl", 1)
     t0 = time.time()
     _, err, _ = _finish(proc, timeout + 60)
-    assert proc.returncode == guard.EXIT_STALLED, err
+    assert proc.returncode == errors.EXIT_STALLED, err
     assert time.time() - t0 < timeout + 30
     assert wait_until_gone(str(tmp_path), 10) == [], "processes left after the watchdog abort"
     # the stuck rank (world rank 6 = dp01-pp02) says where it is stuck, in the test hook
@@ -179,7 +179,7 @@ def test_injected_nan_is_skipped_and_training_goes_on(reference, tmp_path):
 def test_m_bad_steps_in_a_row_abort_with_status_77(tmp_path):
     result = run(command(8, "hpcpipe.train", _args(tmp_path, train={"max_bad_steps": 3})), timeout=120,
                  env={"HPCPIPE_NAN": "rank=7,step=2,count=100,what=loss"})
-    assert result.returncode == guard.EXIT_DIVERGED, result.stderr
+    assert result.returncode == errors.EXIT_DIVERGED, result.stderr
     assert result.stderr.count("3 steps in a row (steps 2..4) had a non-finite loss") == 1, result.stderr
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 5
     assert not (tmp_path / "ck").exists()
@@ -200,7 +200,7 @@ def test_stop_signal_during_startup_stops_after_step_0_with_a_checkpoint(tmp_pat
             os.kill(pid, signal.SIGUSR1)
     signalled = time.time() - t0
     out, err, _ = _finish(proc, 120)
-    assert proc.returncode == guard.EXIT_PREEMPTED, f"{out}\n{err}"
+    assert proc.returncode == errors.EXIT_PREEMPTED, f"{out}\n{err}"
     assert "BAD TERMINATION" not in out + err
     assert f"stopped for a stop signal on 8 of 8 rank(s) (SIGUSR1 here) after step 1 of {STEPS}" in out, \
         f"signalled {signalled:.2f} s after launch:\n{out}"

@@ -25,7 +25,6 @@ import errno
 import hashlib
 import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,25 +33,10 @@ import numpy as np
 
 from . import ckpt_files as cf
 from .checkpoint import WeightsSource
-from .comm import Poller, agree, broadcast, gather_to_root
-from .errors import AgreedError, ConfigError
+from .comm import Poller, broadcast, gather_to_root, together
+from .errors import ConfigError, HpcpipeError
+from .faults import crash_due, crash_hook
 from .weights import OptimizerArrays, weights_image, write_file_durably
-
-
-def _crash_due(point: str, step: int, world_rank: int) -> bool:
-    """Whether HPCPIPE_CRASH_IN_SAVE names this point, step and rank."""
-    spec = os.environ.get("HPCPIPE_CRASH_IN_SAVE", "")
-    if not spec:
-        return False
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    return (fields.get("point", "write") == point and int(fields.get("step", -1)) == step
-            and int(fields.get("rank", 0)) == world_rank)
-
-
-def _crash_hook(point: str, step: int, world_rank: int) -> None:
-    """Kill this process (SIGKILL) when HPCPIPE_CRASH_IN_SAVE names this point, step and rank."""
-    if _crash_due(point, step, world_rank):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def human_bytes(n: float) -> str:
@@ -100,13 +84,6 @@ def _failure(exc: Exception, what: str, root: Path, where: Path, step: int, need
     return f"{what}: {type(exc).__name__}: {exc}"
 
 
-def _agreed(world: Any, poller: Poller, error: str | None, code: int) -> None:
-    """Raise AgreedError(code) on every rank if any rank reported an error (collective)."""
-    message = agree(world, poller, error)
-    if message is not None:
-        raise AgreedError(message, code)
-
-
 def optimizer_arrays(params: Any, optimizer: Any) -> OptimizerArrays:
     """Slice the optimizer's flat state buffers per global layer with the parameters' views (host copies)."""
     out: OptimizerArrays = {}
@@ -141,7 +118,7 @@ def _abandon(tmp: Path | None, run_dir: Path | None, made_run: bool) -> None:
 def _commit(root: Path, run_dir: Path, tmp: Path, step: int, manifest: dict[str, Any], keep: int) -> Path:
     """Rank 0: write the manifest, commit, move the run's latest and ROOT's, prune the run's old checkpoints."""
     cf.write_json_durably(tmp / cf.MANIFEST, manifest)
-    _crash_hook("commit", step, 0)
+    crash_hook("commit", step, 0)
     final = cf.commit(run_dir, tmp, step)
     try:
         cf.set_latest(run_dir, final.name)
@@ -169,44 +146,38 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Pa
     rank = world.Get_rank()
     root = Path(root)
     fresh = run_dir is None
-    made_run, tmp, error = False, None, None
-    if rank == 0:
-        try:
+    made_run, tmp = False, None
+
+    def abandon() -> None:
+        if rank == 0:
+            _abandon(tmp, run_dir, made_run)
+
+    # 0. rank 0 makes the run directory (a fresh run's first save) and the temporary one
+    with together(world, poller, 1, lambda e: f"cannot create checkpoint directory {str(tmp or run_dir or root)!r}: {e}",
+                  abandon):
+        if rank == 0:
             if run_dir is None:
                 run_dir, made_run = cf.new_run_dir(root), True
             cf.clean_leftovers(run_dir)
             (root / cf.root_latest_tmp(run_dir)).unlink(missing_ok=True)
             tmp = run_dir / cf.tmp_name(step)
             tmp.mkdir()
-        except OSError as exc:
-            error = f"cannot create checkpoint directory {str(tmp or run_dir or root)!r}: {exc}"
-    failed = agree(world, poller, error)
-    if failed is not None:
-        if rank == 0:
-            _abandon(tmp, run_dir, made_run)
-        raise AgreedError(failed, 1)
     if fresh:
         run_dir = Path(broadcast(world, str(run_dir) if rank == 0 else None))
     tmp = run_dir / cf.tmp_name(step)
-
-    def fail_if(error: str | None) -> None:
-        failed = agree(world, poller, error)
-        if failed is not None:
-            if rank == 0:
-                _abandon(tmp, run_dir, made_run)
-            raise AgreedError(failed, 1)
+    path = tmp / cf.stage_file(pp_rank)
 
     # 1. every writer builds its file in memory; rank 0 checks there is room for all of them
-    image, entry, error = None, None, None
-    path = tmp / cf.stage_file(pp_rank)
-    if dp_rank == 0:
-        try:
+    image, entry = None, None
+    with together(world, poller, 1, lambda e: f"cannot build checkpoint file {str(path)!r}: {type(e).__name__}: {e}",
+                  abandon):
+        if dp_rank == 0:
             opt = optimizer_arrays(params, optimizer)
 
             def crash_point(partial: bytes) -> None:
-                if _crash_due("write", step, rank):   # leave the half-written file a killed writer would
+                if crash_due("write", step, rank):   # leave the half-written file a killed writer would
                     path.write_bytes(partial)
-                    _crash_hook("write", step, rank)
+                    crash_hook("write", step, rank)
 
             image = weights_image(params.export(), n_layers=n_layers, model_config=info.config["model"], step=step,
                                   optimizer=opt, optimizer_attrs={"name": info.config["train"]["optimizer"],
@@ -214,33 +185,27 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Pa
                                   attrs={"pp_rank": pp_rank}, after_layers=crash_point)
             entry = {"name": path.name, "pp_rank": pp_rank, "layers": params.layer_indices(),
                      "bytes": len(image), "sha256": hashlib.sha256(image).hexdigest()}
-        except Exception as exc:  # noqa: BLE001 - any failure must be agreed on, not hang the others
-            error = f"cannot build checkpoint file {str(path)!r}: {type(exc).__name__}: {exc}"
     entries = gather_to_root(world, entry)
     needed = 0
-    if rank == 0:
-        needed = space_needed([e["bytes"] for e in entries if e is not None])
-        try:
-            if error is None and free_bytes(tmp) < needed:
-                error = _space_message(root, tmp, step, needed)
-        except OSError as exc:
-            error = f"cannot check free space in {str(tmp)!r}: {exc}"
-    fail_if(error)
+    with together(world, poller, 1, lambda e: f"cannot check free space in {str(tmp)!r}: {e}", abandon):
+        if rank == 0:
+            needed = space_needed([e["bytes"] for e in entries if e is not None])
+            if free_bytes(tmp) < needed:
+                raise HpcpipeError(_space_message(root, tmp, step, needed))
     needed = broadcast(world, needed)
 
     # 2. every writer writes its file (in parallel)
-    if image is not None:
-        try:
+    with together(world, poller, 1, lambda e: _failure(e, f"cannot write checkpoint file {str(path)!r}", root, tmp,
+                                                         step, needed), abandon):
+        if image is not None:
             write_file_durably(path, image)
-        except Exception as exc:  # noqa: BLE001
-            error = _failure(exc, f"cannot write checkpoint file {str(path)!r}", root, tmp, step, needed)
     image = None
-    fail_if(error)
 
     # 3. rank 0 commits
     final = run_dir / cf.step_name(step)
-    if rank == 0:
-        try:
+    with together(world, poller, 1, lambda e: _failure(e, f"cannot commit checkpoint {str(final)!r}", root, run_dir,
+                                                         step, needed), abandon):
+        if rank == 0:
             manifest = cf.build_manifest(
                 step, n_layers, info.layout, info.config,
                 {"name": info.config["train"]["optimizer"], "steps": optimizer.steps, "state": sorted(optimizer.state)},
@@ -248,9 +213,6 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Pa
                  "shuffle": info.config["data"]["shuffle"], "seed": info.config["data"]["seed"]},
                 [e for e in entries if e is not None], run=run_dir.name)
             final = _commit(root, run_dir, tmp, step, manifest, keep)
-        except Exception as exc:  # noqa: BLE001
-            error = _failure(exc, f"cannot commit checkpoint {str(final)!r}", root, run_dir, step, needed)
-    fail_if(error)
     return final
 
 
@@ -270,16 +232,11 @@ def load(world: Any, poller: Poller, source: WeightsSource, indices: list[int], 
     Raises AgreedError(code=2) naming the bad file on every rank if any rank failed. With
     clean_root, world rank 0 then removes leftovers of interrupted saves there.
     """
-    error, state = None, None
-    try:
+    state = None
+    with together(world, poller, 2, lambda e: f"cannot load {source.describe()}: {type(e).__name__}: {e}"):
         arrays = source.read(indices)
         attrs, opt = source.read_optimizer(indices) if with_optimizer else ({}, None)
         state = LoadedState(arrays, attrs, opt)
-    except ConfigError as exc:
-        error = str(exc)
-    except Exception as exc:  # noqa: BLE001 - an unexpected failure must be agreed on too
-        error = f"cannot load {source.describe()}: {type(exc).__name__}: {exc}"
-    _agreed(world, poller, error, 2)
     if clean_root is not None and world.Get_rank() == 0:
         cf.clean_leftovers(clean_root)
     return state

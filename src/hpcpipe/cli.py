@@ -22,11 +22,14 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from .errors import AgreedError, ConfigError, HpcpipeError
-from .guard import EXIT_INTERRUPTED
-
-EXIT_CONFIG = 2
-EXIT_FAILURE = 1
+from .errors import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    AgreedError,
+    ConfigError,
+    HpcpipeError,
+)
 
 # world rank as set by MPICH/Hydra (PMI), Open MPI, PMIx launchers and srun, in that order of trust
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -57,16 +60,6 @@ class CommandParser(argparse.ArgumentParser):
         """Print the usage and one ``hpcpipe: error:`` line (rank 0), then exit 2 (every rank)."""
         self.print_usage(sys.stderr)
         self.exit(EXIT_CONFIG, f"hpcpipe: error: {message} (see {self.prog} --help)\n")
-
-
-def fault_injection(world_rank: int, step: int) -> None:
-    """Test hook: raise on the rank and step named by HPCPIPE_FAULT='rank=R,step=S'."""
-    spec = os.environ.get("HPCPIPE_FAULT", "")
-    if not spec:
-        return
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    if int(fields.get("rank", -1)) == world_rank and int(fields.get("step", -1)) == step:
-        raise RuntimeError(f"injected fault (HPCPIPE_FAULT={spec!r}) on world rank {world_rank} at step {step}")
 
 
 def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], int], label: Callable[[], str]) -> int:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .backend import Backend
+from .errors import AgreedError, HpcpipeError
 
 
 def cuda_aware() -> bool:
@@ -268,6 +271,39 @@ def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
     if owner == size:
         return None
     return comm.bcast(error if comm.Get_rank() == owner else None, root=owner) if size > 1 else error
+
+
+
+@contextmanager
+def together(comm: Any, poller: Poller, code: int, describe: Callable[[Exception], str] | None = None,
+             on_failure: Callable[[], None] | None = None) -> Iterator[None]:
+    """Every rank of comm runs the block; if it failed on any rank, every rank raises the same AgreedError.
+
+    Roughly::
+
+        with together(world, poller, code=1, describe=lambda e: f"cannot write {path!r}: {e}"):
+            write_my_part()          # may fail on some ranks only
+        # here: it worked everywhere, or AgreedError(first failing rank's message, code) on every rank
+
+    The block must hold no collective (a rank that fails early would skip it).
+    An hpcpipe error's own message is used as it is; any other exception is put
+    into words by ``describe`` (default: its type and text). ``on_failure`` runs
+    on every rank before the AgreedError is raised (e.g. rank 0 removes a
+    temporary directory). KeyboardInterrupt and SystemExit are not agreed on:
+    they propagate, and the command's abort path ends the job.
+    """
+    error = None
+    try:
+        yield
+    except HpcpipeError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure on one rank must be agreed on, never hang the others
+        error = describe(exc) if describe else f"{type(exc).__name__}: {exc}"
+    message = agree(comm, poller, error)
+    if message is not None:
+        if on_failure is not None:
+            on_failure()
+        raise AgreedError(message, code) from None
 
 
 ABORT_GRACE_S = 0.5

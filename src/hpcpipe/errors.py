@@ -1,4 +1,14 @@
-"""Exception types that the command-line front ends turn into one clear message."""
+"""Exception types that the command-line front ends turn into one clear message, and every exit status."""
+
+# Exit statuses (documented in README.md and docs/cluster.md; keep the tables in step).
+EXIT_OK = 0
+EXIT_FAILURE = 1          # a rank failed; the job was aborted
+EXIT_CONFIG = 2           # bad configuration or input; nothing ran
+EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint written, resume/requeue me
+EXIT_STALLED = 76         # the watchdog saw no progress for run.stall_timeout seconds; stacks dumped, job aborted
+EXIT_DIVERGED = 77        # train.max_bad_steps steps in a row had a non-finite loss or gradient
+EXIT_INTERRUPTED = 130    # SIGINT (Ctrl-C): stopped at once, no checkpoint (128 + SIGINT)
+
 
 
 class HpcpipeError(Exception):

@@ -36,49 +36,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from .errors import EXIT_PREEMPTED, EXIT_STALLED  # noqa: F401 - EXIT_STALLED: the watchdog's status
 from .stopsignal import STOP_SIGNALS, StopSignals  # noqa: F401 - re-exported: guard.StopSignals
 
 if TYPE_CHECKING:
     import numpy as np
-
-# Exit statuses (documented in docs/cluster.md; keep the table in step).
-EXIT_OK = 0
-EXIT_FAILURE = 1          # a rank failed; the job was aborted
-EXIT_CONFIG = 2           # bad configuration or input; nothing ran
-EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint written, resume/requeue me
-EXIT_STALLED = 76         # the watchdog saw no progress for run.stall_timeout seconds; stacks dumped, job aborted
-EXIT_DIVERGED = 77        # train.max_bad_steps steps in a row had a non-finite loss or gradient
-EXIT_INTERRUPTED = 130    # SIGINT (Ctrl-C): stopped at once, no checkpoint (128 + SIGINT)
-
-
-
-def hook_fields(name: str) -> dict[str, str]:
-    """Parse a test-hook environment variable 'key=value,key=value' into a dict (empty when unset)."""
-    spec = os.environ.get(name, "")
-    return dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-
-
-def _hits(fields: dict[str, str], world_rank: int, step: int) -> bool:
-    """True when a hook names this rank and a step in [step, step + count)."""
-    if not fields or int(fields.get("rank", -1)) != world_rank:
-        return False
-    first = int(fields.get("step", -1))
-    return first <= step < first + int(fields.get("count", 1))
-
-
-def stall_injection(world_rank: int, step: int) -> None:
-    """Test hook: HPCPIPE_STALL='rank=R,step=S,seconds=T' makes rank R sleep T seconds at step S (a stuck rank)."""
-    fields = hook_fields("HPCPIPE_STALL")
-    if _hits(fields, world_rank, step):
-        time.sleep(float(fields.get("seconds", 3600)))
-
-
-def nan_injection(world_rank: int, step: int) -> str | None:
-    """Test hook: HPCPIPE_NAN='rank=R,step=S[,count=C][,what=grad|loss]' -> what to poison on this rank now, or None."""
-    fields = hook_fields("HPCPIPE_NAN")
-    if _hits(fields, world_rank, step):
-        return fields.get("what", "grad")
-    return None
 
 
 STOP_MARKER_ENV = "HPCPIPE_STOP_MARKER"

@@ -27,12 +27,22 @@ import numpy as np
 from . import checkpoint_mpi
 from .checkpoint import WeightsSource, resolve_weights
 from .cli import CommandParser, run_planned
-from .comm import Poller, abort, agree, barrier, broadcast, clock_offset, gather_to_root
+from .comm import Poller, abort, barrier, broadcast, clock_offset, gather_to_root, together
 from .config import Config, from_dict, load_raw, resolve_layout
-from .errors import AgreedError, ConfigError
+from .errors import ConfigError
+from .faults import fault_step
 from .infer_engine import StreamStage
-from .infer_io import (RowReader, RowWriter, check_input, check_output, commit, create_output,
-                       discard, replica_micro_batches, temporary_name)
+from .infer_io import (
+    RowReader,
+    RowWriter,
+    check_input,
+    check_output,
+    commit,
+    create_output,
+    discard,
+    replica_micro_batches,
+    temporary_name,
+)
 from .infer_report import format_summary, summarize
 from .layers import make_activation
 from .model import layer_specs, partition
@@ -137,19 +147,6 @@ def weights_protection(weights: str | Path, source: WeightsSource) -> tuple[tupl
     return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)
 
 
-def fault_step(rank: int) -> int:
-    """Test hook: the micro-batch index before which this rank raises, from HPCPIPE_FAULT='rank=R,step=K'; else -1."""
-    spec = os.environ.get("HPCPIPE_FAULT", "")
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    return int(fields.get("step", -1)) if spec and int(fields.get("rank", -1)) == rank else -1
-
-
-def _agreed(comm: Any, poller: Poller, error: str | None, code: int) -> None:
-    message = agree(comm, poller, error)
-    if message is not None:
-        raise AgreedError(message, code)
-
-
 def _stage_layers(p: InferPlan, arrays: dict[int, dict[str, np.ndarray]], stage: int) -> list[tuple]:
     specs = layer_specs(p.config)
     dtype = p.config.model.dtype
@@ -196,26 +193,20 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
     try:
         arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
                                      with_optimizer=False).arrays
-        created, error = None, None
-        if rank == 0:
-            tmp = temporary_name(p.output)
-            attrs = {"format": "hpcpipe-infer", "weights": str(p.weights.path), "step": p.weights.step,
-                     "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
-            try:
+        created = None
+        # (the finally clause below removes a half-created output)
+        with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
+            if rank == 0:
+                tmp = temporary_name(p.output)
+                attrs = {"format": "hpcpipe-infer", "weights": str(p.weights.path), "step": p.weights.step,
+                         "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
                 created = (str(tmp), create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype,
                                                    cfg.infer.y, attrs))
-            except OSError as exc:
-                discard(tmp)
-                error = f"cannot create output file {str(tmp)!r} (for {p.output!r}): {exc}"
-        _agreed(comm, poller, error, 2)
         tmp_name, offset = broadcast(comm, created)
         tmp = Path(tmp_name)
-        error = None
-        try:
+        # e.g. MemoryError or an unreadable input on one rank
+        with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot start: {type(e).__name__}: {e}"):
             stage = _build_stage(p, topo, poller, arrays, tmp, offset)
-        except Exception as exc:  # noqa: BLE001 - e.g. MemoryError or an unreadable input on one rank
-            error = f"rank {rank} ({topo.name}) cannot start: {type(exc).__name__}: {exc}"
-        _agreed(comm, poller, error, 1)
         stage.fault_at = fault_step(rank)
         shift = clock_offset(topo.cart, poller)   # our own communicator: no clash with the caller's tags
         barrier(comm, poller)
@@ -228,21 +219,12 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
                       file=sys.stderr, flush=True)
                 abort(comm, 1)
             raise
-        error = None
-        try:
-            stage.close()
-        except OSError as exc:
-            error = f"rank {rank} ({topo.name}) cannot finish writing {str(tmp)!r}: {exc}"
-        stage_done = stage
-        stage = None
-        _agreed(comm, poller, error, 1)
-        error = None
-        if rank == 0:
-            try:
+        stage_done, stage = stage, None
+        with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot finish writing {str(tmp)!r}: {e}"):
+            stage_done.close()
+        with together(comm, poller, 1, lambda e: f"cannot rename {str(tmp)!r} to {p.output!r}: {e}"):
+            if rank == 0:
                 commit(tmp, Path(p.output))
-            except OSError as exc:
-                error = f"cannot rename {str(tmp)!r} to {p.output!r}: {exc}"
-        _agreed(comm, poller, error, 1)
         tmp = None
         recv_wait, send_wait = stage_done.waits()
         part = {"rank": rank, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank, "last": topo.next < 0,

@@ -21,16 +21,15 @@ EARLY_STOP = StopSignals().install() if __name__ == "__main__" else None
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from .cli import CommandParser, fault_injection, launcher_rank, run_planned
+from .cli import CommandParser, launcher_rank, run_planned
 from .config import load_config
-from .errors import AgreedError
-from .guard import EXIT_DIVERGED, EXIT_PREEMPTED, Watchdog, stall_injection
+from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, AgreedError
+from .faults import fault_injection, stall_injection, step_sleep, write_pid
+from .guard import Watchdog
 from .trace import rank_events, training_trace, write_json
 from .guard import write_stop_marker
 from .runenv import stdout_is_terminal
@@ -67,24 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.resume:
         args.overrides.append("checkpoint.resume=true")
     return args
-
-
-def step_sleep() -> None:
-    """Test hook: with HPCPIPE_STEP_SLEEP=S set, sleep S seconds before each step (lets a test kill mid-run)."""
-    seconds = float(os.environ.get("HPCPIPE_STEP_SLEEP", "0") or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
-def write_pid(world_rank: int) -> None:
-    """Test hook: with HPCPIPE_PID_DIR set, write this rank's process id to DIR/rank-R.pid.
-
-    Written right after the stop handlers are installed (before MPI starts), so a
-    test can signal the ranks during start-up.
-    """
-    directory = os.environ.get("HPCPIPE_PID_DIR", "")
-    if directory:
-        Path(directory, f"rank-{world_rank}.pid").write_text(f"{os.getpid()}\n")
 
 
 class Progress:

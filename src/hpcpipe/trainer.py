@@ -24,7 +24,8 @@ from hpcpipe.config import Config, resolve_layout
 from hpcpipe.data import ReplicaFeeder, check_data_file, open_data
 from hpcpipe.engine import Engine, StepFeed
 from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
-from hpcpipe.guard import StepDecision, decide, local_decision, nan_injection
+from hpcpipe.faults import nan_injection
+from hpcpipe.guard import StepDecision, decide, local_decision
 from hpcpipe.model import RankParameters, initial_arrays, layer_specs, partition
 from hpcpipe.optim import clip_factor, make_optimizer
 from hpcpipe.preflight import check_memory, check_output_file

@@ -38,8 +38,8 @@ import h5py  # noqa: E402  (after the thread caps)
 import numpy as np  # noqa: E402
 
 from hpcpipe.config import from_dict  # noqa: E402
-from hpcpipe.model import initial_arrays, layer_specs  # noqa: E402
-from hpcpipe.weights import write_weights  # noqa: E402
+from hpcpipe.nn.model import initial_arrays, layer_specs  # noqa: E402
+from hpcpipe.state.weights import write_weights  # noqa: E402
 
 
 def load() -> str:
@@ -85,7 +85,10 @@ def wait_quiet(min_idle: float, timeout: float) -> float:
 
 
 def sequential(arrays: dict, data: str, out: str, batch: int) -> tuple[float, float]:
-    """Run the whole model in this process micro-batch by micro-batch; return (wall, CPU) seconds, first read to last write."""
+    """Run the whole model in this process micro-batch by micro-batch; return (wall, CPU) seconds.
+
+    Timed from the first read to the last write.
+    """
     n_layers = len(arrays)
     ws = [np.ascontiguousarray(arrays[i]["weight"]) for i in range(n_layers)]
     bs = [arrays[i]["bias"] for i in range(n_layers)]

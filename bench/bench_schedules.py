@@ -209,7 +209,8 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
             tt = f"{torch['median_s'] * 1e3:.0f}" if torch else "-"
             sp = f"{torch['median_s'] / t:.2f}x" if torch else "-"
             sim = res["sim"][f"{s}/pp{pp}"]
-            cal = f"{sim['calibrated_s'] * 1e3:.0f} ({(sim['calibrated_s'] - t) / t:+.0%})" if "calibrated_s" in sim else "-"
+            cal = (f"{sim['calibrated_s'] * 1e3:.0f} ({(sim['calibrated_s'] - t) / t:+.0%})"
+                   if "calibrated_s" in sim else "-")
             own = f"{sim['own_trace_s'] * 1e3:.0f} ({(sim['own_trace_s'] - t) / t:+.0%})"
             name = s + (" (v=2)" if _virtual(s) > 1 else "")
             print(f"| {name} | {pp} | {t * 1e3:.0f} | {tt} | {sp} | {mfu:.0%} | {cal} | {own} |")
@@ -219,7 +220,8 @@ def _report(res: dict, schedules: list[str], loads: list[str]) -> None:
     for s in schedules:
         if f"{s}/dp2pp4" in res["hpcpipe"]:
             a, b = res["hpcpipe"][f"{s}/pp2"], res["hpcpipe"][f"{s}/dp2pp4"]
-            print(f"| {s} | {a['median_s'] * 1e3:.0f} | {b['median_s'] * 1e3:.0f} | {b['median_s'] / a['median_s']:.2f} "
+            print(f"| {s} | {a['median_s'] * 1e3:.0f} | {b['median_s'] * 1e3:.0f} "
+                  f"| {b['median_s'] / a['median_s']:.2f} "
                   f"| {a['cpu_s_per_step_all_ranks']:.2f} / {b['cpu_s_per_step_all_ranks']:.2f} |")
 
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from hpcpipe.data import step_samples
+from hpcpipe.train.data import step_samples
 
 
 def per_step(fn, steps: int) -> float:

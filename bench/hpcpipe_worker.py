@@ -32,8 +32,8 @@ def main() -> None:
     from mpi4py import MPI
 
     from hpcpipe.config import from_dict
-    from hpcpipe.train import write_trace
-    from hpcpipe.trainer import Trainer, plan
+    from hpcpipe.train.loop import write_trace
+    from hpcpipe.train.trainer import Trainer, plan
 
     world = MPI.COMM_WORLD
     dp = world.Get_size() // args.pp

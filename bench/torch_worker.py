@@ -59,7 +59,7 @@ def main() -> None:
 
     stage_ids = [c * world + rank for c in range(v)]
     modules = [chunk() for _ in stage_ids]
-    stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, stage_ids)]
+    stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, stage_ids, strict=True)]
     loss_fn = nn.MSELoss()
     n = args.micro_batches
     if args.schedule == "gpipe":

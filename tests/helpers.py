@@ -80,8 +80,8 @@ def run_gradients(comm, directory: str, name: str, sections: dict, weights: dict
     Returns (loss, grads by layer on comm rank 0 else None, input grads by dp rank on rank 0).
     """
     from hpcpipe.config import from_dict
-    from hpcpipe.trainer import Trainer, plan
-    from hpcpipe.weights import write_weights
+    from hpcpipe.state.weights import write_weights
+    from hpcpipe.train.trainer import Trainer, plan
 
     data_path = os.path.join(directory, f"{name}-data.h5")
     sections = {k: dict(v) for k, v in sections.items()}

@@ -48,15 +48,16 @@ def _open_mpi() -> tuple[str, str]:
         if not path:
             continue
         try:
-            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30,
+                                     check=False).stdout
         except (OSError, subprocess.TimeoutExpired):
             continue
         if "Open MPI" in version or "OpenRTE" in version:
             info = shutil.which("ompi_info", path=f"{os.path.dirname(path)}{os.pathsep}/usr/bin")
             libdir = ""
             if info:
-                out = subprocess.run([info, "--path", "libdir", "--parsable"], capture_output=True, text=True, check=False,
-                                     timeout=30).stdout
+                out = subprocess.run([info, "--path", "libdir", "--parsable"], capture_output=True, text=True,
+                                     check=False, timeout=30).stdout
                 libdir = out.strip().rpartition(":")[2]
             return path, libdir
     return "", "Open MPI's mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)"

@@ -1,6 +1,6 @@
 """The Action-list schedule generators as they were before the array (timeline) form: the test oracle.
 
-A frozen copy of the imperative generators that ``hpcpipe.schedules`` had
+A frozen copy of the imperative generators that ``hpcpipe.schedule`` had
 before every schedule became one NumPy timeline builder; the tests check that
 ``Timeline.actions()`` reproduces these lists exactly. Not used by the package.
 """

@@ -51,7 +51,7 @@ def metrics_losses(path: str | Path) -> dict[int, float]:
 
 def checkpoint_state(path: str | Path) -> tuple[dict, dict]:
     """Return (parameters, optimizer state) of every layer of a checkpoint, by global index."""
-    from hpcpipe.checkpoint import resolve_weights
+    from hpcpipe.state.sources import resolve_weights
     source = resolve_weights(path)
     layers = list(range(source.n_layers))
     return source.read(layers), source.read_optimizer(layers)[1]

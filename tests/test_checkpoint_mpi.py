@@ -24,7 +24,7 @@ def _sections(ck_dir: str, dp: int, pp: int, resume: bool = False, schedule: str
 
 def _trainer(comm, sections):
     from hpcpipe.config import from_dict
-    from hpcpipe.trainer import Trainer, plan
+    from hpcpipe.train.trainer import Trainer, plan
     return Trainer(plan(from_dict(sections), comm.Get_size()), comm)
 
 
@@ -93,8 +93,8 @@ def test_zbv_checkpoint_reshards_to_other_layouts_and_schedules(world, shared_tm
 
 @pytest.mark.mpi(min_size=8)
 def test_corrupt_file_is_refused_on_every_rank_at_once(world, shared_tmp):
-    from hpcpipe.ckpt_files import read_latest
     from hpcpipe.errors import AgreedError
+    from hpcpipe.state.checkpoint_dir import read_latest
 
     ck_dir = os.path.join(shared_tmp, "ck")
     _save_reference(world, ck_dir)
@@ -138,9 +138,9 @@ def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, share
     """ENOSPC on one writer after the free-space check passed: one agreed message, exit code 1, nothing left."""
     import errno
 
-    from hpcpipe import checkpoint_mpi
-    from hpcpipe import ckpt_files as cf
     from hpcpipe.errors import AgreedError
+    from hpcpipe.state import checkpoint_dir as cf
+    from hpcpipe.state import collective as checkpoint_mpi
 
     comm = sub_world(world, 2)
     if comm is None:

@@ -12,7 +12,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from hpcpipe.comm import Poller, barrier
+from hpcpipe.runtime.comm import Poller, barrier
 
 pytestmark = pytest.mark.mpi
 

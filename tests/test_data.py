@@ -8,8 +8,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hpcpipe.data import replica_rows, step_samples
-from hpcpipe.shuffle import EpochPermutation
+from hpcpipe.train.data import replica_rows, step_samples
+from hpcpipe.train.shuffle import EpochPermutation
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 64, 65, 97, 255, 256, 1000, 1021, 4096, 65537])

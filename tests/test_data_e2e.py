@@ -14,9 +14,9 @@ import pytest
 from helpers import mpiexec, run_command
 
 from hpcpipe.config import from_dict
-from hpcpipe.data import HDF5Data
 from hpcpipe.errors import DataError
 from hpcpipe.h5files import WatchedFile, file_identity
+from hpcpipe.train.data import HDF5Data
 
 
 def _data(path, n=40000, width=16, nan_row=None):
@@ -32,7 +32,8 @@ def _data(path, n=40000, width=16, nan_row=None):
 
 def _train_args(data, metrics, steps):
     return ["--set", "parallel.pp=2", "--set", f"data.path={json.dumps(str(data))}", "--set", f"train.steps={steps}",
-            "--set", "log.progress=false", "--set", "checkpoint.dir=\"\"", "--set", f"log.metrics={json.dumps(str(metrics))}"]
+            "--set", "log.progress=false", "--set", "checkpoint.dir=\"\"",
+            "--set", f"log.metrics={json.dumps(str(metrics))}"]
 
 
 def test_data_file_truncated_mid_run_stops_the_job_naming_the_file(tmp_path):

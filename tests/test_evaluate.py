@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpcpipe.evaluate import forward
-from hpcpipe.weights import write_weights
+from hpcpipe.state.weights import write_weights
 
 MODEL = {"dims": [4, 5, 3], "bias": True, "activation": "tanh", "final_activation": False}
 
@@ -20,7 +20,7 @@ def _weights(path, scale=1.0):
     rng = np.random.default_rng(1)
     arrays = {i: {"weight": (scale * rng.standard_normal((a, b))).astype(np.float32),
                   "bias": rng.standard_normal(b).astype(np.float32)}
-              for i, (a, b) in enumerate(zip(MODEL["dims"][:-1], MODEL["dims"][1:]))}
+              for i, (a, b) in enumerate(zip(MODEL["dims"][:-1], MODEL["dims"][1:], strict=True))}
     write_weights(path, arrays, n_layers=2, model_config=MODEL)
     return arrays
 

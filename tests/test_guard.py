@@ -1,4 +1,4 @@
-"""Unit tests of hpcpipe.guard: signal flags, the watchdog, the step decision, the test hooks, config keys."""
+"""Unit tests of hpcpipe.runtime.guard: signal flags, the watchdog, the step decision, the test hooks, config keys."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from hpcpipe import errors, faults, guard
+from hpcpipe import errors
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
+from hpcpipe.runtime import faults, guard
 
 
 def test_stop_signals_only_record_and_restore():
@@ -48,7 +49,7 @@ def test_watchdog_dumps_every_thread_with_the_rank_name_then_aborts():
     lines = text.splitlines()[1:]
     assert lines and all(line.startswith("[dp01-pp02] ") for line in lines)
     assert any("test_watchdog_dumps_every_thread" in line for line in lines)      # the main thread's stack
-    assert any("hpcpipe/guard.py" in line and "_run" in line for line in lines)   # and the watchdog's own
+    assert any("hpcpipe/runtime/guard.py" in line and "_run" in line for line in lines)   # and the watchdog's own
 
 
 def test_watchdog_stays_quiet_while_beats_come_and_when_off():

@@ -26,8 +26,8 @@ from state_helpers import (
     wait_until_gone,
 )
 
-from hpcpipe import ckpt_files as cf
 from hpcpipe import errors
+from hpcpipe.state import checkpoint_dir as cf
 
 pytestmark = pytest.mark.slow
 

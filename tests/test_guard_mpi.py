@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpcpipe.config import from_dict
-from hpcpipe.trainer import Trainer, plan
+from hpcpipe.train.trainer import Trainer, plan
 
 pytestmark = pytest.mark.mpi
 

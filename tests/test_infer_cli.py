@@ -18,7 +18,7 @@ import pytest
 from helpers import run_command, seed_draws
 from state_helpers import flip_byte_in_dataset
 
-from hpcpipe.weights import write_weights
+from hpcpipe.state.weights import write_weights
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +222,7 @@ def _intact_checkpoint(root):
 
 
 def _clobber_cases(root):
-    from hpcpipe.checkpoint import resolve_weights
+    from hpcpipe.state.sources import resolve_weights
     step_dir = resolve_weights(root).path
     stage_file = min(step_dir.glob("*.h5"))
     return {   # weights given as, output path, words of the refusal
@@ -253,7 +253,7 @@ def test_output_inside_the_checkpoint_is_refused_and_the_checkpoint_kept(tmp_pat
 
 @pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "trace", "report"])
 def test_output_that_is_the_weights_file_is_refused_and_the_weights_still_load(tmp_path, seed8, how):
-    from hpcpipe.checkpoint import resolve_weights
+    from hpcpipe.state.sources import resolve_weights
     weights, data, _ = seed8
     out = {"same path": weights, "symlink": tmp_path / "link.h5", "hard link": tmp_path / "hard.h5"}.get(
         how, tmp_path / "out.h5")

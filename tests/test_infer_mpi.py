@@ -15,7 +15,7 @@ from helpers import seed_draws, sub_world
 
 from hpcpipe import infer
 from hpcpipe.evaluate import forward as sequential_forward
-from hpcpipe.weights import write_weights
+from hpcpipe.state.weights import write_weights
 
 SEED8_MODEL = {"dims": [16] * 5, "bias": False, "activation": "relu", "final_activation": True}
 DEEP_MODEL = {"dims": [24, 40, 32, 48, 16, 40, 24, 32, 12], "bias": True, "activation": "gelu",
@@ -124,10 +124,10 @@ def test_outputs_identical_across_layouts_with_a_partial_micro_batch(world, shar
 
 @pytest.mark.mpi(min_size=8)
 def test_checkpoint_saved_by_training_at_dp2_pp4_serves_at_other_layouts(world, shared_tmp):
-    from hpcpipe.checkpoint import resolve_weights
     from hpcpipe.config import from_dict
-    from hpcpipe.train import train
-    from hpcpipe.trainer import Trainer, plan
+    from hpcpipe.state.sources import resolve_weights
+    from hpcpipe.train.loop import train
+    from hpcpipe.train.trainer import Trainer, plan
 
     ck = os.path.join(shared_tmp, "ck")
     _, x, _, data = _deep_files(world, shared_tmp, n_rows=20)

@@ -9,9 +9,8 @@ import pytest
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.evaluate import forward as reference_forward
-from hpcpipe.infer import model_from_weights, plan
-from hpcpipe.infer_engine import ForwardChain, StreamStage
-from hpcpipe.infer_io import (
+from hpcpipe.infer.plan import model_from_weights, plan
+from hpcpipe.infer.rows import (
     RowReader,
     RowWriter,
     create_output,
@@ -19,8 +18,9 @@ from hpcpipe.infer_io import (
     n_micro_batches,
     replica_micro_batches,
 )
-from hpcpipe.layers import make_activation
-from hpcpipe.weights import write_weights
+from hpcpipe.infer.stream import ForwardChain, StreamStage
+from hpcpipe.nn.layers import make_activation
+from hpcpipe.state.weights import write_weights
 
 
 @pytest.mark.parametrize("n,batch,dp", [(37, 5, 1), (37, 5, 2), (40, 5, 3), (3, 8, 2), (128, 128, 4), (0, 4, 2)])
@@ -95,8 +95,8 @@ def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activat
     offset = create_output(out, n_rows, width, "float32", "y", {})
     stage = StreamStage(layers=layers, micro_batches=list(range(n_micro_batches(n_rows, batch))), n_rows=n_rows,
                         batch=batch, slots=2, dtype=np.float32, in_width=width, out_width=width,
-                        reader=RowReader(data, "x", batch, np.float32), writer=RowWriter(out, offset, width * 4), pp_comm=None,
-                        prev=-1, next=-1, poller=None)
+                        reader=RowReader(data, "x", batch, np.float32), writer=RowWriter(out, offset, width * 4),
+                        pp_comm=None, prev=-1, next=-1, poller=None)
     return stage, arrays, x, out
 
 

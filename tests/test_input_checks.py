@@ -15,10 +15,10 @@ import pytest
 from hpcpipe.cli import CommandParser, launcher_rank
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
-from hpcpipe.model import initial_arrays, layer_specs, partition
-from hpcpipe.preflight import GIB, check_memory, check_output_file, estimate_rank_bytes
-from hpcpipe.trainer import plan
-from hpcpipe.weights import check_weights, read_layers, read_optimizer, write_weights
+from hpcpipe.nn.model import initial_arrays, layer_specs, partition
+from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights
+from hpcpipe.train.preflight import GIB, check_memory, check_output_file, estimate_rank_bytes
+from hpcpipe.train.trainer import plan
 
 CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
 SPECS = layer_specs(CFG)
@@ -95,11 +95,13 @@ def _replace(name, value):
     (_replace("layers/0001/bias", np.bytes_(b"abcd")), r"layers/0001/bias holds \|S4 values, not real floating"),
     (_replace("layers/0001/bias", np.array([b"ab", b"cd", b"ef", b"gh"])), r"holds \|S2 values"),
     (_replace("layers/0001/bias", "four"), r"layers/0001/bias holds object values"),
-    (_replace("layers/0001/bias", np.zeros(4, [("a", "f4"), ("b", "f4")])), r"holds \[\('a', '<f4'\), \('b', '<f4'\)\] values"),
+    (_replace("layers/0001/bias", np.zeros(4, [("a", "f4"), ("b", "f4")])),
+     r"holds \[\('a', '<f4'\), \('b', '<f4'\)\] values"),
     (_replace("layers/0001/bias", np.zeros(4, np.complex64)), r"holds complex64 values"),
     (_replace("layers/0001/bias", np.arange(4)), r"layers/0001/bias holds int64 values"),
     (_replace("layers/0001/bias", np.float32(1.0)), r"layers/0001/bias has shape \(\), the model needs \(4,\)"),
-    (_replace("layers/0001", np.zeros(3, np.float32)), r"layers/0001 is a dataset, not a group holding weight and bias"),
+    (_replace("layers/0001", np.zeros(3, np.float32)),
+     r"layers/0001 is a dataset, not a group holding weight and bias"),
     (_replace("layers", np.zeros(3, np.float32)), r"layers is a dataset, not a group of layers"),
     (lambda f: f.create_group("layers/abc"), r"layers/abc is not a layer"),
 ])
@@ -282,7 +284,8 @@ def test_simulate_plot_without_matplotlib_fails_before_simulating(tmp_path):
             "from hpcpipe.simulate import main\n"
             "sys.exit(main(['--schedule', 'zb-h1', '--pp', '256', '--micro-batches', '2048', '--plot', sys.argv[1]]))")
     out = tmp_path / "t.png"
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert proc.returncode == 2
     assert proc.stdout == ""     # nothing simulated, nothing printed
     assert proc.stderr.count("error:") == 1 and "--plot needs matplotlib" in proc.stderr

@@ -19,7 +19,7 @@ import launchers
 import pytest
 from state_helpers import ROOT, command, sets, wait_until_gone
 
-from hpcpipe import ckpt_files as cf
+from hpcpipe.state import checkpoint_dir as cf
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_sbatch_script_stopped_by_sigterm_reports_75_from_the_stop_marker(tmp_pa
         assert "Open MPI launcher: MPI4PY_LIBMPI=" in out and "hpcpipe: MPI: Open MPI" in out, out
     else:
         assert launcher_rc == 75, out
-    stopped = int(cf.read_latest(tmp_path / "ck")[5:])
+    stopped = int(cf.read_latest(tmp_path / "ck").rsplit("step-", 1)[1])   # latest names run-NNNN/step-N
     assert f"stop marker {marker}: " in out and f"the launcher returned {launcher_rc})" in out, out
     record = json.loads(out.split(f"stop marker {marker}: ")[1].split("; treating")[0])
     assert record["status"] == 75 and record["step"] == stopped and record["job_id"] == "4242", out

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from hpcpipe import loss as losses
-from hpcpipe.layers import Dense, make_activation
+from hpcpipe.nn import loss as losses
+from hpcpipe.nn.layers import Dense, make_activation
 
 EPS = 1e-6
 
@@ -68,7 +68,7 @@ def test_backward_accumulates_over_micro_batches():
     rng = np.random.default_rng(3)
     layer = _dense("relu", True, rng)
     xs, gs = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 3, 4))
-    for x, g in zip(xs, gs):
+    for x, g in zip(xs, gs, strict=True):
         _, cache = layer.forward(x)
         layer.backward(cache, g.copy())
     one = _dense("relu", True, np.random.default_rng(3))
@@ -89,7 +89,8 @@ def test_loss_gradient_matches_finite_differences(name):
         up, down = pred.copy(), pred.copy()
         up[idx] += EPS
         down[idx] -= EPS
-        numeric[idx] = (losses.LOSSES[name](np, up, target, scale)[0] - losses.LOSSES[name](np, down, target, scale)[0]) / (2 * EPS)
+        loss = losses.LOSSES[name]
+        numeric[idx] = (loss(np, up, target, scale)[0] - loss(np, down, target, scale)[0]) / (2 * EPS)
     np.testing.assert_allclose(grad, scale * numeric, rtol=1e-5, atol=1e-8)
 
 

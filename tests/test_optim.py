@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpcpipe.config import TrainConfig
-from hpcpipe.optim import clip_factor, make_optimizer
+from hpcpipe.nn.optim import clip_factor, make_optimizer
 
 
 def _run(cfg, grads, p0):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from hpcpipe import guard, runenv
+from hpcpipe.runtime import guard, runenv
 
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: Fri Oct  3 2025\nMPICH ABI:          17:2:5\n"
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
@@ -77,7 +77,7 @@ def test_launcher_stdout_is_found_by_walking_up_to_a_process_named_mpirun(tmp_pa
     launcher = tmp_path / "mpirun"
     launcher.write_text(f'#!/bin/sh\n"{sys.executable}" -c "$1"\n')     # the shell stays, named mpirun
     launcher.chmod(0o755)
-    probe = ("import sys; from hpcpipe import runenv; "
+    probe = ("import sys; from hpcpipe.runtime import runenv; "
              "sys.stderr.write(str(runenv.launcher_stdout_is_terminal()))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     with open(tmp_path / "log", "w") as log:

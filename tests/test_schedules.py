@@ -144,7 +144,7 @@ def test_validator_catches_unmatched_send():
 def test_plan_turns_unsupported_schedule_into_config_error():
     from hpcpipe.config import from_dict
     from hpcpipe.errors import ConfigError
-    from hpcpipe.trainer import plan
+    from hpcpipe.train.trainer import plan
 
     cfg = from_dict({"parallel": {"pp": 2, "schedule": "1f1b", "virtual_stages": 2},
                      "model": {"dims": [4] * 5}, "train": {"micro_batches": 4}})

@@ -52,7 +52,7 @@ class Slurm:
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env())
 
     def sbatch(self, workdir: Path, drop: tuple[str, ...] = (), **env: str) -> str:
-        """Submit jobs/train.sbatch at 8 tasks from workdir (without variables starting with `drop`); return the job id."""
+        """Submit jobs/train.sbatch at 8 tasks from workdir (without variables starting with `drop`); return its id."""
         result = subprocess.run(["sbatch", "--parsable", "-n", "8", f"--chdir={workdir}",
                                  f"--output={workdir / 'job.out'}", str(SBATCH)],
                                 capture_output=True, text=True, timeout=30, env=self.env(drop, **env))
@@ -182,7 +182,7 @@ def _preempt_requeue_and_finish(slurm: Slurm, job: str, work: Path, signal_name:
 def _same_final_state(work: Path, ref_work: Path) -> None:
     """The same final parameters (and optimizer state) as the uninterrupted job, bit for bit."""
     assert_nested_equal(_export(work / "ck", work / "final.h5"), _export(ref_work / "ck", work / "reference.h5"))
-    for mine, reference in zip(checkpoint_state(work / "ck"), checkpoint_state(ref_work / "ck")):
+    for mine, reference in zip(checkpoint_state(work / "ck"), checkpoint_state(ref_work / "ck"), strict=True):
         assert_nested_equal(mine, reference)
 
 
@@ -191,7 +191,7 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(slurm,
     job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
     _, out, stopped = _preempt_requeue_and_finish(slurm, job, tmp_path, "USR1")
     assert "training exited with status 75" in out and f"checkpoint of step {stopped}" in out, out
-    assert f"stop marker {tmp_path / f'hpcpipe-stop-{job}.json'}: " in out and '"step": %d' % stopped in out, out
+    assert f"stop marker {tmp_path / f'hpcpipe-stop-{job}.json'}: " in out and f'"step": {stopped}' in out, out
     assert not list(tmp_path.glob("hpcpipe-stop-*"))
     _same_final_state(tmp_path, ref_work)
 
@@ -208,5 +208,5 @@ def test_open_mpi_mpirun_sigterm_requeues_through_the_stop_marker(slurm, uninter
     assert out.count("hpcpipe: MPI: Open MPI") == 2 and ", 8 ranks" in out, out     # both runs, on Open MPI
     # (rank 0's own "stopped ... checkpoint of step N" line may be lost: mpirun stops forwarding output on SIGTERM)
     launcher_rc = int(out.split("training exited with status ")[1].split()[0])
-    assert f"the launcher returned {launcher_rc})" in out and '"step": %d' % stopped in out, out
+    assert f"the launcher returned {launcher_rc})" in out and f'"step": {stopped}' in out, out
     _same_final_state(tmp_path, ref_work)

@@ -28,7 +28,7 @@ from state_helpers import (
     wait_until_gone,
 )
 
-from hpcpipe import ckpt_files as cf
+from hpcpipe.state import checkpoint_dir as cf
 
 pytestmark = pytest.mark.slow
 
@@ -210,10 +210,10 @@ def test_export_and_info_and_init_from_exported_file(reference, tmp_path):
     assert result.returncode == 0, result.stderr
     import numpy as np
 
-    from hpcpipe.checkpoint import resolve_weights
     from hpcpipe.config import from_dict
-    from hpcpipe.data import SyntheticData, step_samples
     from hpcpipe.evaluate import forward
+    from hpcpipe.state.sources import resolve_weights
+    from hpcpipe.train.data import SyntheticData, step_samples
     cfg = from_dict({k: v for k, v in TINY.items() if k in ("model", "data", "train")})
     source = resolve_weights(out)
     data = SyntheticData(cfg)
@@ -226,7 +226,7 @@ def test_export_and_info_and_init_from_exported_file(reference, tmp_path):
 def test_bad_init_file_is_a_clear_error(tmp_path):
     import numpy as np
 
-    from hpcpipe.weights import write_weights
+    from hpcpipe.state.weights import write_weights
     bad = tmp_path / "w.h5"
     write_weights(bad, {i: {"weight": np.zeros((8, 8), np.float32), "bias": np.zeros(8, np.float32)}
                         for i in range(3)}, n_layers=3)
@@ -273,8 +273,8 @@ def test_unusable_checkpoint_dir_is_refused_before_step_0(tmp_path, case):
     target = {"file": blocker, "parent-file": blocker / "ck", "read-only": tmp_path / "ro" / "ck"}[case]
     if case == "read-only":   # root ignores permission bits: a read-only file system then
         (tmp_path / "ro").mkdir(mode=0o555)
-        if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
-                                                 str(tmp_path / "ro")], capture_output=True, check=False).returncode != 0:
+        mount = ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(tmp_path / "ro")]
+        if os.geteuid() == 0 and subprocess.run(mount, capture_output=True, check=False).returncode != 0:
             pytest.skip("cannot mount a read-only tmpfs as root here")
     try:
         result = _train(target, tmp_path / "m.jsonl", timeout=60)

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from state_helpers import flip_byte_in_dataset
 
-from hpcpipe import ckpt_check
-from hpcpipe import ckpt_files as cf
-from hpcpipe.checkpoint import resolve_weights
 from hpcpipe.config import from_dict
-from hpcpipe.data import check_data_file, step_samples
 from hpcpipe.errors import ConfigError
-from hpcpipe.model import initial_arrays, layer_specs
-from hpcpipe.weights import check_weights, read_layers, read_optimizer, write_weights
+from hpcpipe.nn.model import initial_arrays, layer_specs
+from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import manifest as ckpt_check
+from hpcpipe.state.sources import resolve_weights
+from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights
+from hpcpipe.train.data import check_data_file, step_samples
 
 CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
 SPECS = layer_specs(CFG)
@@ -59,7 +59,8 @@ def test_bit_flip_in_weights_file_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.pop(2), r"has layers \[0, 1\] but the model has 3"),
-    (lambda a: a[1].update(weight=np.zeros((5, 5), np.float32)), r"layers/0001/weight has shape \(5, 5\), the model needs \(5, 4\)"),
+    (lambda a: a[1].update(weight=np.zeros((5, 5), np.float32)),
+     r"layers/0001/weight has shape \(5, 5\), the model needs \(5, 4\)"),
     (lambda a: a[0].pop("bias"), r"layer 0 holds \['weight'\], the model needs \['bias', 'weight'\]"),
 ])
 def test_check_weights_names_the_mismatch(tmp_path, change, message):
@@ -166,8 +167,8 @@ GOOD_ENTRY = {"name": "stage-000.h5", "pp_rank": 0, "layers": [0, 1], "bytes": 1
 
 
 def _manifest(files, n_layers=2):
-    return cf.build_manifest(3, n_layers, {"dp": 1, "pp": 1}, copy.deepcopy(SMALL), {"name": "sgd", "steps": 3, "state": []},
-                             {"samples_seen": 0}, files, run="run-0001")
+    return cf.build_manifest(3, n_layers, {"dp": 1, "pp": 1}, copy.deepcopy(SMALL),
+                             {"name": "sgd", "steps": 3, "state": []}, {"samples_seen": 0}, files, run="run-0001")
 
 
 def _write_manifest(step_dir: Path, m) -> Path:
@@ -269,7 +270,8 @@ def test_data_file_mismatches_are_clear_errors(tmp_path, x, y, loss, message):
     path = tmp_path / "d.h5"
     with h5py.File(path, "w") as f:
         f["x"], f["y"] = x, y
-    cfg = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}, "data": {"path": str(path)}, "train": {"loss": loss}})
+    cfg = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}, "data": {"path": str(path)},
+                     "train": {"loss": loss}})
     with pytest.raises(ConfigError, match=message):
         check_data_file(cfg)
 
@@ -286,7 +288,7 @@ def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     script = (f"import errno, numpy as np\n"
-              f"from hpcpipe.weights import write_weights\n"
+              f"from hpcpipe.state.weights import write_weights\n"
               f"arrays = {{i: {{'weight': np.ones((100, 100), np.float32)}} for i in range(8)}}\n"
               f"try:\n    write_weights({str(mnt / 'w.h5')!r}, arrays, n_layers=8)\n"
               f"except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")

@@ -12,8 +12,8 @@ def test_trace_has_one_track_per_rank_and_every_action(world, shared_tmp):
     from hpcpipe.config import from_dict
     from hpcpipe.schedule.calibrate import costs_from_trace
     from hpcpipe.trace import measured_events
-    from hpcpipe.train import write_trace
-    from hpcpipe.trainer import Trainer, plan
+    from hpcpipe.train.loop import write_trace
+    from hpcpipe.train.trainer import Trainer, plan
 
     comm = sub_world(world, 2)
     if comm is None:

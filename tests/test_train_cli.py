@@ -65,10 +65,12 @@ def _bad_data(tmp_path):
     (2, ["--set", "train.stepz=1"], "unknown key train.stepz"),
     (2, ["--set", "train.steps=\"x\""], "train.steps must be int, got 'x' (str)"),
     (2, ["--set", "parallel.pp=8"],
-     "parallel.pp (8) x parallel.virtual_stages (1) exceeds the number of layers (4) in model.dims [16, 16, 16, 16, 16]"),
+     "parallel.pp (8) x parallel.virtual_stages (1) exceeds the number of layers (4) in model.dims "
+     "[16, 16, 16, 16, 16]"),
     (6, [], "world size 6 is not divisible by parallel.pp (4)"),
     (6, ["--set", "parallel.dp=2"], "world size 6 does not equal parallel.dp (2) x parallel.pp (4) = 8"),
-    (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/nonexistent/d.h5\""], "data.path '/nonexistent/d.h5' does not exist"),
+    (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/nonexistent/d.h5\""],
+     "data.path '/nonexistent/d.h5' does not exist"),
     (2, ["--set", "parallel.pp=2", "--set", "data.path=\"/tmp\""], "data.path '/tmp' is a directory, not an HDF5 file"),
     (2, ["--set", "parallel.pp=2", "--set", "data.path=\"BAD\""],
      "dataset 'x' in 'BAD' has shape (10, 8); model.dims[0] = 16 needs (N, 16)"),
@@ -138,8 +140,8 @@ def _files(root):
 def _init_file(tmp_path, change):
     """A model.init file for dims [16]*3 (pp=2) with one dataset changed by change(h5py.File)."""
     from hpcpipe.config import from_dict
-    from hpcpipe.model import initial_arrays, layer_specs
-    from hpcpipe.weights import write_weights
+    from hpcpipe.nn.model import initial_arrays, layer_specs
+    from hpcpipe.state.weights import write_weights
     specs = layer_specs(from_dict({"model": {"dims": [16, 16, 16]}, "parallel": {"pp": 2}}))
     path = tmp_path / "w.h5"
     write_weights(path, initial_arrays(specs, [0, 1], 0, "float32"), n_layers=2)

@@ -9,17 +9,7 @@ import pytest
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.schedule.costs import Costs
-from hpcpipe.schedule.ir import (
-    IDLE,
-    Action,
-    I,
-    PipeShape,
-    Timeline,
-    W,
-    chunk_stage,
-    rank_stages,
-    stage_rank,
-)
+from hpcpipe.schedule.ir import IDLE, Action, I, PipeShape, Timeline, W, chunk_stage, rank_stages, stage_rank
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
 from hpcpipe.schedule.simulate import simulate, simulate_schedule
@@ -188,8 +178,8 @@ def test_both_simulators_agree_on_zbv_with_random_costs():
             b = rng.uniform(0.2, 3.0)
             costs = Costs(rng.uniform(0.1, 3.0), b, rng.uniform(0.0, b), rng.choice([0.0, 0.37, 2.5]),
                           rng.choice([0.0, 0.5]), per_stage)
-            assert _same(simulate(programs, _v(pp, m), costs), simulate_timeline(tl, costs, block=rng.choice([1, 7]))), \
-                (pp, m, costs)
+            swept = simulate_timeline(tl, costs, block=rng.choice([1, 7]))
+            assert _same(simulate(programs, _v(pp, m), costs), swept), (pp, m, costs)
             count += 1
     assert count >= 90
 
@@ -241,7 +231,7 @@ def test_config_requires_two_virtual_stages_and_enough_layers():
 
 
 def test_plan_places_stages_in_a_v():
-    from hpcpipe.trainer import plan
+    from hpcpipe.train.trainer import plan
 
     cfg = from_dict({"parallel": {"pp": 4, "dp": 1, "schedule": "zb-v", "virtual_stages": 2},
                      "model": {"dims": [8] * 9}, "train": {"micro_batches": 6}})

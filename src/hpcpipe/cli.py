@@ -20,16 +20,10 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .errors import (
-    EXIT_CONFIG,
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    AgreedError,
-    ConfigError,
-    HpcpipeError,
-)
+from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, AgreedError, ConfigError, HpcpipeError
 
 # world rank as set by MPICH/Hydra (PMI), Open MPI, PMIx launchers and srun, in that order of trust
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -76,7 +70,7 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
             print(f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     if rank == 0:   # which MPI the job really runs on: a wheel's MPI and the site's are easy to mix up
-        from .comm import library_line
+        from hpcpipe.runtime.comm import library_line
         print(library_line(world), flush=True)
     try:
         return body(planned)
@@ -93,6 +87,6 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         code = EXIT_CONFIG if isinstance(exc, ConfigError) else \
             EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE
         if world.Get_size() > 1:
-            from .comm import abort
+            from hpcpipe.runtime.comm import abort
             abort(world, code)
         return code

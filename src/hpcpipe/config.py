@@ -253,9 +253,7 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Check value ranges and cross-field rules that do not depend on the world size."""
-    from hpcpipe.schedule.registry import (
-        SCHEDULES,  # local import: schedules is pure and imports nothing of ours
-    )
+    from hpcpipe.schedule.registry import SCHEDULES
 
     par, mod, tr = config.parallel, config.model, config.train
     for axis in ("pp", "dp"):

@@ -2,7 +2,7 @@
 
     python -m hpcpipe.evaluate --weights checkpoints --data data/digits-test.h5
 
-Weights are anything :func:`hpcpipe.checkpoint.resolve_weights` accepts; the
+Weights are anything :func:`hpcpipe.state.sources.resolve_weights` accepts; the
 model (dims, activation, final_activation) is the one stored with them.
 Prints one JSON line: ``{"n", "accuracy", "cross_entropy", "weights", "step"}``
 for integer labels (cross_entropy = mean softmax cross entropy of the outputs
@@ -23,10 +23,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .checkpoint import resolve_weights
-from .errors import ConfigError
-from .h5files import open_hdf5
-from .layers import make_activation
+from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import open_hdf5
+from hpcpipe.nn.layers import make_activation
+from hpcpipe.state.sources import resolve_weights
 
 
 def forward(arrays: dict[int, dict[str, np.ndarray]], model: dict[str, Any], x: np.ndarray) -> np.ndarray:

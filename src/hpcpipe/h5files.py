@@ -16,7 +16,7 @@ from pathlib import Path
 
 import h5py
 
-from .errors import ConfigError, DataError
+from hpcpipe.errors import ConfigError, DataError
 
 
 def open_hdf5(path: str | Path, label: str, hint: str = "") -> h5py.File:

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.topology import rank_name
+from hpcpipe.runtime.topology import rank_name
 
 COMPUTE = ("F", "B", "I", "W")
 

@@ -7,15 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule.ir import (
-    Action,
-    B,
-    F,
-    Timeline,
-    _check_sizes,
-    _empty_grid,
-    _timeline,
-)
+from hpcpipe.schedule.ir import Action, B, F, Timeline, _check_sizes, _empty_grid, _timeline
 
 
 def gpipe_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:

@@ -1,7 +1,7 @@
 """Pipeline schedules as pure data: (pp, micro-batches, virtual stages) -> per-rank action lists.
 
 A schedule says only which compute action each pipeline rank runs in which
-order; :mod:`hpcpipe.lowering` adds the communication and proves the result
+order; :mod:`hpcpipe.schedule.lower` adds the communication and proves the result
 deadlock-free, and the engine, the simulator and the tests all consume the
 same lists. This module imports nothing but the standard library and NumPy.
 
@@ -29,8 +29,8 @@ Every schedule is defined once, as a :class:`Timeline`: NumPy arrays indexed
 action) such that an action needing another rank's output sits at a later
 tick than the action that produces it. The action lists are read off it
 (:meth:`Timeline.actions`: each rank's actions in tick order); the vectorised
-validator (:func:`hpcpipe.lowering.validate_timeline`) and simulator
-(:func:`hpcpipe.simulate.simulate_timeline`) use the arrays themselves, which
+validator (:func:`hpcpipe.schedule.validate_timeline.validate_timeline`) and simulator
+(:func:`hpcpipe.schedule.sweep.simulate_timeline`) use the arrays themselves, which
 is what makes pp = 1024 x 8192 micro-batches (17 M actions) tractable.
 """
 
@@ -138,7 +138,7 @@ class PipeShape:
 
 @dataclass(frozen=True, eq=False)
 class Timeline:
-    """A schedule in array form: at tick t, rank r runs ``ops[r, t]`` on its chunk ``chunk[r, t]``, micro-batch ``mb[r, t]``.
+    """A schedule as arrays: at tick t, rank r runs ``ops[r, t]`` on chunk ``chunk[r, t]``, micro-batch ``mb[r, t]``.
 
     The chunk's global stage is ``chunk_stage(chunk, r, pp, placement)``:
     ``chunk * pp + r`` for the interleaved placement.

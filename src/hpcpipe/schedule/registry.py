@@ -6,16 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule.classic import (
-    gpipe_timeline,
-    interleaved_1f1b_timeline,
-    one_f_one_b_timeline,
-)
+from hpcpipe.schedule.classic import gpipe_timeline, interleaved_1f1b_timeline, one_f_one_b_timeline
 from hpcpipe.schedule.ir import Action, PipeShape, Timeline
-from hpcpipe.schedule.zero_bubble import (
-    zero_bubble_h1_timeline,
-    zero_bubble_v_timeline,
-)
+from hpcpipe.schedule.zero_bubble import zero_bubble_h1_timeline, zero_bubble_v_timeline
 
 TimelineFn = Callable[[int, int, int], Timeline]
 

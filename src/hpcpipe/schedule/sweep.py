@@ -6,17 +6,7 @@ import numpy as np
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.costs import Costs, SimResult, finite
-from hpcpipe.schedule.ir import (
-    COMPUTE_OPS,
-    IDLE,
-    Action,
-    B,
-    F,
-    Timeline,
-    W,
-    chunk_stage,
-    stage_rank,
-)
+from hpcpipe.schedule.ir import COMPUTE_OPS, IDLE, Action, B, F, Timeline, W, chunk_stage, stage_rank
 from hpcpipe.schedule.validate_timeline import check_timeline_values
 
 

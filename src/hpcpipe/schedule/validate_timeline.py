@@ -6,16 +6,7 @@ import numpy as np
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule import timeline_checks as checks
-from hpcpipe.schedule.ir import (
-    IDLE,
-    B,
-    F,
-    I,
-    Timeline,
-    W,
-    chunk_stage,
-    stage_rank,
-)
+from hpcpipe.schedule.ir import IDLE, B, F, I, Timeline, W, chunk_stage, stage_rank
 from hpcpipe.schedule.timeline_checks import (
     _check_after,
     _check_last_stage,

@@ -7,14 +7,7 @@ import numpy as np
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule import timeline_checks as checks
 from hpcpipe.schedule.ir import B, F, I, Timeline, W
-from hpcpipe.schedule.timeline_checks import (
-    _check_after,
-    _check_before,
-    _fifo_error,
-    _first,
-    _order_error,
-    _Seq,
-)
+from hpcpipe.schedule.timeline_checks import _check_after, _check_before, _fifo_error, _first, _order_error, _Seq
 
 
 def _validate_v(tl: Timeline, ranks_per_pass: int) -> None:

@@ -5,17 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule.ir import (
-    IDLE,
-    Action,
-    F,
-    I,
-    Timeline,
-    W,
-    _check_sizes,
-    _index_dtype,
-    _timeline,
-)
+from hpcpipe.schedule.ir import IDLE, Action, F, I, Timeline, W, _check_sizes, _index_dtype, _timeline
 
 
 def zero_bubble_h1_timeline(pp: int, n_micro: int, virtual: int = 1) -> Timeline:

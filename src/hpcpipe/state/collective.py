@@ -4,7 +4,7 @@ Save: after the data-parallel averaged update every replica of a stage holds
 the same parameters and optimizer state, so dp-rank 0 of each pipeline rank
 writes that rank's layers (by global index) into the temporary directory,
 all writers in parallel; world rank 0 then writes the manifest, commits,
-moves ``latest`` and prunes (see :mod:`hpcpipe.ckpt_files`).
+moves ``latest`` and prunes (see :mod:`hpcpipe.state.checkpoint_dir`).
 
 Load: every rank reads only its own layers from whichever files hold them
 (the manifest maps layer -> file), so a checkpoint written at any
@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from . import ckpt_files as cf
-from .checkpoint import WeightsSource
-from .comm import Poller, broadcast, gather_to_root, together
-from .errors import ConfigError, HpcpipeError
-from .faults import crash_due, crash_hook
-from .weights import OptimizerArrays, weights_image, write_file_durably
+from hpcpipe.errors import ConfigError, HpcpipeError
+from hpcpipe.runtime.comm import Poller, broadcast, gather_to_root, together
+from hpcpipe.runtime.faults import crash_due, crash_hook
+from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.sources import WeightsSource
+from hpcpipe.state.weights import OptimizerArrays, weights_image, write_file_durably
 
 
 def human_bytes(n: float) -> str:
@@ -153,8 +153,8 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Pa
             _abandon(tmp, run_dir, made_run)
 
     # 0. rank 0 makes the run directory (a fresh run's first save) and the temporary one
-    with together(world, poller, 1, lambda e: f"cannot create checkpoint directory {str(tmp or run_dir or root)!r}: {e}",
-                  abandon):
+    with together(world, poller, 1,
+                  lambda e: f"cannot create checkpoint directory {str(tmp or run_dir or root)!r}: {e}", abandon):
         if rank == 0:
             if run_dir is None:
                 run_dir, made_run = cf.new_run_dir(root), True

@@ -1,6 +1,6 @@
 """Checks against the machine before the first collective: output files can be created, the model fits in memory.
 
-Called by :func:`hpcpipe.trainer.plan` on every rank (identically), so a
+Called by :func:`hpcpipe.train.trainer.plan` on every rank (identically), so a
 metrics path in a missing directory or a model too large for the node is
 refused with one message and exit status 2 before step 0, instead of a
 traceback at the first write or a MemoryError after minutes of allocation.
@@ -16,8 +16,8 @@ from pathlib import Path
 from hpcpipe import _local_rank_count
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.model import layer_specs
-from hpcpipe.optim import make_optimizer
+from hpcpipe.nn.model import layer_specs
+from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
 
 GIB = 1024 ** 3

@@ -19,15 +19,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import h5py
 import numpy as np
 
-from .errors import ConfigError
-from .h5files import open_hdf5
-from .model import LayerSpec
+from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import open_hdf5
+from hpcpipe.nn.model import LayerSpec
 
 FORMAT = "hpcpipe"
 FORMAT_VERSION = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .config import TrainConfig
+from hpcpipe.config import TrainConfig
 
 
 class Optimizer:

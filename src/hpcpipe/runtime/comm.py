@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .backend import Backend
-from .errors import AgreedError, HpcpipeError
+from hpcpipe.errors import AgreedError, HpcpipeError
+from hpcpipe.runtime.backend import Backend
 
 
 def cuda_aware() -> bool:
@@ -232,7 +232,7 @@ def library_line(comm: Any) -> str:
     """Return the run's one-line MPI description: library, the libmpi file loaded, mpi4py build, rank count."""
     import mpi4py
 
-    from . import runenv
+    from hpcpipe.runtime import runenv
     try:
         config = mpi4py.get_config()
     except Exception:  # noqa: BLE001 - a description must never stop a run

@@ -1,7 +1,7 @@
 """Inference report and trace: per-rank micro-batch timestamps -> throughput, latency, fill/drain, bubble.
 
 Every rank hands in its (K, 5) timestamps (see
-:data:`hpcpipe.infer_engine.EVENT_FIELDS`) already shifted to world rank
+:data:`hpcpipe.infer.stream.EVENT_FIELDS`) already shifted to world rank
 0's clock. Definitions (all wall clock):
 
 * elapsed: from the first rank leaving the start barrier to the last rank
@@ -48,9 +48,9 @@ def summarize(parts: list[dict[str, Any]], n_rows: int, batch: int, dp: int, pp:
         compute += busy
         stage_compute[p["pp_rank"]] += busy / dp
         if p["pp_rank"] == 0:
-            first_in.update(zip(p["mbs"], ev[:, 0]))
+            first_in.update(zip(p["mbs"], ev[:, 0], strict=True))
         if p["pp_rank"] == pp - 1:
-            last_out.update(zip(p["mbs"], ev[:, 4]))
+            last_out.update(zip(p["mbs"], ev[:, 4], strict=True))
     for d in range(dp):
         head, tail = by_cell[(d, 0)]["events"], by_cell[(d, pp - 1)]["events"]
         if len(head):

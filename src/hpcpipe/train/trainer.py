@@ -15,25 +15,25 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe import checkpoint_mpi
-from hpcpipe import loss as losses
-from hpcpipe.backend import select_backend
-from hpcpipe.checkpoint import WeightsSource, resolve_weights
-from hpcpipe.comm import PipeComm, Poller, gather_to_root
 from hpcpipe.config import Config, resolve_layout
-from hpcpipe.data import ReplicaFeeder, check_data_file, open_data
-from hpcpipe.engine import Engine, StepFeed
 from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
-from hpcpipe.faults import nan_injection
-from hpcpipe.guard import StepDecision, decide, local_decision
-from hpcpipe.model import RankParameters, initial_arrays, layer_specs, partition
-from hpcpipe.optim import clip_factor, make_optimizer
-from hpcpipe.preflight import check_memory, check_output_file
+from hpcpipe.nn import loss as losses
+from hpcpipe.nn.model import RankParameters, initial_arrays, layer_specs, partition
+from hpcpipe.nn.optim import clip_factor, make_optimizer
+from hpcpipe.runtime.backend import select_backend
+from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root
+from hpcpipe.runtime.faults import nan_injection
+from hpcpipe.runtime.guard import StepDecision, decide, local_decision
+from hpcpipe.runtime.topology import make_topology
 from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
-from hpcpipe.topology import make_topology
+from hpcpipe.state import collective as checkpoint_mpi
+from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.train.data import ReplicaFeeder, check_data_file, open_data
+from hpcpipe.train.engine import Engine, StepFeed
+from hpcpipe.train.preflight import check_memory, check_output_file
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,8 @@ class Trainer:
         Each replica differentiates its own mean loss and parameter gradients are averaged over
         dp, so the global loss's gradient w.r.t. one replica's inputs is the local one over dp.
         """
-        return [self.backend.to_host(self.engine.input_grads[m]) / self.plan.dp for m in sorted(self.engine.input_grads)]
+        grads = self.engine.input_grads
+        return [self.backend.to_host(grads[m]) / self.plan.dp for m in sorted(grads)]
 
     def close(self) -> None:
         """Free the communicators."""

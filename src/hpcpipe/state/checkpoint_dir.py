@@ -1,7 +1,7 @@
 """The on-disk protocol of checkpoints: run directories, names, atomic commit, ``latest``, retention.
 
-No MPI here: :mod:`hpcpipe.checkpoint_mpi` decides who calls what; what makes
-a manifest valid is :mod:`hpcpipe.ckpt_check`. ``checkpoint.dir`` is a root
+No MPI here: :mod:`hpcpipe.state.collective` decides who calls what; what makes
+a manifest valid is :mod:`hpcpipe.state.manifest`. ``checkpoint.dir`` is a root
 of runs; every fresh run writes into its own run directory::
 
     ROOT/latest                              "run-0002/step-00000006": the newest checkpoint any run committed
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from hpcpipe.errors import ConfigError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -6,7 +6,7 @@ The step decision is a small float64 vector that the trainer sums over every
 rank with its one per-step allreduce (comm.py); the watchdog is given an
 ``abort(code)`` callable (comm.abort on the world).
 
-* Signals (SIGUSR1, SIGTERM; :mod:`hpcpipe.stopsignal`, re-exported here):
+* Signals (SIGUSR1, SIGTERM; :mod:`hpcpipe.runtime.stopsignal`, re-exported here):
   the handler only records the signal number; ``python -m hpcpipe.train``
   installs it before anything slow, so a signal during start-up is kept.
   At the next step boundary every rank learns, through the step decision,
@@ -33,11 +33,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from .errors import EXIT_PREEMPTED, EXIT_STALLED  # noqa: F401 - EXIT_STALLED: the watchdog's status
-from .stopsignal import STOP_SIGNALS, StopSignals  # noqa: F401 - re-exported: guard.StopSignals
+from hpcpipe.errors import EXIT_PREEMPTED, EXIT_STALLED  # noqa: F401 - EXIT_STALLED: the watchdog's status
+from hpcpipe.runtime.stopsignal import STOP_SIGNALS, StopSignals  # noqa: F401 - re-exported: guard.StopSignals
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +48,7 @@ STOP_MARKER_ENV = "HPCPIPE_STOP_MARKER"
 
 
 def write_stop_marker(step: int | None, reason: str, checkpoint_dir: str, env: dict | None = None) -> str:
-    """After a stop on a signal, write the JSON stop marker named by $HPCPIPE_STOP_MARKER; return its path ('' if unset).
+    """After a stop on a signal, write the JSON stop marker $HPCPIPE_STOP_MARKER names; return its path ('' if unset).
 
     Launchers disagree on what they return when every rank exits 75 (Open MPI's
     mpirun returns 1 after a SIGTERM), so the batch script reads this file
@@ -99,7 +100,7 @@ class Watchdog:
         self.phase = phase
         self._last = time.monotonic()
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Start watching (no-op when timeout is 0)."""
         if self.timeout > 0 and self._thread is None:
             self._last = time.monotonic()

@@ -32,8 +32,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .errors import ConfigError
-from .h5files import WatchedFile, open_hdf5
+from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import WatchedFile, open_hdf5
 
 
 def n_micro_batches(n_rows: int, batch: int) -> int:

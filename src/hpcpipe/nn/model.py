@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import Config
-from .errors import ConfigError
-from .layers import Dense, make_activation
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.layers import Dense, make_activation
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class StageModule:
 
     def backward_weight(self, caches: list, dzs: list) -> None:
         """Accumulate every layer's weight and bias gradients."""
-        for layer, cache, dz in zip(self.layers, caches, dzs):
+        for layer, cache, dz in zip(self.layers, caches, dzs, strict=True):
             layer.backward_weight(cache, dz)
 
     def backward(self, caches: list, g: Any, need_input_grad: bool = True) -> Any:
@@ -198,7 +198,8 @@ class RankParameters:
         return {i: {name: to_host(self.grad_of(i, name)) for name in self.views[i]} for i in self.layer_indices()}
 
 
-def initial_arrays(specs: list[LayerSpec], indices: list[int], seed: int, dtype: str) -> dict[int, dict[str, np.ndarray]]:
+def initial_arrays(specs: list[LayerSpec], indices: list[int], seed: int,
+                   dtype: str) -> dict[int, dict[str, np.ndarray]]:
     """Return the deterministic initial weights of the given global layers."""
     out = {}
     for i in indices:

@@ -1,71 +1,17 @@
-"""``python -m hpcpipe.train``: pipeline-parallel training over MPI.
-
-    mpiexec -n 8 python -m hpcpipe.train                  # embedded default: dp=2 x pp=4
-    mpiexec -n 8 python -m hpcpipe.train --config configs/default.toml --set train.steps=50 --set parallel.pp=2
-
-Run as ``python -m hpcpipe.train``, the SIGUSR1/SIGTERM handlers are
-installed by the first statement of this file, before anything else is
-imported; :func:`main` installs them first otherwise (console script). This
-module never loads NumPy or mpi4py (which initialises MPI) at import. A stop
-signal during the slow start-up is thus only recorded, and every rank learns
-of it at the first step decision: the run stops after step 0 with a
-checkpoint and exit status 75.
-"""
+"""The training loop: steps, the agreed per-step decision, checkpoints, progress, metrics and traces."""
 
 from __future__ import annotations
 
-from .stopsignal import StopSignals
-
-# before the imports below, on purpose (see the module docstring)
-EARLY_STOP = StopSignals().install() if __name__ == "__main__" else None
-
-import argparse
 import json
-import sys
 import time
 from typing import Any
 
-from .cli import CommandParser, launcher_rank, run_planned
-from .config import load_config
-from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, AgreedError
-from .faults import fault_injection, stall_injection, step_sleep, write_pid
-from .guard import Watchdog
-from .trace import rank_events, training_trace, write_json
-from .guard import write_stop_marker
-from .runenv import stdout_is_terminal
-
-DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
-Run under mpiexec/srun; world size must equal dp x pp. Without --config the
-embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
-
-EPILOG = """examples:
-  mpiexec -n 8 python -m hpcpipe.train
-  mpiexec -n 4 python -m hpcpipe.train --config configs/example6.toml
-  mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
-  mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue the newest run in checkpoints/
-
-exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input,
-  75 stopped by SIGUSR1/SIGTERM after writing a checkpoint (resume with --resume),
-  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted),
-  77 train.max_bad_steps steps in a row had a non-finite loss or gradient, 130 interrupted (SIGINT).
-  See docs/cluster.md."""
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse the command line."""
-    parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
-    parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
-                        help="override one config key (TOML value syntax); repeatable")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from checkpoint.dir/latest, the newest checkpoint any run saved there, in that run's "
-                             "directory (same as --set checkpoint.resume=true); without it a run saves into a new "
-                             "checkpoint.dir/run-NNNN")
-    args = parser.parse_args(argv)
-    if args.resume:
-        args.overrides.append("checkpoint.resume=true")
-    return args
+from hpcpipe.errors import EXIT_DIVERGED, AgreedError
+from hpcpipe.runtime.faults import fault_injection, stall_injection, step_sleep
+from hpcpipe.runtime.guard import Watchdog
+from hpcpipe.runtime.runenv import stdout_is_terminal
+from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.trace import rank_events, training_trace, write_json
 
 
 class Progress:
@@ -133,7 +79,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     exit 77), and a stop signal on any rank makes every rank checkpoint and return
     with summary["stopped"] set. Returns a summary (rank 0 logs).
     """
-    from .comm import gather_to_root
+    from hpcpipe.runtime.comm import gather_to_root
 
     cfg = trainer.config
     rank = world.Get_rank()
@@ -179,7 +125,8 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             if len(bad_run) >= cfg.train.max_bad_steps:
                 raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0]}..{bad_run[-1]}) had a "
                                   f"non-finite loss or gradient (train.max_bad_steps = {cfg.train.max_bad_steps}); "
-                                  f"the parameters are still those from before step {bad_run[0]}; no checkpoint written "
+                                  f"the parameters are still those from before step {bad_run[0]}; "
+                                  f"no checkpoint written "
                                   f"(lower train.lr or set train.grad_clip{data_hint})", code=EXIT_DIVERGED)
             done = step + 1
             if cfg.checkpoint.dir and every and done % every == 0:
@@ -215,7 +162,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
 
 def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], label: str = "") -> None:
     """Gather every rank's timed actions on world rank 0 and write one Chrome-trace JSON file (collective)."""
-    from .comm import gather_to_root
+    from hpcpipe.runtime.comm import gather_to_root
     rank = world.Get_rank()
     parts = gather_to_root(world, (rank, label or f"rank {rank}", rank_events(events_by_step, rank)), 0)
     if parts is not None:
@@ -227,82 +174,3 @@ def timed_save(trainer: Any, step: int) -> float:
     t0 = time.perf_counter()
     trainer.save_checkpoint(step)
     return time.perf_counter() - t0
-
-
-def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
-    """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
-    c = p.config
-    resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
-    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
-          f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
-          f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
-          f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
-          f"{summary['elapsed_s']:.2f} s)", flush=True)
-    if summary["skipped"]:
-        print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
-    if summary["checkpoints"]:
-        print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {str(trainer.run_dir)!r} in "
-              f"{summary['checkpoint_s']:.2f} s (latest: step {summary['saved_step']})", flush=True)
-    if summary["stopped"]:
-        where = (f"checkpoint of step {summary['saved_step']} in {str(trainer.run_dir)!r}" if trainer.run_dir
-                 else "no checkpoint (checkpoint.dir is empty)")
-        print(f"hpcpipe: stopped for {summary['stopped']} after step {trainer.start_step + summary['steps']} "
-              f"of {c.train.steps}: {where}; exit status {EXIT_PREEMPTED} (continue with --resume)", flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hpcpipe.train``; returns the exit status."""
-    # Handlers first, before MPI and NumPy load: a signal during start-up, planning or a resume
-    # load is only recorded, and every rank learns of it at the first step decision.
-    stop = EARLY_STOP or StopSignals().install()
-    try:
-        write_pid(launcher_rank())
-        return _main(parse_args(argv), stop)
-    finally:
-        stop.close()
-
-
-def _main(args: argparse.Namespace, stop: StopSignals) -> int:
-    from mpi4py import MPI
-
-    from .trainer import Trainer, plan
-
-    world = MPI.COMM_WORLD
-    holder: dict[str, Any] = {}
-
-    def planner():
-        config = load_config(args.config, args.overrides)
-        return plan(config, world.Get_size())
-
-    def body(p) -> int:
-        if p.resume is not None and p.resume.step >= p.config.train.steps:
-            # a finished run: nothing to train, nothing to save (every rank decides the same from the plan)
-            if world.Get_rank() == 0:
-                print(f"hpcpipe: nothing to do: {str(p.resume.path)!r} is already at train.steps = "
-                      f"{p.config.train.steps} (raise train.steps to continue)", flush=True)
-            return 0
-        from .comm import abort
-        watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
-        try:
-            trainer = Trainer(p, world, record_events=bool(p.config.log.trace))
-            holder["trainer"] = trainer
-            summary = train(trainer, world, stop, watchdog)
-        finally:
-            watchdog.stop()
-        if world.Get_rank() == 0:
-            report(p, trainer, summary)
-            if summary["stopped"]:   # the batch script's proof of exit 75, whatever the launcher returns
-                write_stop_marker(summary["saved_step"] if p.config.checkpoint.dir else None, summary["stopped"],
-                                  p.config.checkpoint.dir)
-        trainer.close()
-        return EXIT_PREEMPTED if summary["stopped"] else 0
-
-    def label() -> str:
-        trainer = holder.get("trainer")
-        return trainer.topo.name if trainer else f"rank {world.Get_rank()}"
-
-    return run_planned(world, planner, body, label)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

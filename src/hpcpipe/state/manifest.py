@@ -17,10 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import ckpt_files as cf
-from .errors import ConfigError
-from .model import LayerSpec
-from .weights import check_layers, open_checked, optimizer_group, stored_layers
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.model import LayerSpec
+from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.weights import check_layers, open_checked, optimizer_group, stored_layers
 
 _STAGE_RE = re.compile(r"^stage-(\d{3,})\.h5$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -76,8 +76,8 @@ def _check_files(manifest: dict[str, Any], n_layers: int) -> None:
 
 def manifest_specs(manifest: dict[str, Any], label: str) -> list[LayerSpec]:
     """Return the layer specs of the model a manifest's config describes; ConfigError when it is invalid."""
-    from .config import from_dict
-    from .model import layer_specs
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.model import layer_specs
     try:
         return layer_specs(from_dict(manifest["config"]))
     except ConfigError as exc:

@@ -6,7 +6,7 @@ Which sample goes where (fixed, documented, independent of pp and schedule):
   stream, G = dp x micro_batches x micro_batch_size. Position p is sample
   ``p mod N`` of epoch ``p div N``: file order, or, when data.shuffle is
   true, the sample at place ``p mod N`` of a permutation of [0, N) seeded by
-  (data.seed, epoch) (:class:`hpcpipe.shuffle.EpochPermutation`, a keyed
+  (data.seed, epoch) (:class:`hpcpipe.train.shuffle.EpochPermutation`, a keyed
   bijection evaluated only at the step's positions: O(batch) time and
   memory per step, whatever N is).
 * Within the step's global batch, micro-batch m is the slice
@@ -22,10 +22,10 @@ from __future__ import annotations
 import h5py
 import numpy as np
 
-from .config import Config
-from .errors import ConfigError
-from .h5files import WatchedFile, file_identity, open_hdf5
-from .shuffle import EpochPermutation
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import WatchedFile, file_identity, open_hdf5
+from hpcpipe.train.shuffle import EpochPermutation
 
 
 class SyntheticData:

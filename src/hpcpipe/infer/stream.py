@@ -5,7 +5,7 @@ No activation is stashed and no gradient exists, so a stage keeps only S
 slot buffers (infer.buffers, default 2) per side and every array is
 allocated before the first micro-batch: the matmuls write with ``out=``,
 activations work in place, sends and receives are persistent requests on
-the slot buffers (:class:`hpcpipe.comm.StreamLink`).
+the slot buffers (:class:`hpcpipe.runtime.comm.StreamLink`).
 
 Roughly, for micro-batch k of this rank (slot = k mod S)::
 
@@ -29,13 +29,14 @@ preallocated array for the report and the trace.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .comm import StreamLink
-from .infer_io import RowReader, RowWriter, micro_batch_rows
-from .layers import Activation
+from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
+from hpcpipe.nn.layers import Activation
+from hpcpipe.runtime.comm import StreamLink
 
 # per micro-batch: input started, input ready, output slot free (compute start), compute end, output done
 EVENT_FIELDS = ("input_start", "input_end", "compute_start", "compute_end", "output_end")

@@ -9,11 +9,12 @@ to be sent, and output gradients waiting for their backward.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from hpcpipe.comm import PipeComm
-from hpcpipe.model import RankParameters
+from hpcpipe.nn.model import RankParameters
+from hpcpipe.runtime.comm import PipeComm
 from hpcpipe.schedule.ir import Action, PipeShape
 
 

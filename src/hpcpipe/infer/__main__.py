@@ -1,0 +1,7 @@
+"""``python -m hpcpipe.infer``."""
+
+import sys
+
+from hpcpipe.infer.command import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""``python -m hpcpipe.infer``: forward-only pipeline-parallel inference over MPI, HDF5 in and out.
+
+    mpiexec -n 4 python -m hpcpipe.infer --weights PATH --input in.h5 --output out.h5
+    mpiexec -n 8 python -m hpcpipe.infer --weights checkpoints --input in.h5 --output out.h5 --set parallel.pp=4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.infer.pipeline import execute
+from hpcpipe.infer.plan import InferPlan, plan
+from hpcpipe.infer.report import format_summary
+from hpcpipe.trace import write_json
+
+DESCRIPTION = """Run a trained MLP forward over the rows of an HDF5 dataset with pipeline (pp) x data (dp)
+parallelism over MPI, streaming micro-batches; write the outputs, in input order, to one HDF5 file.
+World size must equal dp x pp (default pp=4, dp=world/pp). The model is the one stored with the weights."""
+
+
+EPILOG = """examples:
+  mpiexec -n 4 python -m hpcpipe.infer --weights model.h5 --input in.h5 --output out.h5
+  mpiexec -n 8 python -m hpcpipe.infer --weights checkpoints --input in.h5 --output out.h5 --set parallel.pp=4
+  mpiexec -n 2 python -m hpcpipe.infer --weights ck/step-00000100 --input in.h5 --output out.h5 \\
+      --set parallel.pp=2 --set infer.micro_batch_size=256 --trace infer-trace.json
+
+exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input (nothing is written
+at the output path)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = CommandParser(prog="python -m hpcpipe.infer", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, metavar="PATH",
+                        help="weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
+    parser.add_argument("--input", required=True, metavar="IN.h5", help="HDF5 file with dataset infer.x (N, dims[0])")
+    parser.add_argument("--output", required=True, metavar="OUT.h5",
+                        help="HDF5 file to write with dataset infer.y (N, dims[-1]); replaced atomically")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [infer], [run] apply)")
+    parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                        help="override one config key (TOML value syntax); repeatable")
+    parser.add_argument("--trace", metavar="FILE", default="", help="write a Chrome trace (JSON) of every rank")
+    parser.add_argument("--report", metavar="FILE", default="", help="write the report as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.infer``; returns the exit status."""
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+
+    def planner() -> InferPlan:
+        return plan(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides,
+                    args.trace, args.report)
+
+    def body(p: InferPlan) -> int:
+        report = execute(p, world)
+        if world.Get_rank() == 0:
+            print(format_summary(report) + f" -> {p.output!r}", flush=True)
+            if args.report:
+                write_json(args.report, report)
+        return 0
+
+    return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")

@@ -1,0 +1,164 @@
+"""Running a planned inference (collective): load each stage's layers, stream micro-batches, commit the output.
+
+Rows go to replicas and land in the output as documented in
+:mod:`hpcpipe.infer.rows`; the streaming itself is :mod:`hpcpipe.infer.stream`,
+the report :mod:`hpcpipe.infer.report`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.infer.plan import InferPlan, plan
+from hpcpipe.infer.report import summarize
+from hpcpipe.infer.rows import (
+    RowReader,
+    RowWriter,
+    commit,
+    create_output,
+    discard,
+    replica_micro_batches,
+    temporary_name,
+)
+from hpcpipe.infer.stream import StreamStage
+from hpcpipe.nn.layers import make_activation
+from hpcpipe.nn.model import layer_specs
+from hpcpipe.runtime.comm import Poller, abort, barrier, broadcast, clock_offset, gather_to_root, together
+from hpcpipe.runtime.faults import fault_step
+from hpcpipe.runtime.topology import make_topology
+from hpcpipe.state import collective as checkpoint_mpi
+from hpcpipe.trace import inference_trace, write_json
+
+
+def _stage_layers(p: InferPlan, arrays: dict[int, dict[str, np.ndarray]], stage: int) -> list[tuple]:
+    specs = layer_specs(p.config)
+    dtype = p.config.model.dtype
+    out = []
+    for i in p.stage_ranges[stage]:
+        bias = arrays[i].get("bias")
+        out.append((np.ascontiguousarray(arrays[i]["weight"], dtype=dtype),
+                    None if bias is None else np.ascontiguousarray(bias, dtype=dtype),
+                    make_activation(specs[i].activation)))
+    return out
+
+
+def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Path, offset: int | None) -> StreamStage:
+    cfg = p.config
+    inf, dims, dtype = cfg.infer, cfg.model.dims, np.dtype(cfg.model.dtype)
+    stage = topo.pp_rank
+    first, last = stage == 0, stage == p.pp - 1
+    r = p.stage_ranges[stage]
+    return StreamStage(
+        layers=_stage_layers(p, arrays, stage),
+        micro_batches=replica_micro_batches(p.n_rows, inf.micro_batch_size, p.dp, topo.dp_rank),
+        n_rows=p.n_rows, batch=inf.micro_batch_size, slots=inf.buffers, dtype=dtype,
+        in_width=dims[r.start], out_width=dims[r.stop],
+        reader=RowReader(p.input, inf.x, inf.micro_batch_size, dtype) if first else None,
+        writer=RowWriter(tmp, offset, dims[-1] * dtype.itemsize) if last else None,
+        pp_comm=topo.pp_comm, prev=topo.prev, next=topo.next, poller=poller)
+
+
+def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
+    """Run a planned inference on every rank of comm (collective); return the report on every rank.
+
+    Errors before streaming (unreadable weights, output not creatable) are
+    agreed on and raised as AgreedError on every rank, and nothing is left at
+    the output path. A failure while streaming on one rank aborts comm
+    (MPI_Abort), since its neighbours would wait for it forever.
+    """
+    t_begin = time.perf_counter()
+    cfg = p.config
+    topo = make_topology(comm, p.dp, p.pp)
+    poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
+    rank = comm.Get_rank()
+    stage: StreamStage | None = None
+    tmp: Path | None = None
+    try:
+        arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
+                                     with_optimizer=False).arrays
+        created = None
+        # (the finally clause below removes a half-created output)
+        with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
+            if rank == 0:
+                tmp = temporary_name(p.output)
+                attrs = {"format": "hpcpipe-infer", "weights": str(p.weights.path), "step": p.weights.step,
+                         "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
+                created = (str(tmp), create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype,
+                                                   cfg.infer.y, attrs))
+        tmp_name, offset = broadcast(comm, created)
+        tmp = Path(tmp_name)
+        # e.g. MemoryError or an unreadable input on one rank
+        with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot start: {type(e).__name__}: {e}"):
+            stage = _build_stage(p, topo, poller, arrays, tmp, offset)
+        stage.fault_at = fault_step(rank)
+        shift = clock_offset(topo.cart, poller)   # our own communicator: no clash with the caller's tags
+        barrier(comm, poller)
+        t_start = time.perf_counter()
+        try:
+            events = stage.run()
+        except BaseException as exc:  # noqa: BLE001 - neighbours wait on this rank: end the job, never hang
+            if comm.Get_size() > 1:
+                print(f"hpcpipe: [{topo.name}] error while streaming: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                abort(comm, 1)
+            raise
+        stage_done, stage = stage, None
+        with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot finish writing {str(tmp)!r}: {e}"):
+            stage_done.close()
+        with together(comm, poller, 1, lambda e: f"cannot rename {str(tmp)!r} to {p.output!r}: {e}"):
+            if rank == 0:
+                commit(tmp, Path(p.output))
+        tmp = None
+        recv_wait, send_wait = stage_done.waits()
+        part = {"rank": rank, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank, "last": topo.next < 0,
+                "mbs": stage_done.mbs, "rows": [r for _, r in stage_done.rows], "events": events + shift,
+                "start": t_start + shift, "end": stage_done.end_time + shift,
+                "recv_wait": recv_wait, "send_wait": send_wait, "cpu_s": stage_done.cpu_s}
+        parts = gather_to_root(comm, part)
+        report = None
+        if rank == 0:
+            report = summarize(parts, p.n_rows, cfg.infer.micro_batch_size, p.dp, p.pp)
+            report.update(output=p.output, weights=str(p.weights.path), step=p.weights.step,
+                          setup_s=t_start - t_begin, total_s=time.perf_counter() - t_begin)
+            if p.trace:
+                try:
+                    write_json(p.trace, inference_trace(parts))
+                    report["trace"] = p.trace
+                except OSError as exc:   # the results are written: a lost trace is not worth failing for
+                    report["trace_error"] = f"cannot write trace {p.trace!r}: {exc}"
+                    print(f"hpcpipe: warning: {report['trace_error']}", file=sys.stderr, flush=True)
+        return broadcast(comm, report)
+    finally:
+        if stage is not None:   # an agreed error after the stage was built: release what it holds
+            try:
+                stage.close()
+            except OSError:
+                pass
+        if rank == 0 and tmp is not None:
+            discard(tmp)
+        topo.free()
+
+
+def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any = None,
+        config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
+        trace: str = "") -> dict[str, Any]:
+    """Infer the outputs of `input`'s rows with the model in `weights` into `output` (collective over comm).
+
+    Every rank of ``comm`` (default: MPI.COMM_WORLD) calls it with the same
+    arguments. ``config`` is a TOML path or a dict of sections (e.g.
+    ``{"parallel": {"pp": 2}, "infer": {"micro_batch_size": 64}}``),
+    ``overrides`` are ``section.key=value`` strings as ``--set`` takes.
+    Returns the report (rows/s, latency, fill/drain, bubble, ...) on every
+    rank. Raises ConfigError (identically on every rank) for a bad
+    configuration or input, AgreedError when the ranks agreed on a failure.
+    """
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    return execute(plan(weights, input, output, comm.Get_size(), config, overrides, trace), comm)

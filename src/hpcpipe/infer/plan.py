@@ -1,0 +1,108 @@
+"""Planning an inference run on every rank with no collective: model from the weights, layout, input and output paths.
+
+The model (dims, bias, activation, final_activation, dtype) is the one
+stored with the weights; ``--config``/``--set`` may restate it but not
+contradict it. Any (dp, pp) layout reads weights saved at any layout. No
+output, trace or report may be the input, the weights or lie inside the
+checkpoint the weights come from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcpipe.config import Config, from_dict, load_raw, resolve_layout
+from hpcpipe.errors import ConfigError
+from hpcpipe.infer.rows import (
+    check_input,
+    check_output,
+)
+from hpcpipe.nn.model import layer_specs, partition
+from hpcpipe.state.sources import WeightsSource, resolve_weights
+
+# model keys the weights decide; the config may repeat them but not contradict them
+MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
+
+
+@dataclass(frozen=True)
+class InferPlan:
+    """Everything decided before the first collective (identical on every rank)."""
+
+    config: Config
+    dp: int
+    pp: int
+    stage_ranges: list[range]
+    weights: WeightsSource
+    input: str
+    output: str
+    n_rows: int
+    trace: str = ""      # Chrome-trace file to write ("" = none)
+
+
+def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
+    """Return raw config sections with the model keys taken from the weights; ConfigError on a contradiction."""
+    raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"[model] must be a table of keys, got {model!r}")
+    for key in MODEL_KEYS:
+        if key not in stored:
+            continue
+        if key in model and model[key] != stored[key]:
+            raise ConfigError(f"model.{key} = {model[key]!r} in the configuration does not match {label}, which "
+                              f"was saved with model.{key} = {stored[key]!r}")
+        model[key] = stored[key]
+    return raw
+
+
+def plan(weights: str | Path, input: str | Path, output: str | Path, world_size: int,
+         config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
+         trace: str = "", report: str = "") -> InferPlan:
+    """Check weights, config, layout, input, output, trace and report paths locally; ConfigError names what is wrong.
+
+    Nothing the run writes (output, trace, report) may be the input, the
+    weights file, or lie inside the checkpoint the weights come from (the
+    directory given as --weights, the one holding a given ``latest`` file,
+    and the resolved step directory).
+    """
+    source = resolve_weights(weights)
+    raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
+    if isinstance(config, dict):
+        base = {name: dict(values) for name, values in config.items()}
+        for name, values in raw.items():
+            base.setdefault(name, {}).update(values)
+        raw = base
+    cfg = from_dict(model_from_weights(raw, source.model, source.describe()))
+    if cfg.parallel.virtual_stages != 1:
+        raise ConfigError(f"inference runs one stage per rank: parallel.virtual_stages must be 1, got "
+                          f"{cfg.parallel.virtual_stages}")
+    dp, pp = resolve_layout(cfg, world_size)
+    specs = layer_specs(cfg)
+    ranges = partition(specs, pp, cfg.parallel.stage_layers)
+    source.check(specs)
+    n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
+    files, dirs = weights_protection(weights, source)
+    check_output(output, input, files, dirs)
+    trace = trace or cfg.log.trace
+    written = ((f"the output file {str(output)!r}", Path(output)),)
+    if trace:
+        check_output(trace, input, files + written, dirs, "trace path")
+        written += ((f"the trace file {str(trace)!r}", Path(trace)),)
+    if report:
+        check_output(report, input, files + written, dirs, "report path")
+    return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)
+
+
+def weights_protection(weights: str | Path, source: WeightsSource) -> tuple[tuple[tuple[str, Path], ...],
+                                                                         tuple[tuple[str, Path], ...]]:
+    """Return (files, directories) the run must not write into: the weights file, or the checkpoint's directories."""
+    if source.kind == "file":
+        return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
+    given = Path(weights)
+    top = given.parent if given.is_file() else given      # a `latest` pointer: its checkpoint root
+    dirs = [top] if os.path.realpath(top) != os.path.realpath(source.path) else []
+    dirs.append(Path(source.path))
+    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)

@@ -1,0 +1,177 @@
+"""Where a model's layers are stored: one weights file or the files of one checkpoint, read by global layer index.
+
+:func:`resolve_weights` takes whatever a user names (a checkpoint root, whose ``latest`` is
+followed into the run that wrote it; a run directory; a ``step-NNNNNNNN`` directory; a
+``latest`` pointer file; a single weights file) and returns a :class:`WeightsSource` that reads
+any layer whatever layout wrote it, checking each checkpoint file (size, SHA-256, names,
+shapes) before its first use. No MPI here: :mod:`hpcpipe.state.collective` decides who reads what.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.model import LayerSpec
+from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
+from hpcpipe.state.weights import (
+    LayerArrays,
+    OptimizerArrays,
+    check_layers,
+    check_weights,
+    open_checked,
+    read_layers,
+    read_optimizer,
+    stored_layers,
+)
+
+
+@dataclass
+class WeightsSource:
+    """Where each global layer of a model is stored: one weights file or the files of one checkpoint.
+
+    Build it with :func:`resolve_weights`. ``read`` returns layers by global
+    index whatever layout wrote them; for a checkpoint each file's size and
+    SHA-256 are checked against the manifest before its first use.
+    """
+
+    path: Path                         # the file or step directory that was resolved
+    kind: str                          # "file" | "checkpoint"
+    step: int
+    n_layers: int
+    model: dict[str, Any]              # the model config stored with the weights ({} when unknown)
+    files: dict[int, Path]             # global layer -> file holding it
+    manifest: dict[str, Any] | None = None
+    specs: list[LayerSpec] | None = None  # the model of a checkpoint's manifest
+    _verified: set[Path] = field(default_factory=set)
+
+    def _entry(self, path: Path) -> dict[str, Any]:
+        return next(e for e in self.manifest["files"] if e["name"] == path.name)
+
+    def _verify(self, path: Path) -> None:
+        if self.manifest is not None and path not in self._verified:
+            check_stage_file(self.path, self._entry(path), self.manifest, self.specs)
+            self._verified.add(path)
+
+    def _by_file(self, indices: list[int]) -> dict[Path, list[int]]:
+        missing = [i for i in indices if i not in self.files]
+        if missing:
+            raise ConfigError(f"{self.describe()} has no layer(s) {missing} (it holds {self.n_layers} layers)")
+        out: dict[Path, list[int]] = {}
+        for i in indices:
+            out.setdefault(self.files[i], []).append(i)
+        return out
+
+    def describe(self) -> str:
+        """Return a short human label, e.g. "checkpoint '/ck/step-00000006'"."""
+        return f"{'checkpoint' if self.kind == 'checkpoint' else 'weights file'} {str(self.path)!r}"
+
+    def check(self, specs: list[LayerSpec]) -> None:
+        """Raise ConfigError unless layer count, names and shapes match the model (metadata only)."""
+        if self.n_layers != len(specs):
+            raise ConfigError(f"{self.describe()} holds {self.n_layers} layers but model.dims describes "
+                              f"{len(specs)}")
+        if self.kind == "file":
+            check_weights(self.path, specs)
+            return
+        for path, indices in self._by_file([s.index for s in specs]).items():
+            label = f"checkpoint file {str(path)!r}"
+            if not path.is_file():
+                raise ConfigError(f"{label} is missing")
+            with open_checked(path) as f:
+                check_layers(f, [specs[i] for i in indices], label)
+
+    def read(self, indices: list[int]) -> LayerArrays:
+        """Return {layer: {'weight', 'bias'}} for the given global layers; ConfigError naming a bad file."""
+        out: LayerArrays = {}
+        for path, mine in self._by_file(indices).items():
+            self._verify(path)
+            out.update(read_layers(path, mine))
+        return out
+
+    def read_optimizer(self, indices: list[int]) -> tuple[dict[str, Any], OptimizerArrays]:
+        """Return (optimizer attributes, per-layer optimizer state) for the given layers (checkpoints only)."""
+        if self.kind != "checkpoint":
+            raise ConfigError(f"{self.describe()} is a weights file and holds no optimizer state")
+        attrs: dict[str, Any] = {}
+        out: OptimizerArrays = {}
+        for path, mine in self._by_file(indices).items():
+            self._verify(path)
+            attrs, part = read_optimizer(path, mine)
+            out.update(part)
+        return attrs, out
+
+
+def _file_source(path: Path) -> WeightsSource:
+    with open_checked(path) as f:
+        layers = stored_layers(f)
+        n_layers = int(f.attrs.get("n_layers", len(layers)))
+        try:
+            model = json.loads(f.attrs.get("model", "{}"))
+        except json.JSONDecodeError:
+            model = {}
+        step = int(f.attrs.get("step", 0))
+    return WeightsSource(path, "file", step, n_layers, model, {i: path for i in layers})
+
+
+def checkpoint_source(step_dir: str | Path) -> WeightsSource:
+    """Return the source of one committed checkpoint directory (manifest validated, files not yet hashed)."""
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    files = {int(i): step_dir / e["name"] for e in manifest["files"] for i in e["layers"]}
+    specs = manifest_specs(manifest, f"manifest {str(step_dir / cf.MANIFEST)!r}")
+    return WeightsSource(step_dir, "checkpoint", int(manifest["step"]), int(manifest["n_layers"]),
+                         manifest["config"]["model"], files, manifest, specs)
+
+
+def latest_dir(root: str | Path) -> Path:
+    """Return the step directory a checkpoint root's `latest` names; ConfigError when there is none."""
+    root = Path(root)
+    name = cf.read_latest(root)
+    if name is None:
+        raise ConfigError(f"checkpoint directory {str(root)!r} has no 'latest' pointer (no complete checkpoint)")
+    step_dir = root / name
+    if not step_dir.is_dir():
+        raise ConfigError(f"{str(root / cf.LATEST)!r} names {name!r}, which does not exist")
+    return step_dir
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """Return the step directory meant by a checkpoint root, a step directory or a `latest` file."""
+    p = Path(path)
+    if p.is_file() and p.name == cf.LATEST:
+        return latest_dir(p.parent)
+    if p.is_dir() and (p / cf.MANIFEST).exists():
+        return p
+    if p.is_dir() and (p / cf.LATEST).exists():
+        return latest_dir(p)
+    if p.is_dir():
+        raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}) nor a checkpoint "
+                          f"root (no '{cf.LATEST}' pointer)")
+    raise ConfigError(f"checkpoint {str(p)!r} does not exist")
+
+
+def resolve_weights(path: str | Path) -> WeightsSource:
+    """Resolve what a user gave as weights into a source that reads layers by global index.
+
+    ``path`` may be a single HDF5 weights file (``/layers/NNNN/{weight,bias}``),
+    a checkpoint root directory (its ``latest`` pointer is followed), a
+    ``step-NNNNNNNN`` checkpoint directory, or a ``latest`` pointer file.
+    Cheap checks (existence, format, manifest) happen here and raise
+    ConfigError naming the path; call ``source.check(specs)`` to compare with
+    a model and ``source.read(indices)`` to load (hashes are checked then).
+    """
+    p = Path(path)
+    if not str(path):
+        raise ConfigError("no weights path given")
+    if p.is_file() and p.name != cf.LATEST:
+        if not h5py.is_hdf5(p):
+            raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")
+        return _file_source(p)
+    return checkpoint_source(resolve_step_dir(p))

@@ -1,0 +1,135 @@
+"""``python -m hpcpipe.train``: the command line, planning, the run and its summary.
+
+    mpiexec -n 8 python -m hpcpipe.train                  # embedded default: dp=2 x pp=4
+    mpiexec -n 8 python -m hpcpipe.train --config configs/default.toml --set train.steps=50 --set parallel.pp=2
+
+Run as ``python -m hpcpipe.train``, the SIGUSR1/SIGTERM handlers are
+installed by the first statement of :mod:`hpcpipe.train.__main__`, before
+anything else is imported; :func:`main` installs them first otherwise
+(console script). This module never loads NumPy or mpi4py (which
+initialises MPI) at import. A stop signal during the slow start-up is thus
+only recorded, and every rank learns of it at the first step decision: the
+run stops after step 0 with a checkpoint and exit status 75.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hpcpipe.cli import CommandParser, launcher_rank, run_planned
+from hpcpipe.config import load_config
+from hpcpipe.errors import EXIT_PREEMPTED
+from hpcpipe.runtime.faults import write_pid
+from hpcpipe.runtime.guard import Watchdog, write_stop_marker
+from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.train.loop import train
+
+DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
+Run under mpiexec/srun; world size must equal dp x pp. Without --config the
+embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
+
+
+EPILOG = """examples:
+  mpiexec -n 8 python -m hpcpipe.train
+  mpiexec -n 4 python -m hpcpipe.train --config configs/example6.toml
+  mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
+  mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue the newest run in checkpoints/
+
+exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input,
+  75 stopped by SIGUSR1/SIGTERM after writing a checkpoint (resume with --resume),
+  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted),
+  77 train.max_bad_steps steps in a row had a non-finite loss or gradient, 130 interrupted (SIGINT).
+  See docs/cluster.md."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
+    parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                        help="override one config key (TOML value syntax); repeatable")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from checkpoint.dir/latest, the newest checkpoint any run saved there, in "
+                             "that run's directory (same as --set checkpoint.resume=true); without it a run saves "
+                             "into a new checkpoint.dir/run-NNNN")
+    args = parser.parse_args(argv)
+    if args.resume:
+        args.overrides.append("checkpoint.resume=true")
+    return args
+
+
+def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
+    """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
+    c = p.config
+    resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
+    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
+          f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
+          f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
+          f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
+          f"{summary['elapsed_s']:.2f} s)", flush=True)
+    if summary["skipped"]:
+        print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
+    if summary["checkpoints"]:
+        print(f"hpcpipe: {summary['checkpoints']} checkpoint(s) to {str(trainer.run_dir)!r} in "
+              f"{summary['checkpoint_s']:.2f} s (latest: step {summary['saved_step']})", flush=True)
+    if summary["stopped"]:
+        where = (f"checkpoint of step {summary['saved_step']} in {str(trainer.run_dir)!r}" if trainer.run_dir
+                 else "no checkpoint (checkpoint.dir is empty)")
+        print(f"hpcpipe: stopped for {summary['stopped']} after step {trainer.start_step + summary['steps']} "
+              f"of {c.train.steps}: {where}; exit status {EXIT_PREEMPTED} (continue with --resume)", flush=True)
+
+
+def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.train`` (``stop``: its early handlers); returns the exit status."""
+    # Handlers first, before MPI and NumPy load: a signal during start-up, planning or a resume
+    # load is only recorded, and every rank learns of it at the first step decision.
+    stop = stop or StopSignals().install()
+    try:
+        write_pid(launcher_rank())
+        return _main(parse_args(argv), stop)
+    finally:
+        stop.close()
+
+
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    from mpi4py import MPI
+
+    from hpcpipe.train.trainer import Trainer, plan
+
+    world = MPI.COMM_WORLD
+    holder: dict[str, Any] = {}
+
+    def planner():
+        config = load_config(args.config, args.overrides)
+        return plan(config, world.Get_size())
+
+    def body(p) -> int:
+        if p.resume is not None and p.resume.step >= p.config.train.steps:
+            # a finished run: nothing to train, nothing to save (every rank decides the same from the plan)
+            if world.Get_rank() == 0:
+                print(f"hpcpipe: nothing to do: {str(p.resume.path)!r} is already at train.steps = "
+                      f"{p.config.train.steps} (raise train.steps to continue)", flush=True)
+            return 0
+        from hpcpipe.runtime.comm import abort
+        watchdog = Watchdog(p.config.run.stall_timeout, label, lambda code: abort(world, code)).start()
+        try:
+            trainer = Trainer(p, world, record_events=bool(p.config.log.trace))
+            holder["trainer"] = trainer
+            summary = train(trainer, world, stop, watchdog)
+        finally:
+            watchdog.stop()
+        if world.Get_rank() == 0:
+            report(p, trainer, summary)
+            if summary["stopped"]:   # the batch script's proof of exit 75, whatever the launcher returns
+                write_stop_marker(summary["saved_step"] if p.config.checkpoint.dir else None, summary["stopped"],
+                                  p.config.checkpoint.dir)
+        trainer.close()
+        return EXIT_PREEMPTED if summary["stopped"] else 0
+
+    def label() -> str:
+        trainer = holder.get("trainer")
+        return trainer.topo.name if trainer else f"rank {world.Get_rank()}"
+
+    return run_planned(world, planner, body, label)

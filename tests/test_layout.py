@@ -1,0 +1,56 @@
+"""The source tree keeps its shape: ruff-clean, one MPI module, small modules, one package per concern."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "hpcpipe"
+ROOT = SRC.parents[1]
+# the top level: small shared modules and the command entry points; everything else lives in a package
+TOP_LEVEL = {"__init__", "errors", "config", "trace", "cli", "h5files", "checkpoint", "evaluate", "simulate"}
+PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer"}
+
+
+def _modules():
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_ruff_check_is_clean():
+    # the rules are pyproject.toml's [tool.ruff]; `pip install ".[test]"` brings ruff
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_exactly_one_module_imports_mpi4py_at_module_level():
+    importers = []
+    for path in _modules():
+        for node in ast.parse(path.read_text()).body:      # module level only, not inside functions
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
+                importers.append(str(path.relative_to(SRC)))
+    assert importers == ["runtime/comm.py"]
+
+
+def test_no_module_over_450_lines():
+    long = {str(p.relative_to(SRC)): n for p in _modules() if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_top_level_holds_only_shared_modules_and_commands():
+    top = {p.stem for p in SRC.glob("*.py")}
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top == TOP_LEVEL and packages == PACKAGES
+
+
+def test_schedules_and_models_import_no_mpi_and_no_runtime():
+    # schedules are pure data and layers pure compute: neither may reach MPI, even indirectly through runtime/
+    for package in ("schedule", "nn"):
+        for path in (SRC / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    assert not node.module.startswith(("mpi4py", "hpcpipe.runtime", "hpcpipe.train",
+                                                       "hpcpipe.infer", "hpcpipe.state")), \
+                        f"{path.relative_to(SRC)} imports {node.module}"

@@ -154,3 +154,28 @@ def test_info_and_verify_describe_and_check_a_weights_file(tmp_path):
     flip_byte_in_dataset(out, "layers/0001/weight")
     bad = _ckpt_cli("verify", out)
     assert bad.returncode == 1 and "W.h5" in bad.stderr and "layers/0001" in bad.stderr, bad.stderr
+
+
+def test_export_never_writes_over_or_into_what_it_exports(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root, train={"steps": 2}).returncode == 0
+    step_dir = root / cf.read_latest(root)
+    out = tmp_path / "W.h5"
+    assert _ckpt_cli("export", root, out).returncode == 0
+    before = _tree(root)
+    weights = out.read_bytes()
+    for target, source, words in [
+        (root / "latest", root, "is inside the checkpoint directory"),
+        (step_dir / "stage-000.h5", root, "is inside the checkpoint directory"),
+        (root / "new.h5", root, "is inside the checkpoint directory"),
+        (tmp_path / "elsewhere.h5", step_dir, None),          # outside: allowed
+        (out, out, "is the weights file"),
+    ]:
+        result = _ckpt_cli("export", source, target)
+        if words is None:
+            assert result.returncode == 0, result.stderr
+            continue
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("hpcpipe.checkpoint: error:") == 1 and words in result.stderr, result.stderr
+    assert _tree(root) == before and out.read_bytes() == weights       # nothing touched
+    assert _ckpt_cli("verify", root).returncode == 0

@@ -23,7 +23,14 @@ from pathlib import Path
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.manifest import check_stage_file
-from hpcpipe.state.sources import WeightsSource, checkpoint_source, resolve_step_dir, resolve_weights
+from hpcpipe.state.sources import (
+    WeightsSource,
+    checkpoint_source,
+    protected_paths,
+    refuse_overwrite,
+    resolve_step_dir,
+    resolve_weights,
+)
 from hpcpipe.state.weights import (
     check_weights,
     open_checked,
@@ -180,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                 files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
                 print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
         elif args.command == "export":
+            try:   # a target that would replace or land inside what it exports is a usage error
+                files, dirs = protected_paths(args.dir, resolve_weights(args.dir))
+                refuse_overwrite(args.out, files, dirs, "export output")
+            except ConfigError as exc:
+                print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
+                return 2
             source = export(args.dir, args.out, args.optimizer)
             print(f"exported {source.describe()} step {source.step} ({source.n_layers} layers) to {args.out!r}")
         else:

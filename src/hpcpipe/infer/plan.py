@@ -9,7 +9,6 @@ checkpoint the weights come from.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from hpcpipe.infer.rows import (
     check_output,
 )
 from hpcpipe.nn.model import layer_specs, partition
-from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
 
 # model keys the weights decide; the config may repeat them but not contradict them
 MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
@@ -84,7 +83,7 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     ranges = partition(specs, pp, cfg.parallel.stage_layers)
     source.check(specs)
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
-    files, dirs = weights_protection(weights, source)
+    files, dirs = protected_paths(weights, source)
     check_output(output, input, files, dirs)
     trace = trace or cfg.log.trace
     written = ((f"the output file {str(output)!r}", Path(output)),)
@@ -94,15 +93,3 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     if report:
         check_output(report, input, files + written, dirs, "report path")
     return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)
-
-
-def weights_protection(weights: str | Path, source: WeightsSource) -> tuple[tuple[tuple[str, Path], ...],
-                                                                         tuple[tuple[str, Path], ...]]:
-    """Return (files, directories) the run must not write into: the weights file, or the checkpoint's directories."""
-    if source.kind == "file":
-        return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
-    given = Path(weights)
-    top = given.parent if given.is_file() else given      # a `latest` pointer: its checkpoint root
-    dirs = [top] if os.path.realpath(top) != os.path.realpath(source.path) else []
-    dirs.append(Path(source.path))
-    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)

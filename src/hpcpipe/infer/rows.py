@@ -34,6 +34,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, open_hdf5
+from hpcpipe.state.sources import refuse_overwrite, same_file
 
 
 def n_micro_batches(n_rows: int, batch: int) -> int:
@@ -85,20 +86,6 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
         raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    """True when both exist and are one file (symlinks followed, hard links included: same device and inode)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    """True when path, with symlinks resolved, is directory itself or lies under it."""
-    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
-    return real == top or top in real.parents
-
-
 def check_output(path: str | Path, input_path: str | Path, protected_files: tuple[tuple[str, Path], ...] = (),
                  protected_dirs: tuple[tuple[str, Path], ...] = (), what: str = "output path") -> None:
     """Raise ConfigError unless a file can be created at path without replacing what the run reads.
@@ -110,14 +97,9 @@ def check_output(path: str | Path, input_path: str | Path, protected_files: tupl
     """
     check_writable(path, what)
     p = Path(path)
-    if _same_file(p, Path(input_path)):
+    if same_file(p, Path(input_path)):
         raise ConfigError(f"{what} {str(p)!r} is the input file")
-    for label, other in protected_files:
-        if _same_file(p, other) or os.path.realpath(p) == os.path.realpath(other):
-            raise ConfigError(f"{what} {str(p)!r} is {label}; writing there would destroy it")
-    for label, directory in protected_dirs:
-        if _inside(p, directory):
-            raise ConfigError(f"{what} {str(p)!r} is inside {label}; choose a path outside it")
+    refuse_overwrite(p, protected_files, protected_dirs, what)
 
 
 def temporary_name(path: str | Path) -> Path:

@@ -10,6 +10,7 @@ shapes) before its first use. No MPI here: :mod:`hpcpipe.state.collective` decid
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,47 @@ def resolve_weights(path: str | Path) -> WeightsSource:
             raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")
         return _file_source(p)
     return checkpoint_source(resolve_step_dir(p))
+
+
+Protected = tuple[tuple[str, Path], ...]   # (label, path): "the weights file 'w.h5'", Path("w.h5")
+
+
+def protected_paths(given: str | Path, source: WeightsSource) -> tuple[Protected, Protected]:
+    """Return (files, directories) nothing may be written into: the weights file, or the checkpoint's directories.
+
+    ``given`` is the path the user named (a checkpoint root, a run or step
+    directory, a ``latest`` pointer); the resolved step directory is protected too.
+    """
+    if source.kind == "file":
+        return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
+    given = Path(given)
+    top = given.parent if given.is_file() else given      # a `latest` pointer: its checkpoint root
+    dirs = [top] if os.path.realpath(top) != os.path.realpath(source.path) else []
+    dirs.append(Path(source.path))
+    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """True when both exist and are one file (symlinks followed, hard links included: same device and inode)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def inside(path: Path, directory: Path) -> bool:
+    """True when path, with symlinks resolved, is directory itself or lies under it."""
+    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    return real == top or top in real.parents
+
+
+def refuse_overwrite(path: str | Path, files: Protected, dirs: Protected, what: str) -> None:
+    """Raise ConfigError when writing path would replace one of ``files`` or land inside one of ``dirs``."""
+    p = Path(path)
+    for label, other in files:
+        if same_file(p, other) or os.path.realpath(p) == os.path.realpath(other):
+            raise ConfigError(f"{what} {str(p)!r} is {label}; writing there would destroy it")
+    for label, directory in dirs:
+        if inside(p, directory):
+            raise ConfigError(f"{what} {str(p)!r} is inside {label}; choose a path outside it")
+

@@ -179,3 +179,21 @@ def test_export_never_writes_over_or_into_what_it_exports(tmp_path):
         assert result.stderr.count("hpcpipe.checkpoint: error:") == 1 and words in result.stderr, result.stderr
     assert _tree(root) == before and out.read_bytes() == weights       # nothing touched
     assert _ckpt_cli("verify", root).returncode == 0
+
+
+def test_resuming_a_checkpoint_taken_in_another_shuffled_order_warns(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root, train={"steps": 2}, data={"shuffle": True}).returncode == 0
+    step_dir = root / cf.read_latest(root)
+    manifest = json.loads((step_dir / cf.MANIFEST).read_text())
+    assert manifest["data"]["order"] == "feistel-splitmix64-8"
+    same = _train(root, "--resume", train={"steps": 3}, data={"shuffle": True})
+    assert same.returncode == 0 and "warning" not in same.stderr, same.stderr
+    step_dir = root / cf.read_latest(root)
+    manifest = json.loads((step_dir / cf.MANIFEST).read_text())
+    del manifest["data"]["order"]                  # as a checkpoint written before the order had a name
+    (step_dir / cf.MANIFEST).write_text(json.dumps(manifest))
+    older = _train(root, "--resume", train={"steps": 4}, data={"shuffle": True})
+    assert older.returncode == 0, older.stderr
+    assert older.stderr.count("hpcpipe: warning:") == 1 and "sample order 'of an older hpcpipe'" in older.stderr
+    assert "some samples may repeat" in older.stderr

@@ -102,6 +102,7 @@ class SaveInfo:
     config: dict[str, Any]
     samples_seen: int
     global_batch: int
+    order: str          # the sample order's name: "file", or the shuffled order's (train.shuffle.ORDER)
 
 
 def _abandon(tmp: Path | None, run_dir: Path | None, made_run: bool) -> None:
@@ -210,7 +211,7 @@ def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Pa
                 step, n_layers, info.layout, info.config,
                 {"name": info.config["train"]["optimizer"], "steps": optimizer.steps, "state": sorted(optimizer.state)},
                 {"samples_seen": info.samples_seen, "global_batch": info.global_batch,
-                 "shuffle": info.config["data"]["shuffle"], "seed": info.config["data"]["seed"]},
+                 "shuffle": info.config["data"]["shuffle"], "seed": info.config["data"]["seed"], "order": info.order},
                 [e for e in entries if e is not None], run=run_dir.name)
             final = _commit(root, run_dir, tmp, step, manifest, keep)
     return final

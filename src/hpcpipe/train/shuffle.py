@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 ROUNDS = 8
+# the name of this order, recorded in checkpoints: a resume under another order warns (train.trainer)
+ORDER = "feistel-splitmix64-8"
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 

@@ -9,6 +9,7 @@ builds communicators and runs steps.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, open_data
 from hpcpipe.train.engine import Engine, StepFeed
 from hpcpipe.train.preflight import check_memory, check_output_file
@@ -217,6 +219,12 @@ class Trainer:
         self.optimizer.steps = int(source.manifest["optimizer"]["steps"])
         self.start_step = source.step
         self.feeder.offset = int(source.manifest["data"]["samples_seen"]) - source.step * self.global_batch
+        saved_order = source.manifest["data"].get("order", "of an older hpcpipe")
+        if cfg.data.shuffle and saved_order != shuffle.ORDER and world.Get_rank() == 0:
+            # nothing is lost, but the rest of the current epoch is drawn in another order
+            print(f"hpcpipe: warning: {source.describe()} was taken with the sample order {saved_order!r}; this "
+                  f"run shuffles with {shuffle.ORDER!r}, so until the current epoch ends some samples may repeat "
+                  f"and others be skipped (later epochs are unaffected)", file=sys.stderr, flush=True)
 
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
@@ -224,7 +232,8 @@ class Trainer:
         layout = {"dp": p.dp, "pp": p.pp, "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
-        info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch)
+        info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
+                                       shuffle.ORDER if cfg.data.shuffle else "file")
         final = checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step, run_dir=self.run_dir,
                                     dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
                                     optimizer=self.optimizer, n_layers=len(self.specs), info=info,

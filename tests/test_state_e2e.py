@@ -25,6 +25,7 @@ from state_helpers import (
     pids_alive,
     run,
     sets,
+    small_tmpfs,
     wait_until_gone,
 )
 
@@ -238,14 +239,8 @@ def test_bad_init_file_is_a_clear_error(tmp_path):
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 200 KiB tmpfs mounted at tmp_path/full (root only), unmounted afterwards."""
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "full", "200k") as mnt:
+        yield mnt
 
 
 def test_disk_full_during_a_checkpoint_is_one_message_exit_1_and_cleaned(tmpfs, tmp_path):

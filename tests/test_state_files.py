@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from state_helpers import flip_byte_in_dataset
+from state_helpers import flip_byte_in_dataset, small_tmpfs
 
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
@@ -278,26 +278,18 @@ def test_data_file_mismatches_are_clear_errors(tmp_path, x, y, loss, message):
 
 def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
     """HDF5 2.0 segfaulted closing a file whose writes hit ENOSPC (issue #11's exit 11); now nothing crashes."""
-    import shutil
     import subprocess
     import sys
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "full"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
     script = (f"import errno, numpy as np\n"
               f"from hpcpipe.state.weights import write_weights\n"
               f"arrays = {{i: {{'weight': np.ones((100, 100), np.float32)}} for i in range(8)}}\n"
               f"try:\n    write_weights({str(mnt / 'w.h5')!r}, arrays, n_layers=8)\n"
               f"except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
-    try:
+    with small_tmpfs(mnt, "64k"):
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                                 check=False)
         left = sorted(p.name for p in mnt.iterdir())
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ENOSPC", (result.returncode, result.stderr)
     assert result.stderr == ""                     # no HDF5 error stacks, no "Exception ignored" tracebacks
     assert left == []                              # the partial file is removed

@@ -15,11 +15,12 @@ from hpcpipe import errors
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime import faults, guard
+from hpcpipe.runtime.stopsignal import StopSignals
 
 
 def test_stop_signals_only_record_and_restore():
     before = signal.getsignal(signal.SIGUSR1)
-    stop = guard.StopSignals().install()
+    stop = StopSignals().install()
     try:
         assert not stop.requested and stop.name == ""
         os.kill(os.getpid(), signal.SIGUSR1)

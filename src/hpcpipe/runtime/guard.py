@@ -6,7 +6,7 @@ The step decision is a small float64 vector that the trainer sums over every
 rank with its one per-step allreduce (comm.py); the watchdog is given an
 ``abort(code)`` callable (comm.abort on the world).
 
-* Signals (SIGUSR1, SIGTERM; :mod:`hpcpipe.runtime.stopsignal`, re-exported here):
+* Signals (SIGUSR1, SIGTERM; :mod:`hpcpipe.runtime.stopsignal`):
   the handler only records the signal number; ``python -m hpcpipe.train``
   installs it before anything slow, so a signal during start-up is kept.
   At the next step boundary every rank learns, through the step decision,
@@ -37,8 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpcpipe.errors import EXIT_PREEMPTED, EXIT_STALLED  # noqa: F401 - EXIT_STALLED: the watchdog's status
-from hpcpipe.runtime.stopsignal import STOP_SIGNALS, StopSignals  # noqa: F401 - re-exported: guard.StopSignals
+from hpcpipe.errors import EXIT_PREEMPTED, EXIT_STALLED
 
 if TYPE_CHECKING:
     import numpy as np

@@ -266,6 +266,7 @@ def _gpt_errors(shape, dtype, seed=0, batch=3, t=None):
     for i, g in enumerate(groups):
         model.load_group(i, g)
     loss = model.loss_and_grad(tokens, targets)
+    assert model.forward(tokens)[0].dtype == np.dtype(dtype)          # no silent promotion to float64
     ref_loss, ref_grads = _jax_gpt(shape, groups, tokens, targets)
     largest = max(np.abs(v).max() for g in ref_grads for v in g.values())
     worst = max(np.abs(model.grads[i][k] - v).max() for i, g in enumerate(ref_grads) for k, v in g.items())

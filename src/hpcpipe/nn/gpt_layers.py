@@ -121,7 +121,8 @@ class Embedding:
 
     def backward_weight(self, cache: Any, g: Any) -> None:
         """Accumulate dL/dtok_emb (a repeated token sums its rows) and dL/dpos_emb."""
-        # add.at, unlike ``grad[tokens] += rows``, adds every occurrence of a repeated token (CuPy has it too)
+        # add.at, unlike ``grad[tokens] += rows``, adds every occurrence of a repeated token (CuPy >= 12 has
+        # ufunc.at for add; cupyx.scatter_add is the same operation on older CuPy)
         self.xp.add.at(self.grad_tok_emb, cache.reshape(-1), rows(g))
         self.grad_pos_emb[:g.shape[1]] += g.sum(axis=0)
 

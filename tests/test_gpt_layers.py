@@ -378,3 +378,16 @@ def test_build_layer_kinds_by_group():
         build_layer(shape, 3, model.params[3], model.grads[3], np)
     with pytest.raises(ValueError, match="longer than the 4 positions"):
         model.forward(np.zeros((1, 5), dtype=np.int64))
+
+
+def test_compute_modules_use_only_xp():
+    # the layers run unchanged on CuPy: no NumPy import in a compute path (host-side init lives in gpt_params)
+    import ast
+    from pathlib import Path
+    nn = Path(__file__).resolve().parents[1] / "src" / "hpcpipe" / "nn"
+    for name in ("norm", "attention", "linear", "gpt_layers", "token_loss"):
+        for node in ast.walk(ast.parse((nn / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] != "numpy" for a in node.names), name
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "numpy", name

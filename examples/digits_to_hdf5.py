@@ -10,6 +10,7 @@ The split is stratified and seeded: 1437 training and 360 held-out images.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import h5py
@@ -26,8 +27,11 @@ def write(path: Path, x: np.ndarray, y: np.ndarray) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Split the digits into train/test and write both files."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        sys.exit("error: this example needs scikit-learn (its bundled digits): pip install scikit-learn")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="data", help="output directory (default: data)")

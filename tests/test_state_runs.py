@@ -225,3 +225,12 @@ def test_checkpoint_from_before_the_layout_change_resumes_bit_identically(tmp_pa
     mine, theirs = _h5_tree(exported), _h5_tree(fixtures / "session2-step4.h5")
     assert sorted(mine) == sorted(theirs) and any(k.startswith("optimizer/") for k in mine)
     assert all(mine[k] == theirs[k] for k in theirs)           # parameters and Adam state, bit for bit
+
+
+def test_checkpoint_tool_on_a_missing_path_is_a_usage_error(tmp_path):
+    for verb in ("verify", "info"):
+        result = _ckpt_cli(verb, tmp_path / "nock")
+        assert result.returncode == 2 and result.stderr.count("hpcpipe.checkpoint: error:") == 1
+        assert "does not exist" in result.stderr
+    result = _ckpt_cli("export", tmp_path / "nock", tmp_path / "out.h5")
+    assert result.returncode == 2 and not (tmp_path / "out.h5").exists()

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "followed), a run-NNNN or step-NNNNNNNN directory, a latest file, "
                                                  "or a weights file.",
                                      epilog="exit status: 0 ok, 1 the checkpoint is bad (the message names the "
-                                            "file), 2 usage error")
+                                            "file), 2 usage error (including a PATH that does not exist)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="check manifest, sizes, SHA-256, shapes and checksums")
     p_verify.add_argument("dir", metavar="PATH", help="checkpoint root, run or step directory, latest file, "
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="print runs, step, layout, optimizer and files (or a weights file's layers)")
     p_info.add_argument("dir", metavar="PATH")
     args = parser.parse_args(argv)
+    if not os.path.lexists(args.dir):     # a typo, not a bad checkpoint
+        print(f"hpcpipe.checkpoint: error: {args.dir!r} does not exist", file=sys.stderr)
+        return 2
     try:
         if args.command == "verify":
             root = Path(args.dir)

@@ -328,7 +328,9 @@ def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
         pp = world_size // dp
     if dp == "auto":
         if world_size % pp:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp ({pp})")
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp ({pp}): run on a multiple "
+                              f"of {pp} ranks, or set parallel.pp to a divisor of {world_size} (e.g. "
+                              f"--set parallel.pp=1)")
         dp = world_size // pp
     if dp * pp != world_size:
         raise ConfigError(f"world size {world_size} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) = {dp * pp}")

@@ -207,3 +207,20 @@ def test_stop_signal_during_startup_stops_after_step_0_with_a_checkpoint(tmp_pat
     assert cf.read_latest(tmp_path / "ck") == f"run-0001/{cf.step_name(1)}"
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 1
     assert wait_until_gone(str(tmp_path), 10) == []
+
+
+def test_repeated_stop_signals_still_end_in_75(tmp_path):
+    # the handlers used to be restored while the ranks shut down, so the 3rd or 4th signal killed a rank
+    # (BAD TERMINATION, exit 10 or 15) although the checkpoint was complete
+    proc = _start(tmp_path, _env(tmp_path, HPCPIPE_STEP_SLEEP="0.3"))
+    _wait_for_steps(proc, tmp_path / "m.jsonl", 2)
+    for _ in range(8):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.15)
+    out, err, _ = _finish(proc, 60)
+    if launchers.chosen() != "openmpi":
+        assert proc.returncode == errors.EXIT_PREEMPTED, err
+    assert "BAD TERMINATION" not in out + err and "exit status 75" in out, out + err
+    assert json.loads((tmp_path / "stop.json").read_text())["status"] == 75

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -90,11 +91,14 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     if with_optimizer and source.kind == "checkpoint":
         attrs, optimizer = source.read_optimizer(indices)
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
-                  optimizer=optimizer, optimizer_attrs=attrs)
-    cf.fsync_path(tmp)
-    os.replace(tmp, out)
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")   # never a name a user file could have
+    try:
+        write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
+                      optimizer=optimizer, optimizer_attrs=attrs)
+        cf.fsync_path(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return source
 
 
@@ -190,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                 files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
                 print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
         elif args.command == "export":
+            files, dirs = protected_paths(args.dir, resolve_weights(args.dir))   # a bad checkpoint: status 1
             try:   # a target that would replace or land inside what it exports is a usage error
-                files, dirs = protected_paths(args.dir, resolve_weights(args.dir))
+                if not args.out or args.out.endswith("/") or Path(args.out).is_dir():
+                    raise ConfigError(f"export output {args.out!r} is a directory; name the weights file to write")
                 refuse_overwrite(args.out, files, dirs, "export output")
             except ConfigError as exc:
                 print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)

@@ -209,6 +209,9 @@ def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, .
     return raw
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_toml(p: Path) -> dict[str, Any]:
     """Return a config file's tables, or raise ConfigError saying what is wrong with the file."""
     label = f"config file {str(p)!r}"
@@ -216,6 +219,10 @@ def _read_toml(p: Path) -> dict[str, Any]:
         raise ConfigError(f"{label} is a directory, not a TOML file")
     if not p.exists():
         raise ConfigError(f"{label} does not exist")
+    if not p.is_file():      # a FIFO would block start-up forever, /dev/zero would fill the memory
+        raise ConfigError(f"{label} is not a regular file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{label} holds {p.stat().st_size} bytes; a config file is at most {MAX_CONFIG_BYTES}")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

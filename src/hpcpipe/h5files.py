@@ -25,7 +25,7 @@ def open_hdf5(path: str | Path, label: str, hint: str = "") -> h5py.File:
     if p.is_dir():
         raise ConfigError(f"{label} is a directory, not an HDF5 file")
     if not p.is_file():
-        raise ConfigError(f"{label} does not exist")
+        raise ConfigError(f"{label} is not a regular file" if p.exists() else f"{label} does not exist")
     try:
         return h5py.File(path, "r")
     except OSError as exc:

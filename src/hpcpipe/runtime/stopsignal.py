@@ -39,6 +39,19 @@ class StopSignals:
             signal.siginterrupt(sig, False)
         return self
 
+    def ignore(self) -> None:
+        """Ignore further stop signals: the run has decided how it ends (on the way out of the command).
+
+        Python resets the handlers it installed to the default action while it finalises,
+        and SIGUSR1's default kills the process: a late second signal would turn a clean
+        exit 75 into a launcher's abort. Ignored signals stay ignored through finalisation.
+        """
+        for sig in self.signals:
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except ValueError:   # not the main thread
+                break
+
     @property
     def requested(self) -> bool:
         """True once any stop signal has arrived."""

@@ -40,10 +40,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 MANIFEST_FORMAT = "hpcpipe-checkpoint"
 MANIFEST_VERSION = 1
-_STEP_RE = re.compile(r"^step-(\d{8})$")
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
 _RUN_RE = re.compile(r"^run-(\d{4,})$")
-_ANY_STEP_RE = re.compile(r"^(\.tmp-|\.del-)?step-(\d{8})$")
-_LATEST_RE = re.compile(r"^(run-\d{4,}/)?step-\d{8}$")
+_ANY_STEP_RE = re.compile(r"^(\.tmp-|\.del-)?step-(\d{8,})$")
+_LATEST_RE = re.compile(r"^(run-\d{4,}/)?step-\d{8,}$")
 _LEFTOVER_PREFIXES = (".tmp-step-", ".del-step-")
 _LATEST_TMP = ".latest.tmp"
 

@@ -128,8 +128,12 @@ def _commit(root: Path, run_dir: Path, tmp: Path, step: int, manifest: dict[str,
         os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
         raise
-    if run_dir.resolve() != root.resolve():
-        cf.set_latest(root, f"{run_dir.name}/{final.name}", cf.root_latest_tmp(run_dir))
+    # the root's pointer names the newest checkpoint of any run; when checkpoint.dir names the run
+    # itself (resuming an older run), its root is the parent
+    top = root if run_dir.resolve() != root.resolve() else \
+        run_dir.parent if cf.is_run_dir(run_dir) and (run_dir.parent / cf.LATEST).is_file() else None
+    if top is not None:
+        cf.set_latest(top, f"{run_dir.name}/{final.name}", cf.root_latest_tmp(run_dir))
     cf.prune(run_dir, keep)
     return final
 

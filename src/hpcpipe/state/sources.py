@@ -185,15 +185,21 @@ def protected_paths(given: str | Path, source: WeightsSource) -> tuple[Protected
     """Return (files, directories) nothing may be written into: the weights file, or the checkpoint's directories.
 
     ``given`` is the path the user named (a checkpoint root, a run or step
-    directory, a ``latest`` pointer); the resolved step directory is protected too.
+    directory, a ``latest`` pointer). For a checkpoint, its step directory, the
+    run directory holding it and that run's root are all protected, whichever
+    of them was named.
     """
     if source.kind == "file":
         return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
     given = Path(given)
-    top = given.parent if given.is_file() else given      # a `latest` pointer: its checkpoint root
-    dirs = [top] if os.path.realpath(top) != os.path.realpath(source.path) else []
-    dirs.append(Path(source.path))
-    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in dirs)
+    step_dir = Path(source.path)
+    dirs = [given.parent if given.is_file() else given, step_dir, step_dir.parent]   # a `latest` file: its root
+    if cf.is_run_dir(step_dir.parent) and (step_dir.parent.parent / cf.LATEST).is_file():
+        dirs.append(step_dir.parent.parent)
+    unique: dict[str, Path] = {}
+    for d in dirs:
+        unique.setdefault(os.path.realpath(d), d)
+    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in unique.values())
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -219,4 +225,21 @@ def refuse_overwrite(path: str | Path, files: Protected, dirs: Protected, what: 
     for label, directory in dirs:
         if inside(p, directory):
             raise ConfigError(f"{what} {str(p)!r} is inside {label}; choose a path outside it")
+    state = checkpoint_member(p)
+    if state:
+        raise ConfigError(f"{what} {str(p)!r} is {state}; writing there would destroy it")
+
+
+def checkpoint_member(path: Path) -> str:
+    """Describe path when it is part of any checkpoint (a file of a step directory, a ``latest`` pointer), else ''."""
+    parent = path.parent
+    if (parent / cf.MANIFEST).is_file():
+        return f"inside the checkpoint directory {str(parent)!r}"
+    if path.name == cf.LATEST and (path.exists() or path.is_symlink()):
+        try:
+            if cf.read_latest(parent) is not None:
+                return f"the checkpoint pointer of {str(parent)!r}"
+        except ConfigError:
+            pass
+    return ""
 

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
         write_pid(launcher_rank())
         return _main(parse_args(argv), stop)
     finally:
-        stop.close()
+        stop.ignore()   # not restored: a second signal while the ranks shut down must not kill one
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:

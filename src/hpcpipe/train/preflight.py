@@ -19,6 +19,8 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.nn.model import layer_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
+from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.sources import WeightsSource
 
 GIB = 1024 ** 3
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -126,3 +128,58 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
             f"rank(s) ({_gib(available / ranks_here)} each): use more pipeline stages or nodes, or a smaller model "
             f"or micro-batch")
     return need
+
+
+def check_checkpoint_dir(directory: str, resume: bool) -> None:
+    """Raise ConfigError unless checkpoint.dir is, or can be created as, a directory this process can write.
+
+    Checked before step 0 so that a bad directory never costs a run its steps. The
+    nearest existing ancestor must be a directory on a writable file system; the
+    permission bits are checked only when not root (root passes os.access anyway).
+    """
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.dir {directory!r} is a file, not a directory (set checkpoint.dir to a "
+                          f"directory, or \"\" to save no checkpoints)")
+    _check_is_a_root(path, directory, resume)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"checkpoint.dir {directory!r} cannot be created: {str(existing)!r} is not a directory")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only or (os.geteuid() != 0 and not os.access(existing, os.W_OK | os.X_OK)):
+        why = "is on a read-only file system" if read_only else "is not writable"
+        raise ConfigError(f"checkpoint.dir {directory!r} cannot be written: {str(existing)!r} {why} (set "
+                          f"checkpoint.dir to a writable directory, or \"\" to save no checkpoints)")
+
+
+def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
+    """checkpoint.dir must be a root of runs (or, with --resume, a run): never a step, never another run's inside."""
+    if not path.is_dir():
+        return
+    if (path / cf.MANIFEST).exists() or cf.step_of_dir_name(path.name) is not None:
+        raise ConfigError(f"checkpoint.dir {directory!r} is a checkpoint step directory; saving there would write "
+                          f"into a committed checkpoint: set checkpoint.dir to its root ({str(path.parent.parent)!r} "
+                          f"or {str(path.parent)!r})")
+    if not resume and cf.is_run_dir(path) and (path.parent / cf.LATEST).exists():
+        raise ConfigError(f"checkpoint.dir {directory!r} is a run directory of {str(path.parent)!r}; a fresh run "
+                          f"writes a new run-NNNN under the root: set checkpoint.dir = {str(path.parent)!r}, or "
+                          f"add --resume to continue this run")
+    pointer = path / cf.LATEST
+    if (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
+        raise ConfigError(f"checkpoint.dir {directory!r}: {str(pointer)!r} is not a file (the root's checkpoint "
+                          f"pointer); move it away or set another checkpoint.dir")
+
+
+def check_nothing_newer(source: WeightsSource) -> None:
+    """Raise ConfigError when the resumed checkpoint's run already holds a later step (--resume would replace it)."""
+    run_dir = Path(source.path).parent
+    newer = [s for s in cf.committed_steps(run_dir) if s > source.step]
+    if newer:
+        raise ConfigError(f"cannot resume from {source.describe()}: its run directory {str(run_dir)!r} already "
+                          f"holds {cf.step_name(max(newer))}, which resuming from step {source.step} would "
+                          f"overwrite; continue the newest with --resume --set checkpoint.dir={str(run_dir)!r}")

@@ -31,11 +31,11 @@ from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
-from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite, resolve_weights
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, open_data
 from hpcpipe.train.engine import Engine, StepFeed
-from hpcpipe.train.preflight import check_memory, check_output_file
+from hpcpipe.train.preflight import check_checkpoint_dir, check_memory, check_nothing_newer, check_output_file
 
 
 @dataclass(frozen=True)
@@ -85,30 +85,24 @@ def check_resume(config: Config, source: WeightsSource) -> None:
                           f"train.steps = {config.train.steps}")
 
 
-def check_checkpoint_dir(directory: str) -> None:
-    """Raise ConfigError unless checkpoint.dir is, or can be created as, a directory this process can write.
-
-    Checked before step 0 so that a bad directory never costs a run its steps. The
-    nearest existing ancestor must be a directory on a writable file system; the
-    permission bits are checked only when not root (root passes os.access anyway).
-    """
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"checkpoint.dir {directory!r} is a file, not a directory (set checkpoint.dir to a "
-                          f"directory, or \"\" to save no checkpoints)")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"checkpoint.dir {directory!r} cannot be created: {str(existing)!r} is not a directory")
-    try:
-        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    if read_only or (os.geteuid() != 0 and not os.access(existing, os.W_OK | os.X_OK)):
-        why = "is on a read-only file system" if read_only else "is not writable"
-        raise ConfigError(f"checkpoint.dir {directory!r} cannot be written: {str(existing)!r} {why} (set "
-                          f"checkpoint.dir to a writable directory, or \"\" to save no checkpoints)")
+def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsSource | None) -> None:
+    """Raise ConfigError unless log.metrics and log.trace can be written without touching what the run reads."""
+    files: list[tuple[str, Path]] = []
+    dirs: list[tuple[str, Path]] = []
+    if config.data.path:
+        files.append((f"the data file data.path {config.data.path!r}", Path(config.data.path)))
+    for source, given in ((init, config.model.init), (resume, config.checkpoint.dir)):
+        if source is not None:
+            more_files, more_dirs = protected_paths(given, source)
+            files += more_files
+            dirs += more_dirs
+    metrics, trace = config.log.metrics, config.log.trace
+    if metrics and trace and os.path.realpath(metrics) == os.path.realpath(trace):
+        raise ConfigError(f"log.metrics and log.trace are the same file {metrics!r}; give each its own")
+    for key, path in (("metrics", metrics), ("trace", trace)):
+        if path:
+            check_output_file(path, f"log.{key}")
+            refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")
 
 
 def plan(config: Config, world_size: int) -> Plan:
@@ -118,24 +112,22 @@ def plan(config: Config, world_size: int) -> Plan:
     n_stages = pp * par.virtual_stages
     specs = layer_specs(config)
     ranges = partition(specs, n_stages, par.stage_layers)
-    for key in ("metrics", "trace"):
-        path = getattr(config.log, key)
-        if path:
-            check_output_file(path, f"log.{key}")
     if config.data.path:
         check_data_file(config)
     init = resume = None
     if config.checkpoint.dir:
-        check_checkpoint_dir(config.checkpoint.dir)
+        check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
     if config.checkpoint.resume:
         resume = resolve_weights(config.checkpoint.dir)
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
         check_resume(config, resume)
+        check_nothing_newer(resume)
         resume.check(specs)
     elif config.model.init:
         init = resolve_weights(config.model.init)
         init.check(specs)
+    check_log_files(config, init, resume)
     try:
         shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
         programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape)

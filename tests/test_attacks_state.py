@@ -1,0 +1,124 @@
+"""End-to-end: the second round of attacks on checkpoints, logs and exports (issue #11 follow-up).
+
+Each case was found by trying to make hpcpipe overwrite or delete what it did not create; each is
+now refused before step 0 (exit 2) with the files intact, or works without touching them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+from state_helpers import command, run, sets
+
+from hpcpipe.state import checkpoint_dir as cf
+
+TINY = {"model": {"dims": [8, 8, 8, 8]}, "parallel": {"dp": 1, "pp": 2},
+        "data": {"synthetic_samples": 32}, "log": {"progress": False},
+        "train": {"steps": 4, "micro_batches": 2, "micro_batch_size": 2, "optimizer": "adam"},
+        "checkpoint": {"every": 2, "keep": 5}}
+
+
+def _train(ck_dir, *more, **extra):
+    """Train TINY with checkpoint.dir = ck_dir; extra sections are merged key by key into TINY's."""
+    sections = {name: dict(values) for name, values in TINY.items()}
+    for name, values in extra.items():
+        sections.setdefault(name, {}).update(values)
+    sections["checkpoint"]["dir"] = str(ck_dir)
+    return run(command(2, "hpcpipe.train", sets(**sections) + list(more)), timeout=120)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _refused(result, *words):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("hpcpipe: error:") == 1 and "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+
+
+def test_checkpoint_dir_that_is_a_step_or_another_runs_directory_is_refused(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    before = _tree(root)
+    step_dir = root / cf.read_latest(root)
+    _refused(_train(step_dir, "--resume"), "is a checkpoint step directory")       # once deleted its own source
+    _refused(_train(step_dir), "is a checkpoint step directory")
+    _refused(_train(root / "run-0001"), "is a run directory of", "--resume")        # would nest a run inside it
+    assert _tree(root) == before
+
+
+def test_resume_never_overwrites_a_later_step_of_its_run(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0                                             # steps 2, 4
+    assert _train(root / "run-0001", "--resume", train={"steps": 6}).returncode == 0
+    assert cf.read_latest(root) == "run-0001/step-00000006"                        # the root follows
+    (root / cf.LATEST).write_text("run-0001/step-00000004\n")                       # a pointer left behind
+    before = _tree(root / "run-0001")
+    _refused(_train(root, "--resume", train={"steps": 8}), "already holds step-00000006", "would overwrite")
+    assert _tree(root / "run-0001") == before
+
+
+def test_training_logs_never_overwrite_what_the_run_reads(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.ones((32, 8), np.float32)
+        f["y"] = np.ones((32, 8), np.float32)
+    other = tmp_path / "other"
+    before, data_bytes = _tree(root), data.read_bytes()
+    step_file = str(root / cf.read_latest(root) / "stage-000.h5")
+    cases = [
+        ({"data": {"path": str(data)}, "log": {"trace": str(data)}}, "the data file"),
+        ({"model": {"init": str(root)}, "log": {"metrics": step_file}}, "the checkpoint directory"),
+        ({"log": {"trace": str(root / cf.LATEST)}}, "the checkpoint pointer"),
+        ({"log": {"trace": str(tmp_path / "t.json"), "metrics": str(tmp_path / "t.json")}}, "are the same file"),
+    ]
+    for extra, words in cases:
+        _refused(_train(other, **extra), words)
+    assert _tree(root) == before and data.read_bytes() == data_bytes and not other.exists()
+
+
+def test_export_and_infer_never_write_over_the_pointers_of_the_checkpoint_they_read(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    step_dir = root / cf.read_latest(root)
+    before = _tree(root)
+    for out in (root / cf.LATEST, root / "run-0001" / cf.LATEST, tmp_path, f"{tmp_path}/sub/"):
+        result = run([sys.executable, "-m", "hpcpipe.checkpoint", "export", str(step_dir), str(out)])
+        assert result.returncode == 2 and result.stderr.count("error:") == 1, (out, result.stderr)
+    x = tmp_path / "in.h5"
+    with h5py.File(x, "w") as f:
+        f["x"] = np.ones((8, 8), np.float32)
+    result = run(command(2, "hpcpipe.infer", ["--weights", str(step_dir), "--input", str(x), "--output",
+                                               str(root / cf.LATEST), "--set", "parallel.pp=2"]))
+    assert result.returncode == 2 and "hpcpipe: error:" in result.stderr, result.stderr
+    assert _tree(root) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]          # no temporary left behind
+
+
+def test_a_latest_that_is_a_directory_is_refused_before_step_0(tmp_path):
+    root = tmp_path / "ck"
+    (root / cf.LATEST).mkdir(parents=True)
+    (root / cf.LATEST / "mine.txt").write_text("keep me")
+    _refused(_train(root, checkpoint={"every": 0}), "is not a file")
+    assert (root / cf.LATEST / "mine.txt").read_text() == "keep me"
+
+
+def test_steps_past_99999999_name_readable_checkpoints():
+    assert cf.step_name(100_000_000) == "step-100000000"
+    assert cf.step_of_dir_name("step-100000000") == (100_000_000, True)
+
+
+def test_config_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, words in ((fifo, "is not a regular file"), ("/dev/zero", "is not a regular file")):
+        result = run(command(2, "hpcpipe.train", ["--config", str(path)]), timeout=60)
+        _refused(result, words)

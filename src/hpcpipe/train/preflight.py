@@ -20,7 +20,7 @@ from hpcpipe.nn.model import layer_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.state import checkpoint_dir as cf
-from hpcpipe.state.sources import WeightsSource
+from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite
 
 GIB = 1024 ** 3
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -183,3 +183,23 @@ def check_nothing_newer(source: WeightsSource) -> None:
         raise ConfigError(f"cannot resume from {source.describe()}: its run directory {str(run_dir)!r} already "
                           f"holds {cf.step_name(max(newer))}, which resuming from step {source.step} would "
                           f"overwrite; continue the newest with --resume --set checkpoint.dir={str(run_dir)!r}")
+
+
+def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsSource | None) -> None:
+    """Raise ConfigError unless log.metrics and log.trace can be written without touching what the run reads."""
+    files: list[tuple[str, Path]] = []
+    dirs: list[tuple[str, Path]] = []
+    if config.data.path:
+        files.append((f"the data file data.path {config.data.path!r}", Path(config.data.path)))
+    for source, given in ((init, config.model.init), (resume, config.checkpoint.dir)):
+        if source is not None:
+            more_files, more_dirs = protected_paths(given, source)
+            files += more_files
+            dirs += more_dirs
+    metrics, trace = config.log.metrics, config.log.trace
+    if metrics and trace and os.path.realpath(metrics) == os.path.realpath(trace):
+        raise ConfigError(f"log.metrics and log.trace are the same file {metrics!r}; give each its own")
+    for key, path in (("metrics", metrics), ("trace", trace)):
+        if path:
+            check_output_file(path, f"log.{key}")
+            refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")

@@ -8,7 +8,6 @@ builds communicators and runs steps.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,11 @@ from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
-from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite, resolve_weights
+from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, open_data
 from hpcpipe.train.engine import Engine, StepFeed
-from hpcpipe.train.preflight import check_checkpoint_dir, check_memory, check_nothing_newer, check_output_file
+from hpcpipe.train.preflight import check_checkpoint_dir, check_log_files, check_memory, check_nothing_newer
 
 
 @dataclass(frozen=True)
@@ -83,26 +82,6 @@ def check_resume(config: Config, source: WeightsSource) -> None:
     if source.step > config.train.steps:
         raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
                           f"train.steps = {config.train.steps}")
-
-
-def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsSource | None) -> None:
-    """Raise ConfigError unless log.metrics and log.trace can be written without touching what the run reads."""
-    files: list[tuple[str, Path]] = []
-    dirs: list[tuple[str, Path]] = []
-    if config.data.path:
-        files.append((f"the data file data.path {config.data.path!r}", Path(config.data.path)))
-    for source, given in ((init, config.model.init), (resume, config.checkpoint.dir)):
-        if source is not None:
-            more_files, more_dirs = protected_paths(given, source)
-            files += more_files
-            dirs += more_dirs
-    metrics, trace = config.log.metrics, config.log.trace
-    if metrics and trace and os.path.realpath(metrics) == os.path.realpath(trace):
-        raise ConfigError(f"log.metrics and log.trace are the same file {metrics!r}; give each its own")
-    for key, path in (("metrics", metrics), ("trace", trace)):
-        if path:
-            check_output_file(path, f"log.{key}")
-            refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")
 
 
 def plan(config: Config, world_size: int) -> Plan:

@@ -28,10 +28,25 @@ class LayerSpec:
     bias: bool
     activation: str
 
+    kind = "mlp"
+
     @property
     def n_params(self) -> int:
         """Number of scalars in weight and bias."""
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes: weight (in, out) and, with biases, bias (out,)."""
+        shapes: dict[str, tuple[int, ...]] = {"weight": (self.fan_in, self.fan_out)}
+        if self.bias:
+            shapes["bias"] = (self.fan_out,)
+        return shapes
+
+    @property
+    def cost(self) -> int:
+        """Multiply-adds per sample of the forward (what the stage partition balances)."""
+        return self.fan_in * self.fan_out
 
 
 def layer_specs(config: Config) -> list[LayerSpec]:

@@ -344,3 +344,57 @@ def test_compute_modules_use_only_xp():
                 assert all(a.name.split(".")[0] != "numpy" for a in node.names), name
             if isinstance(node, ast.ImportFrom):
                 assert (node.module or "").split(".")[0] != "numpy", name
+
+
+# --- the model definition the engine uses: groups, costs, stage cut
+
+def _config(**model):
+    from hpcpipe.config import from_dict
+    return from_dict({"model": {"kind": "gpt", **model}, "parallel": {"pp": 1}})
+
+
+def test_gpt_specs_follow_the_hdf5_contract():
+    from hpcpipe.nn.model_spec import model_def
+    m = model_def(_config(vocab_size=50, seq_len=8, d_model=16, n_heads=2, n_blocks=3, tie_embeddings=False))
+    assert m.n_layers == 5 and [s.index for s in m.specs] == list(range(5))
+    assert m.specs[0].shapes == {"tok_emb": (50, 16), "pos_emb": (8, 16)}
+    assert m.specs[2].shapes["attn/qkv/weight"] == (16, 48) and m.specs[2].shapes["mlp/proj/weight"] == (64, 16)
+    assert m.specs[4].shapes == {"ln_f/weight": (16,), "ln_f/bias": (16,), "head/weight": (16, 50)}
+    assert m.boundary(0, 3) == ((3, 8), "int64") and m.boundary(2, 3) == ((3, 8, 16), None)
+    assert m.boundary(5, 3) == ((3, 8, 50), None) and m.samples_norm(6) == 48
+
+
+def test_partition_counts_the_head_of_a_large_vocabulary():
+    """vocab 8192, d 64: the head costs as much as ~13 blocks, so it gets a stage of its own."""
+    from hpcpipe.nn.model import partition
+    from hpcpipe.nn.model_spec import model_def
+    specs = model_def(_config(vocab_size=8192, seq_len=64, d_model=64, n_heads=4, n_blocks=6)).specs
+    ranges = partition(specs, 4)
+    assert list(ranges[-1]) == [7]                     # the final norm + head alone
+    assert sum(len(r) for r in ranges) == 8 and min(len(r) for r in ranges) >= 1
+    by_params = [s.n_params for s in specs]            # parameter counts would put the embedding alone instead
+    assert by_params[0] > 10 * by_params[1]
+
+
+def test_stash_formula_matches_what_the_engine_counts():
+    """The engine's peak stash of one GPipe step at pp = 1 equals the per-group formula (within 0.1 %)."""
+    from mpi4py import MPI
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.train.trainer import Trainer, plan
+    for recompute in ("none", "stage"):
+        cfg = from_dict({"parallel": {"pp": 1, "dp": 1}, "checkpoint": {"dir": ""}, "log": {"progress": False},
+                         "model": {"kind": "gpt", "vocab_size": 50, "seq_len": 16, "d_model": 32, "n_heads": 4,
+                                   "n_blocks": 3},
+                         "train": {"micro_batches": 3, "micro_batch_size": 5, "recompute": recompute}})
+        trainer = Trainer(plan(cfg, 1), MPI.COMM_SELF)
+        try:
+            trainer.compute_gradients(0)
+            measured = trainer.engine.stats.peak_stash_bytes
+        finally:
+            trainer.close()
+        if recompute == "none":
+            formula = sum(s.act_elements for s in trainer.specs) * 3 * 5 * 4
+            assert abs(measured - formula) <= 1e-3 * formula, (measured, formula)
+        else:
+            assert measured == 3 * 5 * 16 * 8        # the token ids (int64) of the 3 micro-batches

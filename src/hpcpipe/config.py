@@ -268,6 +268,10 @@ def from_dict(raw: dict[str, Any]) -> Config:
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}] (known sections: {', '.join(sections)})")
+    model, train = raw.get("model"), raw.get("train", {})
+    if isinstance(model, dict) and model.get("kind") == "gpt" and isinstance(train, dict):
+        # a GPT's loss is token cross-entropy: the default, so that a saved config reads back
+        raw = {**raw, "train": {"loss": "cross_entropy", **train}}
     built = {}
     for name, value in raw.items():
         if not isinstance(value, dict):

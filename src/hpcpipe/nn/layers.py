@@ -83,13 +83,33 @@ class GELU(Activation):
     name = "gelu"
 
     def forward(self, xp, z):
-        t = xp.tanh(_GELU_C * (z + 0.044715 * z ** 3))
-        return 0.5 * z * (1 + t), (z, t)
+        # c (z + 0.044715 z^3) as z (c + 0.044715 c z^2): products instead of a float power, which
+        # costs NumPy about 10x a multiply; three temporaries of z's size, most work in place
+        t = z * z
+        t *= 0.044715 * _GELU_C
+        t += _GELU_C
+        t *= z
+        xp.tanh(t, out=t)
+        y = t + 1
+        y *= z
+        y *= 0.5
+        return y, (z, t)
 
     def backward(self, xp, saved, g):
+        # d/dz = 0.5 (1 + t) + 0.5 z (1 - t^2) c (1 + 3 * 0.044715 z^2)
         z, t = saved
-        dt = (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * z * z)
-        g *= 0.5 * (1 + t) + 0.5 * z * dt
+        a = t * t
+        xp.subtract(1, a, out=a)
+        b = z * z
+        b *= 3 * 0.044715 * _GELU_C
+        b += _GELU_C
+        a *= b
+        a *= z
+        a += 1
+        xp.multiply(t, 0.5, out=b)
+        a *= 0.5
+        a += b
+        g *= a
         return g
 
     def apply_(self, xp, z, scratch):

@@ -66,18 +66,18 @@ def gpt_group_cost(shape: GPTShape, index: int) -> int:
 def gpt_group_activations(shape: GPTShape, index: int) -> int:
     """Elements per window a group's forward caches for its backward (what the engine's stash counts).
 
-    A block keeps ln1's x_hat (d), qkv (3d), the attention weights (heads x T), the
-    concatenated heads (d), ln2's x_hat (d), the MLP's input rows (d, the same
-    buffer as ln2's output: counted once), its GELU pre-activation and output
-    (2 ff); per token, plus 2 per token for the LayerNorm scales. The head keeps
-    ln_f's x_hat and its output rows (2 d) and the logits' input; the embedding
-    its token ids.
+    Per token, a block keeps: ln1's x_hat and output (2 d), qkv (3 d: q, k and v are
+    views of it), the attention weights (heads x T), the concatenated heads (d),
+    ln2's x_hat and output (2 d), the GELU's pre-activation, tanh and output (3 ff),
+    and the two LayerNorms' 1 / std (2). The head keeps ln_f's x_hat and output and
+    1 / std (2 d + 1); the embedding its token ids (int64: counted as 2 elements of
+    float32 would over-count float64; the estimate counts 1).
     """
     d, t = shape.d_model, shape.seq_len
     if index == 0:
         return t
     if index <= shape.n_blocks:
-        return t * (7 * d + shape.n_heads * t + 2 * shape.ff + 2)
+        return t * (8 * d + shape.n_heads * t + 3 * shape.ff + 2)
     return t * (2 * d + 1)
 
 

@@ -77,9 +77,9 @@ def _check_files(manifest: dict[str, Any], n_layers: int) -> None:
 def manifest_specs(manifest: dict[str, Any], label: str) -> list[LayerSpec]:
     """Return the layer specs of the model a manifest's config describes; ConfigError when it is invalid."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import layer_specs
+    from hpcpipe.nn.model_spec import model_specs
     try:
-        return layer_specs(from_dict(manifest["config"]))
+        return model_specs(from_dict(manifest["config"]))
     except ConfigError as exc:
         raise ConfigError(f"{label} holds an invalid config: {exc}") from None
 
@@ -123,7 +123,8 @@ def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[LayerSp
                           f"says step {step} (renamed or copied over?)")
     specs = manifest_specs(manifest, label)
     if len(specs) != n_layers:
-        raise ConfigError(f"{label}: n_layers {n_layers} disagrees with its model.dims ({len(specs)} layers)")
+        what = "model.dims" if specs[0].kind == "mlp" else "model"
+        raise ConfigError(f"{label}: n_layers {n_layers} disagrees with its {what} ({len(specs)} layers)")
     listed = {e["name"] for e in manifest["files"]}
     for name in sorted(listed):
         if not (step_dir / name).is_file():

@@ -49,11 +49,8 @@ def optimizer_group(index: int) -> str:
 
 
 def param_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
-    """Return the parameter names and shapes of a layer ('bias' only when the model has biases)."""
-    shapes: dict[str, tuple[int, ...]] = {"weight": (spec.fan_in, spec.fan_out)}
-    if spec.bias:
-        shapes["bias"] = (spec.fan_out,)
-    return shapes
+    """Return the parameter names and shapes of a layer group (MLP: weight and, with biases, bias)."""
+    return dict(spec.shapes)
 
 
 def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str, Any] | None = None,
@@ -172,6 +169,18 @@ def dataset_problem(obj: Any, shape: tuple[int, ...]) -> str | None:
     return None
 
 
+def members(group: h5py.Group) -> dict[str, Any]:
+    """Return a group's datasets (and whatever is not a group) by path below it; GPT names nest (attn/qkv/weight)."""
+    out: dict[str, Any] = {}
+    for name in group:
+        obj = group[name]
+        if isinstance(obj, h5py.Group):
+            out.update({f"{name}/{sub}": value for sub, value in members(obj).items()})
+        else:
+            out[name] = obj
+    return out
+
+
 def check_layers(f: h5py.File, specs: list[LayerSpec], label: str) -> None:
     """Raise ConfigError unless the file holds each given layer with the model's names, types and shapes."""
     for s in specs:
@@ -182,11 +191,12 @@ def check_layers(f: h5py.File, specs: list[LayerSpec], label: str) -> None:
         if not isinstance(group, h5py.Group):
             raise ConfigError(f"{label}: {name} is a {_kind(group)}, not a group holding weight and bias")
         shapes = param_shapes(s)
-        if sorted(group.keys()) != sorted(shapes):
-            raise ConfigError(f"{label}: layer {s.index} holds {sorted(group.keys())}, the model needs "
+        found = members(group)
+        if sorted(found) != sorted(shapes):
+            raise ConfigError(f"{label}: layer {s.index} holds {sorted(found)}, the model needs "
                               f"{sorted(shapes)}")
         for param, shape in shapes.items():
-            problem = dataset_problem(group[param], shape)
+            problem = dataset_problem(found[param], shape)
             if problem:
                 raise ConfigError(f"{label}: {name}/{param} {problem}")
 
@@ -206,11 +216,10 @@ def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
     """Read every dataset of a group; ConfigError naming file and dataset if one is corrupt, malformed or not finite."""
     out = {}
     try:
-        members = f[group]
-        if not isinstance(members, h5py.Group):
-            raise ConfigError(f"{label}: {group} is a {_kind(members)}, not a group of datasets")
-        for name in members:
-            obj = members[name]
+        top = f[group]
+        if not isinstance(top, h5py.Group):
+            raise ConfigError(f"{label}: {group} is a {_kind(top)}, not a group of datasets")
+        for name, obj in members(top).items():
             problem = dataset_problem(obj, obj.shape if isinstance(obj, h5py.Dataset) else ())
             if problem:
                 raise ConfigError(f"{label}: {group}/{name} {problem}")

@@ -38,24 +38,31 @@ class StepStats:
     events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
 
 
-def _cache_bytes(caches: Any) -> int:
-    """Bytes of the distinct buffers a stage keeps for its backward.
+def _address(array: Any) -> int:
+    """Start address of an array's data (NumPy or CuPy)."""
+    interface = getattr(array, "__array_interface__", None)
+    return interface["data"][0] if interface is not None else array.data.ptr
 
-    Arrays are counted by the buffer they view (a layer's output is the next one's
-    input; q, k and v are views of one qkv block), each buffer once.
+
+def _cache_bytes(caches: Any) -> int:
+    """Bytes of the distinct arrays a stage keeps for its backward.
+
+    An array and its views of the same memory (a layer's output is the next one's
+    input, ``rows(u)`` is u) are counted once: keyed by start address and size.
     """
-    seen: dict[int, int] = {}
+    seen: set[tuple[int, int]] = set()
+    total = 0
     pending = [caches]
     while pending:
         obj = pending.pop()
         if isinstance(obj, (tuple, list)):
             pending.extend(obj)
-        elif hasattr(obj, "nbytes"):
-            base = obj
-            while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
-                base = base.base
-            seen[id(base)] = base.nbytes
-    return sum(seen.values())
+        elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+            key = (_address(obj), obj.nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += obj.nbytes
+    return total
 
 
 @dataclass

@@ -42,10 +42,11 @@ class CausalSelfAttention:
         qkv, qkv_cache = self.qkv.forward(rows(u))
         # (b*t, 3d) -> (3, b, heads, t, d_head): q | k | v, each split into contiguous head slices
         q, k, v = qkv.reshape(b, t, 3, self.n_heads, self.d_head).transpose(2, 0, 3, 1, 4)
-        scores = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(self.d_head))
-        scores = xp.where(self._future(t), -xp.inf, scores)
+        scores = q @ k.swapaxes(-1, -2)
+        scores *= 1.0 / math.sqrt(self.d_head)
+        xp.copyto(scores, -xp.inf, where=self._future(t))   # in place: no second (b, heads, t, t) array
         scores -= scores.max(axis=-1, keepdims=True)
-        p = xp.exp(scores)
+        p = xp.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
         heads = (p @ v).transpose(0, 2, 1, 3).reshape(b * t, d)
         y, proj_cache = self.proj.forward(heads)
@@ -59,14 +60,20 @@ class CausalSelfAttention:
         g_rows = rows(g)
         g_heads, dz_proj = self.proj.backward_input(proj_cache, g_rows)
         g_out = g_heads.reshape(b, t, h, dh).transpose(0, 2, 1, 3)
-        gv = p.swapaxes(-1, -2) @ g_out
+        # q, k and v gradients are written straight into the (b, t, 3, heads, d_head) layout of qkv's
+        # gradient through a (3, b, heads, t, d_head) view: no stack and no copy
+        g_qkv = xp.empty((b, t, 3, h, dh), dtype=g.dtype)
+        layout = g_qkv.transpose(2, 0, 3, 1, 4)
+        xp.matmul(p.swapaxes(-1, -2), g_out, out=layout[2])
         gp = g_out @ v.swapaxes(-1, -2)
         # softmax backward; masked entries have p == 0, so their score gradient is 0
-        gs = p * (gp - (gp * p).sum(axis=-1, keepdims=True))
+        gp -= (gp * p).sum(axis=-1, keepdims=True)
+        gs = gp
+        gs *= p
         gs *= 1.0 / math.sqrt(dh)
-        gq = gs @ k
-        gk = gs.swapaxes(-1, -2) @ q
-        g_qkv = xp.stack([gq, gk, gv]).transpose(1, 3, 0, 2, 4).reshape(b * t, 3 * h * dh)
+        xp.matmul(gs, k, out=layout[0])
+        xp.matmul(gs.swapaxes(-1, -2), q, out=layout[1])
+        g_qkv = g_qkv.reshape(b * t, 3 * h * dh)
         gu, dz_qkv = self.qkv.backward_input(qkv_cache, g_qkv)
         return gu.reshape(b, t, h * dh), (dz_qkv, dz_proj)
 

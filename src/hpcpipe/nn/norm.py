@@ -20,16 +20,21 @@ class LayerNorm:
     def forward(self, x: Any) -> tuple[Any, tuple[Any, Any]]:
         """Return (normalised x, cache = (x_hat, 1 / std))."""
         xp = self.xp
-        centred = x - x.mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + EPS)
-        x_hat = centred * rstd
-        return x_hat * self.weight + self.bias, (x_hat, rstd)
+        x_hat = x - x.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt((x_hat * x_hat).mean(axis=-1, keepdims=True) + EPS)
+        x_hat *= rstd
+        y = x_hat * self.weight
+        y += self.bias
+        return y, (x_hat, rstd)
 
     def backward_input(self, cache: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
         """Return (dL/dx, dL/dy); dL/dy feeds backward_weight."""
         x_hat, rstd = cache
         g_hat = g * self.weight
-        gx = g_hat - g_hat.mean(axis=-1, keepdims=True) - x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
+        # g_hat - mean(g_hat) - x_hat mean(g_hat x_hat), with two full-size temporaries instead of five
+        gx = x_hat * (g_hat * x_hat).mean(axis=-1, keepdims=True)
+        gx += g_hat.mean(axis=-1, keepdims=True)
+        self.xp.subtract(g_hat, gx, out=gx)
         gx *= rstd
         return gx, g
 

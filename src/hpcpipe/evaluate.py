@@ -1,15 +1,19 @@
 """Held-out evaluation on one process: sequential NumPy forward of stored weights over an HDF5 data file.
 
     python -m hpcpipe.evaluate --weights checkpoints --data data/digits-test.h5
+    python -m hpcpipe.evaluate --weights gpt-checkpoints --data data/text-heldout.h5
 
 Weights are anything :func:`hpcpipe.state.sources.resolve_weights` accepts; the
-model (dims, activation, final_activation) is the one stored with them.
-Prints one JSON line: ``{"n", "accuracy", "cross_entropy", "weights", "step"}``
-for integer labels (cross_entropy = mean softmax cross entropy of the outputs
-as logits) or ``{"n", "mse", "weights", "step"}`` for float targets. Bad
-input (a file that is not HDF5, a directory, missing datasets, wrong shapes
-or dtypes, row counts that differ, NaN/Inf values, labels out of range) is
-one ``hpcpipe.evaluate: error:`` line naming the file, exit status 2.
+model (its kind and shape) is the one stored with them. Prints one JSON line.
+An MLP gives ``{"n", "accuracy", "cross_entropy", "weights", "step"}`` for
+integer labels (cross_entropy = mean softmax cross entropy of the outputs as
+logits) or ``{"n", "mse", "weights", "step"}`` for float targets. A GPT
+(:mod:`hpcpipe.evaluate_gpt`) gives ``{"n", "tokens", "loss_nats",
+"loss_bits", "weights", "step"}``: the mean cross-entropy per target token
+of the token windows. Bad input (a file that is not HDF5, a directory,
+missing datasets, wrong shapes or dtypes, row counts that differ, NaN/Inf
+values, labels or token ids out of range) is one ``hpcpipe.evaluate: error:``
+line naming the file, exit status 2.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.evaluate_gpt import evaluate_gpt
 from hpcpipe.h5files import open_hdf5
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.state.sources import resolve_weights
@@ -76,7 +81,8 @@ def check_eval_data(f: h5py.File, label: str, x_name: str, y_name: str, in_dim: 
                       f"are needed")
 
 
-def _read(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
+def read_rows(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
+    """Return rows a..b-1 of a dataset; ConfigError naming the file, dataset and rows when they cannot be read."""
     try:
         return dset[a:b]
     except OSError as exc:
@@ -85,7 +91,9 @@ def _read(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
 
 
 def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
-    """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets.
+    """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets (MLP).
+
+    For a GPT, {'n', 'tokens', 'loss_nats', 'loss_bits'} (see :func:`hpcpipe.evaluate_gpt.evaluate_gpt`).
 
     The data are checked against the weights first (datasets, shapes, dtypes,
     row counts), then read CHUNK_ROWS at a time; a NaN/Inf input or target, a
@@ -96,6 +104,8 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     every element (as ``train.loss = "mse"``).
     """
     source = resolve_weights(weights)
+    if source.model_kind == "gpt":
+        return evaluate_gpt(source, data, x_name, y_name, read_rows)
     arrays = source.read(list(range(source.n_layers)))
     in_dim, out_dim = arrays[0]["weight"].shape[0], arrays[source.n_layers - 1]["weight"].shape[1]
     label = f"data file {str(data)!r}"
@@ -106,7 +116,7 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
         correct, total = 0, 0.0
         for a in range(0, n, CHUNK_ROWS):
             b = min(a + CHUNK_ROWS, n)
-            xs, ys = _read(x, a, b, label), _read(y, a, b, label)
+            xs, ys = read_rows(x, a, b, label), read_rows(y, a, b, label)
             for name, rows in ((x_name, xs), (y_name, ys)):
                 if rows.dtype.kind == "f" and not np.isfinite(rows).all():
                     r = _first_bad_row(np.isfinite(rows))
@@ -141,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", required=True, help="weights file, checkpoint root or step directory")
     parser.add_argument("--data", required=True, help="HDF5 file with datasets x and y")
-    parser.add_argument("--x", default="x", help="input dataset (N, features), float")
-    parser.add_argument("--y", default="y", help="integer labels (N,) or float targets (N, outputs)")
+    parser.add_argument("--x", default="x", help="input dataset: MLP (N, features) float; GPT (N, seq_len) token ids")
+    parser.add_argument("--y", default="y", help="MLP integer labels (N,) or float targets (N, outputs); GPT "
+                                                 "(N, seq_len) next-token ids")
     args = parser.parse_args(argv)
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))

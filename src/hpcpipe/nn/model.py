@@ -33,6 +33,14 @@ class LayerSpec:
         """Number of scalars in weight and bias."""
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes as stored below /layers/NNNN/ ('bias' only when the model has biases)."""
+        shapes: dict[str, tuple[int, ...]] = {"weight": (self.fan_in, self.fan_out)}
+        if self.bias:
+            shapes["bias"] = (self.fan_out,)
+        return shapes
+
 
 def layer_specs(config: Config) -> list[LayerSpec]:
     """Return every global layer of the configured MLP, in order."""

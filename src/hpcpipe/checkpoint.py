@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             for target in targets:
                 source = verify(target)
                 files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
-                print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
+                print(f"ok: {source.describe()} step {source.step}, {files}"
+                      f"{count_text(source.model_kind, source.n_layers)}")
         elif args.command == "export":
             files, dirs = protected_paths(args.dir, resolve_weights(args.dir))   # a bad checkpoint: status 1
             try:   # a target that would replace or land inside what it exports is a usage error

@@ -232,6 +232,7 @@ def test_an_invalid_tokenizer_attribute_is_refused_by_export_and_verify(tmp_path
     assert not (tmp_path / "out.h5").exists()
     with pytest.raises(ConfigError, match=message):
         verify(path)
+    assert "\n  tokenizer unreadable: weights file " in info(path)      # info still describes the file
 
 
 def test_verify_checks_a_gpt_file_against_its_stored_shape(tmp_path):

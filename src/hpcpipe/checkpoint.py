@@ -121,7 +121,10 @@ def _describe_dir(p: Path) -> list[str]:
 def _model_lines(source: WeightsSource) -> tuple[str, list[str]]:
     """Return ("6 layer groups, gpt vocab_size=... ", ["  tokenizer ..."]) describing the stored model."""
     kind = source.model_kind
-    tokenizer = source.tokenizer()
+    try:   # info describes even a damaged checkpoint: the attribute is read unhashed, a bad one reported
+        tokenizer = source.tokenizer(verify=False)
+    except ConfigError as exc:
+        tokenizer = f"unreadable: {exc}"
     return (f"{count_text(kind, source.n_layers)}, {shape_text(source.model)}",
             [f"  tokenizer {tokenizer}"] if tokenizer is not None else [])
 

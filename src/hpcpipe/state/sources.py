@@ -99,15 +99,16 @@ class WeightsSource:
             with open_checked(path) as f:
                 check_layers(f, [specs[i] for i in indices], label)
 
-    def tokenizer(self) -> str | None:
+    def tokenizer(self, verify: bool = True) -> str | None:
         """Return the ``tokenizer`` root attribute (JSON text) stored with the weights, None when there is none.
 
         For a checkpoint it is read from the file holding layer 0 (every stage file
-        carries it), after that file's checks; an invalid value is a ConfigError naming the file.
+        carries it), after that file's checks unless ``verify`` is False; an invalid
+        value is a ConfigError naming the file.
         """
         from hpcpipe.state.tokenizer import Tokenizer
         path = self.files.get(0, self.path)
-        if self.kind == "checkpoint":
+        if self.kind == "checkpoint" and verify:
             self._verify(path)
         with open_checked(path) as f:
             value = f.attrs.get("tokenizer")

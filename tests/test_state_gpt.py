@@ -16,7 +16,8 @@ from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
 from hpcpipe.nn.model import layer_specs
-from hpcpipe.state.kinds import check_kind, gpt_shape, gpt_specs, stored_kind, stored_specs
+from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.state.kinds import check_kind, stored_config, stored_kind, stored_specs
 from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights
@@ -25,7 +26,7 @@ DATA = Path(__file__).parent / "data"
 SHAPE = GPTShape(vocab=13, seq_len=6, d_model=8, n_heads=2, n_blocks=2, d_ff=12, tied=True)
 MODEL = {"kind": "gpt", "vocab_size": 13, "seq_len": 6, "d_model": 8, "n_heads": 2, "n_blocks": 2, "d_ff": 12,
          "tie_embeddings": True, "dtype": "float32"}
-SPECS = gpt_specs(SHAPE)
+SPECS = model_specs(from_dict({"model": MODEL, "parallel": {"pp": 1}}))
 TOKENIZER = json.dumps({"kind": "chars", "chars": "abcdefghijklm"})
 MLP_SPECS = layer_specs(from_dict({"model": {"dims": [16, 16, 16, 16, 16]}, "parallel": {"pp": 1}}))
 
@@ -45,7 +46,7 @@ def test_specs_follow_the_hdf5_contract():
     assert SPECS[0].shapes == {"tok_emb": (13, 8), "pos_emb": (6, 8)}
     assert SPECS[1].shapes["attn/qkv/weight"] == (8, 24) and SPECS[1].shapes["mlp/proj/weight"] == (12, 8)
     assert SPECS[3].shapes == {"ln_f/weight": (8,), "ln_f/bias": (8,)}          # tied: no head
-    untied = gpt_specs(GPTShape(13, 6, 8, 2, 2, 12, tied=False))
+    untied = stored_specs(dict(MODEL, tie_embeddings=False), "w.h5")
     assert untied[3].shapes["head/weight"] == (8, 13)
     assert SPECS[1].n_params == sum(int(np.prod(d)) for _, d in group_params(SHAPE, 1))
     assert MLP_SPECS[0].shapes == {"weight": (16, 16), "bias": (16,)}
@@ -190,12 +191,12 @@ def test_unknown_or_incomplete_stored_models_are_named():
     with pytest.raises(ConfigError, match=r"w\.h5 records model.kind = 'rnn'"):
         check_kind({"kind": "rnn"}, 3, MLP_SPECS, "w.h5")
     with pytest.raises(ConfigError, match=r"w\.h5 holds a GPT model without n_heads, d_ff in its model attribute"):
-        gpt_shape({k: v for k, v in MODEL.items() if k not in ("n_heads", "d_ff")}, "w.h5")
-    with pytest.raises(ConfigError, match=r"w\.h5 records an invalid GPT model: GPT d_model 8 is not a multiple of "
-                                          r"n_heads 3"):
-        gpt_shape(dict(MODEL, n_heads=3), "w.h5")
-    with pytest.raises(ConfigError, match=r"model.tie_embeddings = 1, expected true or false"):
-        gpt_shape(dict(MODEL, tie_embeddings=1), "w.h5")
+        stored_config({k: v for k, v in MODEL.items() if k not in ("n_heads", "d_ff")}, "w.h5")
+    with pytest.raises(ConfigError, match=r"w\.h5 records an invalid model: model.n_heads \(3\) does not divide "
+                                          r"model.d_model \(8\)"):
+        stored_config(dict(MODEL, n_heads=3), "w.h5")
+    with pytest.raises(ConfigError, match=r"w\.h5 records an invalid model: model.tie_embeddings must be bool"):
+        stored_specs(dict(MODEL, tie_embeddings=1), "w.h5")
     assert [s.shapes for s in stored_specs(MODEL, "w.h5")] == [s.shapes for s in SPECS]
 
 

@@ -21,7 +21,8 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import open_hdf5
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape
-from hpcpipe.state.kinds import gpt_shape, stored_specs
+from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import WeightsSource
 from hpcpipe.train.tokens import check_token_file
 
@@ -34,9 +35,9 @@ def slab_rows(shape: GPTShape) -> int:
     return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
 
 
-def load_gpt(source: WeightsSource, shape: GPTShape, dtype: str) -> GPT:
-    """Return a GPT holding the stored weights (every group checked against the shape, then read)."""
-    source.check(stored_specs(source.model, source.describe()))
+def load_gpt(source: WeightsSource, specs: list[Any], shape: GPTShape, dtype: str) -> GPT:
+    """Return a GPT holding the stored weights (every group checked against its spec, then read)."""
+    source.check(specs)
     model = GPT(shape, np, dtype)
     arrays = source.read(list(range(shape.n_groups)))
     for index in range(shape.n_groups):
@@ -59,13 +60,6 @@ def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - np.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0]
 
 
-def _dtype(model: dict[str, Any], label: str) -> str:
-    dtype = model.get("dtype", "float32")
-    if dtype not in ("float32", "float64"):
-        raise ConfigError(f"{label} records model.dtype = {dtype!r}; expected 'float32' or 'float64'")
-    return dtype
-
-
 def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y",
                  read_rows: Any = None) -> dict[str, Any]:
     """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT over a token file.
@@ -75,10 +69,10 @@ def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_n
     loss is a ConfigError naming the row, never a NaN in the result.
     """
     label = source.describe()
-    shape = gpt_shape(source.model, label)
-    dtype = _dtype(source.model, label)
+    config = stored_config(source.model, label)
+    shape, dtype = gpt_shape(config), config.model.dtype
     n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
-    model = load_gpt(source, shape, dtype)
+    model = load_gpt(source, model_specs(config), shape, dtype)
     where = f"token file {str(data)!r}"
     read = read_rows or (lambda dset, a, b, _label: dset[a:b])
     total, step = 0.0, slab_rows(shape)

@@ -11,11 +11,11 @@ the kind, not a puzzle about layer shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from hpcpipe.config import Config, from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.nn.model_spec import model_specs
 
 KINDS = ("mlp", "gpt")
 GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
@@ -53,19 +53,20 @@ def check_kind(model: dict[str, Any], n_layers: int, specs: list[Any], label: st
                           f'this run has model.kind = "{wanted}"')
 
 
-def gpt_shape(model: dict[str, Any], label: str) -> GPTShape:
-    """Return the GPTShape of a stored GPT model config; ConfigError naming the key that is missing or invalid."""
-    missing = [key for key in GPT_KEYS if key not in model]
-    if missing:
-        raise ConfigError(f"{label} holds a GPT model without {', '.join(missing)} in its model attribute")
-    tied = model["tie_embeddings"]
-    if not isinstance(tied, bool):
-        raise ConfigError(f"{label} records model.tie_embeddings = {tied!r}, expected true or false")
+def stored_config(model: dict[str, Any], label: str) -> Config:
+    """Return the config of the model stored with weights (a model attribute or a manifest's [model]).
+
+    A GPT must record every key of its shape: a missing ``n_heads`` would
+    otherwise take the default and compute other attention on the same shapes.
+    """
+    if stored_kind(model, label) == "gpt":
+        missing = [key for key in GPT_KEYS if key not in model]
+        if missing:
+            raise ConfigError(f"{label} holds a GPT model without {', '.join(missing)} in its model attribute")
     try:
-        return GPTShape(vocab=model["vocab_size"], seq_len=model["seq_len"], d_model=model["d_model"],
-                        n_heads=model["n_heads"], n_blocks=model["n_blocks"], d_ff=model["d_ff"], tied=tied)
-    except ValueError as exc:
-        raise ConfigError(f"{label} records an invalid GPT model: {exc}") from None
+        return from_dict({"model": model, "parallel": {"pp": 1}})
+    except ConfigError as exc:
+        raise ConfigError(f"{label} records an invalid model: {exc}") from None
 
 
 def shape_text(model: dict[str, Any]) -> str:
@@ -79,51 +80,11 @@ def _toml(value: Any) -> str:
     return "true" if value is True else "false" if value is False else str(value)
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """One GPT layer group's parameter names and shapes (what checking stored weights needs)."""
-
-    index: int
-    shapes: dict[str, tuple[int, ...]]
-    kind: str = "gpt"
-
-    @property
-    def n_params(self) -> int:
-        """Number of scalars in the group."""
-        total = 0
-        for dims in self.shapes.values():
-            size = 1
-            for d in dims:
-                size *= d
-            total += size
-        return total
-
-
-def gpt_specs(shape: GPTShape) -> list[GroupSpec]:
-    """Return the spec of every layer group of a GPT, group 0 (embedding) to n_blocks + 1 (final)."""
-    return [GroupSpec(i, dict(group_params(shape, i))) for i in range(shape.n_groups)]
-
-
 def config_specs(config: dict[str, Any]) -> list[Any]:
     """Return the specs (one per /layers group) of the model a config dict describes; ConfigError when invalid."""
-    from hpcpipe.config import from_dict
-    cfg = from_dict(config)
-    try:
-        from hpcpipe.nn.model_spec import model_specs
-    except ImportError:   # before the engine knew model kinds: every config is an MLP
-        from hpcpipe.nn.model import layer_specs as model_specs
-    return model_specs(cfg)
+    return model_specs(from_dict(config))
 
 
 def stored_specs(model: dict[str, Any], label: str) -> list[Any]:
-    """Return the specs of the model stored with weights (a model attribute or a manifest's [model]).
-
-    A GPT's groups follow from its shape alone (the HDF5 contract of gpt_params);
-    an MLP's from its config (dims, bias).
-    """
-    if stored_kind(model, label) == "gpt":
-        return gpt_specs(gpt_shape(model, label))
-    try:
-        return config_specs({"model": model, "parallel": {"pp": 1}})
-    except ConfigError as exc:
-        raise ConfigError(f"{label} records an invalid model: {exc}") from None
+    """Return the specs of the model stored with weights (a model attribute or a manifest's [model])."""
+    return model_specs(stored_config(model, label))

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
                 return 2
             source = export(args.dir, args.out, args.optimizer)
-            print(f"exported {source.describe()} step {source.step} ({source.n_layers} layers) to {args.out!r}")
+            print(f"exported {source.describe()} step {source.step} ({count_text(source.model_kind, source.n_layers)}) "
+                  f"to {args.out!r}")
         else:
             print(info(args.dir))
     except ConfigError as exc:

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpipe import evaluate_gpt
+from hpcpipe import evaluate as evaluate_module
 from hpcpipe.evaluate import evaluate
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape
@@ -113,8 +113,8 @@ def test_untied_head_and_slabs_of_one_window_give_the_same_loss(tmp_path, monkey
     groups = _weights(tmp_path / "w.h5", shape=shape)
     data = _tokens(tmp_path / "t.h5", n=5, shape=shape, seed=2)
     whole = evaluate(tmp_path / "w.h5", data)
-    monkeypatch.setattr(evaluate_gpt, "SLAB_ELEMENTS", 1)       # one window per slab
-    assert evaluate_gpt.slab_rows(shape) == 1
+    monkeypatch.setattr(evaluate_module, "SLAB_ELEMENTS", 1)       # one window per slab
+    assert evaluate_module.slab_rows(shape) == 1
     sliced = evaluate(tmp_path / "w.h5", data)
     with h5py.File(data) as f:
         expected = reference_loss(groups, shape, f["x"][...], f["y"][...])
@@ -124,8 +124,8 @@ def test_untied_head_and_slabs_of_one_window_give_the_same_loss(tmp_path, monkey
 
 def test_slab_rows_bound_the_largest_activation():
     shape = GPTShape(vocab=256, seq_len=64, d_model=64, n_heads=4, n_blocks=4)
-    rows = evaluate_gpt.slab_rows(shape)
-    assert rows * shape.seq_len * 256 <= evaluate_gpt.SLAB_ELEMENTS < (rows + 1) * shape.seq_len * 256
+    rows = evaluate_module.slab_rows(shape)
+    assert rows * shape.seq_len * 256 <= evaluate_module.SLAB_ELEMENTS < (rows + 1) * shape.seq_len * 256
 
 
 def _one_error(proc):

@@ -180,3 +180,39 @@ def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, share
     assert cf.run_dirs(other) == [] and trainer.run_dir is None
     trainer.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_tmp, monkeypatch):
+    """SaveInfo.attrs (a GPT's tokenizer) lands in every stage file; verify passes, export and the source see it."""
+    import functools
+
+    import h5py
+
+    from hpcpipe.checkpoint import export, verify
+    from hpcpipe.state import collective as checkpoint_mpi
+    from hpcpipe.state.sources import resolve_weights
+
+    tokenizer = '{"kind": "bytes"}'
+    monkeypatch.setattr(checkpoint_mpi, "SaveInfo", functools.partial(checkpoint_mpi.SaveInfo,
+                                                                      attrs={"tokenizer": tokenizer}))
+    comm = sub_world(world, 2)
+    if comm is None:
+        return
+    ck_dir = os.path.join(shared_tmp, "ck-attrs")
+    trainer = _trainer(comm, _sections(ck_dir, 1, 2))
+    trainer.train_step(0)
+    final = trainer.save_checkpoint(1)
+    trainer.close()
+    if comm.Get_rank() == 0:
+        for pp_rank in range(2):
+            with h5py.File(final / f"stage-00{pp_rank}.h5") as f:
+                assert f.attrs["tokenizer"] == tokenizer and f.attrs["pp_rank"] == pp_rank
+        assert verify(ck_dir).step == 1
+        assert resolve_weights(ck_dir).tokenizer() == tokenizer
+        out = os.path.join(shared_tmp, "attrs-export.h5")
+        export(ck_dir, out)
+        with h5py.File(out) as f:
+            assert f.attrs["tokenizer"] == tokenizer and "pp_rank" not in f.attrs
+    comm.Barrier()
+    comm.Free()

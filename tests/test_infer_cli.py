@@ -104,7 +104,22 @@ def _bare_weights(tmp_path):
     return path
 
 
+def _gpt_weights(tmp_path):
+    """A GPT's weights file (model.kind = "gpt"): batch inference refuses it."""
+    from hpcpipe.nn.gpt_params import GPTShape, init_group
+    shape = GPTShape(vocab=16, seq_len=16, d_model=8, n_heads=2, n_blocks=2)
+    model = {"kind": "gpt", "vocab_size": 16, "seq_len": 16, "d_model": 8, "n_heads": 2, "n_blocks": 2, "d_ff": 0,
+             "tie_embeddings": True, "dtype": "float32"}
+    path = tmp_path / "gpt.h5"
+    write_weights(path, {i: init_group(shape, i, 0) for i in range(4)}, n_layers=4, model_config=model)
+    return path
+
+
 CASES = {
+    "GPT weights": (lambda t, w: (_gpt_weights(t), t / "in.h5", t / "out.h5", []),
+                    "hpcpipe: error: --weights '{weights}' holds a GPT model (model.kind = \"gpt\", 4 layer groups): "
+                    "batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation will be "
+                    "python -m hpcpipe.generate (issue #14, not yet available)"),
     "input width": (lambda t, w: (w, _wide_input(t), t / "out.h5", []),
                     "dataset 'x' in '{input}' has shape (8, 12); model.dims[0] = 16 needs (N, 16)"),
     "missing dataset": (lambda t, w: (w, _other_dataset(t), t / "out.h5", []),

@@ -194,3 +194,32 @@ def test_plan_refuses_interleaved_stages_and_layouts_the_model_cannot_fill(tmp_p
     with pytest.raises(ConfigError, match=r"parallel.pp \(4\) x parallel.virtual_stages \(1\) exceeds the number "
                                           r"of layers \(2\)"):
         plan(weights, data, tmp_path / "o.h5", 4)
+
+
+def _gpt_weights(path):
+    from hpcpipe.nn.gpt_params import GPTShape, init_group
+    shape = GPTShape(vocab=7, seq_len=4, d_model=4, n_heads=2, n_blocks=1)
+    model = {"kind": "gpt", "vocab_size": 7, "seq_len": 4, "d_model": 4, "n_heads": 2, "n_blocks": 1, "d_ff": 0,
+             "tie_embeddings": True, "dtype": "float32"}
+    write_weights(path, {i: init_group(shape, i, 0) for i in range(3)}, n_layers=3, model_config=model)
+    return path
+
+
+def test_plan_refuses_gpt_weights_pointing_at_generation(tmp_path):
+    weights = _gpt_weights(tmp_path / "w.h5")
+    data = tmp_path / "in.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.zeros((3, 4), np.int64)
+    with pytest.raises(ConfigError) as exc:
+        plan(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1"])
+    assert str(exc.value) == (f"--weights {str(weights)!r} holds a GPT model (model.kind = \"gpt\", 3 layer groups): "
+                              f"batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation will "
+                              f"be python -m hpcpipe.generate (issue #14, not yet available)")
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_a_config_kind_that_contradicts_the_weights_is_refused():
+    stored = {"dims": [4, 8, 2]}      # written before model kinds: an MLP
+    with pytest.raises(ConfigError, match=r"model.kind = 'gpt' in the configuration does not match weights file "
+                                          r"'w.h5', which holds model.kind = 'mlp' \(batch inference covers MLP"):
+        model_from_weights({"model": {"kind": "gpt"}}, stored, "weights file 'w.h5'")

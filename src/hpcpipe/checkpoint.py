@@ -21,8 +21,11 @@ import secrets
 import sys
 from pathlib import Path
 
+import h5py
+
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.sources import (
     WeightsSource,
@@ -34,6 +37,7 @@ from hpcpipe.state.sources import (
 )
 from hpcpipe.state.weights import (
     check_weights,
+    members,
     open_checked,
     read_layers,
     read_optimizer,
@@ -63,17 +67,12 @@ def verify(path: str | Path) -> WeightsSource:
 
 def _verify_weights_file(path: Path) -> WeightsSource:
     """Check a single weights file: format, layers 0..n-1 with the shapes its stored model needs, checksums."""
-    from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import layer_specs
     source = resolve_weights(path)
     label = f"weights file {str(path)!r}"
     if not source.model:
         raise ConfigError(f"{label} records no model config, so its shapes cannot be checked")
-    try:
-        specs = layer_specs(from_dict({"model": source.model, "parallel": {"pp": 1}}))
-    except ConfigError as exc:
-        raise ConfigError(f"{label} records an invalid model: {exc}") from None
-    check_weights(path, specs)
+    check_weights(path, stored_specs(source.model, label))
+    source.tokenizer()                                   # valid when present
     read_layers(path, list(range(source.n_layers)))      # every dataset through its fletcher32 check
     with open_checked(path) as f:
         has_optimizer = "optimizer" in f
@@ -90,11 +89,13 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     optimizer, attrs = None, None
     if with_optimizer and source.kind == "checkpoint":
         attrs, optimizer = source.read_optimizer(indices)
+    tokenizer = source.tokenizer()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")   # never a name a user file could have
     try:
         write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
-                      optimizer=optimizer, optimizer_attrs=attrs)
+                      optimizer=optimizer, optimizer_attrs=attrs,
+                      attrs={} if tokenizer is None else {"tokenizer": tokenizer})
         cf.fsync_path(tmp)
         os.replace(tmp, out)
     finally:
@@ -117,13 +118,26 @@ def _describe_dir(p: Path) -> list[str]:
     return lines
 
 
+def _model_lines(source: WeightsSource) -> tuple[str, list[str]]:
+    """Return ("6 layer groups, gpt vocab_size=... ", ["  tokenizer ..."]) describing the stored model."""
+    kind = source.model_kind
+    try:   # info describes even a damaged checkpoint: the attribute is read unhashed, a bad one reported
+        tokenizer = source.tokenizer(verify=False)
+    except ConfigError as exc:
+        tokenizer = f"unreadable: {exc}"
+    return (f"{count_text(kind, source.n_layers)}, {shape_text(source.model)}",
+            [f"  tokenizer {tokenizer}"] if tokenizer is not None else [])
+
+
 def _describe_weights_file(source: WeightsSource) -> list[str]:
-    lines = [(f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, "
-              f"{source.n_layers} layers, dims {source.model.get('dims')}")]
+    model, tokenizer = _model_lines(source)
+    lines = [f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, {model}",
+             *tokenizer]
     with open_checked(source.path) as f:
         for i in stored_layers(f):
             group = f[f"layers/{i:04d}"]
-            shapes = ", ".join(f"{name} {tuple(group[name].shape)}" for name in sorted(group))
+            found = members(group) if isinstance(group, h5py.Group) else {}
+            shapes = ", ".join(f"{name} {tuple(getattr(found[name], 'shape', ()) or ())}" for name in sorted(found))
             lines.append(f"  layer {i}: {shapes}")
         if "optimizer" in f:
             attrs = dict(f["optimizer"].attrs)
@@ -140,9 +154,9 @@ def info(path: str | Path) -> str:
     source = checkpoint_source(resolve_step_dir(p))
     m = source.manifest
     lay, opt, data = m["layout"], m["optimizer"], m.get("data", {})
-    model = m["config"]["model"]
-    lines.append(f"checkpoint {str(source.path)!r}: step {source.step}, {source.n_layers} layers, "
-                 f"dims {model.get('dims')}")
+    model, tokenizer = _model_lines(source)
+    lines.append(f"checkpoint {str(source.path)!r}: step {source.step}, {model}")
+    lines.extend(tokenizer)
     lines.append(f"  saved at dp={lay.get('dp')} pp={lay.get('pp')} schedule={lay.get('schedule')} "
                  f"virtual_stages={lay.get('virtual_stages')}")
     lines.append(f"  optimizer {opt.get('name')} (update count {opt.get('steps')}, state "
@@ -192,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             for target in targets:
                 source = verify(target)
                 files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
-                print(f"ok: {source.describe()} step {source.step}, {files}{source.n_layers} layers")
+                print(f"ok: {source.describe()} step {source.step}, {files}"
+                      f"{count_text(source.model_kind, source.n_layers)}")
         elif args.command == "export":
             files, dirs = protected_paths(args.dir, resolve_weights(args.dir))   # a bad checkpoint: status 1
             try:   # a target that would replace or land inside what it exports is a usage error
@@ -203,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
                 return 2
             source = export(args.dir, args.out, args.optimizer)
-            print(f"exported {source.describe()} step {source.step} ({source.n_layers} layers) to {args.out!r}")
+            print(f"exported {source.describe()} step {source.step} ({count_text(source.model_kind, source.n_layers)}) "
+                  f"to {args.out!r}")
         else:
             print(info(args.dir))
     except ConfigError as exc:

@@ -1,21 +1,26 @@
 """Held-out evaluation on one process: sequential NumPy forward of stored weights over an HDF5 data file.
 
     python -m hpcpipe.evaluate --weights checkpoints --data data/digits-test.h5
+    python -m hpcpipe.evaluate --weights gpt-checkpoints --data data/text-heldout.h5
 
 Weights are anything :func:`hpcpipe.state.sources.resolve_weights` accepts; the
-model (dims, activation, final_activation) is the one stored with them.
-Prints one JSON line: ``{"n", "accuracy", "cross_entropy", "weights", "step"}``
-for integer labels (cross_entropy = mean softmax cross entropy of the outputs
-as logits) or ``{"n", "mse", "weights", "step"}`` for float targets. Bad
-input (a file that is not HDF5, a directory, missing datasets, wrong shapes
-or dtypes, row counts that differ, NaN/Inf values, labels out of range) is
-one ``hpcpipe.evaluate: error:`` line naming the file, exit status 2.
+model (its kind and shape) is the one stored with them. Prints one JSON line.
+An MLP gives ``{"n", "accuracy", "cross_entropy", "weights", "step"}`` for
+integer labels (cross_entropy = mean softmax cross entropy of the outputs as
+logits) or ``{"n", "mse", "weights", "step"}`` for float targets. A GPT
+gives ``{"n", "tokens", "loss_nats",
+"loss_bits", "weights", "step"}``: the mean cross-entropy per target token
+of the token windows (:func:`evaluate_gpt`). Bad input (a file that is not HDF5, a directory,
+missing datasets, wrong shapes or dtypes, row counts that differ, NaN/Inf
+values, labels or token ids out of range) is one ``hpcpipe.evaluate: error:``
+line naming the file, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,8 +30,13 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import open_hdf5
+from hpcpipe.nn.gpt import GPT
+from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.layers import make_activation
-from hpcpipe.state.sources import resolve_weights
+from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.state.kinds import stored_config
+from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.train.tokens import check_token_file
 
 
 def forward(arrays: dict[int, dict[str, np.ndarray]], model: dict[str, Any], x: np.ndarray) -> np.ndarray:
@@ -76,7 +86,8 @@ def check_eval_data(f: h5py.File, label: str, x_name: str, y_name: str, in_dim: 
                       f"are needed")
 
 
-def _read(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
+def read_rows(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
+    """Return rows a..b-1 of a dataset; ConfigError naming the file, dataset and rows when they cannot be read."""
     try:
         return dset[a:b]
     except OSError as exc:
@@ -85,7 +96,9 @@ def _read(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
 
 
 def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
-    """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets.
+    """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets (MLP).
+
+    For a GPT, {'n', 'tokens', 'loss_nats', 'loss_bits'} (see :func:`evaluate_gpt`).
 
     The data are checked against the weights first (datasets, shapes, dtypes,
     row counts), then read CHUNK_ROWS at a time; a NaN/Inf input or target, a
@@ -96,6 +109,8 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     every element (as ``train.loss = "mse"``).
     """
     source = resolve_weights(weights)
+    if source.model_kind == "gpt":
+        return evaluate_gpt(source, data, x_name, y_name)
     arrays = source.read(list(range(source.n_layers)))
     in_dim, out_dim = arrays[0]["weight"].shape[0], arrays[source.n_layers - 1]["weight"].shape[1]
     label = f"data file {str(data)!r}"
@@ -106,7 +121,7 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
         correct, total = 0, 0.0
         for a in range(0, n, CHUNK_ROWS):
             b = min(a + CHUNK_ROWS, n)
-            xs, ys = _read(x, a, b, label), _read(y, a, b, label)
+            xs, ys = read_rows(x, a, b, label), read_rows(y, a, b, label)
             for name, rows in ((x_name, xs), (y_name, ys)):
                 if rows.dtype.kind == "f" and not np.isfinite(rows).all():
                     r = _first_bad_row(np.isfinite(rows))
@@ -136,13 +151,89 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     return result
 
 
+# --- GPT: mean cross-entropy per target token over token windows --------------------------------------------
+
+SLAB_ELEMENTS = 1 << 21   # numbers in the largest activation of one GPT slab (logits or attention scores)
+
+
+def slab_rows(shape: GPTShape) -> int:
+    """Return how many windows to run at once so that no activation exceeds about SLAB_ELEMENTS numbers."""
+    widest = max(shape.vocab, shape.ff, 3 * shape.d_model, shape.n_heads * shape.seq_len)
+    return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
+
+
+def load_gpt(source: WeightsSource, specs: list[Any], shape: GPTShape, dtype: str) -> GPT:
+    """Return a GPT holding the stored weights (every group checked against its spec, then read)."""
+    source.check(specs)
+    model = GPT(shape, np, dtype)
+    arrays = source.read(list(range(shape.n_groups)))
+    for index in range(shape.n_groups):
+        model.load_group(index, arrays[index])
+    return model
+
+
+def logits_of(model: GPT, tokens: np.ndarray) -> np.ndarray:
+    """Return the (rows, T, vocab) logits, keeping no layer's cache beyond its own step."""
+    x: Any = tokens
+    for layer in model.layers:
+        x, _ = layer.forward(x)
+    return x
+
+
+def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Return the cross-entropy of every target token (rows, T): log-sum-exp minus the target's logit."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(shifted).sum(axis=-1))
+    return lse - np.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0]
+
+
+def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
+    """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT over a token file.
+
+    The token file is checked first (integer ``x`` and ``y`` of shape (N, seq_len),
+    every id inside the vocabulary: the first bad one is named by row); then the
+    windows run through :class:`hpcpipe.nn.gpt.GPT` (the layers the pipeline
+    trains) in the model's dtype, in slabs whose largest activation holds about
+    ``SLAB_ELEMENTS`` numbers, so memory stays bounded whatever the file's size.
+
+    ``n`` counts windows, ``tokens`` target tokens; ``loss_nats`` is their mean
+    cross-entropy and ``loss_bits`` the same in bits (nats / ln 2). A non-finite
+    loss is a ConfigError naming the row, never a NaN in the result.
+    """
+    label = source.describe()
+    config = stored_config(source.model, label)
+    shape, dtype = gpt_shape(config), config.model.dtype
+    n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
+    model = load_gpt(source, model_specs(config), shape, dtype)
+    where = f"token file {str(data)!r}"
+    total, step = 0.0, slab_rows(shape)
+    with open_hdf5(data, where) as f:
+        x, y = f[x_name], f[y_name]
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            xs = read_rows(x, a, b, where).astype(np.int64)
+            ys = read_rows(y, a, b, where).astype(np.int64)
+            losses = token_losses(logits_of(model, xs), ys)
+            finite = np.isfinite(losses).all(axis=1)
+            if not finite.all():
+                row = a + int(np.flatnonzero(~finite)[0])
+                raise ConfigError(f"the loss of {label} on row {row} of {where} is not finite "
+                                  f"(non-finite weights, or values beyond {dtype})")
+            total += float(losses.sum(dtype=np.float64))
+    tokens = n * shape.seq_len
+    nats = total / tokens
+    return {"n": int(n), "tokens": int(tokens), "loss_nats": nats, "loss_bits": nats / math.log(2),
+            "weights": str(source.path), "step": source.step}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.evaluate``; prints one JSON line, returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", required=True, help="weights file, checkpoint root or step directory")
     parser.add_argument("--data", required=True, help="HDF5 file with datasets x and y")
-    parser.add_argument("--x", default="x", help="input dataset (N, features), float")
-    parser.add_argument("--y", default="y", help="integer labels (N,) or float targets (N, outputs)")
+    parser.add_argument("--x", default="x", help="input dataset: MLP (N, features) float; GPT (N, seq_len) token ids")
+    parser.add_argument("--y", default="y", help="MLP integer labels (N,) or float targets (N, outputs); GPT "
+                                                 "(N, seq_len) next-token ids")
     args = parser.parse_args(argv)
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))

@@ -41,12 +41,24 @@ class InferPlan:
     trace: str = ""      # Chrome-trace file to write ("" = none)
 
 
+def refuse_gpt(source: WeightsSource, given: str | Path) -> None:
+    """Raise ConfigError when the weights hold a GPT: batch inference runs MLPs; GPT generation is another command."""
+    if source.model_kind == "gpt":
+        raise ConfigError(f'--weights {str(given)!r} holds a GPT model (model.kind = "gpt", {source.n_layers} layer '
+                          f"groups): batch inference (python -m hpcpipe.infer) covers MLP models; GPT text "
+                          f"generation will be python -m hpcpipe.generate (issue #14, not yet available)")
+
+
 def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
     """Return raw config sections with the model keys taken from the weights; ConfigError on a contradiction."""
     raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
     model = raw.setdefault("model", {})
     if not isinstance(model, dict):
         raise ConfigError(f"[model] must be a table of keys, got {model!r}")
+    kind = stored.get("kind", "mlp")
+    if "kind" in model and model["kind"] != kind:
+        raise ConfigError(f"model.kind = {model['kind']!r} in the configuration does not match {label}, which holds "
+                          f"model.kind = {kind!r} (batch inference covers MLP models)")
     for key in MODEL_KEYS:
         if key not in stored:
             continue
@@ -68,6 +80,7 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     and the resolved step directory).
     """
     source = resolve_weights(weights)
+    refuse_gpt(source, weights)
     raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
     if isinstance(config, dict):
         base = {name: dict(values) for name, values in config.items()}
@@ -81,7 +94,7 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     dp, pp = resolve_layout(cfg, world_size)
     specs = layer_specs(cfg)
     ranges = partition(specs, pp, cfg.parallel.stage_layers)
-    source.check(specs)
+    source.check(specs, "--weights")
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
     files, dirs = protected_paths(weights, source)
     check_output(output, input, files, dirs)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model import LayerSpec
 from hpcpipe.state import checkpoint_dir as cf
-from hpcpipe.state.weights import check_layers, open_checked, optimizer_group, stored_layers
+from hpcpipe.state.kinds import config_specs, count_text, specs_kind
+from hpcpipe.state.weights import check_group, check_layers, open_checked, optimizer_group, param_shapes, stored_layers
 
 _STAGE_RE = re.compile(r"^stage-(\d{3,})\.h5$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -74,17 +74,15 @@ def _check_files(manifest: dict[str, Any], n_layers: int) -> None:
             raise _Malformed(f"{name} sha256 is {str(entry.get('sha256'))[:70]!r}, expected 64 hex digits")
 
 
-def manifest_specs(manifest: dict[str, Any], label: str) -> list[LayerSpec]:
-    """Return the layer specs of the model a manifest's config describes; ConfigError when it is invalid."""
-    from hpcpipe.config import from_dict
-    from hpcpipe.nn.model_spec import model_specs
+def manifest_specs(manifest: dict[str, Any], label: str) -> list[Any]:
+    """Return the specs (one per layer group) of the model a manifest's config describes; ConfigError when invalid."""
     try:
-        return model_specs(from_dict(manifest["config"]))
+        return config_specs(manifest["config"])
     except ConfigError as exc:
         raise ConfigError(f"{label} holds an invalid config: {exc}") from None
 
 
-def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[LayerSpec]:
+def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[Any]:
     """Check a parsed manifest's structure, its agreement with the directory it is in, and its files' presence.
 
     Returns the model's layer specs. The single check every reader of a checkpoint runs.
@@ -123,8 +121,9 @@ def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[LayerSp
                           f"says step {step} (renamed or copied over?)")
     specs = manifest_specs(manifest, label)
     if len(specs) != n_layers:
-        what = "model.dims" if specs[0].kind == "mlp" else "model"
-        raise ConfigError(f"{label}: n_layers {n_layers} disagrees with its {what} ({len(specs)} layers)")
+        kind = specs_kind(specs)
+        model = "model config" if kind == "gpt" else "model.dims"
+        raise ConfigError(f"{label}: n_layers {n_layers} disagrees with its {model} ({count_text(kind, len(specs))})")
     listed = {e["name"] for e in manifest["files"]}
     for name in sorted(listed):
         if not (step_dir / name).is_file():
@@ -151,7 +150,7 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
 
 
 def check_stage_file(step_dir: Path, entry: dict[str, Any], manifest: dict[str, Any],
-                     specs: list[LayerSpec]) -> Path:
+                     specs: list[Any]) -> Path:
     """Check one stage file against its manifest entry: size, SHA-256, step, layers, shapes, optimizer state."""
     path = cf.check_file(step_dir, entry)
     label = f"checkpoint file {str(path)!r}"
@@ -168,4 +167,7 @@ def check_stage_file(step_dir: Path, entry: dict[str, Any], manifest: dict[str, 
             found = sorted(f[group].keys()) if group in f else []
             if found != states:
                 raise ConfigError(f"{label}: layer {i} has optimizer state {found}, the manifest says {states}")
+            for state in states:   # each state mirrors the parameters: same (nested) names and shapes
+                name = f"{group}/{state}"
+                check_group(f[name], name, i, param_shapes(specs[i]), label, what=f"the {state} state of layer")
     return path

@@ -18,8 +18,8 @@ from typing import Any
 import h5py
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model import LayerSpec
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
 from hpcpipe.state.weights import (
     LayerArrays,
@@ -49,7 +49,7 @@ class WeightsSource:
     model: dict[str, Any]              # the model config stored with the weights ({} when unknown)
     files: dict[int, Path]             # global layer -> file holding it
     manifest: dict[str, Any] | None = None
-    specs: list[LayerSpec] | None = None  # the model of a checkpoint's manifest
+    specs: list[Any] | None = None     # the model of a checkpoint's manifest
     _verified: set[Path] = field(default_factory=set)
 
     def _entry(self, path: Path) -> dict[str, Any]:
@@ -73,11 +73,22 @@ class WeightsSource:
         """Return a short human label, e.g. "checkpoint '/ck/step-00000006'"."""
         return f"{'checkpoint' if self.kind == 'checkpoint' else 'weights file'} {str(self.path)!r}"
 
-    def check(self, specs: list[LayerSpec]) -> None:
-        """Raise ConfigError unless layer count, names and shapes match the model (metadata only)."""
+    @property
+    def model_kind(self) -> str:
+        """The kind of the stored model: "mlp" (also when none is recorded) or "gpt"; ConfigError if unknown."""
+        return stored_kind(self.model, self.describe())
+
+    def check(self, specs: list[Any], key: str = "") -> None:
+        """Raise ConfigError unless kind, layer count, names and shapes match the model (metadata only).
+
+        ``key`` names what the user set (``model.init``, ``checkpoint.dir``, ``--weights``)
+        in the message about a file of the other model kind, which comes first.
+        """
+        check_kind(self.model, self.n_layers, specs, f"{key} {str(self.path)!r}" if key else self.describe())
         if self.n_layers != len(specs):
-            raise ConfigError(f"{self.describe()} holds {self.n_layers} layers but model.dims describes "
-                              f"{len(specs)}")
+            kind = specs_kind(specs)
+            raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
+                              f"{'the model config' if kind == 'gpt' else 'model.dims'} describes {len(specs)}")
         if self.kind == "file":
             check_weights(self.path, specs)
             return
@@ -88,8 +99,30 @@ class WeightsSource:
             with open_checked(path) as f:
                 check_layers(f, [specs[i] for i in indices], label)
 
+    def tokenizer(self, verify: bool = True) -> str | None:
+        """Return the ``tokenizer`` root attribute (JSON text) stored with the weights, None when there is none.
+
+        For a checkpoint it is read from the file holding layer 0 (every stage file
+        carries it), after that file's checks unless ``verify`` is False; an invalid
+        value is a ConfigError naming the file.
+        """
+        from hpcpipe.state.tokenizer import Tokenizer
+        path = self.files.get(0, self.path)
+        if self.kind == "checkpoint" and verify:
+            self._verify(path)
+        with open_checked(path) as f:
+            value = f.attrs.get("tokenizer")
+        if value is None:
+            return None
+        try:
+            Tokenizer.from_json(value)
+            return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        except ValueError as exc:
+            raise ConfigError(f"{'checkpoint' if self.kind == 'checkpoint' else 'weights'} file {str(path)!r}: "
+                              f"root attribute {exc}") from None
+
     def read(self, indices: list[int]) -> LayerArrays:
-        """Return {layer: {'weight', 'bias'}} for the given global layers; ConfigError naming a bad file."""
+        """Return {layer: {parameter name: array}} for the given global layers; ConfigError naming a bad file."""
         out: LayerArrays = {}
         for path, mine in self._by_file(indices).items():
             self._verify(path)

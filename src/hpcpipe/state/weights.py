@@ -1,13 +1,20 @@
-"""One HDF5 weights file: /layers/NNNN/{weight,bias} by global layer index (DESIGN.md schema).
+"""One HDF5 weights file: /layers/NNNN/<parameter> by global layer index (DESIGN.md schema).
 
-A checkpoint's per-stage file uses the same schema for the layers it holds
-and adds the optimizer state of those layers::
+An MLP layer holds ``weight`` and ``bias``; a GPT layer group holds nested
+names (``tok_emb``, ``ln1/weight``, ``attn/qkv/weight``, ...), each a dataset
+below ``/layers/NNNN/``; a spec's ``shapes`` says which. A checkpoint's
+per-stage file uses the same schema for the layers it holds and adds the
+optimizer state of those layers::
 
     /layers/0003/weight                    (in, out)
     /layers/0003/bias                      (out,)
+    /layers/0001/attn/qkv/weight           (d, 3d)      (GPT)
     /optimizer/layers/0003/<state>/weight  same shape as the parameter
-    /optimizer/layers/0003/<state>/bias
+    /optimizer/layers/0001/<state>/attn/qkv/weight
     /optimizer attrs: name (sgd | adam | adamw), steps (the optimizer's update count)
+
+Root attributes: format, format_version, step, n_layers, model (JSON), and
+any others a writer adds (``tokenizer`` of a GPT, ``pp_rank`` of a stage file).
 
 Every dataset is written with the fletcher32 checksum filter, so a flipped
 bit is an error on read, never a silently wrong number. Reading errors are
@@ -28,13 +35,14 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import open_hdf5
-from hpcpipe.nn.model import LayerSpec
+from hpcpipe.state.kinds import count_text, specs_kind
 
 FORMAT = "hpcpipe"
 FORMAT_VERSION = 1
 
-LayerArrays = dict[int, dict[str, np.ndarray]]            # layer -> {'weight', 'bias'}
-OptimizerArrays = dict[int, dict[str, dict[str, np.ndarray]]]   # layer -> state -> {'weight', 'bias'}
+LayerArrays = dict[int, dict[str, np.ndarray]]            # layer -> {parameter name: array}
+OptimizerArrays = dict[int, dict[str, dict[str, np.ndarray]]]   # layer -> state -> {parameter name: array}
+MAX_DEPTH = 3   # parameter names have at most three parts: attn/qkv/weight
 _IMAGES = itertools.count()   # distinct names for in-memory files open at once
 
 
@@ -48,9 +56,30 @@ def optimizer_group(index: int) -> str:
     return f"optimizer/layers/{index:04d}"
 
 
-def param_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
-    """Return the parameter names and shapes of a layer group (MLP: weight and, with biases, bias)."""
+def param_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
+    """Return the parameter names (possibly nested, 'attn/qkv/weight') and shapes of a layer group's spec."""
     return dict(spec.shapes)
+
+
+def members(group: h5py.Group, depth: int = MAX_DEPTH, prefix: str = "") -> dict[str, Any]:
+    """Return {nested name: object} of everything below a group that is not a group.
+
+    Groups nested deeper than any parameter name (``depth`` levels) are returned
+    as they are, so a cycle of hard links cannot recurse forever; a soft link to
+    nothing is returned as None.
+    """
+    out: dict[str, Any] = {}
+    for name in group:
+        try:
+            obj = group[name]
+        except (KeyError, OSError):   # a dangling soft or external link
+            obj = None
+        path = f"{prefix}{name}"
+        if isinstance(obj, h5py.Group) and depth > 1:
+            out.update(members(obj, depth - 1, f"{path}/"))
+        else:
+            out[path] = obj
+    return out
 
 
 def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str, Any] | None = None,
@@ -149,6 +178,8 @@ def _kind(obj: Any) -> str:
         return "group"
     if isinstance(obj, h5py.Dataset):
         return "dataset"
+    if obj is None:
+        return "link to nothing"
     return type(obj).__name__
 
 
@@ -169,46 +200,52 @@ def dataset_problem(obj: Any, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def members(group: h5py.Group) -> dict[str, Any]:
-    """Return a group's datasets (and whatever is not a group) by path below it; GPT names nest (attn/qkv/weight)."""
-    out: dict[str, Any] = {}
-    for name in group:
-        obj = group[name]
-        if isinstance(obj, h5py.Group):
-            out.update({f"{name}/{sub}": value for sub, value in members(obj).items()})
-        else:
-            out[name] = obj
-    return out
+def check_group(group: Any, name: str, index: int, shapes: dict[str, tuple[int, ...]], label: str,
+                what: str = "layer") -> None:
+    """Raise ConfigError unless group holds exactly the datasets ``shapes`` names (nested names), each of its shape."""
+    if not isinstance(group, h5py.Group):
+        held = "weight and bias" if set(shapes) <= {"weight", "bias"} else "its parameters"
+        raise ConfigError(f"{label}: {name} is a {_kind(group)}, not a group holding {held}")
+    found = members(group)
+    if sorted(found) != sorted(shapes):
+        for param in shapes:   # a parameter stored as a group says so by name
+            if param not in found:
+                try:
+                    obj = group.get(param)
+                except (KeyError, OSError, ValueError):
+                    obj = None
+                if obj is not None and not isinstance(obj, h5py.Dataset):
+                    raise ConfigError(f"{label}: {name}/{param} is a {_kind(obj)}, not a dataset")
+        if len(shapes) <= 2:
+            raise ConfigError(f"{label}: {what} {index} holds {sorted(found)}, the model needs {sorted(shapes)}")
+        missing, extra = sorted(set(shapes) - set(found)), sorted(set(found) - set(shapes))
+        parts = ([f"lacks {missing}"] if missing else []) + \
+            ([f"holds {extra}, which the model does not have"] if extra else [])
+        raise ConfigError(f"{label}: {what} {index} ({name}) {' and '.join(parts)}")
+    for param, shape in shapes.items():
+        problem = dataset_problem(found[param], shape)
+        if problem:
+            raise ConfigError(f"{label}: {name}/{param} {problem}")
 
 
-def check_layers(f: h5py.File, specs: list[LayerSpec], label: str) -> None:
+def check_layers(f: h5py.File, specs: list[Any], label: str) -> None:
     """Raise ConfigError unless the file holds each given layer with the model's names, types and shapes."""
     for s in specs:
         name = layer_group(s.index)
         if name not in f:
             raise ConfigError(f"{label}: layer {s.index} ({name}) is missing")
-        group = f[name]
-        if not isinstance(group, h5py.Group):
-            raise ConfigError(f"{label}: {name} is a {_kind(group)}, not a group holding weight and bias")
-        shapes = param_shapes(s)
-        found = members(group)
-        if sorted(found) != sorted(shapes):
-            raise ConfigError(f"{label}: layer {s.index} holds {sorted(found)}, the model needs "
-                              f"{sorted(shapes)}")
-        for param, shape in shapes.items():
-            problem = dataset_problem(found[param], shape)
-            if problem:
-                raise ConfigError(f"{label}: {name}/{param} {problem}")
+        check_group(f[name], name, s.index, param_shapes(s), label)
 
 
-def check_weights(path: str | Path, specs: list[LayerSpec]) -> None:
+def check_weights(path: str | Path, specs: list[Any]) -> None:
     """Raise ConfigError unless the file holds every layer of the model with the right shapes."""
     label = f"weights file {str(path)!r}"
     with open_checked(path) as f:
         stored = stored_layers(f)
         expected = [s.index for s in specs]
         if stored != expected:
-            raise ConfigError(f"{label} has layers {stored} but the model has {len(specs)} layers {expected}")
+            raise ConfigError(f"{label} has layers {stored} but the model has "
+                              f"{count_text(specs_kind(specs), len(specs))} {expected}")
         check_layers(f, specs, label)
 
 
@@ -216,10 +253,10 @@ def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
     """Read every dataset of a group; ConfigError naming file and dataset if one is corrupt, malformed or not finite."""
     out = {}
     try:
-        top = f[group]
-        if not isinstance(top, h5py.Group):
-            raise ConfigError(f"{label}: {group} is a {_kind(top)}, not a group of datasets")
-        for name, obj in members(top).items():
+        holder = f[group]
+        if not isinstance(holder, h5py.Group):
+            raise ConfigError(f"{label}: {group} is a {_kind(holder)}, not a group of datasets")
+        for name, obj in members(holder).items():
             problem = dataset_problem(obj, obj.shape if isinstance(obj, h5py.Dataset) else ())
             if problem:
                 raise ConfigError(f"{label}: {group}/{name} {problem}")

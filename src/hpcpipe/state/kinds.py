@@ -1,0 +1,90 @@
+"""Which model kind stored state holds (mlp | gpt), and the check that refuses a file of the other kind.
+
+The model attribute (JSON) of a weights file, and the config of a checkpoint's
+manifest, carry ``kind``; a missing kind means "mlp" (files written before GPT
+models existed). A model's specs carry ``.kind`` ("gpt" for GPT layer groups);
+the MLP's LayerSpec has none and means "mlp". Every reader of stored weights
+(``model.init``, ``--resume``, ``infer --weights``) compares the two through
+:func:`check_kind` before any other check, so the answer is one message about
+the kind, not a puzzle about layer shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcpipe.config import Config, from_dict
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.model_spec import model_specs
+
+KINDS = ("mlp", "gpt")
+GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
+
+
+def stored_kind(model: dict[str, Any], label: str) -> str:
+    """Return the kind of the model stored with weights ("mlp" when none is recorded); ConfigError if unknown."""
+    kind = model.get("kind", "mlp")
+    if kind not in KINDS:
+        raise ConfigError(f"{label} records model.kind = {kind!r}; this hpcpipe knows "
+                          f"{' and '.join(repr(k) for k in KINDS)}")
+    return kind
+
+
+def specs_kind(specs: list[Any]) -> str:
+    """Return the kind of the model a list of specs describes ("mlp" for LayerSpec, which has no kind)."""
+    return getattr(specs[0], "kind", "mlp") if specs else "mlp"
+
+
+def count_text(kind: str, n_layers: int) -> str:
+    """Return "6 layer groups" (GPT) or "4 layers" (MLP)."""
+    return f"{n_layers} layer groups" if kind == "gpt" else f"{n_layers} layers"
+
+
+def check_kind(model: dict[str, Any], n_layers: int, specs: list[Any], label: str) -> None:
+    """Raise ConfigError when the stored model is of another kind than the model the specs describe.
+
+    e.g. ``model.init 'w.h5' holds a GPT model (model.kind = "gpt", 6 layer groups); this run has
+    model.kind = "mlp"``.
+    """
+    stored, wanted = stored_kind(model, label), specs_kind(specs)
+    if stored != wanted:
+        article = "a GPT" if stored == "gpt" else "an MLP"
+        raise ConfigError(f'{label} holds {article} model (model.kind = "{stored}", {count_text(stored, n_layers)}); '
+                          f'this run has model.kind = "{wanted}"')
+
+
+def stored_config(model: dict[str, Any], label: str) -> Config:
+    """Return the config of the model stored with weights (a model attribute or a manifest's [model]).
+
+    A GPT must record every key of its shape: a missing ``n_heads`` would
+    otherwise take the default and compute other attention on the same shapes.
+    """
+    if stored_kind(model, label) == "gpt":
+        missing = [key for key in GPT_KEYS if key not in model]
+        if missing:
+            raise ConfigError(f"{label} holds a GPT model without {', '.join(missing)} in its model attribute")
+    try:
+        return from_dict({"model": model, "parallel": {"pp": 1}})
+    except ConfigError as exc:
+        raise ConfigError(f"{label} records an invalid model: {exc}") from None
+
+
+def shape_text(model: dict[str, Any]) -> str:
+    """Return a one-line description of a stored model: its kind and shape."""
+    if model.get("kind", "mlp") == "gpt":
+        return "gpt " + " ".join(f"{key}={_toml(model.get(key))}" for key in GPT_KEYS)
+    return f"mlp dims {model.get('dims')}"
+
+
+def _toml(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else str(value)
+
+
+def config_specs(config: dict[str, Any]) -> list[Any]:
+    """Return the specs (one per /layers group) of the model a config dict describes; ConfigError when invalid."""
+    return model_specs(from_dict(config))
+
+
+def stored_specs(model: dict[str, Any], label: str) -> list[Any]:
+    """Return the specs of the model stored with weights (a model attribute or a manifest's [model])."""
+    return model_specs(stored_config(model, label))

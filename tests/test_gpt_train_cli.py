@@ -106,3 +106,22 @@ def test_float_tokens_are_refused(tmp_path):
         f["x"], f["y"] = np.zeros((8, 16), np.float32), np.zeros((8, 16), np.float32)
     line = _refused(tmp_path, SMALL + _set("parallel.pp=2", f"data.path=\"{path}\""))
     assert "f.h5" in line and "must be integers" in line
+
+
+def test_checkpoints_carry_the_data_files_tokenizer(tmp_path):
+    data = _tokens(tmp_path / "t.h5")
+    chars = "".join(chr(ord("a") + i) for i in range(26)) + " .,;:!?\n"     # 34 characters
+    with h5py.File(data, "a") as f:
+        f.attrs["tokenizer"] = json.dumps({"kind": "chars", "chars": chars[:30]})
+    args = SMALL + _set("parallel.pp=2", f"data.path=\"{data}\"", "train.steps=2",
+                        f"checkpoint.dir=\"{tmp_path / 'ck'}\"")
+    proc = run_command(2, "hpcpipe.train", args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for stage_file in (tmp_path / "ck").glob("run-0001/step-00000002/stage-*.h5"):
+        with h5py.File(stage_file, "r") as f:
+            assert json.loads(f.attrs["tokenizer"]) == {"kind": "chars", "chars": chars[:30]}
+    # a tokenizer with more ids than the model's vocabulary is refused before step 0
+    with h5py.File(data, "a") as f:
+        f.attrs["tokenizer"] = json.dumps({"kind": "chars", "chars": chars})
+    line = _refused(tmp_path, SMALL + _set("parallel.pp=2", f"data.path=\"{data}\"", "checkpoint.dir=\"\""))
+    assert "vocabulary of 34" in line and "model.vocab_size = 32" in line

@@ -163,6 +163,25 @@ def check_data_file(config: Config) -> int:
     return n
 
 
+def data_tokenizer(path: str, vocab_size: int) -> str | None:
+    """Return a token file's ``tokenizer`` root attribute (JSON text), checked; None when it has none."""
+    from hpcpipe.state.tokenizer import Tokenizer
+
+    with open_hdf5(path, f"data.path {path!r}") as f:
+        raw = f.attrs.get("tokenizer")
+    if raw is None:
+        return None
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    try:
+        tokenizer = Tokenizer.from_json(text)
+    except ValueError as exc:
+        raise ConfigError(f"data.path {path!r} has an invalid tokenizer attribute: {exc}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"data.path {path!r} was tokenized with a vocabulary of {tokenizer.vocab_size} "
+                          f"({tokenizer.kind}); model.vocab_size = {vocab_size} is smaller")
+    return text
+
+
 def open_data(config: Config) -> SyntheticData | SyntheticTokens | HDF5Data:
     """Return the configured data source (validated)."""
     if config.data.path:

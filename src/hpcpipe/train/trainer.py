@@ -32,7 +32,7 @@ from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
-from hpcpipe.train.data import ReplicaFeeder, check_data_file, open_data
+from hpcpipe.train.data import ReplicaFeeder, check_data_file, data_tokenizer, open_data
 from hpcpipe.train.engine import Engine, StepFeed
 from hpcpipe.train.preflight import check_checkpoint_dir, check_log_files, check_memory, check_nothing_newer
 
@@ -49,10 +49,16 @@ class Plan:
     init: WeightsSource | None = None      # model.init, resolved and checked against the model
     resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
 
+    tokenizer: str | None = None           # a GPT's tokenizer (JSON): the data file's, else the weights'
+
     @property
     def pp(self) -> int:
         """Pipeline ranks."""
         return self.shape.pp
+
+    def tokenizer_attrs(self) -> dict[str, str]:
+        """Root attributes saved with every checkpoint file: the tokenizer, when the run knows one."""
+        return {"tokenizer": self.tokenizer} if self.tokenizer else {}
 
     @property
     def n_stages(self) -> int:
@@ -103,12 +109,12 @@ def plan(config: Config, world_size: int) -> Plan:
         resume = resolve_weights(config.checkpoint.dir)
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
+        resume.check(specs, "checkpoint.dir")     # a checkpoint of the other model kind: said first
         check_resume(config, resume)
         check_nothing_newer(resume)
-        resume.check(specs)
     elif config.model.init:
         init = resolve_weights(config.model.init)
-        init.check(specs)
+        init.check(specs, "model.init")
     check_log_files(config, init, resume)
     try:
         shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
@@ -119,7 +125,18 @@ def plan(config: Config, world_size: int) -> Plan:
         # refused on every rank before the first collective
         raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
     check_memory(config, ranges, pp, shape.placement, world_size)
-    return Plan(config, dp, shape, ranges, programs, init, resume)
+    return Plan(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
+
+
+def run_tokenizer(config: Config, source: WeightsSource | None) -> str | None:
+    """Return the tokenizer a GPT run saves: data.path's ``tokenizer`` attribute, else its weights' (checked)."""
+    if config.model.kind != "gpt":
+        return None
+    if config.data.path:
+        found = data_tokenizer(config.data.path, config.model.vocab_size)
+        if found:
+            return found
+    return source.tokenizer() if source is not None else None
 
 
 class Trainer:
@@ -205,7 +222,7 @@ class Trainer:
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
-                                       shuffle.ORDER if cfg.data.shuffle else "file")
+                                       shuffle.ORDER if cfg.data.shuffle else "file", p.tokenizer_attrs())
         final = checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step, run_dir=self.run_dir,
                                     dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
                                     optimizer=self.optimizer, n_layers=len(self.specs), info=info,

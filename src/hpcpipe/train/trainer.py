@@ -30,6 +30,7 @@ from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
+from hpcpipe.state.kinds import check_kind
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, data_tokenizer, open_data
@@ -109,9 +110,11 @@ def plan(config: Config, world_size: int) -> Plan:
         resume = resolve_weights(config.checkpoint.dir)
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
-        resume.check(specs, "checkpoint.dir")     # a checkpoint of the other model kind: said first
+        # a checkpoint of the other model kind is said first, then what differs in the model or optimizer
+        check_kind(resume.model, resume.n_layers, specs, f"checkpoint.dir {str(resume.path)!r}")
         check_resume(config, resume)
         check_nothing_newer(resume)
+        resume.check(specs, "checkpoint.dir")
     elif config.model.init:
         init = resolve_weights(config.model.init)
         init.check(specs, "model.init")

@@ -185,17 +185,15 @@ def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, share
 @pytest.mark.mpi(min_size=2)
 def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_tmp, monkeypatch):
     """SaveInfo.attrs (a GPT's tokenizer) lands in every stage file; verify passes, export and the source see it."""
-    import functools
-
     import h5py
 
     from hpcpipe.checkpoint import export, verify
-    from hpcpipe.state import collective as checkpoint_mpi
     from hpcpipe.state.sources import resolve_weights
+    from hpcpipe.train.trainer import Plan
 
     tokenizer = '{"kind": "bytes"}'
-    monkeypatch.setattr(checkpoint_mpi, "SaveInfo", functools.partial(checkpoint_mpi.SaveInfo,
-                                                                      attrs={"tokenizer": tokenizer}))
+    # what a GPT run passes (the data file's tokenizer), here on the small MLP of this file
+    monkeypatch.setattr(Plan, "tokenizer_attrs", lambda self: {"tokenizer": tokenizer})
     comm = sub_world(world, 2)
     if comm is None:
         return

@@ -117,3 +117,36 @@ def test_tied_copies_stay_identical_through_training(world, shared_tmp):
         assert not np.array_equal(tables[0], initial)        # it did train
     trainer.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_model_init_takes_a_gpt_checkpoint_or_its_exported_file(world, shared_tmp):
+    """model.init from a GPT checkpoint saved at pp = 4, and from its export, at pp = 2: the saved parameters."""
+    from hpcpipe.checkpoint import export
+    from hpcpipe.state.checkpoint_dir import read_latest
+
+    ck_dir = os.path.join(shared_tmp, "gpt-init")
+    exported = os.path.join(shared_tmp, "gpt-init.h5")
+    comm = sub_world(world, 4)
+    if comm is None:
+        return
+    trainer = _trainer(comm, _sections(ck_dir, 1, 4, "1f1b", tied=False))
+    for s in range(2):
+        trainer.train_step(s)
+    trainer.save_checkpoint(2)
+    saved = trainer.gather("params")
+    trainer.close()
+    if comm.Get_rank() == 0:
+        export(os.path.join(ck_dir, read_latest(ck_dir)), exported)
+    comm.Barrier()
+    for source in (ck_dir, exported):
+        sections = _sections("", 2, 2, "gpipe", tied=False)
+        sections["model"]["init"] = source
+        sections["checkpoint"] = {"dir": ""}
+        trainer = _trainer(comm, sections)
+        got = trainer.gather("params")
+        assert trainer.start_step == 0 and trainer.optimizer.steps == 0
+        trainer.close()
+        if comm.Get_rank() == 0:
+            assert_nested_equal(got, saved)
+    comm.Free()

@@ -398,3 +398,63 @@ def test_stash_formula_matches_what_the_engine_counts():
             assert abs(measured - formula) <= 1e-3 * formula, (measured, formula)
         else:
             assert measured == 3 * 5 * 16 * 8        # the token ids (int64) of the 3 micro-batches
+
+
+@pytest.mark.parametrize("name", ["embedding", "block", "head_tied", "head_untied", "dense_identity", "dense_gelu"])
+def test_forward_cache_equals_the_cache_of_forward(name):
+    """Recomputation builds a layer's cache without its output: the same arrays as forward's cache, bit for bit."""
+    from hpcpipe.nn.layers import GELU, Activation, Dense
+
+    rng = np.random.default_rng(3)
+    shape = GPTShape(vocab=13, seq_len=6, d_model=8, n_heads=2, n_blocks=1, tied=name != "head_untied")
+    groups = [_random_group(shape, i, rng) for i in range(shape.n_groups)]
+    h = rng.standard_normal((2, 6, 8))
+    if name == "embedding":
+        layer, x = build_layer(shape, 0, *groups[0], np), rng.integers(0, 13, (2, 6))
+    elif name == "block":
+        layer, x = build_layer(shape, 1, *groups[1], np), h
+    elif name.startswith("head"):
+        layer, x = build_layer(shape, 2, *groups[2], np, groups[0][0]["tok_emb"], groups[0][1]["tok_emb"]), h
+    else:
+        act = Activation() if name == "dense_identity" else GELU()
+        w, gw = rng.standard_normal((8, 5)), np.zeros((8, 5))
+        layer, x = Dense(0, w, np.zeros(5), gw, np.zeros(5), act, np), h.reshape(12, 8)
+    full = layer.forward(x)[1]
+    quick = layer.forward_cache(x)
+    flat_full, flat_quick = [], []
+    for tree, out in ((full, flat_full), (quick, flat_quick)):
+        pending = [tree]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, (tuple, list)):
+                pending.extend(item)
+            else:
+                out.append(item)
+    assert len(flat_full) == len(flat_quick)
+    for a, b in zip(flat_full, flat_quick, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_recompute_is_bit_identical_on_one_rank(kind):
+    """train.recompute = "stage" on one rank (MLP and GPT): the same loss and gradients as keeping the caches."""
+    from mpi4py import MPI
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.train.trainer import Trainer, plan
+    model = {"dims": [6, 9, 7, 4], "activation": "gelu"} if kind == "mlp" else \
+        {"kind": "gpt", "vocab_size": 20, "seq_len": 5, "d_model": 8, "n_heads": 2, "n_blocks": 2}
+    results = []
+    for recompute in ("none", "stage"):
+        cfg = from_dict({"parallel": {"pp": 1, "dp": 1}, "checkpoint": {"dir": ""}, "log": {"progress": False},
+                         "model": model, "train": {"micro_batches": 3, "micro_batch_size": 2, "recompute": recompute}})
+        trainer = Trainer(plan(cfg, 1), MPI.COMM_SELF)
+        try:
+            results.append((trainer.compute_gradients(0), trainer.params.grad.copy()))
+        finally:
+            trainer.close()
+    assert results[0][0] == results[1][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])

@@ -41,6 +41,11 @@ class GeluMLP:
         y, proj_cache = self.proj.forward(hidden)
         return y.reshape(u.shape), (fc_cache, proj_cache)
 
+    def forward_cache(self, u: Any) -> tuple:
+        """Return only the cache of forward(u): the projection's output is not computed."""
+        hidden, fc_cache = self.fc.forward(rows(u))
+        return fc_cache, self.proj.forward_cache(hidden)
+
     def backward_input(self, cache: tuple, g: Any) -> tuple[Any, tuple[Any, Any]]:
         """Return (dL/du, (dL/d fc pre-activation, dL/dy)) for backward_weight."""
         g_hidden, dz_proj = self.proj.backward_input(cache[1], rows(g))
@@ -76,6 +81,14 @@ class Block:
         u2, c_ln2 = self.ln2.forward(a)
         mlp_out, c_mlp = self.mlp.forward(u2)
         return a + mlp_out, (c_ln1, c_attn, c_ln2, c_mlp)
+
+    def forward_cache(self, h: Any) -> tuple:
+        """Return only the cache of forward(h) (recomputation): the MLP's output projection is skipped."""
+        u1, c_ln1 = self.ln1.forward(h)
+        attn_out, c_attn = self.attn.forward(u1)
+        attn_out += h
+        u2, c_ln2 = self.ln2.forward(attn_out)
+        return c_ln1, c_attn, c_ln2, self.mlp.forward_cache(u2)
 
     def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple]:
         """Return (dL/dh, the sub-layers' states for backward_weight)."""
@@ -115,6 +128,10 @@ class Embedding:
             raise ValueError(f"sequence of {t} tokens is longer than the {self.pos_emb.shape[0]} positions")
         return self.tok_emb[tokens] + self.pos_emb[:t], tokens
 
+    def forward_cache(self, tokens: Any) -> Any:
+        """Return only the cache of forward(tokens): the tokens."""
+        return tokens
+
     def backward_input(self, cache: Any, g: Any, need_input_grad: bool = True) -> tuple[None, Any]:
         """Return (None: tokens have no gradient, dL/dy for backward_weight)."""
         return None, g
@@ -153,6 +170,11 @@ class OutputHead:
         u, c_ln = self.ln_f.forward(h)
         logits, c_head = self.head.forward(rows(u))
         return logits.reshape(*h.shape[:-1], -1), (c_ln, c_head)
+
+    def forward_cache(self, h: Any) -> tuple:
+        """Return only the cache of forward(h) (recomputation): the logits are not computed."""
+        u, c_ln = self.ln_f.forward(h)
+        return c_ln, self.head.forward_cache(rows(u))
 
     def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple[Any, Any]]:
         """Return (dL/dh, (ln_f state, dL/dlogits)) for backward_weight."""

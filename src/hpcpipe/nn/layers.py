@@ -166,6 +166,12 @@ class Dense:
         y, saved = self.activation.forward(self.xp, z)
         return y, (x, saved)
 
+    def forward_cache(self, x: Any) -> tuple[Any, Any]:
+        """Return only the cache of forward(x) (recomputation): without an activation the output is not computed."""
+        if type(self.activation) is Activation:
+            return x, None
+        return self.forward(x)[1]
+
     def backward_input(self, cache: tuple[Any, Any], g: Any, need_input_grad: bool = True) -> tuple[Any, Any]:
         """Return (dL/dx or None, dL/dz) from dL/dy; dL/dz feeds backward_weight."""
         dz = self.activation.backward(self.xp, cache[1], g)

@@ -127,6 +127,20 @@ class StageModule:
             caches.append(cache)
         return x, caches
 
+    def forward_caches(self, x: Any) -> list:
+        """Return the per-layer caches of forward(x) without the stage's output (recomputation before a backward).
+
+        The last layer builds only its cache (``forward_cache``): its output, which
+        the backward never reads, is the stage's most expensive product to skip.
+        """
+        caches = []
+        for layer in self.layers[:-1]:
+            x, cache = layer.forward(x)
+            caches.append(cache)
+        last = self.layers[-1]
+        caches.append(last.forward_cache(x) if hasattr(last, "forward_cache") else last.forward(x)[1])
+        return caches
+
     def backward_input(self, caches: list, g: Any, need_input_grad: bool = True) -> tuple[Any, list]:
         """Propagate dL/dy to dL/dx; return it with the per-layer dL/dz for backward_weight."""
         dzs: list = [None] * len(self.layers)

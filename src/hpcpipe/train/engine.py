@@ -160,7 +160,7 @@ class Engine:
         self.held_bytes[key[0]] -= nbytes
         self.stash_bytes -= nbytes
         if isinstance(caches, Recompute):
-            caches = self.params.stages[key[0]].forward(caches.x)[1]
+            caches = self.params.stages[key[0]].forward_caches(caches.x)
         return caches
 
     def _caches_for_split(self, key: tuple[int, int]) -> list:
@@ -168,7 +168,7 @@ class Engine:
         caches = self.stash[key]
         if not isinstance(caches, Recompute):
             return caches
-        rebuilt = self.params.stages[key[0]].forward(caches.x)[1]
+        rebuilt = self.params.stages[key[0]].forward_caches(caches.x)
         # between I and W the rebuilt caches are stashed in place of the input: account for the difference
         delta = _cache_bytes(rebuilt) - _cache_bytes(caches.x)
         self.stash[key] = rebuilt

@@ -29,7 +29,26 @@ from hpcpipe.train.shuffle import EpochPermutation
 from hpcpipe.train.tokens import check_token_file
 
 
-class SyntheticTokens:
+class InMemoryData:
+    """Samples held in memory: inputs ``_x`` and targets ``_y``, row by row (the synthetic sets)."""
+
+    n: int
+    _x: np.ndarray
+    _y: np.ndarray
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_x(self, idx: np.ndarray) -> np.ndarray:
+        """Return input rows (token windows) for sample indices."""
+        return self._x[idx]
+
+    def read_y(self, idx: np.ndarray) -> np.ndarray:
+        """Return target rows, labels or next-token targets for sample indices."""
+        return self._y[idx]
+
+
+class SyntheticTokens(InMemoryData):
     """Synthetic GPT data: windows of a fixed random Markov chain where each token has 4 possible successors.
 
     The best possible loss is ln 4 = 1.386 nats per token, so a run shows learning
@@ -50,19 +69,8 @@ class SyntheticTokens:
             stream[:, t + 1] = table[stream[:, t], picks[:, t]]
         self._x, self._y = stream[:, :-1], stream[:, 1:]
 
-    def __len__(self) -> int:
-        return self.n
 
-    def read_x(self, idx: np.ndarray) -> np.ndarray:
-        """Return token windows for sample indices."""
-        return self._x[idx]
-
-    def read_y(self, idx: np.ndarray) -> np.ndarray:
-        """Return next-token targets for sample indices."""
-        return self._y[idx]
-
-
-class SyntheticData:
+class SyntheticData(InMemoryData):
     """Embedded default data: Gaussian inputs and a fixed random 'teacher' mapping to targets."""
 
     def __init__(self, config: Config):
@@ -75,17 +83,6 @@ class SyntheticData:
         z = self._x @ (teacher / np.sqrt(dims[0]))
         self._y = z.argmax(axis=1).astype(np.int64) if self.loss == "cross_entropy" \
             else np.abs(np.tanh(z)).astype(config.model.dtype)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def read_x(self, idx: np.ndarray) -> np.ndarray:
-        """Return input rows for sample indices."""
-        return self._x[idx]
-
-    def read_y(self, idx: np.ndarray) -> np.ndarray:
-        """Return target rows (or labels) for sample indices."""
-        return self._y[idx]
 
 
 class HDF5Data:

@@ -22,6 +22,11 @@ LOSSES = ("mse", "cross_entropy")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("float32", "float64")
+KINDS = ("mlp", "gpt")
+RECOMPUTE = ("none", "stage")
+# model keys that only one kind reads: setting one together with the other kind is an error
+MLP_KEYS = ("dims", "bias", "activation", "final_activation")
+GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    kind: str = "mlp"
     dims: list[int] = field(default_factory=lambda: [16, 16, 16, 16, 16])
     bias: bool = True
     activation: str = "relu"
     final_activation: bool = True
+    vocab_size: int = 256
+    seq_len: int = 64          # context length T
+    d_model: int = 64
+    n_heads: int = 4
+    n_blocks: int = 4
+    d_ff: int = 0              # 0 = 4 x d_model
+    tie_embeddings: bool = True
     init: str = ""
     seed: int = 0
     dtype: str = "float32"
@@ -69,6 +82,7 @@ class TrainConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     max_bad_steps: int = 5     # skipped (non-finite) steps in a row before the run stops with exit 77
+    recompute: str = "none"    # "stage": keep only each stage's input per micro-batch, re-run its forward
 
 
 @dataclass(frozen=True)
@@ -115,13 +129,24 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Return the configuration as plain nested dicts (JSON/TOML friendly)."""
-        return dataclasses.asdict(self)
+        """Return the configuration as plain nested dicts (JSON/TOML friendly), without the other kind's model keys."""
+        out = dataclasses.asdict(self)
+        for key in GPT_KEYS if self.model.kind == "mlp" else MLP_KEYS:
+            del out["model"][key]
+        return out
 
     @property
     def n_layers(self) -> int:
-        """Number of Linear layers in the model."""
+        """Number of layers (MLP: Linear layers; GPT: layer groups, n_blocks + 2)."""
+        if self.model.kind == "gpt":
+            return self.model.n_blocks + 2
         return len(self.model.dims) - 1
+
+    def layers_text(self) -> str:
+        """Name the layers for a message: 'model.dims [..]' or 'the GPT's n_blocks + 2 layer groups'."""
+        if self.model.kind == "gpt":
+            return f"the GPT's layer groups (model.n_blocks {self.model.n_blocks} + 2)"
+        return f"model.dims {self.model.dims}"
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -248,9 +273,27 @@ def from_dict(raw: dict[str, Any]) -> Config:
         if not isinstance(value, dict):
             raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
         built[name] = _build(hints[name], name, value)
+    _check_kind_keys(raw)
     config = Config(**built)
     validate(config)
     return config
+
+
+def _check_kind_keys(raw: dict[str, Any]) -> None:
+    """Refuse model keys of the other model kind, and a loss other than token cross-entropy for a GPT."""
+    model = raw.get("model", {})
+    kind = model.get("kind", "mlp")
+    if kind not in KINDS:
+        raise ConfigError(f"model.kind {kind!r} is not one of {', '.join(KINDS)}")
+    foreign = [k for k in (MLP_KEYS if kind == "gpt" else GPT_KEYS) if k in model]
+    if foreign:
+        other = "an MLP" if kind == "gpt" else "a GPT"
+        raise ConfigError(f"model.{foreign[0]} is {other}-only key and cannot be set with model.kind = {kind!r} "
+                          f"(keys set: {', '.join('model.' + k for k in foreign)})")
+    loss = raw.get("train", {}).get("loss")
+    if kind == "gpt" and loss not in (None, "cross_entropy"):
+        raise ConfigError(f"train.loss = {loss!r}: a GPT (model.kind = \"gpt\") trains on cross-entropy over "
+                          f"tokens; leave train.loss unset or set it to \"cross_entropy\"")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -275,6 +318,9 @@ def validate(config: Config) -> None:
     _require(par.schedule != "zb-v" or par.virtual_stages == 2,
              f"parallel.schedule = \"zb-v\" places two model chunks per rank in a V and needs "
              f"parallel.virtual_stages = 2, got {par.virtual_stages}")
+    _require(mod.kind in KINDS, f"model.kind {mod.kind!r} is not one of {', '.join(KINDS)}")
+    if mod.kind == "gpt":
+        _validate_gpt(mod)
     _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
              f"model.dims needs at least two positive widths, got {mod.dims}")
     _require(mod.activation in ACTIVATIONS,
@@ -284,7 +330,7 @@ def validate(config: Config) -> None:
     if isinstance(par.pp, int):
         _require(par.pp * par.virtual_stages <= n_layers,
                  f"parallel.pp ({par.pp}) x parallel.virtual_stages ({par.virtual_stages}) exceeds "
-                 f"the number of layers ({n_layers}) in model.dims {mod.dims}")
+                 f"the number of layers ({n_layers}) in {config.layers_text()}")
     if par.stage_layers:
         _require(all(n >= 1 for n in par.stage_layers) and sum(par.stage_layers) == n_layers,
                  f"parallel.stage_layers {par.stage_layers} must be positive and sum to the number "
@@ -293,7 +339,8 @@ def validate(config: Config) -> None:
     _require(tr.micro_batches >= 1, f"train.micro_batches must be >= 1, got {tr.micro_batches}")
     _require(tr.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}")
     _require(tr.loss in LOSSES, f"train.loss {tr.loss!r} is not one of {', '.join(LOSSES)}")
-    _require(tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
+    _require(tr.recompute in RECOMPUTE, f"train.recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(mod.kind == "gpt" or tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
              f"train.loss = \"cross_entropy\" needs at least 2 output classes, model.dims[-1] is {mod.dims[-1]}")
     _require(tr.optimizer in OPTIMIZERS, f"train.optimizer {tr.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
@@ -326,6 +373,17 @@ def validate(config: Config) -> None:
              f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
 
 
+def _validate_gpt(mod: ModelConfig) -> None:
+    """Check the GPT shape keys."""
+    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks"):
+        _require(getattr(mod, key) >= 1, f"model.{key} must be >= 1, got {getattr(mod, key)}")
+    _require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
+    _require(mod.d_ff >= 0, f"model.d_ff must be >= 0 (0 = 4 x model.d_model), got {mod.d_ff}")
+    _require(mod.d_model % mod.n_heads == 0,
+             f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}): attention heads "
+             f"are d_model / n_heads wide")
+
+
 def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
     """Return (dp, pp) for this world size, or raise ConfigError naming the mismatch."""
     pp, dp = config.parallel.pp, config.parallel.dp
@@ -344,7 +402,7 @@ def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
     vs = config.parallel.virtual_stages
     if pp * vs > config.n_layers:
         raise ConfigError(f"parallel.pp ({pp}) x parallel.virtual_stages ({vs}) exceeds the number of layers "
-                          f"({config.n_layers}) in model.dims {config.model.dims}")
+                          f"({config.n_layers}) in {config.layers_text()}")
     if config.parallel.stage_layers and len(config.parallel.stage_layers) != pp * vs:
         raise ConfigError(f"parallel.stage_layers has {len(config.parallel.stage_layers)} entries but the "
                           f"pipeline has pp ({pp}) x virtual_stages ({vs}) = {pp * vs} stages")

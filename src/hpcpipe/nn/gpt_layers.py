@@ -77,7 +77,7 @@ class Block:
         mlp_out, c_mlp = self.mlp.forward(u2)
         return a + mlp_out, (c_ln1, c_attn, c_ln2, c_mlp)
 
-    def backward_input(self, cache: tuple, g: Any) -> tuple[Any, tuple]:
+    def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple]:
         """Return (dL/dh, the sub-layers' states for backward_weight)."""
         c_ln1, c_attn, c_ln2, c_mlp = cache
         g_u2, s_mlp = self.mlp.backward_input(c_mlp, g)
@@ -93,7 +93,7 @@ class Block:
         for layer, c, s in zip((self.ln1, self.attn, self.ln2, self.mlp), cache, state, strict=True):
             layer.backward_weight(c, s)
 
-    def backward(self, cache: tuple, g: Any) -> Any:
+    def backward(self, cache: tuple, g: Any, need_input_grad: bool = True) -> Any:
         """Accumulate the weight gradients and return dL/dh."""
         gh, state = self.backward_input(cache, g)
         self.backward_weight(cache, state)
@@ -115,7 +115,7 @@ class Embedding:
             raise ValueError(f"sequence of {t} tokens is longer than the {self.pos_emb.shape[0]} positions")
         return self.tok_emb[tokens] + self.pos_emb[:t], tokens
 
-    def backward_input(self, cache: Any, g: Any) -> tuple[None, Any]:
+    def backward_input(self, cache: Any, g: Any, need_input_grad: bool = True) -> tuple[None, Any]:
         """Return (None: tokens have no gradient, dL/dy for backward_weight)."""
         return None, g
 
@@ -126,7 +126,7 @@ class Embedding:
         self.xp.add.at(self.grad_tok_emb, cache.reshape(-1), rows(g))
         self.grad_pos_emb[:g.shape[1]] += g.sum(axis=0)
 
-    def backward(self, cache: Any, g: Any) -> None:
+    def backward(self, cache: Any, g: Any, need_input_grad: bool = True) -> None:
         """Accumulate the embedding gradients; return None (no input gradient)."""
         _, state = self.backward_input(cache, g)
         self.backward_weight(cache, state)
@@ -154,7 +154,7 @@ class OutputHead:
         logits, c_head = self.head.forward(rows(u))
         return logits.reshape(*h.shape[:-1], -1), (c_ln, c_head)
 
-    def backward_input(self, cache: tuple, g: Any) -> tuple[Any, tuple[Any, Any]]:
+    def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple[Any, Any]]:
         """Return (dL/dh, (ln_f state, dL/dlogits)) for backward_weight."""
         g_u, dz_head = self.head.backward_input(cache[1], rows(g))
         gh, s_ln = self.ln_f.backward_input(cache[0], g_u.reshape(*g.shape[:-1], -1))
@@ -165,7 +165,7 @@ class OutputHead:
         self.ln_f.backward_weight(cache[0], state[0])
         self.head.backward_weight(cache[1], state[1])
 
-    def backward(self, cache: tuple, g: Any) -> Any:
+    def backward(self, cache: tuple, g: Any, need_input_grad: bool = True) -> Any:
         """Accumulate the weight gradients and return dL/dh."""
         gh, state = self.backward_input(cache, g)
         self.backward_weight(cache, state)

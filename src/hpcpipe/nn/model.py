@@ -15,7 +15,6 @@ import numpy as np
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.layers import Dense, make_activation
 
 
 @dataclass(frozen=True)
@@ -28,10 +27,30 @@ class LayerSpec:
     bias: bool
     activation: str
 
+    kind = "mlp"
+
     @property
     def n_params(self) -> int:
         """Number of scalars in weight and bias."""
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes: weight (in, out) and, with biases, bias (out,)."""
+        shapes: dict[str, tuple[int, ...]] = {"weight": (self.fan_in, self.fan_out)}
+        if self.bias:
+            shapes["bias"] = (self.fan_out,)
+        return shapes
+
+    @property
+    def cost(self) -> int:
+        """Multiply-adds per sample of the forward (what the stage partition balances)."""
+        return self.fan_in * self.fan_out
+
+    @property
+    def act_elements(self) -> int:
+        """Upper bound of the elements per sample the layer caches for its backward: its input and output."""
+        return self.fan_in + self.fan_out
 
 
 def layer_specs(config: Config) -> list[LayerSpec]:
@@ -65,7 +84,7 @@ def partition(specs: list[LayerSpec], n_stages: int, explicit: list[int] | tuple
             raise ConfigError(f"stage layer counts {list(explicit)} do not split {n} layers into {n_stages} stages")
         counts = list(explicit)
     else:
-        cost = [s.fan_in * s.fan_out for s in specs]
+        cost = [s.cost for s in specs]
         prefix = [0]
         for c in cost:
             prefix.append(prefix[-1] + c)
@@ -96,7 +115,7 @@ def partition(specs: list[LayerSpec], n_stages: int, explicit: list[int] | tuple
 class StageModule:
     """The layers of one (virtual) stage: forward/backward over a micro-batch."""
 
-    def __init__(self, stage: int, layers: list[Dense]):
+    def __init__(self, stage: int, layers: list):
         self.stage = stage
         self.layers = layers
 
@@ -128,26 +147,47 @@ class StageModule:
         return g
 
 
-class RankParameters:
-    """Flat parameter/gradient buffers of all stages one pipeline rank owns, with per-layer views."""
+TIED = -1   # views key of a tok_emb copy held by the last stage when the first stage lives on another rank
 
-    def __init__(self, specs: list[LayerSpec], stage_ranges: dict[int, range], xp: Any, dtype: str):
+
+class RankParameters:
+    """Flat parameter/gradient buffers of all stages one pipeline rank owns, with per-parameter views.
+
+    ``model`` is an nn.model_spec.ModelDef. A tied GPT head on a rank without the
+    embedding reads its own copy of tok_emb (views key ``TIED``): it is in the flat
+    buffers, so the optimizer updates it exactly as the embedding's, and the engine
+    sums its gradient with the first stage's every step; it is never saved.
+    """
+
+    def __init__(self, model: Any, stage_ranges: dict[int, range], xp: Any, dtype: str):
         self.xp = xp
-        self.specs = {i: specs[i] for r in stage_ranges.values() for i in r}
-        total = sum(s.n_params for s in self.specs.values())
+        self.model = model
+        self.specs = {i: model.specs[i] for r in stage_ranges.values() for i in r}
+        last = model.n_layers - 1
+        self.tied_copy = bool(model.tied) and last in self.specs and 0 not in self.specs
+        layout: list[tuple[int, str, tuple[int, ...]]] = [
+            (i, name, tuple(shape)) for i in sorted(self.specs) for name, shape in self.specs[i].shapes.items()]
+        if self.tied_copy:
+            layout.append((TIED, "tok_emb", tuple(model.specs[0].shapes["tok_emb"])))
+        total = sum(int(np.prod(shape)) for _, _, shape in layout)
         self.flat = xp.zeros(total, dtype=dtype)
         self.grad = xp.zeros(total, dtype=dtype)
         self.views: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         offset = 0
-        for i in sorted(self.specs):
-            s = self.specs[i]
-            entry = {"weight": (offset, (s.fan_in, s.fan_out))}
-            offset += s.fan_in * s.fan_out
-            if s.bias:
-                entry["bias"] = (offset, (s.fan_out,))
-                offset += s.fan_out
-            self.views[i] = entry
-        self.stages = {stage: StageModule(stage, [self._dense(i) for i in r]) for stage, r in stage_ranges.items()}
+        for i, name, shape in layout:
+            self.views.setdefault(i, {})[name] = (offset, shape)
+            offset += int(np.prod(shape))
+        tok = grad_tok = None
+        if model.tied and last in self.specs:
+            owner = TIED if self.tied_copy else 0
+            tok, grad_tok = self.param(owner, "tok_emb"), self.grad_of(owner, "tok_emb")
+        self.stages = {stage: StageModule(stage, [model.build_layer(i, self._group(self.flat, i),
+                                                                    self._group(self.grad, i), xp, tok, grad_tok)
+                                                  for i in r])
+                       for stage, r in stage_ranges.items()}
+
+    def _group(self, buf: Any, index: int) -> dict[str, Any]:
+        return {name: self._view(buf, index, name) for name in self.views[index]}
 
     def _view(self, buf: Any, index: int, name: str) -> Any:
         offset, shape = self.views[index][name]
@@ -155,7 +195,7 @@ class RankParameters:
         return buf[offset:offset + size].reshape(shape)
 
     def slice_of(self, buf: Any, index: int, name: str) -> Any:
-        """Return the view of a layer's 'weight' or 'bias' inside any flat buffer laid out like the parameters."""
+        """Return the view of a layer's parameter ``name`` inside any flat buffer laid out like the parameters."""
         return self._view(buf, index, name)
 
     def host(self, array: Any) -> np.ndarray:
@@ -163,39 +203,55 @@ class RankParameters:
         return array.get() if hasattr(array, "get") else np.array(array)
 
     def param(self, index: int, name: str) -> Any:
-        """Return the live view of a parameter ('weight' or 'bias') of a global layer."""
+        """Return the live view of a parameter of a global layer."""
         return self._view(self.flat, index, name)
 
     def grad_of(self, index: int, name: str) -> Any:
         """Return the live view of a parameter's gradient."""
         return self._view(self.grad, index, name)
 
-    def _dense(self, index: int) -> Dense:
-        s = self.specs[index]
-        bias = s.bias
-        return Dense(index, self.param(index, "weight"), self.param(index, "bias") if bias else None,
-                     self.grad_of(index, "weight"), self.grad_of(index, "bias") if bias else None,
-                     make_activation(s.activation), self.xp)
+    def tied_grad(self) -> Any:
+        """Return the gradient view of the tied tok_emb this rank holds for the head (its copy, or the embedding's)."""
+        return self.grad_of(TIED if self.tied_copy else 0, "tok_emb")
+
+    def copy_norm_sq(self) -> float:
+        """Squared norm of the tied copy's gradient (0 without one): the global norm counts the table once."""
+        if not self.tied_copy:
+            return 0.0
+        g = self.grad_of(TIED, "tok_emb")
+        return float(self.xp.vdot(g, g))
 
     def layer_indices(self) -> list[int]:
         """Global indices of the layers this rank owns, ascending."""
         return sorted(self.specs)
 
+    def read_indices(self) -> list[int]:
+        """Layers whose stored values this rank needs: its own, and group 0 for a tied copy."""
+        return sorted(set(self.specs) | ({0} if self.tied_copy else set()))
+
     def load(self, arrays: dict[int, dict[str, np.ndarray]]) -> None:
-        """Copy host arrays {layer: {'weight', 'bias'}} into the parameter buffer."""
+        """Copy host arrays {layer: {name: array}} into the parameter buffer (and the tied copy from group 0)."""
         for i in self.layer_indices():
             for name in self.views[i]:
                 self.param(i, name)[...] = self.xp.asarray(arrays[i][name])
+        if self.tied_copy:
+            self.param(TIED, "tok_emb")[...] = self.xp.asarray(arrays[0]["tok_emb"])
+
+    def load_state(self, buf: Any, arrays: dict[int, dict[str, np.ndarray]]) -> None:
+        """Copy per-layer host arrays into a buffer laid out like the parameters (optimizer state)."""
+        for i in self.layer_indices():
+            for name in self.views[i]:
+                self.slice_of(buf, i, name)[...] = self.xp.asarray(arrays[i][name])
+        if self.tied_copy:
+            self.slice_of(buf, TIED, "tok_emb")[...] = self.xp.asarray(arrays[0]["tok_emb"])
 
     def export(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's parameters by global layer index."""
-        to_host = (lambda a: a.get()) if hasattr(self.flat, "get") else (lambda a: np.array(a))
-        return {i: {name: to_host(self.param(i, name)) for name in self.views[i]} for i in self.layer_indices()}
+        return {i: {name: self.host(self.param(i, name)) for name in self.views[i]} for i in self.layer_indices()}
 
     def export_grads(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's gradients by global layer index."""
-        to_host = (lambda a: a.get()) if hasattr(self.grad, "get") else (lambda a: np.array(a))
-        return {i: {name: to_host(self.grad_of(i, name)) for name in self.views[i]} for i in self.layer_indices()}
+        return {i: {name: self.host(self.grad_of(i, name)) for name in self.views[i]} for i in self.layer_indices()}
 
 
 def initial_arrays(specs: list[LayerSpec], indices: list[int], seed: int,

@@ -124,6 +124,23 @@ class PipeComm:
             self._allreduce_inplace(buf, self.dp_comm)
             buf /= n
 
+    def sum_with_pp_peer(self, buf: Any, peer: int) -> None:
+        """Add a same-shaped array of pipeline rank peer into buf, which peer receives in turn (tied embeddings).
+
+        Both ranks end with a + b (addition commutes, so bit for bit the same sum).
+        The tag is the communicator's last one, which no activation uses at that point
+        of a step; between one pair of ranks MPI delivers in send order anyway.
+        """
+        xp = self.backend.xp
+        tag = self.tag_ub - 1
+        mine = self._wire(buf.copy())
+        theirs = np.empty(buf.shape, dtype=buf.dtype) if self.stage_through_host else xp.empty_like(buf)
+        self.backend.synchronize()
+        self.poller.wait([self.pp_comm.Isend(mine, dest=peer, tag=tag),
+                          self.pp_comm.Irecv(theirs, source=peer, tag=tag)])
+        self.bytes_sent += buf.nbytes
+        buf += xp.asarray(theirs)
+
     def sum_over_world(self, values: np.ndarray) -> np.ndarray:
         """Return the element-wise sum of a small host array over every rank."""
         out = np.array(values, dtype=np.float64)

@@ -26,6 +26,40 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, file_identity, open_hdf5
 from hpcpipe.train.shuffle import EpochPermutation
+from hpcpipe.train.tokens import check_token_file
+
+
+class SyntheticTokens:
+    """Synthetic GPT data: windows of a fixed random Markov chain where each token has 4 possible successors.
+
+    The best possible loss is ln 4 = 1.386 nats per token, so a run shows learning
+    long before it reaches it; every rank draws the same windows from data.seed.
+    """
+
+    SUCCESSORS = 4
+
+    def __init__(self, config: Config):
+        m = config.model
+        self.n = config.data.synthetic_samples
+        rng = np.random.default_rng([config.data.seed, 3])
+        table = rng.integers(0, m.vocab_size, size=(m.vocab_size, self.SUCCESSORS))
+        stream = np.empty((self.n, m.seq_len + 1), dtype=np.int64)
+        stream[:, 0] = rng.integers(0, m.vocab_size, size=self.n)
+        picks = rng.integers(0, self.SUCCESSORS, size=(self.n, m.seq_len))
+        for t in range(m.seq_len):
+            stream[:, t + 1] = table[stream[:, t], picks[:, t]]
+        self._x, self._y = stream[:, :-1], stream[:, 1:]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_x(self, idx: np.ndarray) -> np.ndarray:
+        """Return token windows for sample indices."""
+        return self._x[idx]
+
+    def read_y(self, idx: np.ndarray) -> np.ndarray:
+        """Return next-token targets for sample indices."""
+        return self._y[idx]
 
 
 class SyntheticData:
@@ -103,6 +137,8 @@ class HDF5Data:
 def check_data_file(config: Config) -> int:
     """Validate the HDF5 data file against the model and loss; return the sample count."""
     d, dims, loss = config.data, config.model.dims, config.train.loss
+    if config.model.kind == "gpt":
+        return check_token_file(d.path, d.x, d.y, config.model.seq_len, config.model.vocab_size)
     with open_hdf5(d.path, f"data.path {d.path!r}") as f:
         for name in (d.x, d.y):
             if name not in f or not isinstance(f[name], h5py.Dataset):
@@ -127,9 +163,11 @@ def check_data_file(config: Config) -> int:
     return n
 
 
-def open_data(config: Config) -> SyntheticData | HDF5Data:
+def open_data(config: Config) -> SyntheticData | SyntheticTokens | HDF5Data:
     """Return the configured data source (validated)."""
-    return HDF5Data(config) if config.data.path else SyntheticData(config)
+    if config.data.path:
+        return HDF5Data(config)
+    return SyntheticTokens(config) if config.model.kind == "gpt" else SyntheticData(config)
 
 
 def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int, offset: int = 0,
@@ -171,9 +209,12 @@ class ReplicaFeeder:
         self.n_micro, self.batch = tr.micro_batches, tr.micro_batch_size
         self.shuffle, self.seed = config.data.shuffle, config.data.seed
         self.need_x, self.need_y = need_x, need_y
+        gpt = config.model.kind == "gpt"
         self.dtype = config.model.dtype
+        self.x_dtype = "int64" if gpt else self.dtype     # token ids index the embedding
         self.offset = 0      # stream position shift, set when resuming at another global batch size
-        self.n_classes = config.model.dims[-1] if config.train.loss == "cross_entropy" else 0
+        # token ids were all checked before step 0 (train.tokens.check_token_file)
+        self.n_classes = config.model.dims[-1] if config.train.loss == "cross_entropy" and not gpt else 0
         self.label = config.data.path or "the synthetic data"
         self.xname, self.yname = config.data.x, config.data.y
 
@@ -187,8 +228,10 @@ class ReplicaFeeder:
             return [], []
         idx = step_samples(step, self.global_batch, len(self.source), self.shuffle, self.seed, self.offset,
                            self.rows)
-        x = np.ascontiguousarray(self.source.read_x(idx), dtype=self.dtype) if self.need_x else None
+        x = np.ascontiguousarray(self.source.read_x(idx), dtype=self.x_dtype) if self.need_x else None
         y = self.source.read_y(idx) if self.need_y else None
+        if y is not None and y.dtype.kind in "iu":
+            y = y.astype(np.int64, copy=False)
         if y is not None and y.dtype.kind == "f":
             y = y.astype(self.dtype, copy=False)
         for name, rows in ((self.xname, x), (self.yname, y)):

@@ -38,37 +38,55 @@ class StepStats:
     events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
 
 
-def _cache_bytes(caches: list) -> int:
-    """Bytes of the distinct arrays a stage keeps for its backward (a layer's output is the next one's input)."""
+def _cache_bytes(caches: Any) -> int:
+    """Bytes of the distinct buffers a stage keeps for its backward.
+
+    Arrays are counted by the buffer they view (a layer's output is the next one's
+    input; q, k and v are views of one qkv block), each buffer once.
+    """
     seen: dict[int, int] = {}
-    for x, saved in caches:
-        for arr in (x, *(saved if isinstance(saved, tuple) else (saved,))):
-            if arr is not None and hasattr(arr, "nbytes"):
-                seen[id(arr)] = arr.nbytes
+    pending = [caches]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, (tuple, list)):
+            pending.extend(obj)
+        elif hasattr(obj, "nbytes"):
+            base = obj
+            while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
+                base = base.base
+            seen[id(base)] = base.nbytes
     return sum(seen.values())
+
+
+@dataclass
+class Recompute:
+    """A micro-batch's stash under train.recompute = "stage": only the stage's input (forward re-runs later)."""
+
+    x: Any
 
 
 class Engine:
     """Runs one rank's action list: compute through the stage modules, messages through PipeComm."""
 
     def __init__(self, program: list[Action], params: RankParameters, comm: PipeComm, *,
-                 shape: PipeShape, widths: list[int], micro_batch_size: int,
-                 loss_fn: Callable, loss_scale: float, dtype: Any, keep_input_grads: bool = False,
-                 record_events: bool = False):
+                 shape: PipeShape, boundaries: list[tuple[tuple[int, ...], Any]],
+                 loss_fn: Callable, loss_scale: float, keep_input_grads: bool = False,
+                 record_events: bool = False, recompute: bool = False):
         self.program = program
         self.params = params
         self.comm = comm
         self.shape = shape                    # which rank owns each stage: the schedule's (lowering used it too)
         self.n_stages, self.n_micro = shape.n_stages, shape.n_micro
-        self.widths = widths                  # widths[s] = input width of stage s; widths[-1] = output width
-        self.batch = micro_batch_size
+        # boundaries[s] = (shape, dtype) of stage s's input activation; [-1] = the model's output
+        self.boundaries = boundaries
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
-        self.dtype = dtype
+        self.recompute = recompute
         self.keep_input_grads = keep_input_grads
         self.record_events = record_events
         self.xp = params.xp
         self.input_grads: dict[int, Any] = {}   # dL/dx of the model input per micro-batch (when kept)
         self.optimizer_step: Callable[[], None] | None = None
+        self.tied_peer = self._tied_peer()
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_f, "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
@@ -106,8 +124,10 @@ class Engine:
         key = (a.stage, a.mb)
         x = self.feed.x[a.mb] if a.stage == 0 else self.inputs.pop(key)
         y, caches = self.params.stages[a.stage].forward(x)
+        if self.recompute:
+            caches = Recompute(x)     # the forward's caches are dropped here and rebuilt before the backward
         self.stash[key] = caches
-        nbytes = _cache_bytes(caches)
+        nbytes = _cache_bytes(caches.x if self.recompute else caches)
         self.stash_bytes += nbytes
         self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
         held = self.held[a.stage] = self.held.get(a.stage, 0) + 1
@@ -128,11 +148,29 @@ class Engine:
 
     def _release(self, key: tuple[int, int]) -> list:
         caches = self.stash.pop(key)
-        nbytes = _cache_bytes(caches)
+        nbytes = _cache_bytes(caches.x if isinstance(caches, Recompute) else caches)
         self.held[key[0]] -= 1
         self.held_bytes[key[0]] -= nbytes
         self.stash_bytes -= nbytes
+        if isinstance(caches, Recompute):
+            caches = self.params.stages[key[0]].forward(caches.x)[1]
         return caches
+
+    def _caches_for_split(self, key: tuple[int, int]) -> list:
+        """Return a stash's caches for an input-gradient half; under recompute rebuild them and hold them until W."""
+        caches = self.stash[key]
+        if not isinstance(caches, Recompute):
+            return caches
+        rebuilt = self.params.stages[key[0]].forward(caches.x)[1]
+        # between I and W the rebuilt caches are stashed in place of the input: account for the difference
+        delta = _cache_bytes(rebuilt) - _cache_bytes(caches.x)
+        self.stash[key] = rebuilt
+        self.stash_bytes += delta
+        self.held_bytes[key[0]] += delta
+        peaks = self.stats.peak_stash_bytes_stage
+        peaks[key[0]] = max(peaks.get(key[0], 0), self.held_bytes[key[0]])
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self.stash_bytes)
+        return rebuilt
 
     def _hand_back(self, a: Action, gx: Any) -> None:
         """Route dL/dx of a stage: to the previous stage (locally or by message) or keep it."""
@@ -143,6 +181,17 @@ class Engine:
                 self.in_grads[(a.stage, a.mb)] = gx
         elif self.keep_input_grads:
             self.input_grads[a.mb] = gx
+
+    def _tied_peer(self) -> int | None:
+        """The pipeline rank holding the other end of a tied embedding, when it is not this rank."""
+        model = self.params.model
+        if not model.tied:
+            return None
+        first, last = self.shape.stage_rank(0), self.shape.stage_rank(self.n_stages - 1)
+        if first == last:
+            return None           # pp = 1 or zb-v: both ends share one table on this rank
+        mine = self.comm.pp_comm.Get_rank()
+        return last if mine == first else first if mine == last else None
 
     def _local(self, stage: int, other: int) -> bool:
         """Whether two stages live on the same rank (their hand-over needs no message)."""
@@ -159,7 +208,7 @@ class Engine:
 
     def _backward_input(self, a: Action) -> None:
         key = (a.stage, a.mb)
-        caches = self.stash[key]
+        caches = self._caches_for_split(key)
         gx, dzs = self.params.stages[a.stage].backward_input(caches, self.out_grads.pop(key),
                                                             self._needs_input_grad(a.stage))
         self.split[key] = (caches, dzs)
@@ -176,21 +225,25 @@ class Engine:
         self.comm.isend(self.outputs.pop((a.stage, a.mb)), a.peer, self.comm.tag(0, a.stage, a.mb, self.n_micro))
 
     def _recv_f(self, a: Action) -> None:
-        shape = (self.batch, self.widths[a.stage])
-        self.inputs[(a.stage, a.mb)] = self.comm.recv(shape, self.dtype, a.peer,
+        shape, dtype = self.boundaries[a.stage]
+        self.inputs[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
                                                       self.comm.tag(0, a.stage - 1, a.mb, self.n_micro))
 
     def _send_b(self, a: Action) -> None:
         self.comm.isend(self.in_grads.pop((a.stage, a.mb)), a.peer, self.comm.tag(1, a.stage, a.mb, self.n_micro))
 
     def _recv_b(self, a: Action) -> None:
-        shape = (self.batch, self.widths[a.stage + 1])
-        self.out_grads[(a.stage, a.mb)] = self.comm.recv(shape, self.dtype, a.peer,
+        shape, dtype = self.boundaries[a.stage + 1]
+        self.out_grads[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
                                                          self.comm.tag(1, a.stage + 1, a.mb, self.n_micro))
 
     def _allreduce(self, a: Action) -> None:
         self.comm.wait_sends()
         self.comm.average_over_dp(self.params.grad)
+        if self.tied_peer is not None:
+            # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and
+            # their copies of the table stay identical through every optimizer step
+            self.comm.sum_with_pp_peer(self.params.tied_grad(), self.tied_peer)
 
     def _opt_step(self, a: Action) -> None:
         if self.optimizer_step is not None:

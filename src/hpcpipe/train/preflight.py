@@ -16,7 +16,7 @@ from pathlib import Path
 from hpcpipe import _local_rank_count
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model import layer_specs
+from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.state import checkpoint_dir as cf
@@ -63,7 +63,7 @@ def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, plac
     """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
     import numpy as np
 
-    specs = layer_specs(config)
+    specs = model_specs(config)
     itemsize = ITEMSIZE[config.model.dtype]
     tr = config.train
     buffers = len(make_optimizer(tr, np, 0, np.float32).state)
@@ -74,11 +74,13 @@ def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, plac
         n_params = sum(s.n_params for s in layers)
         # each layer's cache holds its input and what its activation saved (one row of each per
         # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
-        widths = sum(s.fan_in + s.fan_out for s in layers)
+        widths = sum(s.act_elements for s in layers)
         mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
         worst = max(worst, mine, key=lambda e: e.total)
     data = 0
-    if not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
+    if not config.data.path and config.model.kind == "gpt":   # int64 windows, x and y views of one stream
+        data = config.data.synthetic_samples * (config.model.seq_len + 1) * 8 * 2
+    elif not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
         dims = config.model.dims
         data = config.data.synthetic_samples * (dims[0] + dims[-1]) * (8 + itemsize) + dims[0] * dims[-1] * 8
     return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
@@ -122,7 +124,7 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
         raise ConfigError(
             f"the model needs about {_gib(need.total)} per rank (parameters and gradients "
             f"{_gib(need.parameters)}, optimizer {_gib(need.optimizer)}, activations {_gib(need.activations)}, "
-            f"data {_gib(need.data)}) with model.dims {config.model.dims}, parallel.pp = {pp}, "
+            f"data {_gib(need.data)}) with {config.layers_text()}, parallel.pp = {pp}, "
             f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
             f"{config.train.micro_batch_size}; this node has {_gib(available)} available for {ranks_here} "
             f"rank(s) ({_gib(available / ranks_here)} each): use more pipeline stages or nodes, or a smaller model "

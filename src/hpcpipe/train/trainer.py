@@ -17,8 +17,8 @@ import numpy as np
 
 from hpcpipe.config import Config, resolve_layout
 from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
-from hpcpipe.nn import loss as losses
-from hpcpipe.nn.model import RankParameters, initial_arrays, layer_specs, partition
+from hpcpipe.nn.model import RankParameters, partition
+from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import clip_factor, make_optimizer
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root
@@ -60,16 +60,19 @@ class Plan:
         return self.shape.n_stages
 
 
-RESUME_MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
+RESUME_MODEL_KEYS = {"mlp": ("kind", "dims", "bias", "activation", "final_activation", "dtype"),
+                     "gpt": ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff",
+                             "tie_embeddings", "dtype")}
 
 
 def check_resume(config: Config, source: WeightsSource) -> None:
     """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
     saved = source.manifest["config"]
-    for key in RESUME_MODEL_KEYS:
-        if saved["model"].get(key) != getattr(config.model, key):
+    for key in RESUME_MODEL_KEYS[config.model.kind]:
+        stored = saved["model"].get(key, "mlp" if key == "kind" else None)   # older checkpoints: MLPs
+        if stored != getattr(config.model, key):
             raise ConfigError(f"cannot resume from {source.describe()}: it was saved with model.{key} = "
-                              f"{saved['model'].get(key)!r}, this run has {getattr(config.model, key)!r}")
+                              f"{stored!r}, this run has {getattr(config.model, key)!r}")
     name = source.manifest["optimizer"]["name"]
     if name != config.train.optimizer:
         raise ConfigError(f"cannot resume from {source.describe()}: it holds {name} optimizer state, this run "
@@ -89,7 +92,7 @@ def plan(config: Config, world_size: int) -> Plan:
     dp, pp = resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages
-    specs = layer_specs(config)
+    specs = model_def(config).specs
     ranges = partition(specs, n_stages, par.stage_layers)
     if config.data.path:
         check_data_file(config)
@@ -132,22 +135,23 @@ class Trainer:
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller)
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
-        specs = layer_specs(cfg)
-        self.specs = specs
-        self.params = RankParameters(specs, self.my_stages, xp, cfg.model.dtype)
+        self.model = model = model_def(cfg)
+        self.specs = model.specs
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype)
         tr = cfg.train
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
-        out_dim = cfg.model.dims[-1]
-        self.loss_norm = losses.normaliser(tr.loss, self.global_batch, out_dim)
-        replica_norm = losses.normaliser(tr.loss, tr.micro_batches * tr.micro_batch_size, out_dim)
-        widths = [cfg.model.dims[r.start] for r in p.stage_ranges] + [out_dim]
+        self.loss_norm = model.samples_norm(self.global_batch)
+        replica_norm = model.samples_norm(tr.micro_batches * tr.micro_batch_size)
+        dtype = np.dtype(cfg.model.dtype)
+        boundaries = [model.boundary(i, tr.micro_batch_size) for i in [r.start for r in p.stage_ranges]
+                      + [model.n_layers]]
+        boundaries = [(shape, np.dtype(kind) if kind else dtype) for shape, kind in boundaries]
         self.first = 0 in self.my_stages
         self.last = p.n_stages - 1 in self.my_stages
-        self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, widths=widths,
-                             micro_batch_size=tr.micro_batch_size,
-                             loss_fn=losses.LOSSES[tr.loss], loss_scale=1.0 / replica_norm,
-                             dtype=np.dtype(cfg.model.dtype), keep_input_grads=keep_input_grads,
-                             record_events=record_events)
+        self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, boundaries=boundaries,
+                             loss_fn=model.loss_fn, loss_scale=1.0 / replica_norm,
+                             keep_input_grads=keep_input_grads, record_events=record_events,
+                             recompute=tr.recompute == "stage")
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0
@@ -166,10 +170,10 @@ class Trainer:
 
     def _load_initial_state(self, world: Any) -> None:
         """Fill parameters (and on resume optimizer state, step, data position); all ranks agree first."""
-        cfg, indices = self.config, self.params.layer_indices()
+        cfg, indices = self.config, self.params.read_indices()
         source = self.plan.resume or self.plan.init
         if source is None:
-            self.params.load(initial_arrays(self.specs, indices, cfg.model.seed, cfg.model.dtype))
+            self.params.load(self.model.init_arrays(indices, cfg.model.seed, cfg.model.dtype))
             return
         resuming = source is self.plan.resume
         try:
@@ -182,11 +186,8 @@ class Trainer:
         self.params.load(state.arrays)
         if not resuming:
             return
-        xp = self.backend.xp
         for name, buf in self.optimizer.state.items():
-            for i in indices:
-                for part in self.params.views[i]:
-                    self.params.slice_of(buf, i, part)[...] = xp.asarray(state.optimizer[i][name][part])
+            self.params.load_state(buf, {i: state.optimizer[i][name] for i in indices})
         self.optimizer.steps = int(source.manifest["optimizer"]["steps"])
         self.start_step = source.step
         self.feeder.offset = int(source.manifest["data"]["samples_seen"]) - source.step * self.global_batch
@@ -231,7 +232,8 @@ class Trainer:
             self.params.grad[...] = float("nan")
         elif poison == "loss":
             self.engine.stats.loss_sum = float("nan")
-        local = float(xp.vdot(self.params.grad, self.params.grad))
+        # a tied head's copy of tok_emb carries the same summed gradient as the embedding: count it once
+        local = float(xp.vdot(self.params.grad, self.params.grad)) - self.params.copy_norm_sq()
         mine = local_decision(local, self.engine.stats.loss_sum, self.topo.dp_rank == 0, self.stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
         self.last_decision = decision

@@ -1,0 +1,187 @@
+"""Model kinds behind one interface: layer groups, their parameters, initial values, layers and stage boundaries.
+
+The trainer, the partition, the parameter buffers and the state code see a
+model only through :class:`ModelDef`: ``specs`` (one per HDF5 layer group, with
+``index``, ``kind``, ``shapes``, ``n_params``, ``cost``), ``init_arrays``,
+``build_layer``, the activation shape at each group boundary and the loss.
+``mlp`` is the Linear + activation model; ``gpt`` the GPT-2 style decoder
+(group 0 embedding, 1..n_blocks decoder blocks, n_blocks + 1 final norm + head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.config import Config
+from hpcpipe.nn import loss as losses
+from hpcpipe.nn.gpt_layers import build_layer as build_gpt_layer
+from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
+from hpcpipe.nn.layers import Dense, make_activation
+from hpcpipe.nn.model import LayerSpec, init_layer, layer_specs
+from hpcpipe.nn.token_loss import token_cross_entropy
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One GPT layer group: its parameters (HDF5 names below /layers/NNNN/) and forward cost per token."""
+
+    index: int
+    shapes: dict[str, tuple[int, ...]]
+    cost: int
+    act_elements: int           # elements per sample (window) the group caches for its backward
+    kind: str = "gpt"
+
+    @property
+    def n_params(self) -> int:
+        """Number of scalars in the group's parameters."""
+        return sum(math.prod(s) for s in self.shapes.values())
+
+
+def gpt_shape(config: Config) -> GPTShape:
+    """Return the GPTShape the [model] keys describe."""
+    m = config.model
+    return GPTShape(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_blocks, m.d_ff, m.tie_embeddings)
+
+
+def gpt_group_cost(shape: GPTShape, index: int) -> int:
+    """Multiply-adds per token of a group's forward: blocks count attention over the causal prefix, the head d x vocab.
+
+    The embedding is a gather (d per token); counting the head's d x vocab is what
+    keeps a large vocabulary from piling onto the last stage unnoticed.
+    """
+    d, t = shape.d_model, shape.seq_len
+    if index == 0:
+        return d
+    if index <= shape.n_blocks:
+        # qkv (3 d^2) + proj (d^2) + MLP (2 d ff) + scores and weighted values over (t + 1) / 2 keys on average
+        return 4 * d * d + 2 * d * shape.ff + d * (t + 1)
+    return d * shape.vocab
+
+
+def gpt_group_activations(shape: GPTShape, index: int) -> int:
+    """Elements per window a group's forward caches for its backward (what the engine's stash counts).
+
+    A block keeps ln1's x_hat (d), qkv (3d), the attention weights (heads x T), the
+    concatenated heads (d), ln2's x_hat (d), the MLP's input rows (d, the same
+    buffer as ln2's output: counted once), its GELU pre-activation and output
+    (2 ff); per token, plus 2 per token for the LayerNorm scales. The head keeps
+    ln_f's x_hat and its output rows (2 d) and the logits' input; the embedding
+    its token ids.
+    """
+    d, t = shape.d_model, shape.seq_len
+    if index == 0:
+        return t
+    if index <= shape.n_blocks:
+        return t * (7 * d + shape.n_heads * t + 2 * shape.ff + 2)
+    return t * (2 * d + 1)
+
+
+class ModelDef:
+    """What the engine needs of a model kind (MLP or GPT); built once from the config."""
+
+    kind: str
+    specs: list
+    tied: bool = False
+    loss_fn: Callable
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layer groups (HDF5 /layers entries)."""
+        return len(self.specs)
+
+    def init_arrays(self, indices: list[int], seed: int, dtype: str) -> dict[int, dict[str, np.ndarray]]:
+        """Return the deterministic initial parameters of the given groups."""
+        raise NotImplementedError
+
+    def build_layer(self, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
+                    tok_emb: Any = None, grad_tok_emb: Any = None) -> Any:
+        """Return the layer of group ``index`` over its parameter and gradient views."""
+        raise NotImplementedError
+
+    def boundary(self, index: int, batch: int) -> tuple[tuple[int, ...], str | None]:
+        """Return (shape, dtype or None for the model's dtype) of the activation entering group ``index``.
+
+        ``index == n_layers`` is the model's output.
+        """
+        raise NotImplementedError
+
+    def samples_norm(self, n_samples: int) -> int:
+        """Return the count a summed loss over n_samples samples is divided by to give the mean."""
+        raise NotImplementedError
+
+
+class MLPModel(ModelDef):
+    """The Linear + activation model of ``model.dims``."""
+
+    kind = "mlp"
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.specs: list[LayerSpec] = layer_specs(config)
+        self.loss_name = config.train.loss
+        self.loss_fn = losses.LOSSES[self.loss_name]
+
+    def init_arrays(self, indices, seed, dtype):
+        out = {}
+        for i in indices:
+            w, b = init_layer(self.specs[i], seed, dtype)
+            out[i] = {"weight": w} if b is None else {"weight": w, "bias": b}
+        return out
+
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+        s = self.specs[index]
+        return Dense(index, params["weight"], params.get("bias"), grads["weight"], grads.get("bias"),
+                     make_activation(s.activation), xp)
+
+    def boundary(self, index, batch):
+        dims = self.config.model.dims
+        return (batch, dims[index]), None
+
+    def samples_norm(self, n_samples):
+        return losses.normaliser(self.loss_name, n_samples, self.config.model.dims[-1])
+
+
+class GPTModel(ModelDef):
+    """A GPT-2 style decoder: embedding, n_blocks blocks, final norm and (tied or own) head."""
+
+    kind = "gpt"
+
+    def __init__(self, config: Config):
+        self.shape = gpt_shape(config)
+        self.tied = self.shape.tied
+        self.specs: list[GroupSpec] = [GroupSpec(i, dict(group_params(self.shape, i)), gpt_group_cost(self.shape, i),
+                                                 gpt_group_activations(self.shape, i))
+                                       for i in range(self.shape.n_groups)]
+        self.loss_fn = token_cross_entropy
+
+    def init_arrays(self, indices, seed, dtype):
+        return {i: init_group(self.shape, i, seed, dtype) for i in indices}
+
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+        return build_gpt_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb)
+
+    def boundary(self, index, batch):
+        t = self.shape.seq_len
+        if index == 0:
+            return (batch, t), "int64"
+        if index == self.n_layers:
+            return (batch, t, self.shape.vocab), None
+        return (batch, t, self.shape.d_model), None
+
+    def samples_norm(self, n_samples):
+        return n_samples * self.shape.seq_len     # mean over every target token
+
+
+def model_def(config: Config) -> ModelDef:
+    """Return the model definition of config.model.kind."""
+    return GPTModel(config) if config.model.kind == "gpt" else MLPModel(config)
+
+
+def model_specs(config: Config) -> list:
+    """Return one spec per layer group of the configured model (MLP: LayerSpec; GPT: GroupSpec)."""
+    return model_def(config).specs

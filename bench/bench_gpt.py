@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     results["stash_formula"] = {
         rc: gpt_cost.stash_formula(m, size["micro_batch_size"], size["micro_batches"], "1f1b", stage_groups,
                                    rc == "stage") for rc in ("none", "stage")}
+    results["stash_formula_gpipe"] = gpt_cost.stash_formula(m, size["micro_batch_size"], size["micro_batches"],
+                                                            "gpipe", stage_groups, False)
     report(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -249,6 +251,11 @@ def report(res: dict) -> None:
             cuts.append(a / b if b else float("inf"))
             print(f"| {i} | {a:,} ({fa:,}, {(a - fa) / fa:+.1%}) | {b:,} ({fb:,}, {(b - fb) / fb:+.1%}) "
                   f"| {cuts[-1]:.1f}x |")
+        gpipe = runs.get("hpcpipe/gpipe/recompute-none")
+        if gpipe and "stash_formula_gpipe" in res:
+            pairs = zip(gpipe["peak_stash_bytes_by_stage"], res["stash_formula_gpipe"], strict=True)
+            print("gpipe stash bytes per stage (formula, error): " + ", ".join(
+                f"{a:,} ({f:,}, {(a - f) / f:+.1%})" for a, f in pairs))
         slow = stage["median_s"] / none["median_s"]
         print(f"\nrecompute step time {stage['median_s'] * 1e3:.0f} ms vs {none['median_s'] * 1e3:.0f} ms: "
               f"{slow - 1:+.1%}")

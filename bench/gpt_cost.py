@@ -17,10 +17,13 @@ of the one qkv product, or a (b*T, d) row view, share their base):
           input u2 (b,T,d); fc pre-activation z and tanh t (b*T,ff each); GELU output
           (b*T,ff)  ->  b*T*(8d + 3ff + 2) + b*H*T^2 values
   head:   ln_f x_hat + 1/std; head input (b,T,d)  ->  b*T*(2d + 1) values
-  embed:  the token ids (b,T)
+  embed:  the token ids (b,T) int64; but the engine's micro-batch ids are views of
+          the step's one (m*b, T) array (np.split), so counted by their base each
+          stashed micro-batch adds the whole step's ids, m*b*T*8 bytes
 A stage holds that for every micro-batch in flight: GPipe all m, 1F1B at most
 pp - stage. With train.recompute = "stage" only each micro-batch's stage input is
-kept (token ids on stage 0, a (b,T,d) activation after it).
+kept (token ids on stage 0, a (b,T,d) activation after it); the caches rebuilt for
+a backward B are transient (not stashed).
 """
 
 from __future__ import annotations
@@ -76,12 +79,15 @@ def block_stash_values(m: GPTSize, b: int) -> int:
     return b * t * (8 * m.d_model + 3 * m.ff + 2) + b * m.n_heads * t * t
 
 
-def stage_stash_bytes(m: GPTSize, b: int, groups: range, itemsize: int = 4, token_itemsize: int = 8) -> int:
-    """Bytes one micro-batch leaves in the stash of a stage holding layer groups ``groups`` (0 = embedding)."""
+def stage_stash_bytes(m: GPTSize, b: int, groups: range, itemsize: int = 4, token_bytes: int | None = None) -> int:
+    """Bytes one micro-batch leaves in the stash of a stage holding layer groups ``groups`` (0 = embedding).
+
+    ``token_bytes``: what the token ids count for (default b x T int64: ids of their own).
+    """
     total = 0
     for g in groups:
         if g == 0:
-            total += b * m.seq_len * token_itemsize
+            total += b * m.seq_len * 8 if token_bytes is None else token_bytes
         elif g <= m.n_blocks:
             total += block_stash_values(m, b) * itemsize
         else:
@@ -89,9 +95,11 @@ def stage_stash_bytes(m: GPTSize, b: int, groups: range, itemsize: int = 4, toke
     return total
 
 
-def stage_input_bytes(m: GPTSize, b: int, first: bool, itemsize: int = 4, token_itemsize: int = 8) -> int:
+def stage_input_bytes(m: GPTSize, b: int, first: bool, itemsize: int = 4, token_bytes: int | None = None) -> int:
     """Bytes of one micro-batch's stage input: token ids on the first stage, a (b, T, d) activation after it."""
-    return b * m.seq_len * (token_itemsize if first else m.d_model * itemsize)
+    if first:
+        return b * m.seq_len * 8 if token_bytes is None else token_bytes
+    return b * m.seq_len * m.d_model * itemsize
 
 
 def in_flight(schedule: str, n_micro: int, pp: int, stage: int) -> int:
@@ -100,12 +108,17 @@ def in_flight(schedule: str, n_micro: int, pp: int, stage: int) -> int:
 
 
 def stash_formula(m: GPTSize, b: int, n_micro: int, schedule: str, stage_groups: list[range],
-                  recompute: bool, token_itemsize: int = 8) -> list[int]:
-    """Predicted peak stash bytes per stage (float32 activations)."""
+                  recompute: bool) -> list[int]:
+    """Predicted peak stash bytes per stage (float32 activations), as the engine counts them.
+
+    The token ids of every stashed stage-0 micro-batch count as the step's whole id array
+    (n_micro x b x T int64; see the module docstring).
+    """
     pp = len(stage_groups)
+    tokens = n_micro * b * m.seq_len * 8
     out = []
     for s, groups in enumerate(stage_groups):
-        per = (stage_input_bytes(m, b, s == 0, token_itemsize=token_itemsize) if recompute
-               else stage_stash_bytes(m, b, groups, token_itemsize=token_itemsize))
+        per = (stage_input_bytes(m, b, s == 0, token_bytes=tokens) if recompute
+               else stage_stash_bytes(m, b, groups, token_bytes=tokens))
         out.append(in_flight(schedule, n_micro, pp, s) * per)
     return out

@@ -35,7 +35,7 @@ import gpt_cost
 import numpy as np
 from bench_schedules import ENV, HERE, MPIEXEC, ROOT, load, matmul_rate, run_job, wait_quiet
 
-FULL = {"vocab": 512, "seq_len": 128, "d_model": 384, "n_heads": 6, "n_blocks": 6, "d_ff": 0,
+FULL = {"vocab": 512, "seq_len": 128, "d_model": 384, "n_heads": 6, "n_blocks": 4, "d_ff": 0,
         "micro_batches": 8, "micro_batch_size": 2}
 QUICK = {"vocab": 64, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 2, "d_ff": 0,
          "micro_batches": 4, "micro_batch_size": 2}

@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--n-heads", type=int, default=6)
-    ap.add_argument("--n-blocks", type=int, default=6)
+    ap.add_argument("--n-blocks", type=int, default=4)
     ap.add_argument("--d-ff", type=int, default=0)
     ap.add_argument("--split", type=int, default=0, help="blocks on stage 0 (0 = half)")
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "manual"],

@@ -17,9 +17,9 @@ of the one qkv product, or a (b*T, d) row view, share their base):
           input u2 (b,T,d); fc pre-activation z and tanh t (b*T,ff each); GELU output
           (b*T,ff)  ->  b*T*(8d + 3ff + 2) + b*H*T^2 values
   head:   ln_f x_hat + 1/std; head input (b,T,d)  ->  b*T*(2d + 1) values
-  embed:  the token ids (b,T) int64; but the engine's micro-batch ids are views of
-          the step's one (m*b, T) array (np.split), so counted by their base each
-          stashed micro-batch adds the whole step's ids, m*b*T*8 bytes
+  embed:  the token ids (b,T) int64 (the engine counts each array by its own
+          memory region, so a micro-batch's ids, a view of the step's array, count
+          b*T*8 bytes)
 A stage holds that for every micro-batch in flight: GPipe all m, 1F1B at most
 pp - stage. With train.recompute = "stage" only each micro-batch's stage input is
 kept (token ids on stage 0, a (b,T,d) activation after it); the caches rebuilt for
@@ -109,13 +109,9 @@ def in_flight(schedule: str, n_micro: int, pp: int, stage: int) -> int:
 
 def stash_formula(m: GPTSize, b: int, n_micro: int, schedule: str, stage_groups: list[range],
                   recompute: bool) -> list[int]:
-    """Predicted peak stash bytes per stage (float32 activations), as the engine counts them.
-
-    The token ids of every stashed stage-0 micro-batch count as the step's whole id array
-    (n_micro x b x T int64; see the module docstring).
-    """
+    """Predicted peak stash bytes per stage (float32 activations), as the engine counts them."""
     pp = len(stage_groups)
-    tokens = n_micro * b * m.seq_len * 8
+    tokens = b * m.seq_len * 8
     out = []
     for s, groups in enumerate(stage_groups):
         per = (stage_input_bytes(m, b, s == 0, token_bytes=tokens) if recompute

@@ -35,6 +35,8 @@ import gpt_cost
 import numpy as np
 from bench_schedules import ENV, HERE, MPIEXEC, ROOT, load, matmul_rate, run_job, wait_quiet
 
+from hpcpipe.nn.gpt_params import GPTShape
+
 FULL = {"vocab": 512, "seq_len": 128, "d_model": 384, "n_heads": 6, "n_blocks": 4, "d_ff": 0,
         "micro_batches": 8, "micro_batch_size": 2}
 QUICK = {"vocab": 64, "seq_len": 32, "d_model": 64, "n_heads": 4, "n_blocks": 2, "d_ff": 0,
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": shlex.join([sys.executable, *sys.argv]), "size": size, "split_blocks": split,
                      "tokens_per_step": rows * size["seq_len"], "rounds": args.rounds, "steps": args.steps,
                      "warmup": args.warmup, "loads": [load()], "runs": {}}
-    m = gpt_cost.GPTSize(**{k: size[k] for k in MODEL_KEYS})
+    m = GPTShape(**{k: size[k] for k in MODEL_KEYS}, tied=False)   # the benchmark's head is untied
     results["params"] = gpt_cost.params(m)
     results["flops_per_token"] = gpt_cost.flops_per_token(m)
     results["attention_flops_per_token"] = gpt_cost.attention_flops_per_token(m)

@@ -28,33 +28,16 @@ a backward B are transient (not stashed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from hpcpipe.nn.gpt_params import GPTShape
 
 
-@dataclass(frozen=True)
-class GPTSize:
-    """The benchmark model: vocabulary, context, width, heads, blocks, MLP width (0 = 4d), untied head."""
-
-    vocab: int
-    seq_len: int
-    d_model: int
-    n_heads: int
-    n_blocks: int
-    d_ff: int = 0
-
-    @property
-    def ff(self) -> int:
-        """MLP hidden width."""
-        return self.d_ff or 4 * self.d_model
-
-
-def block_params(m: GPTSize) -> int:
+def block_params(m: GPTShape) -> int:
     """Parameters of one decoder block (two LayerNorms, qkv, proj, fc, mlp proj, with biases)."""
     d, ff = m.d_model, m.ff
     return 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
 
 
-def params(m: GPTSize) -> dict[str, int]:
+def params(m: GPTShape) -> dict[str, int]:
     """Parameter counts: embedding tables, blocks, final norm + untied head, the FLOP-counted total, all."""
     emb = m.vocab * m.d_model + m.seq_len * m.d_model
     blocks = m.n_blocks * block_params(m)
@@ -63,23 +46,23 @@ def params(m: GPTSize) -> dict[str, int]:
             "total": emb + blocks + final}
 
 
-def attention_flops_per_token(m: GPTSize) -> int:
+def attention_flops_per_token(m: GPTShape) -> int:
     """FLOPs of QK^T and PV per token, forward + backward, causal mask counted fully: 12 x n_blocks x T x d."""
     return 12 * m.n_blocks * m.seq_len * m.d_model
 
 
-def flops_per_token(m: GPTSize) -> int:
+def flops_per_token(m: GPTShape) -> int:
     """6 x (non-embedding parameters) + attention FLOPs, per trained token."""
     return 6 * params(m)["flop_counted"] + attention_flops_per_token(m)
 
 
-def block_stash_values(m: GPTSize, b: int) -> int:
+def block_stash_values(m: GPTShape, b: int) -> int:
     """Values one block keeps for its backward, per micro-batch of b sequences."""
     t = m.seq_len
     return b * t * (8 * m.d_model + 3 * m.ff + 2) + b * m.n_heads * t * t
 
 
-def stage_stash_bytes(m: GPTSize, b: int, groups: range, itemsize: int = 4, token_bytes: int | None = None) -> int:
+def stage_stash_bytes(m: GPTShape, b: int, groups: range, itemsize: int = 4, token_bytes: int | None = None) -> int:
     """Bytes one micro-batch leaves in the stash of a stage holding layer groups ``groups`` (0 = embedding).
 
     ``token_bytes``: what the token ids count for (default b x T int64: ids of their own).
@@ -95,7 +78,7 @@ def stage_stash_bytes(m: GPTSize, b: int, groups: range, itemsize: int = 4, toke
     return total
 
 
-def stage_input_bytes(m: GPTSize, b: int, first: bool, itemsize: int = 4, token_bytes: int | None = None) -> int:
+def stage_input_bytes(m: GPTShape, b: int, first: bool, itemsize: int = 4, token_bytes: int | None = None) -> int:
     """Bytes of one micro-batch's stage input: token ids on the first stage, a (b, T, d) activation after it."""
     if first:
         return b * m.seq_len * 8 if token_bytes is None else token_bytes
@@ -107,7 +90,7 @@ def in_flight(schedule: str, n_micro: int, pp: int, stage: int) -> int:
     return n_micro if schedule == "gpipe" else min(n_micro, pp - stage)
 
 
-def stash_formula(m: GPTSize, b: int, n_micro: int, schedule: str, stage_groups: list[range],
+def stash_formula(m: GPTShape, b: int, n_micro: int, schedule: str, stage_groups: list[range],
                   recompute: bool) -> list[int]:
     """Predicted peak stash bytes per stage (float32 activations), as the engine counts them."""
     pp = len(stage_groups)

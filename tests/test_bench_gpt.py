@@ -11,38 +11,24 @@ import pytest
 
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.train.engine import _cache_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import gpt_cost  # noqa: E402  (bench/ is not a package)
 
 
-def _base_bytes(cache, seen: dict) -> dict:
-    """Bytes of the distinct base buffers of the arrays in a (nested) cache."""
-    if isinstance(cache, (tuple, list)):
-        for item in cache:
-            _base_bytes(item, seen)
-    elif hasattr(cache, "nbytes"):
-        base = cache
-        while getattr(base, "base", None) is not None:
-            base = base.base
-        seen[id(base)] = base.nbytes
-    return seen
-
-
 def test_stash_formula_counts_what_each_layer_keeps():
-    size = gpt_cost.GPTSize(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, d_ff=40)
-    shape = GPTShape(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, d_ff=40, tied=False)
+    shape = size = GPTShape(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, d_ff=40, tied=False)
     tokens = np.random.default_rng(0).integers(0, 50, (3, 12))
     _, caches = GPT(shape).forward(tokens)
     for group, cache in enumerate(caches):
-        measured = sum(_base_bytes(cache, {}).values())
+        measured = _cache_bytes(cache)          # what the engine counts
         assert measured == gpt_cost.stage_stash_bytes(size, 3, range(group, group + 1)), group
 
 
 def test_parameter_count_matches_the_groups():
-    size = gpt_cost.GPTSize(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2)
-    shape = GPTShape(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, tied=False)
+    shape = size = GPTShape(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, tied=False)
     total = sum(int(np.prod(dims)) for g in range(shape.n_groups) for _, dims in group_params(shape, g))
     counts = gpt_cost.params(size)
     assert counts["total"] == total

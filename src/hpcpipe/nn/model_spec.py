@@ -22,7 +22,7 @@ from hpcpipe.nn import loss as losses
 from hpcpipe.nn.gpt_layers import build_layer as build_gpt_layer
 from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
 from hpcpipe.nn.layers import Dense, make_activation
-from hpcpipe.nn.model import LayerSpec, init_layer, layer_specs
+from hpcpipe.nn.model import LayerSpec, initial_arrays, layer_specs
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 
@@ -127,11 +127,7 @@ class MLPModel(ModelDef):
         self.loss_fn = losses.LOSSES[self.loss_name]
 
     def init_arrays(self, indices, seed, dtype):
-        out = {}
-        for i in indices:
-            w, b = init_layer(self.specs[i], seed, dtype)
-            out[i] = {"weight": w} if b is None else {"weight": w, "bias": b}
-        return out
+        return initial_arrays(self.specs, indices, seed, dtype)
 
     def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
         s = self.specs[index]

@@ -15,15 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from hpcpipe.config_checks import KINDS, validate
 from hpcpipe.errors import ConfigError
 
-ACTIVATIONS = ("relu", "gelu", "tanh", "identity")
-LOSSES = ("mse", "cross_entropy")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-BACKENDS = ("auto", "numpy", "cupy")
-DTYPES = ("float32", "float64")
-KINDS = ("mlp", "gpt")
-RECOMPUTE = ("none", "stage")
 # model keys that only one kind reads: setting one together with the other kind is an error
 MLP_KEYS = ("dims", "bias", "activation", "final_activation")
 GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
@@ -110,6 +104,15 @@ class InferConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    max_sequences: int = 32      # KV-cache slots per replica: sequences decoding at once
+    micro_batches: int = 0       # groups the running sequences are spread over (0 = pp: every stage busy)
+    max_queue: int = 256         # requests waiting for a slot; one more is answered 429
+    kv_cache: bool = True        # false: recompute the whole prefix for every token (the baseline)
+    model_name: str = ""         # id in /v1/models and responses; "" = the weights' file or directory name
+
+
+@dataclass(frozen=True)
 class RunConfig:
     backend: str = "auto"
     poll_min_us: float = 20.0   # first sleep of a waiting rank; doubles up to poll_max_us
@@ -126,6 +129,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     infer: InferConfig = field(default_factory=InferConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -298,94 +302,6 @@ def _check_kind_keys(raw: dict[str, Any]) -> None:
     if kind == "gpt" and loss not in (None, "cross_entropy"):
         raise ConfigError(f"train.loss = {loss!r}: a GPT (model.kind = \"gpt\") trains on cross-entropy over "
                           f"tokens; leave train.loss unset or set it to \"cross_entropy\"")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(config: Config) -> None:
-    """Check value ranges and cross-field rules that do not depend on the world size."""
-    from hpcpipe.schedule.registry import SCHEDULES
-
-    par, mod, tr = config.parallel, config.model, config.train
-    for axis in ("pp", "dp"):
-        v = getattr(par, axis)
-        _require(v == "auto" or (isinstance(v, int) and v >= 1),
-                 f"parallel.{axis} must be a positive integer or \"auto\", got {v!r}")
-    _require(not (par.pp == "auto" and par.dp == "auto"),
-             "parallel.pp and parallel.dp cannot both be \"auto\"")
-    _require(par.schedule in SCHEDULES,
-             f"parallel.schedule {par.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    _require(par.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
-    _require(par.schedule != "zb-v" or par.virtual_stages == 2,
-             f"parallel.schedule = \"zb-v\" places two model chunks per rank in a V and needs "
-             f"parallel.virtual_stages = 2, got {par.virtual_stages}")
-    _require(mod.kind in KINDS, f"model.kind {mod.kind!r} is not one of {', '.join(KINDS)}")
-    if mod.kind == "gpt":
-        _validate_gpt(mod)
-    _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
-             f"model.dims needs at least two positive widths, got {mod.dims}")
-    _require(mod.activation in ACTIVATIONS,
-             f"model.activation {mod.activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
-    n_layers = config.n_layers
-    if isinstance(par.pp, int):
-        _require(par.pp * par.virtual_stages <= n_layers,
-                 f"parallel.pp ({par.pp}) x parallel.virtual_stages ({par.virtual_stages}) exceeds "
-                 f"the number of layers ({n_layers}) in {config.layers_text()}")
-    if par.stage_layers:
-        _require(all(n >= 1 for n in par.stage_layers) and sum(par.stage_layers) == n_layers,
-                 f"parallel.stage_layers {par.stage_layers} must be positive and sum to the number "
-                 f"of layers ({n_layers})")
-    _require(tr.steps >= 0, f"train.steps must be >= 0, got {tr.steps}")
-    _require(tr.micro_batches >= 1, f"train.micro_batches must be >= 1, got {tr.micro_batches}")
-    _require(tr.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}")
-    _require(tr.loss in LOSSES, f"train.loss {tr.loss!r} is not one of {', '.join(LOSSES)}")
-    _require(tr.recompute in RECOMPUTE, f"train.recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    _require(mod.kind == "gpt" or tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
-             f"train.loss = \"cross_entropy\" needs at least 2 output classes, model.dims[-1] is {mod.dims[-1]}")
-    _require(tr.optimizer in OPTIMIZERS, f"train.optimizer {tr.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
-    _require(0 <= tr.momentum < 1, f"train.momentum must be in [0, 1), got {tr.momentum}")
-    _require(tr.weight_decay >= 0, f"train.weight_decay must be >= 0, got {tr.weight_decay}")
-    _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {tr.grad_clip}")
-    _require(0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1,
-             f"train.beta1/beta2 must be in [0, 1), got {tr.beta1}/{tr.beta2}")
-    _require(tr.eps > 0, f"train.eps must be > 0, got {tr.eps}")
-    _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
-    for key, seed in (("model.seed", mod.seed), ("data.seed", config.data.seed)):
-        _require(seed >= 0, f"{key} must be >= 0, got {seed}")
-    _require(config.data.synthetic_samples >= 1,
-             f"data.synthetic_samples must be >= 1, got {config.data.synthetic_samples}")
-    _require(config.checkpoint.every >= 0, f"checkpoint.every must be >= 0, got {config.checkpoint.every}")
-    _require(config.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {config.checkpoint.keep}")
-    _require(not config.checkpoint.resume or bool(config.checkpoint.dir),
-             "checkpoint.resume = true needs checkpoint.dir (it resumes from checkpoint.dir/latest)")
-    inf = config.infer
-    _require(inf.micro_batch_size >= 1, f"infer.micro_batch_size must be >= 1, got {inf.micro_batch_size}")
-    _require(inf.buffers >= 1, f"infer.buffers must be >= 1, got {inf.buffers}")
-    _require(bool(inf.x) and bool(inf.y), f"infer.x and infer.y must name datasets, got {inf.x!r} and {inf.y!r}")
-    _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
-    _require(config.run.backend in BACKENDS,
-             f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")
-    _require(0 < config.run.poll_min_us <= config.run.poll_max_us,
-             f"run.poll_min_us ({config.run.poll_min_us}) must be > 0 and <= run.poll_max_us "
-             f"({config.run.poll_max_us})")
-    _require(config.run.stall_timeout >= 0,
-             f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
-
-
-def _validate_gpt(mod: ModelConfig) -> None:
-    """Check the GPT shape keys."""
-    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks"):
-        _require(getattr(mod, key) >= 1, f"model.{key} must be >= 1, got {getattr(mod, key)}")
-    _require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
-    _require(mod.d_ff >= 0, f"model.d_ff must be >= 0 (0 = 4 x model.d_model), got {mod.d_ff}")
-    _require(mod.d_model % mod.n_heads == 0,
-             f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}): attention heads "
-             f"are d_model / n_heads wide")
 
 
 def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:

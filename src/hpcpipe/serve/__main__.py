@@ -1,0 +1,7 @@
+"""``python -m hpcpipe.serve``."""
+
+import sys
+
+from hpcpipe.serve.command import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""``python -m hpcpipe.serve``: an OpenAI-compatible HTTP endpoint in front of KV-cached pipelined generation.
+
+    mpiexec -n 4 python -m hpcpipe.serve --weights ck --port 8000
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "Once", "max_tokens": 20}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.errors import ConfigError
+from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.serve.plan import ServePlan, plan
+
+DESCRIPTION = """Serve a trained GPT over HTTP (the OpenAI completions API) with pipeline (pp) x data (dp)
+parallelism over MPI. World rank 0 runs the HTTP front end; every dp replica is one pipeline decoding its
+running sequences with continuous batching and a KV cache per stage. The model and tokenizer are the ones
+stored with the weights; the layout comes from [parallel], the limits from [serve]."""
+
+EPILOG = """endpoints: POST /v1/completions (stream too), GET /v1/models, GET /health, GET /metrics (Prometheus)
+
+examples:
+  mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000
+  mpiexec -n 8 python -m hpcpipe.serve --weights model.h5 --set parallel.pp=4 --set serve.max_sequences=64
+
+SIGTERM (or SIGUSR1) stops accepting requests (503), finishes those in flight and exits 0.
+exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = CommandParser(prog="python -m hpcpipe.serve", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, metavar="PATH",
+                        help="GPT weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
+    parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                        help="override one config key (TOML value syntax); repeatable")
+    return parser.parse_args(argv)
+
+
+class Frontend:
+    """The HTTP side on world rank 0: broker, metrics and the aiohttp server thread."""
+
+    def __init__(self, p: ServePlan, host: str, port: int):
+        self.plan, self.host, self.port = p, host, port
+        self.server = None
+
+    def open(self):
+        """Bind the port and start the HTTP thread; return the broker (the engine's source)."""
+        from hpcpipe.serve.broker import Broker
+        from hpcpipe.serve.http_api import HttpServer, make_app
+        from hpcpipe.serve.metrics import Metrics
+        srv = self.plan.config.serve
+        broker = Broker(self.plan.dp * srv.max_sequences + srv.max_queue)
+        app = make_app(broker, Metrics(), self.plan.tokenizer, self.plan.model_name, self.plan.shape.seq_len)
+        self.server = HttpServer(app, self.host, self.port)
+        try:
+            self.host, self.port = self.server.start()
+        except OSError as exc:
+            raise ConfigError(str(exc.strerror or exc).removeprefix("hpcpipe: error: ")) from None
+        return broker
+
+    def ready(self) -> None:
+        """Say where the server listens (every rank has loaded its stage)."""
+        p = self.plan
+        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}, "
+              f"{p.config.serve.max_sequences} sequences per replica)", flush=True)
+
+    def close(self) -> None:
+        """Stop the HTTP thread (after the engine drained)."""
+        if self.server is not None:
+            self.server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.serve``; returns the exit status."""
+    stop = StopSignals().install()
+    args = parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"hpcpipe: error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    from hpcpipe.serve.engine import run
+    world = MPI.COMM_WORLD
+
+    def body(p: ServePlan) -> int:
+        frontend = Frontend(p, args.host, args.port)
+        try:
+            counts = run(p, world, frontend.open, stop, frontend.ready)
+        finally:
+            frontend.close()
+        if world.Get_rank() == 0:
+            print(f"hpcpipe: stopped ({stop.name or 'drained'}): {counts['tokens']} tokens generated in "
+                  f"{counts['seconds']:.1f} s", flush=True)
+        stop.ignore()
+        return 0
+
+    return run_planned(world, lambda: plan(args.weights, world.Get_size(), args.config, args.overrides), body,
+                       lambda: f"rank {world.Get_rank()}")

@@ -1,0 +1,128 @@
+"""Running a planned generation or serving job on every rank (collective): set up, loop, stop together.
+
+Roughly, on every rank::
+
+    front end opened on rank 0 (HTTP bind / the one prompt)    agreed: a taken port is one message, exit 2
+    load this stage's groups (+ tok_emb for a tied head)       agreed: a bad file is one message, exit 2
+    build the KV-cached stage
+    loop: each role's non-blocking step; sleep (20 us doubling to 1 ms) only when none did anything
+    stop: rank 0 drains, stops every replica's head, heads stop their followers; final barrier
+
+Any exception inside the loop ends the whole job (the command's abort path),
+so a failing rank never leaves the others or an HTTP client hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpcpipe.nn.decode import DecodeStage
+from hpcpipe.runtime.backend import select_backend
+from hpcpipe.runtime.comm import Mailbox, Poller, barrier, gather_to_root, together
+from hpcpipe.runtime.topology import make_topology
+from hpcpipe.serve.dispatch import TAG_DRAIN, Controller, Dispatcher, Source
+from hpcpipe.serve.plan import ServePlan
+from hpcpipe.serve.roles import Follower, Head, SamplerTable
+from hpcpipe.serve.scheduler import ReplicaScheduler
+from hpcpipe.state import collective as checkpoint_mpi
+
+
+def build_stage(plan: ServePlan, pp_rank: int, backend: Any, world: Any, poller: Poller) -> DecodeStage:
+    """Load this rank's layer groups (collective, agreed) and return its KV-cached stage."""
+    mine = plan.stage_ranges[pp_rank]
+    holds_head = plan.shape.n_groups - 1 in mine
+    needs_table = holds_head and plan.shape.tied and 0 not in mine
+    indices = list(mine) + ([0] if needs_table else [])
+    arrays = checkpoint_mpi.load(world, poller, plan.weights, indices, with_optimizer=False).arrays
+    table = arrays.pop(0)["tok_emb"] if needs_table else None
+    stage = None
+    with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
+        stage = DecodeStage(plan.shape, mine, arrays, backend.xp, plan.config.model.dtype,
+                            plan.config.serve.max_sequences, tok_emb=table)
+    return stage
+
+
+def loop(steps: list[Callable[[], bool]], done: Callable[[], bool], poller: Poller) -> None:
+    """Run the steps round after round until done(); sleep with a doubling pause while none does anything."""
+    delay = poller.min_s
+    while not done():
+        busy = False
+        for step in steps:
+            busy = step() or busy
+        if busy:
+            delay = poller.min_s
+        else:
+            time.sleep(delay)
+            delay = min(delay * 2.0, poller.max_s)
+
+
+def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: Any,
+        ready: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Serve on every rank of world until rank 0's source drains; return the counts on rank 0, {} elsewhere.
+
+    ``open_source`` runs on world rank 0 only, inside an agreement (an error there is
+    every rank's error); ``stop`` is the rank's StopSignals; ``ready`` runs on rank 0 once
+    every rank has loaded its stage.
+    """
+    cfg = plan.config
+    poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
+    topo = make_topology(world, plan.dp, plan.pp)
+    rank = world.Get_rank()
+    source = None
+    with together(world, poller, 2):
+        if rank == 0:
+            source = open_source()
+    backend = select_backend(cfg.run.backend)
+    stage = build_stage(plan, topo.pp_rank, backend, world, poller)
+    pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
+    samplers = SamplerTable(backend.to_host)
+    barrier(world, poller)
+    if rank == 0 and ready is not None:
+        ready()
+    t0 = time.perf_counter()
+    tokens = 0
+    if topo.pp_rank > 0:
+        follower = Follower(stage, pp_box, topo.pp_rank, plan.pp, samplers)
+        loop([follower.step, _signal_relay(stop, world_box, rank)], lambda: follower.done, poller)
+    else:
+        scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache)
+        if rank == 0:
+            dispatcher = Dispatcher(source, world_box, plan.dp, plan.pp, scheduler)
+            head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers,
+                        lambda events: dispatcher.deliver(0, events, scheduler.running))
+
+            def watch() -> bool:
+                if stop.requested:
+                    dispatcher.drain(stop.name)
+                return False
+            loop([dispatcher.step, head.step, watch], lambda: dispatcher.finished, poller)
+            dispatcher.stop()
+        else:
+            control = Controller(world_box, scheduler, topo.dp_rank)
+            head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers, control.report)
+            loop([control.step, head.step, control.flush, _signal_relay(stop, world_box, rank)],
+                 lambda: control.finished, poller)
+        head.stop()
+        tokens = head.tokens_out
+    world_box.flush()
+    barrier(world, poller)
+    elapsed = time.perf_counter() - t0
+    counts = gather_to_root(world, (tokens, stage.cache_bytes))
+    if counts is None:
+        return {}
+    return {"tokens": sum(t for t, _ in counts), "seconds": elapsed,
+            "kv_cache_bytes": max(b for _, b in counts)}
+
+
+def _signal_relay(stop: Any, box: Mailbox, rank: int) -> Callable[[], bool]:
+    """Return a step that tells rank 0, once, that a stop signal arrived on this rank."""
+    sent = []
+
+    def relay() -> bool:
+        if stop.requested and not sent:
+            box.post(0, TAG_DRAIN, ("drain", stop.name))
+            sent.append(True)
+        return False
+    return relay

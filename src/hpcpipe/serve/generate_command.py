@@ -1,0 +1,150 @@
+"""``python -m hpcpipe.generate``: one prompt through the KV-cached pipeline, the completion streamed to stdout.
+
+    mpiexec -n 4 python -m hpcpipe.generate --weights ck --prompt "Once upon a time" --max-new-tokens 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.errors import ConfigError
+from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.plan import ServePlan, plan
+from hpcpipe.serve.sampling import SamplingParams
+from hpcpipe.serve.textstream import TextStream
+
+DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
+prefilled through the pipeline, then each new token is decoded with a KV cache per stage. The model and
+tokenizer are the ones stored with the weights; the layout comes from [parallel] (default pp=4, dp=world/pp)."""
+
+EPILOG = """examples:
+  mpiexec -n 4 python -m hpcpipe.generate --weights gpt-text-ck --prompt "Q: What is" --max-new-tokens 60
+  mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --temperature 0 --set parallel.pp=2
+
+The completion is printed to stdout as it is generated (the prompt is not repeated); --json FILE also
+writes {"prompt", "completion", "prompt_tokens", "tokens", "finish_reason", "seconds"}.
+
+exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = CommandParser(prog="python -m hpcpipe.generate", description=DESCRIPTION, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, metavar="PATH",
+                        help="GPT weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="tokens to generate at most; generation also stops when the context is full (64)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
+    parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                        help="override one config key (TOML value syntax); repeatable")
+    parser.add_argument("--json", metavar="FILE", default="", help="also write the result as JSON")
+    return parser.parse_args(argv)
+
+
+def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
+    """Return the request the arguments describe; ConfigError names a bad value."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0 or args.temperature != args.temperature:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not args.prompt:
+        raise ConfigError("--prompt is empty: give at least one character to continue")
+    try:
+        ids = p.tokenizer.encode(args.prompt)
+    except ValueError as exc:
+        raise ConfigError(f"--prompt cannot be encoded: {exc}") from None
+    if len(ids) > p.shape.seq_len:
+        raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
+                          f"{p.shape.seq_len} tokens")
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
+
+
+class OneShot:
+    """The engine's source for one prompt: hands it over once, prints the text as the tokens arrive."""
+
+    def __init__(self, request: Request, text: TextStream, out=sys.stdout):
+        self.request, self.text, self.out = request, text, out
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.outstanding = 1
+        self.closed = False
+        self._given = False
+
+    def take(self) -> tuple[list[Request], list[str]]:
+        """Return the prompt's request the first time, nothing after."""
+        if self._given:
+            return [], []
+        self._given = True
+        return [self.request], []
+
+    def deliver(self, events: list[Event]) -> None:
+        """Print the new text; remember the finish."""
+        for event in events:
+            self.tokens.extend(event.tokens)
+            self.out.write(self.text.feed(event.tokens))
+            if event.finish is not None:
+                self.finish = event.finish
+                self.out.write(self.text.finish() + "\n")
+                self.outstanding, self.closed = 0, True
+        self.out.flush()
+
+    def set_running(self, n: int) -> None:
+        """Nothing to show."""
+
+    def close(self, reason: str) -> None:
+        """A stop signal: the prompt in flight still finishes."""
+        self.closed = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.generate``; returns the exit status."""
+    stop = StopSignals().install()
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    from hpcpipe.serve.engine import run
+    world = MPI.COMM_WORLD
+    state: dict = {}
+
+    def planner() -> tuple[ServePlan, Request]:
+        p = plan(args.weights, world.Get_size(), args.config, args.overrides)
+        return p, check_request(args, p)
+
+    def body(planned: tuple[ServePlan, Request]) -> int:
+        p, request = planned
+
+        def open_source() -> OneShot:
+            state["source"] = OneShot(request, TextStream(p.tokenizer))
+            return state["source"]
+        counts = run(p, world, open_source, stop)
+        if world.Get_rank() == 0:
+            source = state["source"]
+            rate = counts["tokens"] / counts["seconds"] if counts["seconds"] > 0 else 0.0
+            print(f"hpcpipe: generated {len(source.tokens)} tokens in {counts['seconds']:.2f} s "
+                  f"({rate:.1f} tokens/s), finish_reason {source.finish}", file=sys.stderr, flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"prompt": args.prompt, "completion": source.text.text,
+                               "prompt_tokens": request.prompt, "tokens": source.tokens,
+                               "finish_reason": source.finish, "seconds": counts["seconds"]}, f)
+        return 0
+
+    return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")

@@ -1,0 +1,99 @@
+"""Planning a generation or serving run on every rank with no collective: model, layout, tokenizer, limits.
+
+The model comes from the weights' ``model`` attribute (a checkpoint's
+manifest) when present, else from ``--config``/``--set``; the config may
+restate a stored key but not contradict it. The layout comes from
+``[parallel]`` (one stage per rank), the serving limits from ``[serve]``, and
+text is encoded and decoded with the weights' ``tokenizer`` attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcpipe.config import Config, from_dict, load_raw, resolve_layout
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.model import partition
+from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.state.kinds import GPT_KEYS
+from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.tokenizer import Tokenizer
+
+STORED_KEYS = ("kind", *GPT_KEYS, "dtype")
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """Everything decided before the first collective (identical on every rank)."""
+
+    config: Config
+    dp: int
+    pp: int
+    stage_ranges: list[range]
+    weights: WeightsSource
+    shape: GPTShape
+    tokenizer: Tokenizer
+    model_name: str
+
+    @property
+    def groups(self) -> int:
+        """Micro-batch groups the running sequences of a replica are spread over."""
+        return self.config.serve.micro_batches or self.pp
+
+
+def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
+    """Return raw config sections with the model keys the weights record; ConfigError on a contradiction."""
+    raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"[model] must be a table of keys, got {model!r}")
+    for key in STORED_KEYS:
+        if key not in stored:
+            continue
+        if key in model and model[key] != stored[key]:
+            raise ConfigError(f"model.{key} = {model[key]!r} in the configuration does not match {label}, which "
+                              f"was saved with model.{key} = {stored[key]!r}")
+        model[key] = stored[key]
+    return raw
+
+
+def _tokenizer(source: WeightsSource, given: str, vocab: int) -> Tokenizer:
+    text = source.tokenizer()
+    if text is None:
+        raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
+                          f"tokens; train on data written by examples/text_to_hdf5.py (its tokenizer is saved "
+                          f"with every checkpoint), or set the root attribute tokenizer = '{{\"kind\": \"bytes\"}}'")
+    tokenizer = Tokenizer.from_json(text)
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"--weights {given!r}: its tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                          f"vocabulary is model.vocab_size = {vocab}")
+    return tokenizer
+
+
+def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
+         overrides: list[str] | tuple[str, ...] = ()) -> ServePlan:
+    """Check weights, model, layout and tokenizer locally; ConfigError names what is wrong."""
+    given = str(weights)
+    source = resolve_weights(weights)
+    if source.model and source.model_kind != "gpt":
+        raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
+                          f"needs a GPT (model.kind = \"gpt\"); MLPs run with python -m hpcpipe.infer")
+    raw = model_from_weights(load_raw(config, overrides), source.model, source.describe())
+    raw["model"].setdefault("kind", "gpt")
+    cfg = from_dict(raw)
+    if cfg.model.kind != "gpt":
+        raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT (model.kind = \"gpt\")")
+    if cfg.parallel.virtual_stages != 1:
+        raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
+                          f"{cfg.parallel.virtual_stages}")
+    dp, pp = resolve_layout(cfg, world_size)
+    specs = model_specs(cfg)
+    ranges = partition(specs, pp, cfg.parallel.stage_layers)
+    source.check(specs, "--weights")
+    shape = gpt_shape(cfg)
+    tokenizer = _tokenizer(source, given, shape.vocab)
+    name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
+    return ServePlan(cfg, dp, pp, ranges, source, shape, tokenizer, name)

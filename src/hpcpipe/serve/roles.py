@@ -1,0 +1,127 @@
+"""What each rank does while serving: the first stage of a replica (``Head``) and the stages after it (``Follower``).
+
+A replica is a ring: the head embeds the new tokens of one micro-batch group
+and runs its blocks, each follower runs its blocks, the last stage samples
+one token per sequence and sends the tokens back to the head, which hands
+them to its scheduler and reports them to the front end. Every ``step`` is
+non-blocking (it returns whether it did anything), so one loop per rank can
+serve MPI, the scheduler and, on world rank 0, the front end on one thread.
+
+Messages (headers are small tuples; activations follow as one array)::
+
+    head -> stage 1 -> ... -> last     ("work", group, [(slot, start, length)], [(slot, SamplingParams)]) + x
+    last -> head                       ("result", group, [token per segment])
+    head -> stage 1 -> ... -> last     ("stop",)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.nn.decode import DecodeStage, Segment
+from hpcpipe.serve.broker import Event
+from hpcpipe.serve.sampling import Sampler, SamplingParams
+from hpcpipe.serve.scheduler import ReplicaScheduler
+
+TAG_WORK = 21      # (+1 carries the activations)
+TAG_RESULT = 23
+
+
+class SamplerTable:
+    """One sampler per KV-cache slot on the last stage, restarted when a new sequence takes the slot."""
+
+    def __init__(self, to_host: Callable[[Any], np.ndarray]):
+        self.to_host = to_host
+        self.samplers: dict[int, Sampler] = {}
+
+    def start(self, new: list[tuple[int, SamplingParams]]) -> None:
+        """Give each newly started sequence's slot a fresh sampler."""
+        for slot, params in new:
+            self.samplers[slot] = Sampler(params)
+
+    def sample(self, logits: Any, segments: list[Segment]) -> list[int]:
+        """Return the next token of each segment's sequence from its (segments, vocab) logits."""
+        host = np.asarray(self.to_host(logits), dtype=np.float64)
+        return [self.samplers[seg.slot].next_token(host[i]) for i, seg in enumerate(segments)]
+
+
+def _segments(rows: list[tuple[int, int, int]]) -> list[Segment]:
+    return [Segment(slot, start, length) for slot, start, length in rows]
+
+
+class Head:
+    """First stage of a replica: its scheduler, its layers and, at pp = 1, the sampling too."""
+
+    def __init__(self, stage: DecodeStage, scheduler: ReplicaScheduler, link: Any, pp: int, xp: Any,
+                 samplers: SamplerTable, report: Callable[[list[Event]], None]):
+        self.stage, self.scheduler, self.link, self.pp, self.xp = stage, scheduler, link, pp, xp
+        self.samplers, self.report = samplers, report
+        self.tokens_out = 0
+
+    def step(self) -> bool:
+        """Take returned tokens, then launch the next group's work; return True if anything happened."""
+        busy = False
+        if self.pp > 1:
+            while (message := self.link.poll(self.pp - 1, TAG_RESULT)) is not None:
+                _, group, tokens = message[0]
+                self._finish(group, tokens)
+                busy = True
+        item = self.scheduler.next_item()
+        if item is None:
+            return busy
+        out = self.stage.forward(self.xp.asarray(item.tokens), item.segments)
+        if self.pp == 1:
+            self.samplers.start(item.new)
+            self._finish(item.group, self.samplers.sample(out, item.segments))
+        else:
+            rows = [(s.slot, s.start, s.length) for s in item.segments]
+            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new), out)
+        return True
+
+    def _finish(self, group: int, tokens: list[int]) -> None:
+        self.tokens_out += len(tokens)
+        self.report(self.scheduler.complete(group, tokens))
+
+    def stop(self) -> None:
+        """Tell the following stages to leave their loops; complete every send."""
+        if self.pp > 1:
+            self.link.post(1, TAG_WORK, ("stop",))
+        self.link.flush()
+
+
+class Follower:
+    """Stage k >= 1 of a replica: run its layers on each arriving group; the last stage samples."""
+
+    def __init__(self, stage: DecodeStage, link: Any, pp_rank: int, pp: int, samplers: SamplerTable):
+        self.stage, self.link, self.k, self.pp, self.samplers = stage, link, pp_rank, pp, samplers
+        self.done = False
+
+    @property
+    def last(self) -> bool:
+        """True on the replica's last stage."""
+        return self.k == self.pp - 1
+
+    def step(self) -> bool:
+        """Process one arriving message, if any; return True if one came."""
+        message = self.link.poll(self.k - 1, TAG_WORK)
+        if message is None:
+            return False
+        header, x, _ = message
+        if header[0] == "stop":
+            if not self.last:
+                self.link.post(self.k + 1, TAG_WORK, header)
+            self.link.flush()
+            self.done = True
+            return True
+        _, group, rows, new = header
+        segments = _segments(rows)
+        out = self.stage.forward(x, segments)
+        if self.last:
+            self.samplers.start(new)
+            self.link.post(0, TAG_RESULT, ("result", group, self.samplers.sample(out, segments)))
+        else:
+            self.link.post(self.k + 1, TAG_WORK, header, out)
+        return True

@@ -1,0 +1,155 @@
+"""Continuous batching for one pipeline replica: KV-cache slots, micro-batch groups, the next work item.
+
+No MPI and no compute here: the replica's first stage asks :meth:`next_item`
+for work, runs it through the pipeline and hands the sampled tokens back to
+:meth:`complete`. Sequences in flight are spread over ``groups`` micro-batch
+groups (at least pp), so that while stage k works on one group, stage k + 1
+works on another and no stage waits for a whole token round trip::
+
+    time ->     t0    t1    t2    t3    t4
+    stage 0     g0    g1    g0'   g1'   g0''      g0' = group 0's next token
+    stage 1           g0    g1    g0'   g1'
+
+Requests join and leave between steps: a waiting request takes a free slot
+and joins the smallest group (its prompt is prefilled the next time that
+group runs, beside the others' decode rows); a finished or cancelled
+sequence frees its slot when its group comes back. Which tokens a sequence
+gets never depends on its group or neighbours: sampling is per sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcpipe.nn.decode import Segment
+from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.sampling import SamplingParams
+
+
+@dataclass(eq=False)      # identity: a sequence is one object wherever it is listed
+class Sequence:
+    """A request holding a KV-cache slot."""
+
+    request: Request
+    slot: int
+    group: int
+    tokens: list[int]
+    cached: int = 0            # tokens whose keys and values are in the slot's cache
+    generated: int = 0
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One micro-batch through the pipeline: new tokens of some sequences of one group."""
+
+    group: int
+    segments: list[Segment]
+    tokens: np.ndarray                       # int64 (sum of segment lengths,), in segment order
+    new: list[tuple[int, SamplingParams]] = field(default_factory=list)   # slots whose sampler starts now
+
+
+class ReplicaScheduler:
+    """Slots, groups and waiting requests of one replica (runs on its first stage)."""
+
+    def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True):
+        if slots < 1 or groups < 1:
+            raise ValueError(f"a replica needs at least one slot and one group, got slots={slots} groups={groups}")
+        self.seq_len, self.kv_cache = seq_len, kv_cache
+        self.free = list(range(slots - 1, -1, -1))           # pop() hands out slot 0 first
+        self.groups: list[list[Sequence]] = [[] for _ in range(groups)]
+        self.in_flight: list[list[Sequence] | None] = [None] * groups
+        self.waiting: deque[Request] = deque()
+        self.by_id: dict[str, Sequence] = {}
+        self._turn = 0
+
+    @property
+    def running(self) -> int:
+        """Sequences holding a slot."""
+        return len(self.by_id)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing runs, waits or is in flight."""
+        return not self.by_id and not self.waiting and all(f is None for f in self.in_flight)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it starts when a slot is free."""
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> list[Event]:
+        """Drop a request; return its final event now unless its group is in flight (then at :meth:`complete`)."""
+        for i, request in enumerate(self.waiting):
+            if request.id == request_id:
+                del self.waiting[i]
+                return [Event(request_id, [], "cancelled")]
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.cancelled:
+            return []
+        seq.cancelled = True
+        flying = self.in_flight[seq.group]
+        if flying is None or seq not in flying:
+            self._release(seq)
+            return [Event(request_id, [], "cancelled")]
+        return []
+
+    def _release(self, seq: Sequence) -> None:
+        self.groups[seq.group].remove(seq)
+        del self.by_id[seq.request.id]
+        self.free.append(seq.slot)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            group = min(range(len(self.groups)), key=lambda g: len(self.groups[g]))
+            seq = Sequence(request, self.free.pop(), group, list(request.prompt))
+            self.groups[group].append(seq)
+            self.by_id[request.id] = seq
+
+    def next_item(self) -> WorkItem | None:
+        """Return the next group's work (round robin over idle groups with sequences), or None."""
+        self._admit()
+        n = len(self.groups)
+        for k in range(n):
+            g = (self._turn + k) % n
+            if self.in_flight[g] is None and self.groups[g]:
+                self._turn = (g + 1) % n
+                return self._build(g)
+        return None
+
+    def _build(self, g: int) -> WorkItem:
+        members = self.groups[g]
+        segments, rows, new = [], [], []
+        for seq in members:
+            start = seq.cached if self.kv_cache else 0
+            if seq.cached == 0:
+                new.append((seq.slot, seq.request.params))
+            segments.append(Segment(seq.slot, start, len(seq.tokens) - start))
+            rows.extend(seq.tokens[start:])
+        self.in_flight[g] = list(members)
+        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new)
+
+    def complete(self, group: int, tokens: list[int]) -> list[Event]:
+        """Take the sampled next token of each sequence of the group's item; return the events for the front end."""
+        members = self.in_flight[group]
+        if members is None or len(members) != len(tokens):
+            raise RuntimeError(f"result for group {group} does not match the work in flight "
+                               f"({0 if members is None else len(members)} sequences, {len(tokens)} tokens)")
+        self.in_flight[group] = None
+        events = []
+        for seq, token in zip(members, tokens, strict=True):
+            if seq.cancelled:
+                self._release(seq)
+                events.append(Event(seq.request.id, [], "cancelled"))
+                continue
+            seq.cached = len(seq.tokens)
+            seq.tokens.append(int(token))
+            seq.generated += 1
+            done = seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len
+            if done:
+                self._release(seq)
+            events.append(Event(seq.request.id, [int(token)], "length" if done else None))
+        return events

@@ -1,0 +1,113 @@
+"""Continuous batching of one replica: slots, groups, admission, cancellation, finishing (no MPI, no compute)."""
+
+import numpy as np
+import pytest
+
+from hpcpipe.serve.broker import Request
+from hpcpipe.serve.sampling import SamplingParams
+from hpcpipe.serve.scheduler import ReplicaScheduler
+
+
+def request(i, prompt=(1, 2, 3), max_new=4):
+    return Request(f"r{i}", list(prompt), max_new, SamplingParams(temperature=0.0), 0.0)
+
+
+def run_item(s, token=7):
+    item = s.next_item()
+    return item, s.complete(item.group, [token] * len(item.segments))
+
+
+def test_requests_spread_over_groups_and_prefill_then_decode():
+    s = ReplicaScheduler(slots=4, groups=2, seq_len=16)
+    for i in range(3):
+        s.submit(request(i))
+    item = s.next_item()
+    # three requests over two groups: 2 + 1, every stage gets its own group to work on
+    assert sorted(len(g) for g in s.groups) == [1, 2]
+    assert [seg.start for seg in item.segments] == [0] * len(item.segments)
+    assert all(seg.length == 3 for seg in item.segments)
+    assert item.tokens.tolist() == [1, 2, 3] * len(item.segments)
+    assert [slot for slot, _ in item.new] == [seg.slot for seg in item.segments]
+    other = s.next_item()                     # the other group, while the first is in flight
+    assert other.group != item.group
+    assert s.next_item() is None              # both groups in flight
+    events = s.complete(item.group, [9] * len(item.segments))
+    assert all(e.tokens == [9] and e.finish is None for e in events)
+    again = s.next_item()
+    assert again.group == item.group
+    assert [(seg.start, seg.length) for seg in again.segments] == [(3, 1)] * len(item.segments)
+    assert again.tokens.tolist() == [9] * len(item.segments)
+    assert again.new == []
+
+
+def test_no_kv_cache_sends_the_whole_sequence_every_step():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=16, kv_cache=False)
+    s.submit(request(0))
+    run_item(s, 5)
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(0, 4)]
+    assert item.tokens.tolist() == [1, 2, 3, 5]
+
+
+def test_max_new_and_context_end_a_sequence_and_free_its_slot():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=5)
+    s.submit(request(0, max_new=3))
+    s.submit(request(1, prompt=(4,), max_new=10))
+    finishes = []
+    while not s.idle:
+        _, events = run_item(s)
+        finishes += [(e.request_id, e.finish) for e in events if e.finish]
+    # r0: 3 tokens (max_new); r1 waits for the one slot, then stops when its 5-token context is full
+    assert finishes == [("r0", "length"), ("r1", "length")]
+    assert s.free == [0]
+
+
+def test_waiting_requests_start_only_when_a_slot_is_free():
+    s = ReplicaScheduler(slots=2, groups=2, seq_len=32)
+    for i in range(5):
+        s.submit(request(i, max_new=1))
+    s.next_item()
+    assert s.running == 2 and len(s.waiting) == 3
+
+
+def test_cancel_waiting_idle_and_in_flight():
+    s = ReplicaScheduler(slots=2, groups=1, seq_len=32)
+    for i in range(3):
+        s.submit(request(i))
+    item = s.next_item()                       # r0, r1 in flight; r2 waits
+    assert [e.finish for e in s.cancel("r2")] == ["cancelled"]
+    assert s.cancel("r1") == []                # in flight: reported when the group comes back
+    events = s.complete(item.group, [1, 1])
+    assert [(e.request_id, e.finish) for e in events] == [("r0", None), ("r1", "cancelled")]
+    assert s.running == 1 and len(s.free) == 1
+    assert [e.finish for e in s.cancel("r0")] == ["cancelled"]   # idle group: freed at once
+    assert s.idle and s.cancel("nope") == []
+
+
+def test_a_request_joining_a_group_in_flight_prefills_next_time():
+    s = ReplicaScheduler(slots=4, groups=1, seq_len=32)
+    s.submit(request(0))
+    first = s.next_item()
+    s.submit(request(1, prompt=(8, 9)))
+    assert s.next_item() is None               # the only group is in flight
+    s.complete(first.group, [5])
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(3, 1), (0, 2)]
+    assert item.tokens.tolist() == [5, 8, 9]
+    assert s.cancel("r1") == []               # joined this flight: reported when it returns
+    events = s.complete(item.group, [1, 2])
+    assert [e.finish for e in events] == [None, "cancelled"]
+
+
+def test_a_result_for_work_not_in_flight_is_an_error():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=8)
+    with pytest.raises(RuntimeError, match="does not match"):
+        s.complete(0, [1])
+    with pytest.raises(ValueError, match="slots"):
+        ReplicaScheduler(0, 1, 8)
+
+
+def test_tokens_are_int64_rows():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=8)
+    s.submit(request(0))
+    assert s.next_item().tokens.dtype == np.int64

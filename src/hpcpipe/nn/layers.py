@@ -137,7 +137,7 @@ def make_activation(name: str) -> Activation:
 def _inplace_gemm(xp: Any, grad_weight: Any) -> Any:
     """Return SciPy's BLAS sgemm/dgemm for C-contiguous NumPy float32/float64 gradients, else None."""
     import numpy as np
-    if xp is not np or not grad_weight.flags.c_contiguous:
+    if xp is not np or grad_weight is None or not grad_weight.flags.c_contiguous:
         return None
     try:
         from scipy.linalg import blas
@@ -147,7 +147,10 @@ def _inplace_gemm(xp: Any, grad_weight: Any) -> Any:
 
 
 class Dense:
-    """One global layer: ``act(x @ weight + bias)`` with parameters and gradients as buffer views."""
+    """One global layer: ``act(x @ weight + bias)`` with parameters and gradients as buffer views.
+
+    ``grad_weight`` (and ``grad_bias``) None makes a forward-only layer (KV-cached decoding).
+    """
 
     def __init__(self, index: int, weight: Any, bias: Any | None, grad_weight: Any, grad_bias: Any | None,
                  activation: Activation, xp: Any):

@@ -1,0 +1,244 @@
+"""KV-cached forward of one pipeline stage of a GPT over the new tokens of many sequences at once.
+
+A ``DecodeStage`` holds a contiguous range of layer groups and, per local
+block, a key and a value cache of shape (slots, n_heads, seq_len, d_head): row
+``slot`` belongs to one sequence, position j of it holds the key (value) of
+that sequence's token j. Each ``forward`` call runs the stage over the new
+tokens of several sequences (``Segment``: slot, start, length), writes their
+keys and values at positions [start, start + length) and attends causally over
+[0, start + length). Projections, LayerNorms and the MLP are the training
+layers' forward (``gpt_layers.Block`` without gradients), run once over the
+rows of every segment; only attention is new. Decode segments (length 1) share
+one batched attention over their caches gathered up to the longest; longer
+(prefill) segments attend one by one. Layout and sizing: docs/decode.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.nn.gpt_layers import Block, layer_norm
+from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.nn.layers import Activation, Dense
+from hpcpipe.nn.linear import linear
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The new tokens of one sequence in a forward call."""
+
+    slot: int     # KV-cache row of this sequence, 0 <= slot < slots
+    start: int    # position of the first new token (= tokens already in the cache for this slot)
+    length: int   # new tokens (1 for a decode step, the prompt length for a prefill)
+
+
+@dataclass
+class _Plan:
+    """Where the segments of one forward call sit among its rows, on the host and as xp index arrays."""
+
+    n_rows: int
+    positions: Any                    # xp int64 (n_rows,): each row's position in its sequence
+    last_rows: Any                    # xp int64 (n_segments,) or None when every row is a segment's last
+    prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
+    dec_rows: Any                     # xp int64 rows of the decode segments, or None when they are all rows
+    dec_slots: Any                    # xp int64 slots of the decode segments
+    dec_pos: Any                      # xp int64 positions of the decode segments' tokens
+    dec_len: int                      # keys the decode batch attends over: max(start) + 1
+    dec_mask: Any                     # xp bool (n_dec, 1, 1, dec_len): True where a key is in the future
+    n_dec: int
+
+
+def _forward_only(params: dict[str, Any]) -> dict[str, None]:
+    """Gradient slots for a forward-only layer: every name maps to None."""
+    return dict.fromkeys(params)
+
+
+class DecodeStage:
+    """Layer groups ``groups`` (a range of GPT group indices, e.g. range(0, 3)) of a GPT, with a KV cache per block."""
+
+    def __init__(self, shape: GPTShape, groups: range, arrays: dict[int, dict[str, np.ndarray]], xp: Any,
+                 dtype: str, slots: int, tok_emb: Any = None):
+        if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
+                or groups.start < 0 or groups.stop > shape.n_groups:
+            raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"decode stage slots must be a positive integer, got {slots!r}")
+        self.shape, self.groups, self.xp, self.slots = shape, groups, xp, slots
+        self.dtype = np.dtype(dtype)
+        params = {i: self._load_group(i, arrays) for i in groups}
+        self.has_embedding = 0 in groups
+        self.has_head = shape.n_blocks + 1 in groups
+        if self.has_embedding:
+            self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0]["pos_emb"]
+        self.blocks = [Block(params[i], _forward_only(params[i]), shape.n_heads, xp)
+                       for i in groups if 1 <= i <= shape.n_blocks]
+        if self.has_head:
+            self._build_head(params[shape.n_blocks + 1], tok_emb)
+        h, t, dh = shape.n_heads, shape.seq_len, shape.d_head
+        # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
+        self._cache = xp.zeros((len(self.blocks), 2, slots, h, t, dh), dtype=self.dtype)
+        self._future = xp.triu(xp.ones((t, t), dtype=bool), k=1)   # [i, j]: key j is after query i
+        self._scale = 1.0 / math.sqrt(dh)
+
+    def _load_group(self, index: int, arrays: dict[int, dict[str, np.ndarray]]) -> dict[str, Any]:
+        """Copy group ``index``'s host arrays to xp arrays of the stage's dtype, checking names and shapes."""
+        group = arrays.get(index)
+        if group is None:
+            raise ValueError(f"decode stage: no arrays for layer group {index}")
+        out = {}
+        for name, dims in group_params(self.shape, index):
+            if name not in group:
+                raise ValueError(f"decode stage: layer group {index} has no array {name!r}")
+            if tuple(group[name].shape) != dims:
+                raise ValueError(f"decode stage: layer group {index} array {name!r} has shape "
+                                 f"{tuple(group[name].shape)}, expected {dims}")
+            out[name] = self.xp.ascontiguousarray(self.xp.asarray(group[name], dtype=self.dtype))
+        return out
+
+    def _build_head(self, params: dict[str, Any], tok_emb: Any) -> None:
+        """The final LayerNorm and the head: own weights (untied) or the embedding table's transpose (tied)."""
+        self.ln_f = layer_norm(params, _forward_only(params), "ln_f", self.xp)
+        if not self.shape.tied:
+            self.head = linear(params, _forward_only(params), "head", self.xp, bias=False)
+            return
+        if self.has_embedding:
+            table = self.tok_emb
+        elif tok_emb is None:
+            raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
+        else:
+            want = (self.shape.vocab, self.shape.d_model)
+            if tuple(tok_emb.shape) != want:
+                raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
+            table = self.xp.ascontiguousarray(self.xp.asarray(tok_emb, dtype=self.dtype))
+        self.head = Dense(-1, table.T, None, None, None, Activation(), self.xp)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of this stage's KV cache: 2 x local blocks x slots x seq_len x d_model x itemsize."""
+        return int(self._cache.nbytes)
+
+    def _plan(self, segments: list[Segment]) -> _Plan:
+        """Check the segments and build the row and cache indices one forward call needs."""
+        if not segments:
+            raise ValueError("decode stage: forward needs at least one segment")
+        seq_len, seen = self.shape.seq_len, set()
+        for seg in segments:
+            for name in ("slot", "start", "length"):
+                value = getattr(seg, name)
+                if not isinstance(value, int | np.integer) or isinstance(value, bool):
+                    raise ValueError(f"decode stage: segment {name} must be an integer, got {value!r}")
+            if not 0 <= seg.slot < self.slots:
+                raise ValueError(f"decode stage: segment slot {seg.slot} out of range 0..{self.slots - 1}")
+            if seg.start < 0 or seg.length < 1:
+                raise ValueError(f"decode stage: segment start {seg.start} must be >= 0 and length {seg.length} >= 1")
+            if seg.start + seg.length > seq_len:
+                raise ValueError(f"decode stage: segment start {seg.start} + length {seg.length} = "
+                                 f"{seg.start + seg.length} exceeds seq_len {seq_len} (slot {seg.slot})")
+            if seg.slot in seen:
+                raise ValueError(f"decode stage: slot {seg.slot} appears in two segments of one forward call")
+            seen.add(seg.slot)
+        xp = self.xp
+        lengths = np.array([s.length for s in segments], dtype=np.int64)
+        starts = np.array([s.start for s in segments], dtype=np.int64)
+        firsts = np.cumsum(lengths) - lengths
+        n_rows = int(lengths.sum())
+        positions = np.arange(n_rows, dtype=np.int64) + np.repeat(starts - firsts, lengths)
+        is_dec = lengths == 1
+        n_dec = int(is_dec.sum())
+        all_last = n_dec == len(segments)
+        prefill = [(int(firsts[i]), segments[i]) for i in np.flatnonzero(~is_dec)]
+        dec_rows = dec_slots = dec_pos = dec_mask = None
+        dec_len = 0
+        if n_dec:
+            rows = firsts[is_dec]
+            pos = starts[is_dec]
+            dec_len = int(pos.max()) + 1
+            dec_rows = None if all_last else xp.asarray(rows)
+            dec_slots = xp.asarray(np.array([s.slot for s in segments], dtype=np.int64)[is_dec])
+            dec_pos = xp.asarray(pos)
+            dec_mask = self._future[dec_pos, :dec_len].reshape(n_dec, 1, 1, dec_len)
+        last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
+        return _Plan(n_rows, xp.asarray(positions), last_rows, prefill, dec_rows, dec_slots, dec_pos, dec_len,
+                     dec_mask, n_dec)
+
+    def _input(self, x: Any, plan: _Plan) -> Any:
+        """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
+        xp, d = self.xp, self.shape.d_model
+        x = xp.asarray(x)
+        if self.has_embedding:
+            if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
+                raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
+            return self.tok_emb[x] + self.pos_emb[plan.positions]
+        if x.shape != (plan.n_rows, d):
+            raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
+        return x.astype(self.dtype, copy=False)
+
+    def _softmax_(self, scores: Any, future: Any) -> Any:
+        """Scale, mask and softmax attention scores in place over the last axis (as CausalSelfAttention)."""
+        xp = self.xp
+        scores *= self._scale
+        xp.copyto(scores, -xp.inf, where=future)     # exp(-inf - max) is exactly 0
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = xp.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        return p
+
+    def _attend(self, qkv: Any, cache: Any, plan: _Plan) -> Any:
+        """Write the new keys and values into ``cache`` and return the attention heads (n_rows, d)."""
+        xp, n = self.xp, plan.n_rows
+        h, dh = self.shape.n_heads, self.shape.d_head
+        qkv = qkv.reshape(n, 3, h, dh)
+        keys, values = cache[0], cache[1]
+        heads = xp.empty((n, h, dh), dtype=qkv.dtype)
+        for first, seg in plan.prefill:
+            new = slice(first, first + seg.length)
+            end = seg.start + seg.length
+            keys[seg.slot, :, seg.start:end] = qkv[new, 1].transpose(1, 0, 2)
+            values[seg.slot, :, seg.start:end] = qkv[new, 2].transpose(1, 0, 2)
+            scores = qkv[new, 0].transpose(1, 0, 2) @ keys[seg.slot, :, :end].swapaxes(-1, -2)
+            p = self._softmax_(scores, self._future[seg.start:end, :end])
+            heads[new] = (p @ values[seg.slot, :, :end]).transpose(1, 0, 2)
+        if plan.n_dec:
+            dec = slice(None) if plan.dec_rows is None else plan.dec_rows
+            keys[plan.dec_slots, :, plan.dec_pos] = qkv[dec, 1]
+            values[plan.dec_slots, :, plan.dec_pos] = qkv[dec, 2]
+            k = keys[:, :, :plan.dec_len][plan.dec_slots]                # (n_dec, h, dec_len, dh)
+            q = qkv[dec, 0].reshape(plan.n_dec, h, 1, dh)
+            p = self._softmax_(q @ k.swapaxes(-1, -2), plan.dec_mask)     # (n_dec, h, 1, dec_len)
+            v = values[:, :, :plan.dec_len][plan.dec_slots]
+            heads[dec] = (p @ v).reshape(plan.n_dec, h, dh)
+        return heads.reshape(n, h * dh)
+
+    def _block(self, block: Block, cache: Any, h: Any, plan: _Plan) -> Any:
+        """One decoder block over the rows ``h``: a = h + attn(ln1(h)); return a + mlp(ln2(a))."""
+        u, _ = block.ln1.forward(h)
+        qkv, _ = block.attn.qkv.forward(u)
+        a, _ = block.attn.proj.forward(self._attend(qkv, cache, plan))
+        a += h
+        u, _ = block.ln2.forward(a)
+        y, _ = block.mlp.forward(u)
+        y += a
+        return y
+
+    def forward(self, x: Any, segments: list[Segment]) -> Any:
+        """Run the stage over the new tokens of several sequences at once.
+
+        ``x``: int64 token ids (n_rows,) on the stage holding group 0, else activations (n_rows, d_model), rows
+        in segment order. Returns logits (len(segments), vocab) after each segment's last new token on the
+        stage holding the head, else C-contiguous activations (n_rows, d_model).
+        """
+        plan = self._plan(segments)
+        h = self._input(x, plan)
+        for block, cache in zip(self.blocks, self._cache, strict=True):
+            h = self._block(block, cache, h, plan)
+        if not self.has_head:
+            return self.xp.ascontiguousarray(h)
+        if plan.last_rows is not None:
+            h = h[plan.last_rows]
+        u, _ = self.ln_f.forward(h)
+        logits, _ = self.head.forward(u)
+        return logits

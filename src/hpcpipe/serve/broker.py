@@ -1,0 +1,200 @@
+"""The only channel between the HTTP front end (its own thread and event loop) and the engine (MPI main thread).
+
+Contract for the engine, which polls without blocking between decode steps:
+
+- ``take()`` returns the requests submitted since the last call and the ids cancelled since the last call.
+  A cancelled id leaves the outstanding count when ``take()`` hands it over: the engine frees its slot
+  before the next step and need not report on it again (events for ids the broker no longer knows are
+  dropped, so an event racing the cancel is harmless). A request cancelled before the engine took it is
+  simply never handed over. A cancelled id may name a request the engine has just finished (the final
+  event and the cancel crossed): the engine ignores ids it does not hold.
+- ``deliver(events)`` forwards each event to the sink of its request; the first event whose ``finish``
+  is not None ends the request (removes it from the outstanding count). Every request the engine took
+  and that was not cancelled must end with exactly one final event.
+- ``set_running(n)`` reports how many sequences the engine has admitted (the rest of the outstanding
+  requests are waiting: the queue depth shown by /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hpcpipe.serve.sampling import SamplingParams
+
+FINISH_REASONS = ("length", "cancelled", "error")
+
+
+@dataclass
+class Request:
+    """One sequence to generate: a prompt of token ids and how to sample up to max_new tokens after it."""
+
+    id: str                  # e.g. "cmpl-<hex>-<choice index>"
+    prompt: list[int]        # token ids (non-empty)
+    max_new: int             # tokens to generate at most
+    params: SamplingParams
+    created: float           # time.monotonic() at arrival
+
+
+@dataclass
+class Event:
+    """What the engine reports for one request: new token ids and, on the last event, why it finished."""
+
+    request_id: str
+    tokens: list[int]        # new token ids (may be empty when only finishing)
+    finish: str | None       # None (more to come), "length" (max_new or context full), "cancelled", "error"
+
+
+class QueueFull(Exception):
+    """The broker already holds its capacity of outstanding requests (the HTTP answer is 429)."""
+
+
+class Closed(Exception):
+    """The broker no longer accepts requests (the server is draining; the HTTP answer is 503)."""
+
+
+class _Entry:
+    """Bookkeeping of one outstanding request: where its events go and whether the engine has it."""
+
+    __slots__ = ("deliver", "taken")
+
+    def __init__(self, deliver: Callable[[Event], None]):
+        self.deliver = deliver
+        self.taken = False
+
+
+class Broker:
+    """The only channel between the HTTP thread(s) and the engine's MPI thread; every method is thread-safe."""
+
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"broker: capacity must be an integer >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._new: list[Request] = []
+        self._cancelled: list[str] = []
+        self._running = 0
+        self._closed: str | None = None
+
+    # ---- HTTP side -------------------------------------------------------------------------------------
+
+    def submit(self, requests: list[Request], sink: Callable[[Event], None]) -> None:
+        """Queue all requests or none: QueueFull beyond capacity, Closed once closed, ValueError on a reused id.
+
+        sink(event) is called for each event of these requests. When submit is called from a thread that
+        runs an asyncio event loop (the HTTP handlers), sink runs on that loop via call_soon_threadsafe;
+        otherwise it runs directly on the thread that calls deliver().
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        deliver = sink if loop is None else _on_loop(loop, sink)
+        with self._lock:
+            if self._closed is not None:
+                raise Closed(self._closed)
+            ids = [r.id for r in requests]
+            if len(set(ids)) != len(ids) or any(i in self._entries for i in ids):
+                raise ValueError(f"broker: request ids must be unique, got {ids}")
+            if len(self._entries) + len(requests) > self.capacity:
+                raise QueueFull(f"{len(self._entries)} requests outstanding; capacity {self.capacity}")
+            for r in requests:
+                self._entries[r.id] = _Entry(deliver)
+            self._new.extend(requests)
+
+    def cancel(self, request_id: str) -> None:
+        """Tell the engine to drop a request (client gone, stop string seen); no more events reach its sink."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.deliver is _drop:
+                return
+            if entry.taken:
+                self._cancelled.append(request_id)
+                entry.deliver = _drop
+            else:
+                del self._entries[request_id]
+                self._new = [r for r in self._new if r.id != request_id]
+
+    # ---- engine side (never blocks on the HTTP side) ----------------------------------------------------
+
+    def take(self) -> tuple[list[Request], list[str]]:
+        """Return the requests submitted and the (taken) request ids cancelled since the last call."""
+        with self._lock:
+            new, self._new = self._new, []
+            cancelled, self._cancelled = self._cancelled, []
+            for r in new:
+                self._entries[r.id].taken = True
+            for i in cancelled:
+                self._entries.pop(i, None)
+            return new, cancelled
+
+    def deliver(self, events: list[Event]) -> None:
+        """Forward each event to its request's sink; a final event (finish not None) ends the request."""
+        calls = []
+        with self._lock:
+            for ev in events:
+                if ev.finish is not None and ev.finish not in FINISH_REASONS:
+                    raise ValueError(f"broker: event finish must be None or one of {FINISH_REASONS}, "
+                                     f"got {ev.finish!r}")
+                entry = self._entries.get(ev.request_id)
+                if entry is None or not entry.taken:
+                    continue          # cancelled or already finished: the client no longer listens
+                if ev.finish is not None:
+                    del self._entries[ev.request_id]
+                calls.append((entry.deliver, ev))
+        for deliver, ev in calls:      # outside the lock: a sink may call back into the broker
+            deliver(ev)
+
+    def set_running(self, n: int) -> None:
+        """Record the engine's count of admitted sequences (for the queue depth in /metrics)."""
+        with self._lock:
+            self._running = int(n)
+
+    def close(self, reason: str) -> None:
+        """Stop accepting: later submits raise Closed(reason); requests already outstanding carry on."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = str(reason)
+
+    # ---- state ------------------------------------------------------------------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet finished or cancelled (running + waiting)."""
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def running(self) -> int:
+        """The engine's last reported count of admitted sequences."""
+        with self._lock:
+            return self._running
+
+    @property
+    def queue_depth(self) -> int:
+        """Outstanding requests the engine has not admitted yet."""
+        with self._lock:
+            return max(0, len(self._entries) - self._running)
+
+    @property
+    def closed(self) -> str | None:
+        """The reason given to close(), or None while accepting."""
+        with self._lock:
+            return self._closed
+
+
+def _drop(event: Event) -> None:
+    """Sink of a cancelled request: its events go nowhere."""
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, sink: Callable[[Event], None]) -> Callable[[Event], None]:
+    """Wrap sink so that it runs on loop's thread; events for a loop that has shut down are dropped."""
+    def deliver(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(sink, event)
+        except RuntimeError:      # the loop is closed: the server stopped, nobody listens any more
+            pass
+    return deliver

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP front end: an aiohttp app served by its own event loop in a daemon thread.
+
+aiohttp because one well-kept dependency gives an asyncio server, streamed responses (server-sent
+events) and client-disconnect detection without a separate ASGI server, and it runs happily in one
+background thread of rank 0 while every MPI call stays on the main thread. The app talks to the engine
+only through the thread-safe Broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+
+from aiohttp import web
+
+from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
+from hpcpipe.serve.completion import Completion
+from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
+from hpcpipe.serve.openai_schema import DEFAULT_LIMITS, ApiError, choice, completion_body, parse_completion, usage
+
+_STATE = web.AppKey("hpcpipe_state", dict)
+_INFLIGHT = web.AppKey("hpcpipe_inflight", set)
+
+
+def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
+             limits: dict | None = None) -> web.Application:
+    """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics."""
+    limits = {**DEFAULT_LIMITS, **(limits or {})}
+    app = web.Application(client_max_size=int(limits["max_body_bytes"]), middlewares=[_json_errors])
+    app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
+                   "seq_len": int(seq_len), "limits": limits, "started": int(time.time())}
+    app[_INFLIGHT] = set()
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _error(err: ApiError, headers: dict | None = None) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Answer aiohttp's own errors (unknown path, wrong method) with OpenAI-style JSON bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"no such endpoint: {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
+        return _error(ApiError(exc.status, message, code={404: "not_found"}.get(exc.status)))
+
+
+async def _models(request: web.Request) -> web.Response:
+    s = request.app[_STATE]
+    return web.json_response({"object": "list", "data": [
+        {"id": s["model"], "object": "model", "created": s["started"], "owned_by": "hpcpipe"}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[_STATE]["broker"].closed is not None:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    s = request.app[_STATE]
+    broker, metrics = s["broker"], s["metrics"]
+    metrics.set_gauges(queue_depth=broker.queue_depth, running=broker.running)
+    return web.Response(body=metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _read_spec(request: web.Request, s: dict):
+    """Read and validate the body; raise ApiError (400, 413) on any problem."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is larger than {s['limits']['max_body_bytes']} bytes") from None
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    return parse_completion(body, s["tokenizer"], s["seq_len"], s["limits"])
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    s = request.app[_STATE]
+    broker, metrics = s["broker"], s["metrics"]
+    arrival = time.monotonic()
+    try:
+        spec = await _read_spec(request, s)
+    except ApiError as err:
+        metrics.count_request(err.status)
+        return _error(err)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    requests = [Request(f"{cid}-{i}", ids, spec.max_tokens, spec.params, arrival)
+                for i, ids in enumerate(spec.prompts)]
+    job = Completion(requests, s["tokenizer"], spec.stop, broker, metrics)
+    try:
+        broker.submit(requests, job.on_event)
+    except QueueFull as exc:
+        metrics.count_request(429)
+        return _error(ApiError(429, f"the server is busy: {exc}; retry later", type="requests",
+                               code="rate_limit_exceeded"), headers={"Retry-After": "1"})
+    except Closed as exc:
+        metrics.count_request(503)
+        return _error(ApiError(503, f"the server is shutting down ({exc}) and accepts no new requests",
+                               type="server_error", code="service_unavailable"))
+    metrics.add_prompt_tokens(job.prompt_tokens())
+    head = {"cid": cid, "created": int(time.time()), "model": s["model"]}
+    task = asyncio.current_task()
+    request.app[_INFLIGHT].add(task)
+    try:
+        if spec.stream:
+            return await _stream(request, job, head, spec.include_usage, metrics)
+        return await _whole(job, head, metrics)
+    except (asyncio.CancelledError, ConnectionResetError):
+        # The client went away: aiohttp cancels the handler (non-stream wait) or a write fails (stream).
+        metrics.count_disconnect()
+        if not spec.stream:
+            metrics.count_request(499)
+        raise
+    finally:
+        job.cancel_unfinished()
+        request.app[_INFLIGHT].discard(task)
+
+
+async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
+    """Wait for every choice, then answer one JSON text_completion."""
+    while not job.done:
+        await job.items.get()
+    if job.failed:
+        metrics.count_request(500)
+        return _error(ApiError(500, "the engine failed while generating this completion", type="server_error"))
+    metrics.count_request(200)
+    texts, reasons = job.texts(), job.finish_reasons()
+    choices = [choice(i, texts[i], reasons[i]) for i in range(len(texts))]
+    return web.json_response(completion_body(head["cid"], head["created"], head["model"], choices,
+                                             usage(job.prompt_tokens(), job.completion_tokens())))
+
+
+async def _stream(request: web.Request, job: Completion, head: dict, include_usage: bool,
+                  metrics: Metrics) -> web.StreamResponse:
+    """Send each text delta as a server-sent event as it arrives, then data: [DONE]."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    metrics.count_request(200)
+
+    def event(obj) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    while not job.done:
+        batch = [await job.items.get()]
+        while not job.items.empty():           # coalesce what arrived together into one write
+            batch.append(job.items.get_nowait())
+        out = []
+        for i, text, finish in batch:
+            if finish == "error":
+                out.append(event(ApiError(500, f"the engine failed while generating choice {i}",
+                                          type="server_error").body()))
+                await resp.write(b"".join(out))
+                return resp                    # no [DONE]: the stream ended in an error
+            out.append(event(completion_body(head["cid"], head["created"], head["model"],
+                                             [choice(i, text, finish)], None)))
+        await resp.write(b"".join(out))
+    tail = [b"data: [DONE]\n\n"]
+    if include_usage:
+        tail.insert(0, event(completion_body(head["cid"], head["created"], head["model"], [],
+                                             usage(job.prompt_tokens(), job.completion_tokens()))))
+    await resp.write(b"".join(tail))
+    await resp.write_eof()
+    return resp
+
+
+class HttpServer:
+    """aiohttp app served by its own event loop in a daemon thread."""
+
+    def __init__(self, app: web.Application, host: str, port: int):
+        self.app, self.host, self.port = app, host, int(port)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> tuple[str, int]:
+        """Bind now (OSError naming host and port if that fails), serve in a daemon thread; return (host, port)."""
+        sock = _listen(self.host, self.port)
+        bound = sock.getsockname()[:2]
+        ready: dict = {}
+        started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
+                                             access_log=None)
+                self._loop.run_until_complete(self._runner.setup())
+                self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
+            except BaseException as exc:       # reported to start() in the caller's thread
+                ready["error"] = exc
+                started.set()
+                return
+            started.set()
+            try:
+                self._loop.run_forever()
+            finally:
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="hpcpipe-http", daemon=True)
+        self._thread.start()
+        started.wait()
+        if "error" in ready:
+            sock.close()
+            raise ready["error"]
+        return bound[0], bound[1]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop listening, let open responses finish for up to timeout seconds, then close all and end the thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
+        try:
+            fut.result(timeout + 5.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+
+    async def _shutdown(self, timeout: float) -> None:
+        for site in list(self._runner.sites):
+            await site.stop()
+        inflight = set(self.app[_INFLIGHT])
+        if inflight:
+            await asyncio.wait(inflight, timeout=timeout)
+        await self._runner.cleanup()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Return a listening TCP socket on host:port (port 0: any free port); OSError says which address failed."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        hint = " (is another server using it? pick another with --port)" if port else ""
+        raise OSError(exc.errno, f"hpcpipe: error: cannot listen on {host}:{port}: "
+                                 f"{exc.strerror or exc}{hint}") from None

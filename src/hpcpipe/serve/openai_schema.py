@@ -1,0 +1,197 @@
+"""The OpenAI completions API at the boundary: request validation (one clear message per mistake),
+error bodies and response shapes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from hpcpipe.serve.sampling import SamplingParams
+
+DEFAULT_LIMITS = {
+    "max_prompts": 32,          # prompts in one request's list
+    "max_body_bytes": 1 << 20,  # request body size
+}
+MAX_STOP = 4
+MAX_SEED = 2**63 - 1
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI-style JSON body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        """Return the JSON body {"error": {message, type, param, code}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionSpec:
+    """A validated completion request: one entry per prompt, shared sampling settings."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _get(body: dict, key: str, default):
+    """Return body[key], with JSON null meaning 'not given' as the openai client sends it."""
+    value = body.get(key)
+    return default if value is None else value
+
+
+def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> CompletionSpec:
+    """Validate a POST /v1/completions body; raise ApiError(400) naming the field and values at fault."""
+    limits = {**DEFAULT_LIMITS, **(limits or {})}
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    _refuse_unsupported(body)
+    texts = _prompts(body, limits["max_prompts"])
+
+    max_tokens = _get(body, "max_tokens", 16)
+    if not _is_int(max_tokens) or max_tokens <= 0:
+        raise _bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    temperature = _get(body, "temperature", 1.0)
+    if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
+        raise _bad(f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
+    top_p = _get(body, "top_p", 1.0)
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    top_k = _get(body, "top_k", 0)
+    if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:
+        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 = off; the vocabulary has "
+                   f"{tokenizer.vocab_size} tokens), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED     # unseeded requests differ run to run
+    elif not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise _bad(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
+    stop = _stop(body.get("stop"))
+    stream = _get(body, "stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream must be true or false, got {stream!r}", "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
+                       "stream_options")
+        include_usage = stream and options.get("include_usage", False)
+
+    prompts = []
+    for i, text in enumerate(texts):
+        where = "prompt" if len(texts) == 1 and isinstance(body["prompt"], str) else f"prompt[{i}]"
+        if text == "":
+            raise _bad(f"{where} is empty; a prompt needs at least one token", "prompt")
+        try:
+            ids = [int(t) for t in tokenizer.encode(text)]
+        except ValueError as exc:
+            raise _bad(f"{where} cannot be encoded: {str(exc).removeprefix('tokenizer: ')}", "prompt") from None
+        if len(ids) + max_tokens > seq_len:
+            raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + {max_tokens} "
+                       f"= {len(ids) + max_tokens} exceeds the model's context length of {seq_len} tokens; "
+                       f"shorten the prompt or lower max_tokens", "max_tokens")
+        prompts.append(ids)
+    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
+    return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage)
+
+
+def _prompts(body: dict, max_prompts: int) -> list[str]:
+    """Return the prompt texts: a string or a non-empty list of strings (token-id prompts are refused)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("prompt is missing; send \"prompt\": a string or a list of strings", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise _bad(f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt")
+    if not prompt:
+        raise _bad("prompt is an empty list; send at least one string", "prompt")
+    if all(_is_int(x) for x in prompt) or any(isinstance(x, list) for x in prompt):
+        raise _bad("token-id prompts are not supported; send the prompt as text (a string or a list of strings)",
+                   "prompt")
+    bad = [i for i, x in enumerate(prompt) if not isinstance(x, str)]
+    if bad:
+        raise _bad(f"prompt[{bad[0]}] must be a string, got {type(prompt[bad[0]]).__name__}", "prompt")
+    if len(prompt) > max_prompts:
+        raise _bad(f"prompt has {len(prompt)} strings; at most {max_prompts} per request", "prompt")
+    return prompt
+
+
+def _stop(stop) -> list[str]:
+    """Return the stop strings: none, one string, or a list of up to 4 non-empty strings."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    if len(stops) > MAX_STOP:
+        raise _bad(f"stop has {len(stops)} strings; at most {MAX_STOP}", "stop")
+    if any(s == "" for s in stops):
+        raise _bad("stop strings must not be empty", "stop")
+    return stops
+
+
+# Fields of the OpenAI API that hpcpipe does not implement: accepted only at their neutral value, so that
+# a client never silently gets something other than what it asked for.
+_NEUTRAL = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0, False), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Raise ApiError(400) when an unsupported OpenAI field asks for anything but its neutral value."""
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is None or any(_same(value, n) for n in neutral):
+            continue
+        what = "only n = 1 is supported" if key == "n" else f"{key} is not supported by hpcpipe"
+        raise _bad(f"{what}; got {key} = {value!r}", key)
+
+
+def _same(a, b) -> bool:
+    """JSON equality that keeps true/false apart from 1/0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if _is_number(a) and _is_number(b):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def completion_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+    """Return a text_completion object (a whole response, or one chunk of a stream when usage is None)."""
+    body = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def choice(index: int, text: str, finish_reason: str | None) -> dict:
+    """Return one entry of "choices"."""
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """Return the "usage" object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -75,6 +75,7 @@ class Frontend:
         """Stop the HTTP thread (after the engine drained)."""
         if self.server is not None:
             self.server.stop()
+            self.server = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     def body(p: ServePlan) -> int:
         frontend = Frontend(p, args.host, args.port)
         try:
-            counts = run(p, world, frontend.open, stop, frontend.ready)
+            counts = run(p, world, frontend.open, stop, frontend.ready, frontend.close)
         finally:
             frontend.close()
         if world.Get_rank() == 0:
-            print(f"hpcpipe: stopped ({stop.name or 'drained'}): {counts['tokens']} tokens generated in "
+            print(f"hpcpipe: stopped ({counts['reason']}): {counts['tokens']} tokens generated in "
                   f"{counts['seconds']:.1f} s", flush=True)
-        stop.ignore()
         return 0
 
-    return run_planned(world, lambda: plan(args.weights, world.Get_size(), args.config, args.overrides), body,
-                       lambda: f"rank {world.Get_rank()}")
+    try:
+        return run_planned(world, lambda: plan(args.weights, world.Get_size(), args.config, args.overrides), body,
+                           lambda: f"rank {world.Get_rank()}")
+    finally:
+        stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

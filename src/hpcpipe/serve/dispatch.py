@@ -15,6 +15,7 @@ accepting, the requests in flight finish, then every replica is stopped.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 from hpcpipe.serve.broker import Event, Request
@@ -47,6 +48,7 @@ class Dispatcher:
         self.load = [0] * dp
         self.running = [0] * dp
         self.draining = ""          # why the source was closed ("" while open)
+        self.drains = 0             # drain requests received from other ranks
         self.stopped = False
 
     def drain(self, reason: str) -> None:
@@ -78,9 +80,19 @@ class Dispatcher:
             self.deliver(replica, events, running)
             busy = True
         while (message := self.box.poll(ANY, TAG_DRAIN)) is not None:
+            self.drains += 1
             self.drain(message[0][1])
             busy = True
         return busy
+
+    def collect_drains(self, sent: int) -> None:
+        """Receive the drain requests still on their way (``sent`` in all), so none is left unmatched."""
+        while self.drains < sent:
+            message = self.box.poll(ANY, TAG_DRAIN)
+            if message is None:
+                time.sleep(self.box.poller.min_s)
+                continue
+            self.drains += 1
 
     def deliver(self, replica: int, events: list[Event], running: int) -> None:
         """Pass a replica's events to the source and keep the load counts."""

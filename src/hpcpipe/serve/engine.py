@@ -59,12 +59,14 @@ def loop(steps: list[Callable[[], bool]], done: Callable[[], bool], poller: Poll
 
 
 def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: Any,
-        ready: Callable[[], None] | None = None) -> dict[str, Any]:
+        ready: Callable[[], None] | None = None, closing: Callable[[], None] | None = None) -> dict[str, Any]:
     """Serve on every rank of world until rank 0's source drains; return the counts on rank 0, {} elsewhere.
 
     ``open_source`` runs on world rank 0 only, inside an agreement (an error there is
     every rank's error); ``stop`` is the rank's StopSignals; ``ready`` runs on rank 0 once
-    every rank has loaded its stage.
+    every rank has loaded its stage, ``closing`` on rank 0 once the requests have drained
+    (before the final barrier, so that every rank leaves at the same time: a launcher that
+    forwarded a SIGTERM kills the ranks still running when the first one exits).
     """
     cfg = plan.config
     poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
@@ -82,10 +84,11 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     if rank == 0 and ready is not None:
         ready()
     t0 = time.perf_counter()
-    tokens = 0
+    tokens, reason = 0, ""
+    relay = SignalRelay(stop, world_box)
     if topo.pp_rank > 0:
         follower = Follower(stage, pp_box, topo.pp_rank, plan.pp, samplers)
-        loop([follower.step, _signal_relay(stop, world_box, rank)], lambda: follower.done, poller)
+        loop([follower.step, relay], lambda: follower.done, poller)
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache)
         if rank == 0:
@@ -99,30 +102,38 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
                 return False
             loop([dispatcher.step, head.step, watch], lambda: dispatcher.finished, poller)
             dispatcher.stop()
+            reason = dispatcher.draining or "done"
+            if closing is not None:
+                closing()
         else:
             control = Controller(world_box, scheduler, topo.dp_rank)
             head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers, control.report)
-            loop([control.step, head.step, control.flush, _signal_relay(stop, world_box, rank)],
+            loop([control.step, head.step, control.flush, relay],
                  lambda: control.finished, poller)
         head.stop()
         tokens = head.tokens_out
     world_box.flush()
     barrier(world, poller)
     elapsed = time.perf_counter() - t0
-    counts = gather_to_root(world, (tokens, stage.cache_bytes))
+    counts = gather_to_root(world, (tokens, stage.cache_bytes, relay.sent))
     if counts is None:
         return {}
-    return {"tokens": sum(t for t, _ in counts), "seconds": elapsed,
-            "kv_cache_bytes": max(b for _, b in counts)}
+    # every drain request must be received before MPI finalizes: an unmatched message left at rank 0
+    # made MPICH's launcher kill a rank on the way out (exit 9) after a SIGTERM to mpiexec
+    dispatcher.collect_drains(sum(sent for _, _, sent in counts))
+    return {"tokens": sum(t for t, _, _ in counts), "seconds": elapsed, "reason": reason,
+            "kv_cache_bytes": max(b for _, b, _ in counts)}
 
 
-def _signal_relay(stop: Any, box: Mailbox, rank: int) -> Callable[[], bool]:
-    """Return a step that tells rank 0, once, that a stop signal arrived on this rank."""
-    sent = []
+class SignalRelay:
+    """A step that tells rank 0, once, that a stop signal arrived on this rank (rank 0 counts them at the end)."""
 
-    def relay() -> bool:
-        if stop.requested and not sent:
-            box.post(0, TAG_DRAIN, ("drain", stop.name))
-            sent.append(True)
+    def __init__(self, stop: Any, box: Mailbox):
+        self.stop, self.box, self.sent = stop, box, 0
+
+    def __call__(self) -> bool:
+        """Post the drain request the first time the signal is seen; never counts as work."""
+        if self.stop.requested and not self.sent:
+            self.box.post(0, TAG_DRAIN, ("drain", self.stop.name))
+            self.sent = 1
         return False
-    return relay

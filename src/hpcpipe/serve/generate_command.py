@@ -147,4 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                                "finish_reason": source.finish, "seconds": counts["seconds"]}, f)
         return 0
 
-    return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")
+    try:
+        try:
+        return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")
+    finally:
+        stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

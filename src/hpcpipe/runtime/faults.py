@@ -4,11 +4,13 @@ Environment only, never config, and inert when unset. Each hook names the
 world rank and the step (or micro-batch, or save point) it fires at:
 
     HPCPIPE_FAULT='rank=R,step=S'                  training: raise on rank R at step S;
-                                                   inference: raise before rank R's S-th micro-batch
+                                                   inference: raise before rank R's S-th micro-batch;
+                                                   serving: before rank R's S-th work item
     HPCPIPE_STALL='rank=R,step=S,seconds=T'        sleep T seconds at step S (a stuck rank)
     HPCPIPE_NAN='rank=R,step=S[,count=C][,what=grad|loss]'   poison a gradient or loss
     HPCPIPE_CRASH_IN_SAVE='step=S,rank=R[,point=write|commit]'   SIGKILL while saving step S
-    HPCPIPE_STEP_SLEEP=S                           sleep S seconds before each step (lets a test kill mid-run)
+    HPCPIPE_STEP_SLEEP=S                           sleep S seconds before each step (lets a test kill mid-run);
+                                                   serving: before each work item of a replica's first stage
     HPCPIPE_PID_DIR=DIR                            write DIR/rank-R.pid at start-up
 
 This module imports only the standard library: ``python -m hpcpipe.train``

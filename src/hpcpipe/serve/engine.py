@@ -21,6 +21,7 @@ from typing import Any
 from hpcpipe.nn.decode import DecodeStage
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Mailbox, Poller, barrier, gather_to_root, together
+from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.serve.dispatch import TAG_DRAIN, Controller, Dispatcher, Source
 from hpcpipe.serve.plan import ServePlan
@@ -88,6 +89,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     relay = SignalRelay(stop, world_box)
     if topo.pp_rank > 0:
         follower = Follower(stage, pp_box, topo.pp_rank, plan.pp, samplers)
+        follower.fault_at = fault_step(rank)
         loop([follower.step, relay], lambda: follower.done, poller)
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache)
@@ -95,6 +97,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
             dispatcher = Dispatcher(source, world_box, plan.dp, plan.pp, scheduler)
             head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers,
                         lambda events: dispatcher.deliver(0, events, scheduler.running))
+            head.fault_at = fault_step(rank)
 
             def watch() -> bool:
                 if stop.requested:
@@ -108,6 +111,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
         else:
             control = Controller(world_box, scheduler, topo.dp_rank)
             head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers, control.report)
+            head.fault_at = fault_step(rank)
             loop([control.step, head.step, control.flush, relay],
                  lambda: control.finished, poller)
         head.stop()

@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        try:
         return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

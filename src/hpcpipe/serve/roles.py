@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.nn.decode import DecodeStage, Segment
+from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 from hpcpipe.serve.scheduler import ReplicaScheduler
@@ -52,6 +53,18 @@ def _segments(rows: list[tuple[int, int, int]]) -> list[Segment]:
     return [Segment(slot, start, length) for slot, start, length in rows]
 
 
+def _count(role: Head | Follower) -> None:
+    """Count a work item; raise the injected fault (HPCPIPE_FAULT) when this is the one it names.
+
+    Under HPCPIPE_STEP_SLEEP the head sleeps before each item (tests keep requests in flight).
+    """
+    if isinstance(role, Head):
+        step_sleep()
+    if role.items == role.fault_at:
+        raise RuntimeError(f"injected fault (HPCPIPE_FAULT) before work item {role.items}")
+    role.items += 1
+
+
 class Head:
     """First stage of a replica: its scheduler, its layers and, at pp = 1, the sampling too."""
 
@@ -60,6 +73,8 @@ class Head:
         self.stage, self.scheduler, self.link, self.pp, self.xp = stage, scheduler, link, pp, xp
         self.samplers, self.report = samplers, report
         self.tokens_out = 0
+        self.items = 0
+        self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
 
     def step(self) -> bool:
         """Take returned tokens, then launch the next group's work; return True if anything happened."""
@@ -72,6 +87,7 @@ class Head:
         item = self.scheduler.next_item()
         if item is None:
             return busy
+        _count(self)
         out = self.stage.forward(self.xp.asarray(item.tokens), item.segments)
         if self.pp == 1:
             self.samplers.start(item.new)
@@ -98,6 +114,8 @@ class Follower:
     def __init__(self, stage: DecodeStage, link: Any, pp_rank: int, pp: int, samplers: SamplerTable):
         self.stage, self.link, self.k, self.pp, self.samplers = stage, link, pp_rank, pp, samplers
         self.done = False
+        self.items = 0
+        self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
 
     @property
     def last(self) -> bool:
@@ -117,6 +135,7 @@ class Follower:
             self.done = True
             return True
         _, group, rows, new = header
+        _count(self)
         segments = _segments(rows)
         out = self.stage.forward(x, segments)
         if self.last:

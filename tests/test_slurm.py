@@ -51,10 +51,10 @@ class Slurm:
         """Run a Slurm client command against this Slurm."""
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env())
 
-    def sbatch(self, workdir: Path, drop: tuple[str, ...] = (), **env: str) -> str:
-        """Submit jobs/train.sbatch at 8 tasks from workdir (without variables starting with `drop`); return its id."""
-        result = subprocess.run(["sbatch", "--parsable", "-n", "8", f"--chdir={workdir}",
-                                 f"--output={workdir / 'job.out'}", str(SBATCH)],
+    def sbatch(self, workdir: Path, drop: tuple[str, ...] = (), script: Path = SBATCH, n: int = 8, **env: str) -> str:
+        """Submit a job script (jobs/train.sbatch) at n tasks from workdir (without variables starting with `drop`)."""
+        result = subprocess.run(["sbatch", "--parsable", "-n", str(n), f"--chdir={workdir}",
+                                 f"--output={workdir / 'job.out'}", str(script)],
                                 capture_output=True, text=True, timeout=30, env=self.env(drop, **env))
         assert result.returncode == 0, result.stderr
         job = result.stdout.strip().split(";")[0]
@@ -210,3 +210,37 @@ def test_open_mpi_mpirun_sigterm_requeues_through_the_stop_marker(slurm, uninter
     launcher_rc = int(out.split("training exited with status ")[1].split()[0])
     assert f"the launcher returned {launcher_rc})" in out and f'"step": {stopped}' in out, out
     _same_final_state(tmp_path, ref_work)
+
+
+def test_sbatch_serve_answers_over_http_and_scancel_drains_it(slurm, tmp_path):
+    import json
+    import socket
+    import urllib.request
+
+    from serve_helpers import make_weights
+    make_weights(tmp_path / "gpt.h5")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = slurm.sbatch(tmp_path, script=ROOT / "jobs" / "serve.sbatch", n=4, HPCPIPE_WEIGHTS="gpt.h5",
+                       HPCPIPE_PP="2", HPCPIPE_PORT=str(port))
+    out = tmp_path / "job.out"
+    deadline = time.time() + 120
+    while time.time() < deadline and "hpcpipe: serving" not in (out.read_text() if out.exists() else ""):
+        time.sleep(0.25)
+    text = out.read_text()
+    assert f"on http://127.0.0.1:{port}/v1 (dp=2 x pp=2" in text, text
+    assert f"ssh -N -L {port}:127.0.0.1:{port}" in text
+    body = json.dumps({"prompt": "hello", "max_tokens": 5, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=30).read())
+    assert reply["choices"][0]["finish_reason"] == "length" and len(reply["choices"][0]["text"]) == 5
+    slurm.cmd("scancel", job)
+    slurm.wait(job, lambda info: info.get("JobState") in DONE, 60, "the end after scancel")
+    deadline = time.time() + 10
+    while time.time() < deadline and "the server exited" not in out.read_text():
+        time.sleep(0.25)
+    text = out.read_text()
+    assert "draining the server" in text and "hpcpipe: stopped (SIGTERM)" in text, text
+    assert "the server exited with status 0" in text, text

@@ -46,7 +46,7 @@ def refuse_gpt(source: WeightsSource, given: str | Path) -> None:
     if source.model_kind == "gpt":
         raise ConfigError(f'--weights {str(given)!r} holds a GPT model (model.kind = "gpt", {source.n_layers} layer '
                           f"groups): batch inference (python -m hpcpipe.infer) covers MLP models; GPT text "
-                          f"generation will be python -m hpcpipe.generate (issue #14, not yet available)")
+                          f"generation is python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")
 
 
 def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:

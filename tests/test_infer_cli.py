@@ -118,8 +118,8 @@ def _gpt_weights(tmp_path):
 CASES = {
     "GPT weights": (lambda t, w: (_gpt_weights(t), t / "in.h5", t / "out.h5", []),
                     "hpcpipe: error: --weights '{weights}' holds a GPT model (model.kind = \"gpt\", 4 layer groups): "
-                    "batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation will be "
-                    "python -m hpcpipe.generate (issue #14, not yet available)"),
+                    "batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation is "
+                    "python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)"),
     "input width": (lambda t, w: (w, _wide_input(t), t / "out.h5", []),
                     "dataset 'x' in '{input}' has shape (8, 12); model.dims[0] = 16 needs (N, 16)"),
     "missing dataset": (lambda t, w: (w, _other_dataset(t), t / "out.h5", []),

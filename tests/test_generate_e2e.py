@@ -119,3 +119,12 @@ def test_a_failing_rank_ends_the_job_with_exit_1(weights, tmp_path):
                          env={"HPCPIPE_FAULT": "rank=1,step=3"}, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "injected fault" in proc.stderr and out is None
+
+
+def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(weights, tmp_path):
+    path, model = weights["tied"]
+    proc, out = generate(tmp_path, 2, path, PROMPT, "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "4",
+                         "--set", "parallel.pp=2", "--set", "serve.prefill_tokens=3")
+    assert proc.returncode == 0, proc.stderr
+    params = SamplingParams(temperature=0.9, seed=4)
+    assert out["tokens"] == reference_generate(model, encode(PROMPT), 12, params)

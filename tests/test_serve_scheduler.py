@@ -111,3 +111,36 @@ def test_tokens_are_int64_rows():
     s = ReplicaScheduler(slots=1, groups=1, seq_len=8)
     s.submit(request(0))
     assert s.next_item().tokens.dtype == np.int64
+
+
+def test_long_prompts_are_prefilled_in_chunks_within_the_budget():
+    s = ReplicaScheduler(slots=3, groups=1, seq_len=64, prefill_tokens=4)
+    s.submit(request(0, prompt=range(1, 11)))           # 10 prompt tokens
+    s.submit(request(1, prompt=(5, 6)))
+    item = s.next_item()
+    # r0 takes the whole budget (4 of its 10 tokens), r1 waits: nothing sampled yet
+    assert [(seg.start, seg.length) for seg in item.segments] == [(0, 4)]
+    assert item.sample == [False] and item.tokens.tolist() == [1, 2, 3, 4]
+    assert s.complete(item.group, [-1]) == []
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(4, 4)]
+    assert item.new == []                                # r0's sampler started with its first chunk
+    s.complete(item.group, [-1])
+    item = s.next_item()
+    # r0's last 2 tokens end its prompt (sampled), r1's 2 tokens fit in the rest of the budget
+    assert [(seg.start, seg.length) for seg in item.segments] == [(8, 2), (0, 2)]
+    assert item.sample == [True, True]
+    events = s.complete(item.group, [7, 8])
+    assert [(e.request_id, e.tokens) for e in events] == [("r0", [7]), ("r1", [8])]
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(10, 1), (2, 1)]
+
+
+def test_decode_rows_never_wait_for_the_prefill_budget():
+    s = ReplicaScheduler(slots=2, groups=1, seq_len=64, prefill_tokens=2)
+    s.submit(request(0, prompt=(1,)))
+    run_item(s)                                          # r0 decodes from now on
+    s.submit(request(1, prompt=range(1, 9)))
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(1, 1), (0, 2)]
+    assert item.sample == [True, False]

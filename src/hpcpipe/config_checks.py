@@ -88,6 +88,8 @@ def validate(config: Config) -> None:
     srv = config.serve
     for key in ("max_sequences", "max_queue"):
         _require(getattr(srv, key) >= 1, f"serve.{key} must be >= 1, got {getattr(srv, key)}")
+    _require(srv.prefill_tokens >= 0,
+             f"serve.prefill_tokens must be >= 0 (0 = whole prompts), got {srv.prefill_tokens}")
     _require(srv.micro_batches >= 0, f"serve.micro_batches must be >= 0 (0 = parallel.pp), got {srv.micro_batches}")
     _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
     _require(config.run.backend in BACKENDS,

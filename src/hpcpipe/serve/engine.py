@@ -92,7 +92,8 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
         follower.fault_at = fault_step(rank)
         loop([follower.step, relay], lambda: follower.done, poller)
     else:
-        scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache)
+        scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache,
+                                     cfg.serve.prefill_tokens)
         if rank == 0:
             dispatcher = Dispatcher(source, world_box, plan.dp, plan.pp, scheduler)
             head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers,

@@ -9,8 +9,9 @@ serve MPI, the scheduler and, on world rank 0, the front end on one thread.
 
 Messages (headers are small tuples; activations follow as one array)::
 
-    head -> stage 1 -> ... -> last     ("work", group, [(slot, start, length)], [(slot, SamplingParams)]) + x
-    last -> head                       ("result", group, [token per segment])
+    head -> stage 1 -> ... -> last     ("work", group, [(slot, start, length)], [(slot, SamplingParams)],
+                                        [sample this segment?]) + x
+    last -> head                       ("result", group, [token per segment, -1 where not sampled])
     head -> stage 1 -> ... -> last     ("stop",)
 """
 
@@ -43,10 +44,15 @@ class SamplerTable:
         for slot, params in new:
             self.samplers[slot] = Sampler(params)
 
-    def sample(self, logits: Any, segments: list[Segment]) -> list[int]:
-        """Return the next token of each segment's sequence from its (segments, vocab) logits."""
+    def sample(self, logits: Any, segments: list[Segment], flags: list[bool]) -> list[int]:
+        """Return the next token of each flagged segment's sequence from its logits row, -1 for the others.
+
+        A prompt chunk that does not reach the end of its prompt is not sampled: its sequence's
+        generator draws nothing, so the text never depends on how the prompt was chunked.
+        """
         host = np.asarray(self.to_host(logits), dtype=np.float64)
-        return [self.samplers[seg.slot].next_token(host[i]) for i, seg in enumerate(segments)]
+        return [self.samplers[seg.slot].next_token(host[i]) if flag else -1
+                for i, (seg, flag) in enumerate(zip(segments, flags, strict=True))]
 
 
 def _segments(rows: list[tuple[int, int, int]]) -> list[Segment]:
@@ -91,14 +97,14 @@ class Head:
         out = self.stage.forward(self.xp.asarray(item.tokens), item.segments)
         if self.pp == 1:
             self.samplers.start(item.new)
-            self._finish(item.group, self.samplers.sample(out, item.segments))
+            self._finish(item.group, self.samplers.sample(out, item.segments, item.sample))
         else:
             rows = [(s.slot, s.start, s.length) for s in item.segments]
-            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new), out)
+            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new, item.sample), out)
         return True
 
     def _finish(self, group: int, tokens: list[int]) -> None:
-        self.tokens_out += len(tokens)
+        self.tokens_out += sum(t >= 0 for t in tokens)
         self.report(self.scheduler.complete(group, tokens))
 
     def stop(self) -> None:
@@ -134,13 +140,13 @@ class Follower:
             self.link.flush()
             self.done = True
             return True
-        _, group, rows, new = header
+        _, group, rows, new, flags = header
         _count(self)
         segments = _segments(rows)
         out = self.stage.forward(x, segments)
         if self.last:
             self.samplers.start(new)
-            self.link.post(0, TAG_RESULT, ("result", group, self.samplers.sample(out, segments)))
+            self.link.post(0, TAG_RESULT, ("result", group, self.samplers.sample(out, segments, flags)))
         else:
             self.link.post(self.k + 1, TAG_WORK, header, out)
         return True

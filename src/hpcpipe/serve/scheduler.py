@@ -50,18 +50,23 @@ class WorkItem:
     segments: list[Segment]
     tokens: np.ndarray                       # int64 (sum of segment lengths,), in segment order
     new: list[tuple[int, SamplingParams]] = field(default_factory=list)   # slots whose sampler starts now
+    sample: list[bool] = field(default_factory=list)   # per segment: it ends the sequence's tokens, sample one
 
 
 class ReplicaScheduler:
     """Slots, groups and waiting requests of one replica (runs on its first stage)."""
 
-    def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True):
+    def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0):
         if slots < 1 or groups < 1:
             raise ValueError(f"a replica needs at least one slot and one group, got slots={slots} groups={groups}")
         self.seq_len, self.kv_cache = seq_len, kv_cache
+        # prompt tokens one work item may carry (0 = no limit): long prompts are prefilled in chunks over
+        # several steps, so one joining request does not stall the decode rows beside it for long
+        self.prefill_tokens = prefill_tokens if kv_cache else 0
         self.free = list(range(slots - 1, -1, -1))           # pop() hands out slot 0 first
         self.groups: list[list[Sequence]] = [[] for _ in range(groups)]
         self.in_flight: list[list[Sequence] | None] = [None] * groups
+        self.reach: list[list[int]] = [[] for _ in range(groups)]   # cached length each member reaches
         self.waiting: deque[Request] = deque()
         self.by_id: dict[str, Sequence] = {}
         self._turn = 0
@@ -121,31 +126,42 @@ class ReplicaScheduler:
         return None
 
     def _build(self, g: int) -> WorkItem:
-        members = self.groups[g]
-        segments, rows, new = [], [], []
-        for seq in members:
+        members, budget = [], self.prefill_tokens or self.seq_len
+        segments, rows, new, sample, reach = [], [], [], [], []
+        for seq in self.groups[g]:
             start = seq.cached if self.kv_cache else 0
+            length = len(seq.tokens) - start
+            if length > 1 and self.prefill_tokens:
+                if budget <= 0:
+                    continue                      # its prompt waits for the next step of the group
+                length = min(length, budget)
+                budget -= length
             if seq.cached == 0:
                 new.append((seq.slot, seq.request.params))
-            segments.append(Segment(seq.slot, start, len(seq.tokens) - start))
-            rows.extend(seq.tokens[start:])
-        self.in_flight[g] = list(members)
-        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new)
+            members.append(seq)
+            segments.append(Segment(seq.slot, start, length))
+            rows.extend(seq.tokens[start:start + length])
+            reach.append(start + length)
+            sample.append(start + length == len(seq.tokens))
+        self.in_flight[g], self.reach[g] = members, reach
+        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample)
 
     def complete(self, group: int, tokens: list[int]) -> list[Event]:
-        """Take the sampled next token of each sequence of the group's item; return the events for the front end."""
+        """Take the group's sampled tokens (one per segment, -1 where none was sampled); return the events."""
         members = self.in_flight[group]
         if members is None or len(members) != len(tokens):
             raise RuntimeError(f"result for group {group} does not match the work in flight "
                                f"({0 if members is None else len(members)} sequences, {len(tokens)} tokens)")
         self.in_flight[group] = None
         events = []
-        for seq, token in zip(members, tokens, strict=True):
+        for seq, token, reach in zip(members, tokens, self.reach[group], strict=True):
             if seq.cancelled:
                 self._release(seq)
                 events.append(Event(seq.request.id, [], "cancelled"))
                 continue
-            seq.cached = len(seq.tokens)
+            seq.cached = reach
+            if reach < len(seq.tokens):
+                continue                          # a prompt chunk: nothing sampled yet
             seq.tokens.append(int(token))
             seq.generated += 1
             done = seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len

@@ -121,8 +121,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         if spec.stream:
             return await _stream(request, job, head, spec.include_usage, metrics)
         return await _whole(job, head, metrics)
-    except (asyncio.CancelledError, ConnectionResetError):
-        # The client went away: aiohttp cancels the handler (non-stream wait) or a write fails (stream).
+    except asyncio.CancelledError:
+        # The client went away: aiohttp cancels the handler (handler_cancellation=True), whatever it awaits.
         metrics.count_disconnect()
         if not spec.stream:
             metrics.count_request(499)
@@ -134,7 +134,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
     """Wait for every choice, then answer one JSON text_completion."""
-    while not job.done:
+    while not job.done and not job.failed:
         await job.items.get()
     if job.failed:
         metrics.count_request(500)
@@ -150,9 +150,17 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
                   metrics: Metrics) -> web.StreamResponse:
     """Send each text delta as a server-sent event as it arrives, then data: [DONE]."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    metrics.count_request(200)
+    try:
+        await resp.prepare(request)
+        metrics.count_request(200)
+        await _send_events(resp, job, head, include_usage)
+    except ConnectionResetError:     # a write found the client gone (the caller cancels its requests)
+        metrics.count_disconnect()
+    return resp
 
+
+async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, include_usage: bool) -> None:
+    """Write the text_completion chunks of job as they come, then the usage chunk if asked and [DONE]."""
     def event(obj) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
@@ -166,7 +174,7 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
                 out.append(event(ApiError(500, f"the engine failed while generating choice {i}",
                                           type="server_error").body()))
                 await resp.write(b"".join(out))
-                return resp                    # no [DONE]: the stream ended in an error
+                return                         # no [DONE]: the stream ended in an error
             out.append(event(completion_body(head["cid"], head["created"], head["model"],
                                              [choice(i, text, finish)], None)))
         await resp.write(b"".join(out))
@@ -176,7 +184,6 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
                                              usage(job.prompt_tokens(), job.completion_tokens()))))
     await resp.write(b"".join(tail))
     await resp.write_eof()
-    return resp
 
 
 class HttpServer:

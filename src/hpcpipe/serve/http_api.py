@@ -212,6 +212,7 @@ class HttpServer:
                 self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
             except BaseException as exc:       # reported to start() in the caller's thread
                 ready["error"] = exc
+                self._loop.close()
                 started.set()
                 return
             started.set()
@@ -256,5 +257,4 @@ def _listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as exc:
         hint = " (is another server using it? pick another with --port)" if port else ""
-        raise OSError(exc.errno, f"hpcpipe: error: cannot listen on {host}:{port}: "
-                                 f"{exc.strerror or exc}{hint}") from None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None

@@ -179,3 +179,17 @@ def test_threads_hammering_the_broker_keep_the_count_exact():
     assert not eng.is_alive() and b.outstanding == 0
     assert len(done) == len({e.request_id for e in done}) <= 800
     assert len(done) >= 800 - 4 * 29              # only the cancelled ones may be missing
+
+
+def test_close_from_a_signal_handler_while_the_engine_holds_the_lock_does_not_deadlock():
+    b = Broker(1)
+    finished = threading.Event()
+
+    def engine_thread_interrupted_inside_take():
+        with b._lock:                              # where a signal may interrupt the engine's thread
+            b.close("SIGTERM")                     # what a SIGTERM handler would call
+        finished.set()
+    t = threading.Thread(target=engine_thread_interrupted_inside_take, daemon=True)
+    t.start()
+    assert finished.wait(2), "close() deadlocked against the lock its own thread holds"
+    assert b.closed == "SIGTERM"

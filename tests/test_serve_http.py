@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -150,6 +151,19 @@ def test_openai_client_streams(served):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_raw_stream_is_server_sent_events_ending_in_done(served):
+    s = served()
+    status, headers, text = s.post({"prompt": "abc", "max_tokens": 3, "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "cba"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+
+
 def test_list_of_prompts_gives_one_choice_each_in_order(served):
     s = served()
     r = s.client.completions.create(model=MODEL, prompt=["abc", "wxyz"], max_tokens=4)
@@ -164,6 +178,21 @@ def test_list_of_prompts_gives_one_choice_each_in_order(served):
             texts[ch.index] += ch.text
         usage = c.usage or usage
     assert texts == {0: "cbac", 1: "zyxw"} and usage.total_tokens == 15
+
+
+def test_prompt_plus_max_tokens_may_fill_the_context_exactly(served):
+    s = served(seq_len=64)
+    r = s.client.completions.create(model=MODEL, prompt="x" * 54, max_tokens=10)
+    assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length"
+
+
+def test_make_app_refuses_bad_limits_and_seq_len():
+    for limits, words in (({"max_prompt": 3}, "unknown limit(s) ['max_prompt']"),
+                          ({"max_prompts": 0}, "max_prompts must be an integer >= 1")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            make_app(Broker(1), Metrics(), Tokenizer("bytes"), MODEL, 64, limits)
+    with pytest.raises(ValueError, match="seq_len must be an integer >= 2"):
+        make_app(Broker(1), Metrics(), Tokenizer("bytes"), MODEL, 1)
 
 
 def test_sampling_fields_reach_the_engine_and_unseeded_requests_differ(served):
@@ -295,6 +324,9 @@ BAD = [
     ({"prompt": "hi", "echo": True}, None, "echo is not supported", "echo"),
     ({"prompt": "hi", "logprobs": 2}, None, "logprobs is not supported", "logprobs"),
     ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported", "best_of"),
+    ({"prompt": ["a"] * 33}, None, "prompt has 33 strings; at most 32 per request", "prompt"),
+    ({"prompt": "hi", "stream": True, "stream_options": 1}, None, "stream_options must be an object",
+     "stream_options"),
 ]
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import DEFAULT_LIMITS, ApiError, choice, completion_body, parse_completion, usage
+from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completion_body, parse_completion, usage
 
 _STATE = web.AppKey("hpcpipe_state", dict)
 _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
@@ -29,7 +29,9 @@ _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
              limits: dict | None = None) -> web.Application:
     """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics."""
-    limits = {**DEFAULT_LIMITS, **(limits or {})}
+    limits = check_limits(limits)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"serve: seq_len must be an integer >= 2, got {seq_len!r}")
     app = web.Application(client_max_size=int(limits["max_body_bytes"]), middlewares=[_json_errors])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time())}
@@ -149,7 +151,8 @@ async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
 async def _stream(request: web.Request, job: Completion, head: dict, include_usage: bool,
                   metrics: Metrics) -> web.StreamResponse:
     """Send each text delta as a server-sent event as it arrives, then data: [DONE]."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})     # proxies: pass each event on at once
     try:
         await resp.prepare(request)
         metrics.count_request(200)

@@ -484,3 +484,27 @@ def test_stop_lets_an_open_stream_finish_and_stops_listening(served):
     assert "".join(c.choices[0].text for c in chunks) == ("fedcba" * 5)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", s.port), timeout=1)
+
+
+def test_stop_ends_a_stream_the_engine_never_finishes_and_cancels_it(served):
+    s = served(engine=False)
+    errors = []
+
+    def read():
+        try:
+            list(s.client.completions.create(model=MODEL, prompt="abc", max_tokens=5, stream=True))
+        except Exception as exc:          # noqa: BLE001 - the client must see an error, not hang
+            errors.append(exc)
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.monotonic() + 3
+    while s.broker.outstanding == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    s.server.stop(timeout=0.3)
+    assert time.monotonic() - t0 < 1.3
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1
+    assert s.broker.outstanding == 0
+    with pytest.raises(RuntimeError, match="already started"):
+        s.server.start()

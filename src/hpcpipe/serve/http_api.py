@@ -9,6 +9,7 @@ only through the thread-safe Broker.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import threading
@@ -200,6 +201,8 @@ class HttpServer:
 
     def start(self) -> tuple[str, int]:
         """Bind now (OSError naming host and port if that fails), serve in a daemon thread; return (host, port)."""
+        if self._thread is not None:
+            raise RuntimeError("HttpServer.start: already started (make a new HttpServer to serve again)")
         sock = _listen(self.host, self.port)
         bound = sock.getsockname()[:2]
         ready: dict = {}
@@ -240,6 +243,8 @@ class HttpServer:
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
         try:
             fut.result(timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            pass                               # shutting down anyway: the loop stops below, the thread is a daemon
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
@@ -249,7 +254,11 @@ class HttpServer:
             await site.stop()
         inflight = set(self.app[_INFLIGHT])
         if inflight:
-            await asyncio.wait(inflight, timeout=timeout)
+            _, late = await asyncio.wait(inflight, timeout=timeout)
+            for task in late:                  # past the grace period: end them now (their requests are
+                task.cancel()                  # cancelled at the broker), not after aiohttp's own waits
+            if late:
+                await asyncio.wait(late, timeout=1.0)
         await self._runner.cleanup()
 
 

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 from aiohttp import web
@@ -184,6 +185,10 @@ def test_prompt_plus_max_tokens_may_fill_the_context_exactly(served):
     s = served(seq_len=64)
     r = s.client.completions.create(model=MODEL, prompt="x" * 54, max_tokens=10)
     assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length"
+
+
+def test_make_app_takes_a_numpy_seq_len(served):
+    make_app(Broker(1), Metrics(), Tokenizer("bytes"), MODEL, np.int64(64))
 
 
 def test_make_app_refuses_bad_limits_and_seq_len():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import numbers
 import socket
 import threading
 import time
@@ -31,7 +32,7 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
              limits: dict | None = None) -> web.Application:
     """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics."""
     limits = check_limits(limits)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
         raise ValueError(f"serve: seq_len must be an integer >= 2, got {seq_len!r}")
     app = web.Application(client_max_size=int(limits["max_body_bytes"]), middlewares=[_json_errors])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,

@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hpcpipe"
 ROOT = SRC.parents[1]
 # the top level: small shared modules and the command entry points; everything else lives in a package
 TOP_LEVEL = {"__init__", "errors", "config", "trace", "cli", "h5files", "checkpoint", "evaluate", "simulate"}
-PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer"}
+PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer", "serve"}
 
 
 def _modules():
@@ -54,3 +54,14 @@ def test_schedules_and_models_import_no_mpi_and_no_runtime():
                     assert not node.module.startswith(("mpi4py", "hpcpipe.runtime", "hpcpipe.train",
                                                        "hpcpipe.infer", "hpcpipe.state")), \
                         f"{path.relative_to(SRC)} imports {node.module}"
+
+
+def test_serving_front_end_reaches_no_mpi():
+    # the HTTP thread of rank 0 must never make an MPI call: its modules import neither mpi4py nor the runtime
+    for name in ("broker", "completion", "http_api", "metrics", "openai_schema", "textstream"):
+        path = SRC / "serve" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for m in modules:
+                assert not m.startswith(("mpi4py", "hpcpipe.runtime")), f"serve/{name}.py imports {m}"

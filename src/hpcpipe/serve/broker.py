@@ -58,10 +58,10 @@ class Closed(Exception):
 class _Entry:
     """Bookkeeping of one outstanding request: where its events go and whether the engine has it."""
 
-    __slots__ = ("deliver", "taken")
+    __slots__ = ("sink", "loop", "taken")
 
-    def __init__(self, deliver: Callable[[Event], None]):
-        self.deliver = deliver
+    def __init__(self, sink: Callable[[Event], None], loop: asyncio.AbstractEventLoop | None):
+        self.sink, self.loop = sink, loop
         self.taken = False
 
 
@@ -72,7 +72,9 @@ class Broker:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"broker: capacity must be an integer >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._lock = threading.Lock()
+        # Reentrant: a SIGTERM handler calling close() runs on the main (engine) thread, possibly while
+        # that thread is inside take() or deliver() holding the lock.
+        self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._new: list[Request] = []
         self._cancelled: list[str] = []
@@ -92,7 +94,6 @@ class Broker:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        deliver = sink if loop is None else _on_loop(loop, sink)
         with self._lock:
             if self._closed is not None:
                 raise Closed(self._closed)
@@ -102,18 +103,18 @@ class Broker:
             if len(self._entries) + len(requests) > self.capacity:
                 raise QueueFull(f"{len(self._entries)} requests outstanding; capacity {self.capacity}")
             for r in requests:
-                self._entries[r.id] = _Entry(deliver)
+                self._entries[r.id] = _Entry(sink, loop)
             self._new.extend(requests)
 
     def cancel(self, request_id: str) -> None:
         """Tell the engine to drop a request (client gone, stop string seen); no more events reach its sink."""
         with self._lock:
             entry = self._entries.get(request_id)
-            if entry is None or entry.deliver is _drop:
+            if entry is None or entry.sink is _drop:
                 return
             if entry.taken:
                 self._cancelled.append(request_id)
-                entry.deliver = _drop
+                entry.sink = _drop
             else:
                 del self._entries[request_id]
                 self._new = [r for r in self._new if r.id != request_id]
@@ -133,20 +134,28 @@ class Broker:
 
     def deliver(self, events: list[Event]) -> None:
         """Forward each event to its request's sink; a final event (finish not None) ends the request."""
-        calls = []
+        bad = [ev.finish for ev in events if ev.finish is not None and ev.finish not in FINISH_REASONS]
+        if bad:
+            raise ValueError(f"broker: event finish must be None or one of {FINISH_REASONS}, got {bad[0]!r}")
+        direct, by_loop = [], {}
         with self._lock:
             for ev in events:
-                if ev.finish is not None and ev.finish not in FINISH_REASONS:
-                    raise ValueError(f"broker: event finish must be None or one of {FINISH_REASONS}, "
-                                     f"got {ev.finish!r}")
                 entry = self._entries.get(ev.request_id)
-                if entry is None or not entry.taken:
+                if entry is None or not entry.taken or entry.sink is _drop:
                     continue          # cancelled or already finished: the client no longer listens
                 if ev.finish is not None:
                     del self._entries[ev.request_id]
-                calls.append((entry.deliver, ev))
-        for deliver, ev in calls:      # outside the lock: a sink may call back into the broker
-            deliver(ev)
+                if entry.loop is None:
+                    direct.append((entry.sink, ev))
+                else:
+                    by_loop.setdefault(entry.loop, []).append((entry.sink, ev))
+        # Outside the lock (a sink may call back into the broker); one wake-up per event loop and step.
+        for loop, calls in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_sinks, calls)
+            except RuntimeError:      # the loop is closed: the server stopped, nobody listens any more
+                pass
+        _run_sinks(direct)
 
     def set_running(self, n: int) -> None:
         """Record the engine's count of admitted sequences (for the queue depth in /metrics)."""
@@ -190,11 +199,7 @@ def _drop(event: Event) -> None:
     """Sink of a cancelled request: its events go nowhere."""
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, sink: Callable[[Event], None]) -> Callable[[Event], None]:
-    """Wrap sink so that it runs on loop's thread; events for a loop that has shut down are dropped."""
-    def deliver(event: Event) -> None:
-        try:
-            loop.call_soon_threadsafe(sink, event)
-        except RuntimeError:      # the loop is closed: the server stopped, nobody listens any more
-            pass
-    return deliver
+def _run_sinks(calls: list) -> None:
+    """Call each sink with its event, in order."""
+    for sink, ev in calls:
+        sink(ev)

@@ -38,7 +38,21 @@ class Completion:
         i = self._index.get(ev.request_id)
         if i is None or self._choices[i].finish is not None:
             return
+        try:
+            text, finish = self._advance(self._choices[i], ev)
+        except Exception:           # noqa: BLE001 - e.g. a token id outside the vocabulary: fail this
+            # completion with a 500 instead of leaving its client waiting for an event that never comes.
+            text, finish = "", "error"
+            self._broker.cancel(self._choices[i].request.id)
         ch = self._choices[i]
+        if finish == "error":
+            self.failed = True
+        ch.finish = finish
+        if text or finish is not None:
+            self.items.put_nowait((i, text, finish))
+
+    def _advance(self, ch: _Choice, ev: Event) -> tuple[str, str | None]:
+        """Return (new text, finish reason or None) after one event of this choice."""
         text, finish = "", None
         if ev.tokens:
             self._record_arrival(ch, len(ev.tokens))
@@ -52,10 +66,7 @@ class Completion:
             finish = "length"
         elif finish is None and ev.finish is not None:   # "error", or a cancel this front end did not ask for
             finish = "error"
-            self.failed = True
-        ch.finish = finish
-        if text or finish is not None:
-            self.items.put_nowait((i, text, finish))
+        return text, finish
 
     def _record_arrival(self, ch: _Choice, k: int) -> None:
         """TTFT for the first token; per token after it, the gap since the previous arrival.

@@ -9,7 +9,9 @@ only through the thread-safe Broker.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import numbers
 import socket
 import threading
 import time
@@ -20,7 +22,7 @@ from aiohttp import web
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import DEFAULT_LIMITS, ApiError, choice, completion_body, parse_completion, usage
+from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completion_body, parse_completion, usage
 
 _STATE = web.AppKey("hpcpipe_state", dict)
 _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
@@ -29,7 +31,9 @@ _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
              limits: dict | None = None) -> web.Application:
     """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics."""
-    limits = {**DEFAULT_LIMITS, **(limits or {})}
+    limits = check_limits(limits)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
+        raise ValueError(f"serve: seq_len must be an integer >= 2, got {seq_len!r}")
     app = web.Application(client_max_size=int(limits["max_body_bytes"]), middlewares=[_json_errors])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time())}
@@ -121,8 +125,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         if spec.stream:
             return await _stream(request, job, head, spec.include_usage, metrics)
         return await _whole(job, head, metrics)
-    except (asyncio.CancelledError, ConnectionResetError):
-        # The client went away: aiohttp cancels the handler (non-stream wait) or a write fails (stream).
+    except asyncio.CancelledError:
+        # The client went away: aiohttp cancels the handler (handler_cancellation=True), whatever it awaits.
         metrics.count_disconnect()
         if not spec.stream:
             metrics.count_request(499)
@@ -134,7 +138,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
     """Wait for every choice, then answer one JSON text_completion."""
-    while not job.done:
+    while not job.done and not job.failed:
         await job.items.get()
     if job.failed:
         metrics.count_request(500)
@@ -149,10 +153,19 @@ async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
 async def _stream(request: web.Request, job: Completion, head: dict, include_usage: bool,
                   metrics: Metrics) -> web.StreamResponse:
     """Send each text delta as a server-sent event as it arrives, then data: [DONE]."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    metrics.count_request(200)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})     # proxies: pass each event on at once
+    try:
+        await resp.prepare(request)
+        metrics.count_request(200)
+        await _send_events(resp, job, head, include_usage)
+    except ConnectionResetError:     # a write found the client gone (the caller cancels its requests)
+        metrics.count_disconnect()
+    return resp
 
+
+async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, include_usage: bool) -> None:
+    """Write the text_completion chunks of job as they come, then the usage chunk if asked and [DONE]."""
     def event(obj) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
@@ -166,7 +179,7 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
                 out.append(event(ApiError(500, f"the engine failed while generating choice {i}",
                                           type="server_error").body()))
                 await resp.write(b"".join(out))
-                return resp                    # no [DONE]: the stream ended in an error
+                return                         # no [DONE]: the stream ended in an error
             out.append(event(completion_body(head["cid"], head["created"], head["model"],
                                              [choice(i, text, finish)], None)))
         await resp.write(b"".join(out))
@@ -176,7 +189,6 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
                                              usage(job.prompt_tokens(), job.completion_tokens()))))
     await resp.write(b"".join(tail))
     await resp.write_eof()
-    return resp
 
 
 class HttpServer:
@@ -190,6 +202,8 @@ class HttpServer:
 
     def start(self) -> tuple[str, int]:
         """Bind now (OSError naming host and port if that fails), serve in a daemon thread; return (host, port)."""
+        if self._thread is not None:
+            raise RuntimeError("HttpServer.start: already started (make a new HttpServer to serve again)")
         sock = _listen(self.host, self.port)
         bound = sock.getsockname()[:2]
         ready: dict = {}
@@ -205,6 +219,7 @@ class HttpServer:
                 self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
             except BaseException as exc:       # reported to start() in the caller's thread
                 ready["error"] = exc
+                self._loop.close()
                 started.set()
                 return
             started.set()
@@ -229,6 +244,8 @@ class HttpServer:
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
         try:
             fut.result(timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            pass                               # shutting down anyway: the loop stops below, the thread is a daemon
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
@@ -238,7 +255,11 @@ class HttpServer:
             await site.stop()
         inflight = set(self.app[_INFLIGHT])
         if inflight:
-            await asyncio.wait(inflight, timeout=timeout)
+            _, late = await asyncio.wait(inflight, timeout=timeout)
+            for task in late:                  # past the grace period: end them now (their requests are
+                task.cancel()                  # cancelled at the broker), not after aiohttp's own waits
+            if late:
+                await asyncio.wait(late, timeout=1.0)
         await self._runner.cleanup()
 
 
@@ -249,5 +270,4 @@ def _listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as exc:
         hint = " (is another server using it? pick another with --port)" if port else ""
-        raise OSError(exc.errno, f"hpcpipe: error: cannot listen on {host}:{port}: "
-                                 f"{exc.strerror or exc}{hint}") from None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None

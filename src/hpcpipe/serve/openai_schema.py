@@ -41,6 +41,18 @@ class CompletionSpec:
     include_usage: bool = False
 
 
+def check_limits(limits: dict | None) -> dict:
+    """Return DEFAULT_LIMITS updated by limits; ValueError names an unknown key or a value that is not an int >= 1."""
+    limits = dict(limits or {})
+    unknown = sorted(set(limits) - set(DEFAULT_LIMITS))
+    if unknown:
+        raise ValueError(f"serve: unknown limit(s) {unknown}; known: {sorted(DEFAULT_LIMITS)}")
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"serve: limit {key} must be an integer >= 1, got {value!r}")
+    return {**DEFAULT_LIMITS, **limits}
+
+
 def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param)
 
@@ -61,7 +73,7 @@ def _get(body: dict, key: str, default):
 
 def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> CompletionSpec:
     """Validate a POST /v1/completions body; raise ApiError(400) naming the field and values at fault."""
-    limits = {**DEFAULT_LIMITS, **(limits or {})}
+    limits = check_limits(limits)
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
     _refuse_unsupported(body)

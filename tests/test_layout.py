@@ -8,7 +8,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "hpcpipe"
 ROOT = SRC.parents[1]
 # the top level: small shared modules and the command entry points; everything else lives in a package
-TOP_LEVEL = {"__init__", "errors", "config", "trace", "cli", "h5files", "checkpoint", "evaluate", "simulate"}
+TOP_LEVEL = {"__init__", "errors", "config", "config_checks", "trace", "cli", "h5files", "checkpoint", "evaluate",
+             "simulate", "generate"}
 PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer", "serve"}
 
 

@@ -69,8 +69,8 @@ def test_mixed_decode_and_prefill_segments_in_one_call(kind):
     """Several slots with different lengths decode in one call beside a prefill and a chunked prefill (start > 0)."""
     shape = SHAPES[kind]
     model = _model(shape, seed=2)
-    stage = _stage(model, slots=5)
-    seqs = {slot: _tokens(shape, shape.seq_len, 10 + slot) for slot in range(5)}
+    stage = _stage(model, slots=7)
+    seqs = {slot: _tokens(shape, shape.seq_len, 10 + slot) for slot in range(7)}
     done = dict.fromkeys(seqs, 0)
 
     def run(plan):
@@ -84,10 +84,13 @@ def test_mixed_decode_and_prefill_segments_in_one_call(kind):
 
     run([(3, 5), (0, 2)])
     run([(0, 1), (1, 4), (3, 1)])                  # decode, prefill, decode
-    run([(3, 1), (1, 1), (0, 1), (4, 1)])          # four decodes at lengths 7, 5, 4 and 1 (a 1-token prompt)
+    run([(3, 1), (1, 1), (0, 1), (4, 1)])          # four decodes at lengths 7, 5, 4, 1 (a 1-token prompt), slot 2
+    #                                                unused: queries spread over the span of slots 0..4
     run([(1, 3), (4, 1), (3, 1), (2, 6)])          # a chunked prefill of slot 1 (start 5) among decodes
-    for _ in range(4):
-        run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)])
+    run([(6, 2), (0, 1), (5, 1)])                  # decode slots 0 and 5: gathered, not read in place
+    for _ in range(3):
+        run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)])   # slots in order: the cache read in place
+    run([(6, 1), (0, 1)])                          # two slots far apart: gathered
 
 
 def test_a_reused_slot_never_sees_the_previous_sequence():

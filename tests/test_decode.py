@@ -171,11 +171,14 @@ def test_segment_past_seq_len_is_refused():
     ([Segment(1, 0, 2), Segment(1, 2, 1)], 3, "slot 1 appears in two segments"),
     ([Segment(0, 0, 3)], 2, "expected 3 integer token ids"),
     ([], 0, "at least one segment"),
+    ([Segment(0, 0, 1)], [37], r"token id 37 out of range 0..36"),
+    ([Segment(0, 0, 2)], [3, -1], r"token id -1 out of range 0..36"),
 ])
 def test_bad_segments_are_refused(segments, tokens, message):
     stage = _stage(_model(SHAPES["tied"]))
     with pytest.raises(ValueError, match=message):
-        stage.forward(np.zeros(tokens, dtype=np.int64), segments)
+        x = np.array(tokens) if isinstance(tokens, list) else np.zeros(tokens, dtype=np.int64)
+        stage.forward(x, segments)
 
 
 def test_bad_construction_is_refused():

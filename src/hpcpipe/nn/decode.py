@@ -203,6 +203,10 @@ class DecodeStage:
         if self.has_embedding:
             if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
                 raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
+            low, high = int(x.min()), int(x.max())
+            if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
+                raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
+                                 f"0..{self.shape.vocab - 1}")
             return self.tok_emb[x] + self.pos_emb[plan.positions]
         if x.shape != (plan.n_rows, d):
             raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")

@@ -59,7 +59,7 @@ class _Plan:
     """Where the segments of one forward call sit among its rows, on the host and as xp index arrays."""
 
     n_rows: int
-    positions: Any                       # xp int64 (n_rows,): each row's position in its sequence
+    positions: np.ndarray                # host int64 (n_rows,): each row's position in its sequence
     last_rows: Any                       # xp int64 (n_segments,), or None when every row is a segment's last
     prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
     decode: _DecodeBatch | None
@@ -173,7 +173,7 @@ class DecodeStage:
             slots = np.array([s.slot for s in segments], dtype=np.int64)[is_dec]
             decode = self._decode_batch(None if all_last else firsts[is_dec], slots, starts[is_dec])
         last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
-        return _Plan(n_rows, xp.asarray(positions), last_rows, prefill, decode)
+        return _Plan(n_rows, positions, last_rows, prefill, decode)
 
     def _decode_batch(self, rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray) -> _DecodeBatch:
         """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call."""
@@ -207,7 +207,7 @@ class DecodeStage:
             if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
                 raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
                                  f"0..{self.shape.vocab - 1}")
-            return self.tok_emb[x] + self.pos_emb[plan.positions]
+            return self.tok_emb[x] + self.pos_emb[xp.asarray(plan.positions)]
         if x.shape != (plan.n_rows, d):
             raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
         return x.astype(self.dtype, copy=False)

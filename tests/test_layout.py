@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hpcpipe"
 ROOT = SRC.parents[1]
 # the top level: small shared modules and the command entry points; everything else lives in a package
 TOP_LEVEL = {"__init__", "errors", "config", "trace", "cli", "h5files", "checkpoint", "evaluate", "simulate"}
-PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer", "serve"}
+PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer"}
 
 
 def _modules():

@@ -69,8 +69,8 @@ def test_mixed_decode_and_prefill_segments_in_one_call(kind):
     """Several slots with different lengths decode in one call beside a prefill and a chunked prefill (start > 0)."""
     shape = SHAPES[kind]
     model = _model(shape, seed=2)
-    stage = _stage(model, slots=5)
-    seqs = {slot: _tokens(shape, shape.seq_len, 10 + slot) for slot in range(5)}
+    stage = _stage(model, slots=7)
+    seqs = {slot: _tokens(shape, shape.seq_len, 10 + slot) for slot in range(7)}
     done = dict.fromkeys(seqs, 0)
 
     def run(plan):
@@ -84,10 +84,13 @@ def test_mixed_decode_and_prefill_segments_in_one_call(kind):
 
     run([(3, 5), (0, 2)])
     run([(0, 1), (1, 4), (3, 1)])                  # decode, prefill, decode
-    run([(3, 1), (1, 1), (0, 1), (4, 1)])          # four decodes at lengths 7, 5, 4 and 1 (a 1-token prompt)
+    run([(3, 1), (1, 1), (0, 1), (4, 1)])          # four decodes at lengths 7, 5, 4, 1 (a 1-token prompt), slot 2
+    #                                                unused: queries spread over the span of slots 0..4
     run([(1, 3), (4, 1), (3, 1), (2, 6)])          # a chunked prefill of slot 1 (start 5) among decodes
-    for _ in range(4):
-        run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)])
+    run([(6, 2), (0, 1), (5, 1)])                  # decode slots 0 and 5: gathered, not read in place
+    for _ in range(3):
+        run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)])   # slots in order: the cache read in place
+    run([(6, 1), (0, 1)])                          # two slots far apart: gathered
 
 
 def test_a_reused_slot_never_sees_the_previous_sequence():
@@ -168,11 +171,14 @@ def test_segment_past_seq_len_is_refused():
     ([Segment(1, 0, 2), Segment(1, 2, 1)], 3, "slot 1 appears in two segments"),
     ([Segment(0, 0, 3)], 2, "expected 3 integer token ids"),
     ([], 0, "at least one segment"),
+    ([Segment(0, 0, 1)], [37], r"token id 37 out of range 0..36"),
+    ([Segment(0, 0, 2)], [3, -1], r"token id -1 out of range 0..36"),
 ])
 def test_bad_segments_are_refused(segments, tokens, message):
     stage = _stage(_model(SHAPES["tied"]))
     with pytest.raises(ValueError, match=message):
-        stage.forward(np.zeros(tokens, dtype=np.int64), segments)
+        x = np.array(tokens) if isinstance(tokens, list) else np.zeros(tokens, dtype=np.int64)
+        stage.forward(x, segments)
 
 
 def test_bad_construction_is_refused():

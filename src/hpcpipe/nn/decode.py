@@ -26,6 +26,9 @@ from hpcpipe.nn.gpt_params import GPTShape, group_params
 from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
 
+# decode slots spread over at most this many times their count are read in place, wider ones gathered
+_IN_PLACE_SPAN = 1.5
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -37,19 +40,39 @@ class Segment:
 
 
 @dataclass
+class _DecodeBatch:
+    """The decode (length-1) segments of a forward call: one batched attention over their slots' caches.
+
+    When their slots lie in a span at most _IN_PLACE_SPAN times their count, attention reads that span of the
+    cache in place (a view: no copy) with the queries spread over the span's rows; otherwise it gathers their
+    slots' keys and values into a scratch buffer the stage reuses.
+    """
+
+    rows: Any        # xp int64 rows of the decode tokens in the call, or None when they are all the rows
+    slots: Any       # xp int64 (n,) their slots
+    positions: Any   # xp int64 (n,) their tokens' positions
+    n: int
+    keys: int        # keys attended over: max(position) + 1
+    span: slice | None   # the cache rows read in place, or None: gather ``slots``
+    gather: Any      # xp int64 (n * h * keys,) rows of the cache seen as (slots * h * seq_len, d_head) rows, or None
+    order: Any       # xp int64 (n,) each token's row in the span, or None when row i is token i
+    future: Any      # xp bool (rows attended, 1, 1, keys): True where a key is after the query
+
+
+@dataclass
 class _Plan:
     """Where the segments of one forward call sit among its rows, on the host and as xp index arrays."""
 
     n_rows: int
-    positions: Any                    # xp int64 (n_rows,): each row's position in its sequence
-    last_rows: Any                    # xp int64 (n_segments,) or None when every row is a segment's last
+    positions: np.ndarray                # host int64 (n_rows,): each row's position in its sequence
+    last_rows: Any                       # xp int64 (n_segments,), or None when every row is a segment's last
     prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
-    dec_rows: Any                     # xp int64 rows of the decode segments, or None when they are all rows
-    dec_slots: Any                    # xp int64 slots of the decode segments
-    dec_pos: Any                      # xp int64 positions of the decode segments' tokens
-    dec_len: int                      # keys the decode batch attends over: max(start) + 1
-    dec_mask: Any                     # xp bool (n_dec, 1, 1, dec_len): True where a key is in the future
-    n_dec: int
+    decode: _DecodeBatch | None
+
+
+def _all(rows: Any) -> Any:
+    """Index of the given rows, or of all rows when None."""
+    return slice(None) if rows is None else rows
 
 
 def _forward_only(params: dict[str, Any]) -> dict[str, None]:
@@ -83,6 +106,8 @@ class DecodeStage:
         self._cache = xp.zeros((len(self.blocks), 2, slots, h, t, dh), dtype=self.dtype)
         self._future = xp.triu(xp.ones((t, t), dtype=bool), k=1)   # [i, j]: key j is after query i
         self._scale = 1.0 / math.sqrt(dh)
+        self._scratch = None                      # (2, rows, d_head): gathered keys and values, see _gather
+        self._take_mode = {"mode": "clip"} if xp is np else {}
 
     def _load_group(self, index: int, arrays: dict[int, dict[str, np.ndarray]]) -> dict[str, Any]:
         """Copy group ``index``'s host arrays to xp arrays of the stage's dtype, checking names and shapes."""
@@ -148,22 +173,38 @@ class DecodeStage:
         n_rows = int(lengths.sum())
         positions = np.arange(n_rows, dtype=np.int64) + np.repeat(starts - firsts, lengths)
         is_dec = lengths == 1
-        n_dec = int(is_dec.sum())
-        all_last = n_dec == len(segments)
+        all_last = bool(is_dec.all())
         prefill = [(int(firsts[i]), segments[i]) for i in np.flatnonzero(~is_dec)]
-        dec_rows = dec_slots = dec_pos = dec_mask = None
-        dec_len = 0
-        if n_dec:
-            rows = firsts[is_dec]
-            pos = starts[is_dec]
-            dec_len = int(pos.max()) + 1
-            dec_rows = None if all_last else xp.asarray(rows)
-            dec_slots = xp.asarray(np.array([s.slot for s in segments], dtype=np.int64)[is_dec])
-            dec_pos = xp.asarray(pos)
-            dec_mask = self._future[dec_pos, :dec_len].reshape(n_dec, 1, 1, dec_len)
+        decode = None
+        if is_dec.any():
+            slots = np.array([s.slot for s in segments], dtype=np.int64)[is_dec]
+            decode = self._decode_batch(None if all_last else firsts[is_dec], slots, starts[is_dec])
         last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
-        return _Plan(n_rows, xp.asarray(positions), last_rows, prefill, dec_rows, dec_slots, dec_pos, dec_len,
-                     dec_mask, n_dec)
+        return _Plan(n_rows, positions, last_rows, prefill, decode)
+
+    def _decode_batch(self, rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray) -> _DecodeBatch:
+        """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call."""
+        xp, n = self.xp, slots.size
+        keys = int(positions.max()) + 1
+        low, span = int(slots.min()), int(slots.max() - slots.min()) + 1
+        dev_slots, dev_pos = xp.asarray(slots), xp.asarray(positions)
+        future = self._future[dev_pos, :keys]
+        if span > _IN_PLACE_SPAN * n:
+            h, t = self.shape.n_heads, self.shape.seq_len
+            # every (slot, head) pair's first ``keys`` positions, as rows of d_head values: one take per array
+            gather = (((slots[:, None] * h + np.arange(h))[:, :, None] * t) + np.arange(keys)).reshape(-1)
+            return _DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys, None,
+                                xp.asarray(gather), None, future.reshape(n, 1, 1, keys))
+        order = None
+        if span != n or (slots != np.arange(low, low + span)).any():
+            order = xp.asarray(slots - low)
+            # the span's rows without a query attend to key 0 only: finite, and dropped afterwards
+            spread = xp.ones((span, keys), dtype=bool)
+            spread[:, 0] = False
+            spread[order] = future
+            future = spread
+        return _DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys,
+                            slice(low, low + span), None, order, future.reshape(span, 1, 1, keys))
 
     def _input(self, x: Any, plan: _Plan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
@@ -172,7 +213,11 @@ class DecodeStage:
         if self.has_embedding:
             if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
                 raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
-            return self.tok_emb[x] + self.pos_emb[plan.positions]
+            low, high = int(x.min()), int(x.max())
+            if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
+                raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
+                                 f"0..{self.shape.vocab - 1}")
+            return self.tok_emb[x] + self.pos_emb[xp.asarray(plan.positions)]
         if x.shape != (plan.n_rows, d):
             raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
         return x.astype(self.dtype, copy=False)
@@ -202,16 +247,49 @@ class DecodeStage:
             scores = qkv[new, 0].transpose(1, 0, 2) @ keys[seg.slot, :, :end].swapaxes(-1, -2)
             p = self._softmax_(scores, self._future[seg.start:end, :end])
             heads[new] = (p @ values[seg.slot, :, :end]).transpose(1, 0, 2)
-        if plan.n_dec:
-            dec = slice(None) if plan.dec_rows is None else plan.dec_rows
-            keys[plan.dec_slots, :, plan.dec_pos] = qkv[dec, 1]
-            values[plan.dec_slots, :, plan.dec_pos] = qkv[dec, 2]
-            k = keys[:, :, :plan.dec_len][plan.dec_slots]                # (n_dec, h, dec_len, dh)
-            q = qkv[dec, 0].reshape(plan.n_dec, h, 1, dh)
-            p = self._softmax_(q @ k.swapaxes(-1, -2), plan.dec_mask)     # (n_dec, h, 1, dec_len)
-            v = values[:, :, :plan.dec_len][plan.dec_slots]
-            heads[dec] = (p @ v).reshape(plan.n_dec, h, dh)
+        if plan.decode is not None:
+            heads[_all(plan.decode.rows)] = self._attend_decode(qkv, keys, values, plan.decode)
         return heads.reshape(n, h * dh)
+
+    def _attend_decode(self, qkv: Any, keys: Any, values: Any, dec: _DecodeBatch) -> Any:
+        """Write the decode tokens' keys and values and return their attention heads (n, h, d_head)."""
+        xp = self.xp
+        n, h, dh = dec.n, self.shape.n_heads, self.shape.d_head
+        rows = _all(dec.rows)
+        keys[dec.slots, :, dec.positions] = qkv[rows, 1]
+        values[dec.slots, :, dec.positions] = qkv[rows, 2]
+        q = qkv[rows, 0].reshape(n, 1, h, dh).swapaxes(1, 2)          # (n, h, 1, dh)
+        if dec.span is None:
+            k, v = self._gather(keys, values, dec)                     # (n, h, keys, dh) each
+        else:
+            k, v = keys[dec.span, :, :dec.keys], values[dec.span, :, :dec.keys]   # views of the cache
+            if dec.order is not None:
+                spread = xp.zeros((k.shape[0], h, 1, dh), dtype=q.dtype)
+                spread[dec.order] = q
+                q = spread
+        p = self._softmax_(q @ k.swapaxes(-1, -2), dec.future)        # (rows, h, 1, keys)
+        out = p @ v
+        if dec.order is not None:
+            out = out[dec.order]
+        return out.reshape(n, h, dh)
+
+    def _gather(self, keys: Any, values: Any, dec: _DecodeBatch) -> tuple[Any, Any]:
+        """Copy the decode slots' keys and values up to ``dec.keys`` into the stage's scratch (grown when short).
+
+        Fancy indexing would allocate two fresh arrays of that size per block, and NumPy's large allocations
+        cost a page fault per 4 KiB page each time (measured: 3x the whole step with 32 sequences).
+        """
+        xp, dh = self.xp, self.shape.d_head
+        rows = dec.gather
+        n_rows = rows.shape[0]
+        if self._scratch is None or self._scratch.shape[1] < n_rows:
+            self._scratch = xp.empty((2, n_rows, dh), dtype=self.dtype)
+        out = []
+        for source, buf in zip((keys, values), self._scratch, strict=True):
+            # NumPy buffers ``out`` under the default mode "raise"; the rows are in range by construction
+            xp.take(source.reshape(-1, dh), rows, axis=0, out=buf[:n_rows], **self._take_mode)
+            out.append(buf[:n_rows].reshape(dec.n, self.shape.n_heads, dec.keys, dh))
+        return tuple(out)
 
     def _block(self, block: Block, cache: Any, h: Any, plan: _Plan) -> Any:
         """One decoder block over the rows ``h``: a = h + attn(ln1(h)); return a + mlp(ln2(a))."""

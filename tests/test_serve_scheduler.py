@@ -59,7 +59,15 @@ def test_max_new_and_context_end_a_sequence_and_free_its_slot():
         finishes += [(e.request_id, e.finish) for e in events if e.finish]
     # r0: 3 tokens (max_new); r1 waits for the one slot, then stops when its 5-token context is full
     assert finishes == [("r0", "length"), ("r1", "length")]
-    assert s.free == [0]
+    assert s.free == [[0]]
+
+
+def test_each_group_decodes_a_contiguous_block_of_slots():
+    s = ReplicaScheduler(slots=8, groups=2, seq_len=32)
+    for i in range(6):
+        s.submit(request(i))
+    items = [s.next_item(), s.next_item()]
+    assert sorted(sorted(seg.slot for seg in item.segments) for item in items) == [[0, 1, 2], [4, 5, 6]]
 
 
 def test_waiting_requests_start_only_when_a_slot_is_free():
@@ -79,7 +87,7 @@ def test_cancel_waiting_idle_and_in_flight():
     assert s.cancel("r1") == []                # in flight: reported when the group comes back
     events = s.complete(item.group, [1, 1])
     assert [(e.request_id, e.finish) for e in events] == [("r0", None), ("r1", "cancelled")]
-    assert s.running == 1 and len(s.free) == 1
+    assert s.running == 1 and sum(map(len, s.free)) == 1
     assert [e.finish for e in s.cancel("r0")] == ["cancelled"]   # idle group: freed at once
     assert s.idle and s.cancel("nope") == []
 

@@ -11,8 +11,9 @@ works on another and no stage waits for a whole token round trip::
     stage 1           g0    g1    g0'   g1'
 
 Requests join and leave between steps: a waiting request takes a free slot
-and joins the smallest group (its prompt is prefilled the next time that
-group runs, beside the others' decode rows); a finished or cancelled
+of the least busy group (each group owns a contiguous block of slots; its
+prompt is prefilled the next time that group runs, beside the others' decode
+rows); a finished or cancelled
 sequence frees its slot when its group comes back. Which tokens a sequence
 gets never depends on its group or neighbours: sampling is per sequence.
 """
@@ -63,7 +64,9 @@ class ReplicaScheduler:
         # prompt tokens one work item may carry (0 = no limit): long prompts are prefilled in chunks over
         # several steps, so one joining request does not stall the decode rows beside it for long
         self.prefill_tokens = prefill_tokens if kv_cache else 0
-        self.free = list(range(slots - 1, -1, -1))           # pop() hands out slot 0 first
+        # each group owns a contiguous block of slots, so a decode step reads its group's KV cache in
+        # place instead of gathering rows spread over the whole cache; pop() hands out the lowest first
+        self.free = [list(range((g + 1) * slots // groups - 1, g * slots // groups - 1, -1)) for g in range(groups)]
         self.groups: list[list[Sequence]] = [[] for _ in range(groups)]
         self.in_flight: list[list[Sequence] | None] = [None] * groups
         self.reach: list[list[int]] = [[] for _ in range(groups)]   # cached length each member reaches
@@ -104,13 +107,15 @@ class ReplicaScheduler:
     def _release(self, seq: Sequence) -> None:
         self.groups[seq.group].remove(seq)
         del self.by_id[seq.request.id]
-        self.free.append(seq.slot)
+        self.free[seq.group].append(seq.slot)
 
     def _admit(self) -> None:
-        while self.waiting and self.free:
+        while self.waiting:
+            group = max(range(len(self.groups)), key=lambda g: len(self.free[g]))   # the least busy group
+            if not self.free[group]:
+                return
             request = self.waiting.popleft()
-            group = min(range(len(self.groups)), key=lambda g: len(self.groups[g]))
-            seq = Sequence(request, self.free.pop(), group, list(request.prompt))
+            seq = Sequence(request, self.free[group].pop(), group, list(request.prompt))
             self.groups[group].append(seq)
             self.by_id[request.id] = seq
 

@@ -191,3 +191,22 @@ def test_a_failing_rank_ends_the_job_and_the_client_sees_a_closed_connection(mod
         assert s.wait(30) == 1
         assert time.time() - t0 < 15
         assert "injected fault" in s.output()
+
+
+def test_a_taken_port_or_a_bad_one_is_one_line_and_exit_2(model):
+    import socket
+    import subprocess
+
+    from state_helpers import ROOT, command
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for value, words in ((str(port), f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+                             ("70000", "--port must be in 0..65535, got 70000")):
+            proc = subprocess.run(command(2, "hpcpipe.serve", ["--weights", str(model[0]), "--port", value,
+                                                               "--set", "parallel.pp=2"]),
+                                  capture_output=True, text=True, timeout=60, cwd=ROOT)
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
+            assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
+            assert "Traceback" not in proc.stderr

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hpcpipe.cli import CommandParser, run_planned
 from hpcpipe.errors import ConfigError
@@ -40,7 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    return args
 
 
 class Frontend:
@@ -82,9 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.serve``; returns the exit status."""
     stop = StopSignals().install()
     args = parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        print(f"hpcpipe: error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
-        return 2
     from mpi4py import MPI
 
     from hpcpipe.serve.engine import run

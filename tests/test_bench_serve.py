@@ -52,6 +52,6 @@ def test_quick_benchmark_measures_every_point(tmp_path):
         # what the clients received in the window is what the server says it generated in it
         assert p["server"]["tokens_per_s"] == pytest.approx(p["tokens_per_s"], rel=0.25), key
     names = [g["name"] for g in res["goals"]]
-    assert len(names) == 5 and any("5x no-cache" in n for n in names)
+    assert len(names) == 6 and any("5x no-cache" in n for n in names)
     assert all(g["pass"] is not None for g in res["goals"] if "8 ranks" not in g["name"])
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout

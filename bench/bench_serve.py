@@ -346,13 +346,15 @@ def report(res: dict) -> None:
     print(f"machine: {mach['cores']} cores, one-core 2048^3 matmul {mach['gemm_2048_1core_gflops']:.1f} GFLOP/s; "
           f"{mach['library']}; load before/after {res['loads'][0]} / {res['loads'][-1]}\n")
     print("| layout | ranks | clients | tokens/s | requests done | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
-          "| p99/p50 | server tokens/s | block GFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| p99/p50 | long gaps at a first token | server tokens/s | block GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in res["points"]:
         ratio = f"{p['itl_p99_over_p50']:.2f}" if p["itl_p99_over_p50"] is not None else "-"
+        share = p.get("itl_long_with_first_token_share")
+        share = "-" if share is None else f"{share:.0%} of {p['itl_long_n']}"
         print(f"| {p['layout']} | {p['ranks']} | {p['concurrency']} | {p['tokens_per_s']:,.1f} | "
               f"{p['requests_done']} | {_ms(p['ttft_p50_ms']).strip()} / {_ms(p['ttft_p99_ms']).strip()} | "
-              f"{_ms(p['itl_p50_ms']).strip()} / {_ms(p['itl_p99_ms']).strip()} | {ratio} | "
+              f"{_ms(p['itl_p50_ms']).strip()} / {_ms(p['itl_p99_ms']).strip()} | {ratio} | {share} | "
               f"{p['server']['tokens_per_s']:,.1f} | {p['model_gflops']:.2f} |")
     steps = mach.get("decode_step_ms", {})
     if steps:

@@ -129,7 +129,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def window_stats(records: list[Record], w0: float, w1: float) -> dict:
     """Tokens/s, requests done, TTFT and inter-token p50/p99 (ms) of the arrivals in [w0, w1)."""
-    tokens, done, gaps, ttft, mismatch, errors = 0, 0, [], [], 0, 0
+    tokens, done, gaps, ends, ttft, mismatch, errors = 0, 0, [], [], [], 0, 0
     started = sum(1 for r in records if w0 <= r.sent < w1)
     for r in records:
         if r.status not in (0, 200):
@@ -141,7 +141,9 @@ def window_stats(records: list[Record], w0: float, w1: float) -> dict:
                 tokens += k
                 if prev is not None:
                     gaps.append(t - prev)
+                    ends.append(t)
                 gaps.extend([0.0] * max(k - 1, 0))     # the event's other tokens came with its first
+                ends.extend([t] * max(k - 1, 0))
             prev = t
         if r.arrivals and w0 <= r.sent < w1 and r.arrivals[0][0] < w1:
             ttft.append(r.arrivals[0][0] - r.sent)
@@ -151,13 +153,27 @@ def window_stats(records: list[Record], w0: float, w1: float) -> dict:
             mismatch += 1
     ms = [g * 1e3 for g in gaps]
     p50, p99 = _pct(ms, 50), _pct(ms, 99)
+    firsts = np.sort([r.arrivals[0][0] for r in records if r.arrivals])
+    long_gaps = [t for g, t in zip(gaps, ends, strict=True) if p50 and g * 1e3 >= 2 * p50]
     return {"window_s": w1 - w0, "tokens": tokens, "tokens_per_s": tokens / (w1 - w0), "requests_done": done,
             "requests_started": started, "errors": errors, "usage_mismatches": mismatch,
             "ttft_n": len(ttft), "ttft_p50_ms": _pct([x * 1e3 for x in ttft], 50),
             "ttft_p99_ms": _pct([x * 1e3 for x in ttft], 99),
             "itl_n": len(ms), "itl_zero_share": (sum(1 for g in gaps if g == 0.0) / len(gaps)) if gaps else None,
             "itl_p50_ms": p50, "itl_p99_ms": p99,
-            "itl_p99_over_p50": (p99 / p50) if p50 else None}
+            "itl_p99_over_p50": (p99 / p50) if p50 else None,
+            "itl_long_n": len(long_gaps), "itl_long_with_first_token_share": _near_share(long_gaps, firsts)}
+
+
+def _near_share(times: list[float], marks: np.ndarray, tolerance: float = 0.002) -> float | None:
+    """Share of `times` within `tolerance` s of some mark (long gaps ending when a new request's first
+    token arrives: the step that carried that request's prefill delayed the tokens beside it)."""
+    if not times or not len(marks):
+        return None
+    i = np.searchsorted(marks, times)
+    left = np.abs(np.asarray(times) - marks[np.clip(i - 1, 0, len(marks) - 1)])
+    right = np.abs(marks[np.clip(i, 0, len(marks) - 1)] - np.asarray(times))
+    return float(np.mean(np.minimum(left, right) <= tolerance))
 
 
 def _bucket_quantile(before: dict, after: dict, name: str, q: float) -> float | None:

@@ -26,6 +26,11 @@ def test_window_counts_tokens_gaps_and_ttft_inside_the_window_only():
     assert w["itl_n"] == 4 and w["itl_zero_share"] == pytest.approx(0.25)
     assert w["itl_p50_ms"] == pytest.approx(350.0) and w["itl_p99_ms"] <= 1000.0
     assert w["usage_mismatches"] == 0
+    # the one long gap (>= 2 x p50: a's 1.0 s) ends when no request's first token arrives ...
+    assert w["itl_long_n"] == 1 and w["itl_long_with_first_token_share"] == 0.0
+    # ... unless one does (its prefill rode on the step that delayed a's token)
+    d = Record(1.2, [(1.5005, 1)], status=200)
+    assert window_stats([a, b, c, d], 1.0, 3.0)["itl_long_with_first_token_share"] == 1.0
     a.usage = 5
     assert window_stats([a], 1.0, 3.0)["usage_mismatches"] == 1
 

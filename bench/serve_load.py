@@ -162,10 +162,13 @@ def window_stats(records: list[Record], w0: float, w1: float) -> dict:
             "itl_n": len(ms), "itl_zero_share": (sum(1 for g in gaps if g == 0.0) / len(gaps)) if gaps else None,
             "itl_p50_ms": p50, "itl_p99_ms": p99,
             "itl_p99_over_p50": (p99 / p50) if p50 else None,
-            "itl_long_n": len(long_gaps), "itl_long_with_first_token_share": _near_share(long_gaps, firsts)}
+            "itl_long_n": len(long_gaps),
+            # one step's tokens reach the clients within a burst of a few ms (the HTTP thread writes them one
+            # stream after another), steps are ~p50 apart: a quarter of p50 tells one step from the next
+            "itl_long_with_first_token_share": _near_share(long_gaps, firsts, max(0.002, (p50 or 0) / 4e3))}
 
 
-def _near_share(times: list[float], marks: np.ndarray, tolerance: float = 0.002) -> float | None:
+def _near_share(times: list[float], marks: np.ndarray, tolerance: float) -> float | None:
     """Share of `times` within `tolerance` s of some mark (long gaps ending when a new request's first
     token arrives: the step that carried that request's prefill delayed the tokens beside it)."""
     if not times or not len(marks):

@@ -25,6 +25,9 @@ completion tokens that reached the clients inside the window / window; requests
 done in the window; TTFT of requests sent in the window; inter-token gaps
 between successive token arrivals of one stream inside the window; the server's
 own /metrics over the same window (histogram quantiles are bucket bounds).
+Before the servers, one decode step of the whole model is timed alone at 1-32
+rows (least CPU time): the tokens/s ratios those costs allow are printed beside
+the goals. Method, a measured run and the analysis: docs/bench-serve.md.
 """
 
 from __future__ import annotations

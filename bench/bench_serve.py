@@ -50,6 +50,9 @@ from serve_load import measure
 
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 FULL = {"seq_len": 256, "d_model": 384, "n_heads": 6, "n_blocks": 8, "prompt_chars": 32, "max_tokens": 64}
+# long contexts: 384-token prompts, so that a decode row's attention over its cached keys and values
+# (and the prompts' prefill) weighs more than the weights every step streams once per group
+LONG = {"seq_len": 512, "d_model": 384, "n_heads": 6, "n_blocks": 8, "prompt_chars": 384, "max_tokens": 64}
 QUICK = {"seq_len": 64, "d_model": 64, "n_heads": 2, "n_blocks": 2, "prompt_chars": 16, "max_tokens": 16}
 # name: (ranks, --set items)
 LAYOUTS = {"pp1": (1, ["parallel.pp=1"]),
@@ -213,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --quick picks a tiny model, 2 s windows and a few points."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 s windows, 4 points (a smoke run)")
+    ap.add_argument("--long", action="store_true",
+                    help="long contexts: seq_len 512, 384-token prompts, 64 new tokens (default: 32-token prompts)")
     ap.add_argument("--seconds", type=float, default=None, help="measured window per point (20; --quick 2)")
     ap.add_argument("--warmup", type=float, default=None, help="discarded warm-up per point (3; --quick 0.5)")
     ap.add_argument("--layouts", default=None, help=f"comma-separated of {','.join(LAYOUTS)} (all; --quick "
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             report(json.load(f))
         return 0
     sys.path.insert(0, os.path.join(ROOT, "src"))
-    size = dict(QUICK if args.quick else FULL)
+    size = dict(QUICK if args.quick else LONG if args.long else FULL)
     tmp = tempfile.mkdtemp(prefix="hpcpipe-bench-serve-")
     weights = os.path.join(tmp, "bench-gpt.h5")
     model = write_model(weights, size, args.seed)
@@ -261,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"warmup_s": args.warmup, "seconds": args.seconds, "concurrency": args.concurrency,
                      "layouts": args.layouts, "max_requests": args.max_requests,
                      "prompt_tokens": size["prompt_chars"], "max_tokens": size["max_tokens"],
-                     "temperature": args.temperature, "seed": args.seed, "quick": args.quick},
+                     "temperature": args.temperature, "seed": args.seed, "quick": args.quick,
+                     "long": args.long},
         "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "gemm_2048_1core_gflops": rate, "gemm_decode_1core_gflops": matmul_rate(32, d, 4 * d, sample),
                     "library": library_line()},

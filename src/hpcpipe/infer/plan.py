@@ -20,6 +20,7 @@ from hpcpipe.infer.rows import (
     check_output,
 )
 from hpcpipe.nn.model import layer_specs, partition
+from hpcpipe.state.kinds import restate_stored_model
 from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
 
 # model keys the weights decide; the config may repeat them but not contradict them
@@ -51,22 +52,12 @@ def refuse_gpt(source: WeightsSource, given: str | Path) -> None:
 
 def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
     """Return raw config sections with the model keys taken from the weights; ConfigError on a contradiction."""
-    raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
-    model = raw.setdefault("model", {})
-    if not isinstance(model, dict):
-        raise ConfigError(f"[model] must be a table of keys, got {model!r}")
+    model = raw.get("model", {})
     kind = stored.get("kind", "mlp")
-    if "kind" in model and model["kind"] != kind:
+    if isinstance(model, dict) and "kind" in model and model["kind"] != kind:
         raise ConfigError(f"model.kind = {model['kind']!r} in the configuration does not match {label}, which holds "
                           f"model.kind = {kind!r} (batch inference covers MLP models)")
-    for key in MODEL_KEYS:
-        if key not in stored:
-            continue
-        if key in model and model[key] != stored[key]:
-            raise ConfigError(f"model.{key} = {model[key]!r} in the configuration does not match {label}, which "
-                              f"was saved with model.{key} = {stored[key]!r}")
-        model[key] = stored[key]
-    return raw
+    return restate_stored_model(raw, stored, label, MODEL_KEYS)
 
 
 def plan(weights: str | Path, input: str | Path, output: str | Path, world_size: int,

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hpcpipe.config import Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import gpt_shape, model_specs
-from hpcpipe.state.kinds import GPT_KEYS
+from hpcpipe.state.kinds import GPT_KEYS, restate_stored_model
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.state.tokenizer import Tokenizer
 
@@ -44,22 +43,6 @@ class ServePlan:
         return self.config.serve.micro_batches or self.pp
 
 
-def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) -> dict[str, Any]:
-    """Return raw config sections with the model keys the weights record; ConfigError on a contradiction."""
-    raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
-    model = raw.setdefault("model", {})
-    if not isinstance(model, dict):
-        raise ConfigError(f"[model] must be a table of keys, got {model!r}")
-    for key in STORED_KEYS:
-        if key not in stored:
-            continue
-        if key in model and model[key] != stored[key]:
-            raise ConfigError(f"model.{key} = {model[key]!r} in the configuration does not match {label}, which "
-                              f"was saved with model.{key} = {stored[key]!r}")
-        model[key] = stored[key]
-    return raw
-
-
 def _tokenizer(source: WeightsSource, given: str, vocab: int) -> Tokenizer:
     text = source.tokenizer()
     if text is None:
@@ -81,7 +64,7 @@ def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
     if source.model and source.model_kind != "gpt":
         raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
                           f"needs a GPT (model.kind = \"gpt\"); MLPs run with python -m hpcpipe.infer")
-    raw = model_from_weights(load_raw(config, overrides), source.model, source.describe())
+    raw = restate_stored_model(load_raw(config, overrides), source.model, source.describe(), STORED_KEYS)
     raw["model"].setdefault("kind", "gpt")
     cfg = from_dict(raw)
     if cfg.model.kind != "gpt":

@@ -53,6 +53,27 @@ def check_kind(model: dict[str, Any], n_layers: int, specs: list[Any], label: st
                           f'this run has model.kind = "{wanted}"')
 
 
+def restate_stored_model(raw: dict[str, Any], stored: dict[str, Any], label: str,
+                         keys: tuple[str, ...]) -> dict[str, Any]:
+    """Return raw config sections with ``keys`` of [model] taken from the stored model; ConfigError on a contradiction.
+
+    Front ends that run saved weights (infer, generate, serve) take the model from the weights:
+    the configuration may restate a stored key but not contradict it.
+    """
+    raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"[model] must be a table of keys, got {model!r}")
+    for key in keys:
+        if key not in stored:
+            continue
+        if key in model and model[key] != stored[key]:
+            raise ConfigError(f"model.{key} = {model[key]!r} in the configuration does not match {label}, which "
+                              f"was saved with model.{key} = {stored[key]!r}")
+        model[key] = stored[key]
+    return raw
+
+
 def stored_config(model: dict[str, Any], label: str) -> Config:
     """Return the config of the model stored with weights (a model attribute or a manifest's [model]).
 

@@ -49,7 +49,6 @@ class Dispatcher:
         self.running = [0] * dp
         self.draining = ""          # why the source was closed ("" while open)
         self.drains = 0             # drain requests received from other ranks
-        self.stopped = False
 
     def drain(self, reason: str) -> None:
         """Stop accepting requests; the loop ends once those in flight have finished."""
@@ -113,7 +112,6 @@ class Dispatcher:
         """Tell every other replica's head to stop (after :attr:`finished`)."""
         for replica in range(1, self.dp):
             self.box.post(replica * self.pp, TAG_CTRL, ("stop",))
-        self.stopped = True
 
 
 class Controller:

@@ -120,6 +120,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     world_box.flush()
     barrier(world, poller)
     elapsed = time.perf_counter() - t0
+    topo.free()
     counts = gather_to_root(world, (tokens, stage.cache_bytes, relay.sent))
     if counts is None:
         return {}

@@ -29,7 +29,8 @@ class ParallelConfig:
     dp: int | str = "auto"
     schedule: str = "gpipe"
     virtual_stages: int = 1
-    stage_layers: list[int] = field(default_factory=list)  # explicit layers per stage; [] = balance by FLOPs
+    # explicit layers per stage; [] = balance by FLOPs; "profile" = balance by this host's measured costs
+    stage_layers: list[int] | str = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,11 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     elif text == "int | str":
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
             return value
-    elif text == "list[int]":
+    elif text in ("list[int]", "list[int] | str"):
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return list(value)
+        if text.endswith("str") and isinstance(value, str):
+            return value
     else:  # pragma: no cover - a new field type without a checker is a programming error
         raise TypeError(f"no type check for {where}: {text}")
     raise ConfigError(f"{where} must be {text}, got {value!r} ({type(value).__name__})")
@@ -324,7 +327,8 @@ def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
     if pp * vs > config.n_layers:
         raise ConfigError(f"parallel.pp ({pp}) x parallel.virtual_stages ({vs}) exceeds the number of layers "
                           f"({config.n_layers}) in {config.layers_text()}")
-    if config.parallel.stage_layers and len(config.parallel.stage_layers) != pp * vs:
+    if isinstance(config.parallel.stage_layers, list) and config.parallel.stage_layers \
+            and len(config.parallel.stage_layers) != pp * vs:
         raise ConfigError(f"parallel.stage_layers has {len(config.parallel.stage_layers)} entries but the "
                           f"pipeline has pp ({pp}) x virtual_stages ({vs}) = {pp * vs} stages")
     return dp, pp

@@ -53,7 +53,10 @@ def validate(config: Config) -> None:
         _require(par.pp * par.virtual_stages <= n_layers,
                  f"parallel.pp ({par.pp}) x parallel.virtual_stages ({par.virtual_stages}) exceeds "
                  f"the number of layers ({n_layers}) in {config.layers_text()}")
-    if par.stage_layers:
+    if isinstance(par.stage_layers, str):
+        _require(par.stage_layers == "profile",
+                 f"parallel.stage_layers must be a list of layer counts or \"profile\", got {par.stage_layers!r}")
+    elif par.stage_layers:
         _require(all(n >= 1 for n in par.stage_layers) and sum(par.stage_layers) == n_layers,
                  f"parallel.stage_layers {par.stage_layers} must be positive and sum to the number "
                  f"of layers ({n_layers})")

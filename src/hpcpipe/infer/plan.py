@@ -20,6 +20,7 @@ from hpcpipe.infer.rows import (
     check_output,
 )
 from hpcpipe.nn.model import layer_specs, partition
+from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.state.kinds import restate_stored_model
 from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
 
@@ -84,7 +85,7 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
                           f"{cfg.parallel.virtual_stages}")
     dp, pp = resolve_layout(cfg, world_size)
     specs = layer_specs(cfg)
-    ranges = partition(specs, pp, cfg.parallel.stage_layers)
+    ranges = partition(specs, pp, stage_counts(cfg, pp, cfg.infer.micro_batch_size, ("F",)))
     source.check(specs, "--weights")
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
     files, dirs = protected_paths(weights, source)

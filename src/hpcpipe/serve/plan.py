@@ -17,6 +17,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.state.kinds import GPT_KEYS, restate_stored_model
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.state.tokenizer import Tokenizer
@@ -74,7 +75,8 @@ def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
                           f"{cfg.parallel.virtual_stages}")
     dp, pp = resolve_layout(cfg, world_size)
     specs = model_specs(cfg)
-    ranges = partition(specs, pp, cfg.parallel.stage_layers)
+    # a decode step is a forward: "profile" balances the measured forwards
+    ranges = partition(specs, pp, stage_counts(cfg, pp, max(1, cfg.serve.max_sequences // pp), ("F",)))
     source.check(specs, "--weights")
     shape = gpt_shape(cfg)
     tokenizer = _tokenizer(source, given, shape.vocab)

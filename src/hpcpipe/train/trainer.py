@@ -20,6 +20,7 @@ from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
 from hpcpipe.nn.model import RankParameters, partition
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import clip_factor, make_optimizer
+from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root
 from hpcpipe.runtime.faults import nan_injection
@@ -100,7 +101,7 @@ def plan(config: Config, world_size: int) -> Plan:
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs
-    ranges = partition(specs, n_stages, par.stage_layers)
+    ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
     if config.data.path:
         check_data_file(config)
     init = resume = None

@@ -1,0 +1,176 @@
+"""``python -m hpcpipe.plan``: profile the model, then choose layout, schedule and stage cut under a memory budget.
+
+    python -m hpcpipe.plan --config C --ranks N [--memory-per-rank 8GiB] [--top 5] [--write best.toml]
+
+Measures each layer group here (cached: a second plan of the same model is
+instant), predicts every plan for the configured global batch on N ranks with
+the simulator, discards those whose peak memory per rank exceeds the budget,
+prints the best as a table with the reason the first wins, and writes it as a
+config that ``mpiexec -n N python -m hpcpipe.train --config best.toml`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from hpcpipe.cli import CommandParser
+from hpcpipe.config import Config, load_config
+from hpcpipe.errors import EXIT_CONFIG, ConfigError
+from hpcpipe.plan import report
+from hpcpipe.plan.profile import default_cache_dir, load_profile, profile_sizes
+from hpcpipe.plan.search import micro_batch_rows, search
+from hpcpipe.train.preflight import available_bytes
+
+UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3,
+         "gib": 1024 ** 3, "t": 1024 ** 4, "tib": 1024 ** 4, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
+         "tb": 1000 ** 4}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size: 8GiB, 8G (binary, as Slurm's --mem), 512MiB, 8GB (decimal), or plain bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in UNITS:
+        raise ConfigError(f"--memory-per-rank {text!r} is not a size: give a number with a unit such as "
+                          f"8GiB, 8G, 512MiB or 8GB")
+    value = int(float(match.group(1)) * UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"--memory-per-rank {text!r} must be more than 0 bytes")
+    return value
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def configured_global_batch(config: Config, ranks: int) -> int:
+    """The config's global batch: dp x micro_batches x micro_batch_size, dp as the config resolves on N ranks."""
+    par, tr = config.parallel, config.train
+    if isinstance(par.dp, int):
+        dp = par.dp
+    elif isinstance(par.pp, int) and ranks % par.pp == 0:
+        dp = ranks // par.pp
+    else:
+        dp = 1
+    return dp * tr.micro_batches * tr.micro_batch_size
+
+
+def _parser() -> CommandParser:
+    p = CommandParser(prog="python -m hpcpipe.plan", description=__doc__.split("\n\n")[0],
+                      formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (default: the embedded default job)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--ranks", type=int, required=True, help="MPI ranks of the job to plan")
+    p.add_argument("--memory-per-rank", metavar="SIZE",
+                   help="budget per rank, e.g. 8GiB (default: this node's available memory over its ranks)")
+    p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    p.add_argument("--write", metavar="TOML", help="write the best plan as a config file (must not exist)")
+    p.add_argument("--json", metavar="PATH", help="write every feasible plan as JSON (must not exist)")
+    p.add_argument("--global-batch", type=int, help="samples per step (default: the config's dp x "
+                   "train.micro_batches x train.micro_batch_size)")
+    p.add_argument("--cores", type=int, help="cores the ranks share on one node (default: one core per rank)")
+    p.add_argument("--max-micro-batches", type=int, default=64, help="largest micro-batch count tried (default 64)")
+    p.add_argument("--profile-dir", help=f"profile cache (default $HPCPIPE_PROFILE_DIR or {default_cache_dir()})")
+    p.add_argument("--refresh-profile", action="store_true", help="measure again even when a profile is cached")
+    return p
+
+
+def _check_args(args) -> None:
+    for name in ("ranks", "top", "cores", "max_micro_batches", "global_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    for name in ("write", "json"):
+        path = getattr(args, name)
+        if path and Path(path).exists():
+            raise ConfigError(f"--{name} {path!r} exists; the planner does not overwrite files: remove it or "
+                              f"give a new path")
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
+
+
+def plan_threads(ranks: int, cores: int | None, here: int) -> int:
+    """BLAS threads a rank of the planned job computes with (what hpcpipe gives each rank of a node)."""
+    explicit = os.environ.get("HPCPIPE_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    local = ranks if cores is not None else min(ranks, here)
+    return max(1, (cores or here) // local)
+
+
+def run(args) -> int:
+    """Plan and report; returns the exit status."""
+    start = time.perf_counter()
+    _check_args(args)
+    config = load_config(args.config, args.set)
+    here = host_cores()
+    global_batch = args.global_batch or configured_global_batch(config, args.ranks)
+    local_ranks = args.ranks if args.cores is not None else min(args.ranks, here)
+    if args.memory_per_rank:
+        budget = parse_bytes(args.memory_per_rank)
+        budget_how = "--memory-per-rank"
+    else:
+        budget = available_bytes() // local_ranks or None
+        budget_how = f"this node's available memory over {local_ranks} rank(s)"
+    rows = micro_batch_rows(global_batch, args.ranks, config.n_layers, args.max_micro_batches)
+    threads = plan_threads(args.ranks, args.cores, here)
+    profile = load_profile(config, profile_sizes(rows), threads, args.profile_dir or default_cache_dir(),
+                           args.refresh_profile)
+    result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
+    gpt = config.model.kind == "gpt"
+    if not result.feasible:
+        least = min(result.predictions, key=lambda p: p.peak_bytes)
+        raise ConfigError(f"no plan for {args.ranks} ranks fits {report.size_text(budget)} per rank "
+                          f"({budget_how}); the smallest feasible budget is {report.size_text(least.peak_bytes)} "
+                          f"({least.peak_bytes} bytes, {report.describe(least)})")
+    print(f"hpcpipe.plan: {config.layers_text()}, {config.model.dtype}, global batch {global_batch} on "
+          f"{args.ranks} ranks, budget {report.size_text(budget)} per rank ({budget_how})")
+    print(f"profile: {'cached' if profile.from_cache else 'measured'} ({profile.layers['backend']}, {threads} BLAS "
+          f"thread(s) per rank, micro-batch sizes {profile.sizes}); comm: "
+          f"{profile.comm.latency_s * 1e6:.1f} us + {1 / max(profile.comm.seconds_per_byte, 1e-30) / 1e9:.2f} GB/s")
+    if args.cores is not None:
+        print(f"cores: {args.cores} shared by the {args.ranks} ranks (simulated as shared)")
+    elif args.ranks > here:
+        print(f"PREDICTION: {args.ranks} ranks are more than this machine's {here} cores; the times assume one core "
+              f"per rank, each as fast as this machine's, and messages as fast as between two ranks here "
+              f"(a network between nodes is slower): run the plan to check it")
+    print(f"{result.tried} plans predicted, {len(result.feasible)} within the budget\n")
+    best = result.feasible[:args.top]
+    print(report.table(best, gpt))
+    print()
+    print(report.reason(best[0], result.feasible, len(result.predictions) - len(result.feasible)))
+    if args.write:
+        p = best[0]
+        header = (f"written by python -m hpcpipe.plan --ranks {args.ranks}: {report.describe(p)}\n"
+                  f"predicted step {p.step_time_s:.4f} s, peak {report.size_text(p.peak_bytes)} per rank\n"
+                  f"run: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
+        Path(args.write).write_text(report.to_toml(report.planned_config(config, p), header))
+        print(f"\nwrote {args.write}: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
+    if args.json:
+        doc = {"ranks": args.ranks, "global_batch": global_batch, "budget_bytes": budget,
+               "prediction_only": args.cores is None and args.ranks > here, "cores": args.cores,
+               "threads": threads, "profile_cached": profile.from_cache,
+               "plans": [report.plan_dict(p) for p in result.feasible]}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(f"\nplanned in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.plan``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

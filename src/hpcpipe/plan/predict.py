@@ -1,0 +1,178 @@
+"""Predict one candidate plan from the profile: step time by the simulator, peak memory per rank by parts.
+
+A candidate is a layout (dp, pp), a schedule with its virtual stages, the
+micro-batch count and size, and a stage cut. Its per-stage costs are the sums
+of its layer groups' measured F, I, W and B at that micro-batch size; a
+message costs the measured point-to-point time of the largest activation
+crossing a cut; the step's end (gradient allreduce over dp, the tied
+embedding's sum, the agreed norm and the optimizer update) is added to every
+rank. The simulator (:func:`hpcpipe.schedule.simulate.simulate_schedule`)
+runs the schedule's own action lists on those costs.
+
+Memory per rank counts what the engine holds at its peak: the process's
+baseline (interpreter, libraries, MPI, BLAS), parameters and gradients,
+optimizer state, the stashed caches of as many micro-batches as the simulator
+says each stage holds at once, the sent activations and gradients the
+engine keeps until the step's end, one action's temporaries, the step's input
+and target rows, and the synthetic data set every rank builds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpcpipe.config import Config
+from hpcpipe.nn.model_spec import model_def
+from hpcpipe.plan.profile import Profile
+from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.ir import rank_stages
+from hpcpipe.schedule.registry import placement_of
+from hpcpipe.schedule.simulate import simulate_schedule
+from hpcpipe.train.preflight import ITEMSIZE, estimate_rank_bytes
+
+MAX_SENDS_KEPT = 65    # PipeComm keeps up to 64 sends before it reaps finished ones
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to predict: layout, schedule, micro-batching and stage cut (layer groups per stage)."""
+
+    dp: int
+    pp: int
+    schedule: str
+    virtual_stages: int
+    micro_batches: int
+    micro_batch_size: int
+    stage_layers: tuple[int, ...]
+    cut: str = "profile"        # how the cut was chosen: "profile" (measured costs) or "flops"
+
+
+@dataclass
+class Prediction:
+    """What a candidate is predicted to do."""
+
+    candidate: Candidate
+    step_time_s: float
+    bubble: float
+    busy_max_s: float                # compute seconds of the busiest pipeline rank
+    step_end_s: float                # allreduce, tied sum, norm agreement and optimizer update
+    peak_bytes: int                  # the rank with the most
+    memory: dict[str, int] = field(default_factory=dict)   # that rank's bytes by part
+    samples_per_step: int = 0
+    tokens_per_sample: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples (GPT: windows of seq_len tokens) per second."""
+        return self.samples_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second (GPT), 0 for an MLP."""
+        return self.samples_per_s * self.tokens_per_sample
+
+
+def stage_ranges(counts: tuple[int, ...]) -> list[range]:
+    """Layer ranges of consecutive stages with the given layer counts."""
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+class Predictor:
+    """Predicts candidates of one config from one profile (caching what does not depend on the candidate)."""
+
+    def __init__(self, config: Config, profile: Profile, cores: int | None = None):
+        self.config, self.profile, self.cores = config, profile, cores
+        self.model = model_def(config)
+        self.itemsize = ITEMSIZE[config.model.dtype]
+        self.recompute = config.train.recompute == "stage"
+        self.data_bytes = estimate_rank_bytes(config, [range(config.n_layers)], 1, "interleaved").data
+        self.tok_emb = math.prod(self.model.specs[0].shapes["tok_emb"]) if self.model.tied else 0
+
+    def _boundary_bytes(self, index: int, rows: int) -> int:
+        shape, dtype = self.model.boundary(index, rows)
+        return math.prod(shape) * (8 if dtype == "int64" else self.itemsize)
+
+    def _target_bytes(self, rows: int) -> int:
+        if self.model.kind == "gpt":
+            return rows * self.config.model.seq_len * 8          # int64 next-token ids
+        return self._boundary_bytes(self.model.n_layers, rows)
+
+    def stage_costs(self, ranges: list[range], rows: int) -> dict[tuple[str, int], float]:
+        """Per-(op, stage) seconds: the sums of the stage's layer groups (recompute adds a forward to I and B)."""
+        per: dict[tuple[str, int], float] = {}
+        for s, r in enumerate(ranges):
+            f = sum(self.profile.seconds("F", i, rows) for i in r)
+            extra = f if self.recompute else 0.0
+            per[("F", s)] = f
+            per[("I", s)] = sum(self.profile.seconds("I", i, rows) for i in r) + extra
+            per[("W", s)] = sum(self.profile.seconds("W", i, rows) for i in r)
+            per[("B", s)] = sum(self.profile.seconds("B", i, rows) for i in r) + extra
+        return per
+
+    def _rank_params(self, layers: list[int], pp_ranks: int) -> int:
+        n = sum(self.profile.params(i) for i in layers)
+        last = self.model.n_layers - 1
+        if self.tok_emb and last in layers and 0 in layers:
+            n -= self.tok_emb     # the profiled head held its own copy of the table; next to the embedding it reads it
+        return n
+
+    def predict(self, c: Candidate) -> Prediction:
+        """Simulate the candidate and count its memory."""
+        ranges = stage_ranges(c.stage_layers)
+        rows = c.micro_batch_size
+        placement = placement_of(c.schedule)
+        n_stages = c.pp * c.virtual_stages
+        per = self.stage_costs(ranges, rows)
+        cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
+        comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
+        rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
+        params = [self._rank_params(layers, c.pp) for layers in rank_layers]
+        opt = self.profile.optimizer(self.config.train)
+        tied_apart = bool(self.tok_emb) and not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
+        step_end = max(self.profile.comm.allreduce(n * self.itemsize, c.dp)
+                       + (self.profile.comm.p2p(self.tok_emb * self.itemsize) if tied_apart else 0.0)
+                       + opt["seconds_per_param"] * n for n in params)
+        step_end += self.profile.comm.allreduce(32, c.dp * c.pp)      # the agreed step decision
+        costs = Costs(comm=comm, step=step_end, per_stage=per)
+        shared = self.cores if self.cores is not None and self.cores < c.pp else None
+        result = simulate_schedule(c.schedule, c.pp, c.micro_batches, c.virtual_stages, costs, check=False,
+                                   cores=shared, per_rank_costs=False, events=False)
+        worst: dict[str, int] = {}
+        for p in range(c.pp):
+            mine = self._memory(c, ranges, rank_stages(p, c.pp, n_stages, placement), params[p],
+                                result.peak_stashed_stage, cut_bytes)
+            if sum(mine.values()) > sum(worst.values()):
+                worst = mine
+        samples = c.dp * c.micro_batches * c.micro_batch_size
+        tokens = self.config.model.seq_len if self.model.kind == "gpt" else 0
+        return Prediction(c, result.step_time, result.bubble, max(result.busy), step_end, sum(worst.values()),
+                          worst, samples, tokens)
+
+    def _memory(self, c: Candidate, ranges: list[range], stages: list[int], n_params: int,
+                peak_stage: dict[int, int], cut_bytes: int) -> dict[str, int]:
+        rows = c.micro_batch_size
+        prof, opt = self.profile, self.profile.optimizer(self.config.train)
+        layers = [i for s in stages for i in ranges[s]]
+        if self.recompute:   # each held micro-batch keeps its stage input; one stage's caches are rebuilt at a time
+            inputs = sum(peak_stage.get(s, 0) * self._boundary_bytes(ranges[s].start, rows) for s in stages)
+            rebuilt = max(sum(prof.stash_bytes(i, rows) for i in ranges[s]) for s in stages)
+            stash = inputs + rebuilt
+        else:
+            stash = sum(peak_stage.get(s, 0) * sum(prof.stash_bytes(i, rows) for i in ranges[s]) for s in stages)
+        sends = min(2 * c.virtual_stages * c.micro_batches, MAX_SENDS_KEPT) * cut_bytes if c.pp > 1 else 0
+        work = max(max(prof.work_bytes(i, rows) for i in layers), opt["work_bytes_per_param"] * n_params * 1.0)
+        feed = 0
+        if 0 in stages:
+            feed += self._boundary_bytes(0, rows) * c.micro_batches
+        if len(ranges) - 1 in stages:
+            feed += self._target_bytes(rows) * c.micro_batches
+        return {"baseline": prof.baseline_bytes,
+                "parameters": 2 * n_params * self.itemsize,
+                "optimizer": int(opt["state_buffers"]) * n_params * self.itemsize,
+                "activations": int(stash), "messages": int(sends), "workspace": int(work),
+                "batch": int(feed), "data": int(self.data_bytes)}

@@ -1,0 +1,143 @@
+"""The profile cache: files keyed by model, dtype, backend, host and BLAS threads, and the profiling subprocess.
+
+A layer profile lives in ``<cache dir>/layers-<hash>.json`` where the hash is
+of its key (the model's keys, dtype, loss and optimizer; the backend; the
+host name; the BLAS threads per rank). The communication probe is per host
+and launcher: ``comm-<host>.json``. Files are written whole to a temporary
+name and renamed, so an interrupted plan never leaves a half profile; a cache
+file that cannot be read, or whose key differs, is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+
+PROFILE_VERSION = 1
+
+
+def _backend_name(choice: str) -> str:
+    from hpcpipe.runtime.backend import select_backend
+
+    return select_backend(choice).name
+
+
+def layer_key(config: Config, threads: int) -> dict[str, Any]:
+    """The key of a layer profile: what changes the measured costs."""
+    model = {k: v for k, v in config.to_dict()["model"].items() if k not in ("init", "seed")}
+    if config.model.kind == "mlp":     # the last layer's forward includes the loss (a GPT's is always token CE)
+        model["loss"] = config.train.loss
+    return {"version": PROFILE_VERSION, "model": model, "backend": _backend_name(config.run.backend),
+            "host": socket.gethostname(), "threads": threads}
+
+
+def _name(key: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return f"layers-{digest}.json"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(directory: str, name: str, data: dict) -> Path:
+    """Write data to directory/name atomically (temporary file in the same directory, then rename)."""
+    target = Path(directory)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, target / name)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the profile cache in {directory!r}: {exc.strerror or exc} "
+                          f"(set HPCPIPE_PROFILE_DIR or --profile-dir to a writable directory)") from None
+    return target / name
+
+
+def read(directory: str, key: dict[str, Any]) -> dict | None:
+    """Return the cached layer profile for key, or None (missing, unreadable, or another key)."""
+    data = _read_json(Path(directory) / _name(key))
+    if not data or data.get("key") != key or not isinstance(data.get("layers"), dict):
+        return None
+    return data
+
+
+def write(directory: str, key: dict[str, Any], data: dict) -> Path:
+    """Store a layer profile under its key; return the file's path."""
+    return _write_json(directory, _name(key), data)
+
+
+def _comm_name() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())
+    launcher = os.environ.get("HPCPIPE_MPIEXEC", "")
+    suffix = "-" + hashlib.sha256(launcher.encode()).hexdigest()[:8] if launcher else ""
+    return f"comm-{host}{suffix}.json"
+
+
+def read_comm(directory: str) -> dict | None:
+    """Return this host's cached communication model (as a dict), or None."""
+    return _read_json(Path(directory) / _comm_name())
+
+
+def write_comm(directory: str, data: dict) -> Path:
+    """Store this host's communication model."""
+    return _write_json(directory, _comm_name(), data)
+
+
+def merge_layers(old: dict, new: dict) -> dict:
+    """Add newly measured micro-batch sizes to a cached layer profile (same model, same groups)."""
+    merged = json.loads(json.dumps(old))
+    for key, entry in new["groups"].items():
+        target = merged["groups"].setdefault(key, entry)
+        if target is entry:
+            continue
+        for field, values in entry.items():
+            if isinstance(values, dict):
+                target.setdefault(field, {}).update(values)
+    merged["optimizer"] = {**old.get("optimizer", {}), **new["optimizer"]}
+    merged["blas_rss_bytes"] = max(old.get("blas_rss_bytes", 0), new.get("blas_rss_bytes", 0))
+    return merged
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment of a process computing with ``threads`` BLAS threads (as a rank of the planned job)."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "HPCPIPE_THREADS"):
+        env[name] = str(threads)
+    return env
+
+
+def run_layer_profile(config: Config, sizes: list[int], threads: int, timeout_s: float = 600.0) -> dict:
+    """Measure the layer groups in a subprocess with the planned BLAS thread count; return its JSON."""
+    with tempfile.TemporaryDirectory(prefix="hpcpipe-profile-") as tmp:
+        request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "profile.json")
+        with open(request, "w") as f:
+            json.dump({"config": config.to_dict(), "sizes": sizes}, f)
+        cmd = [sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out]
+        try:
+            done = subprocess.run(cmd, env=thread_env(threads), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"profiling the layers took more than {timeout_s:.0f} s ({' '.join(cmd)})") from None
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            raise ConfigError(f"profiling the layers failed (exit {done.returncode}): {tail}")
+        data = _read_json(Path(out))
+    if data is None:
+        raise ConfigError("profiling the layers wrote no result")
+    return data

@@ -1,0 +1,110 @@
+"""What the planner prints and writes: the table of best plans, why the best wins, the chosen config."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hpcpipe.config import Config
+from hpcpipe.plan.predict import Prediction
+
+MIB = 1024 ** 2
+
+
+def size_text(n: float) -> str:
+    """Bytes as MiB or GiB."""
+    return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / MIB:.0f} MiB"
+
+
+def describe(p: Prediction) -> str:
+    """One plan in a few words: layout, schedule, micro-batches."""
+    c = p.candidate
+    v = f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""
+    return f"dp={c.dp} x pp={c.pp} {c.schedule}{v} {c.micro_batches} x {c.micro_batch_size}"
+
+
+def table(best: list[Prediction], gpt: bool) -> str:
+    """The best plans as a text table."""
+    rate = "tokens/s" if gpt else "samples/s"
+    head = (f"{'#':>2}  {'dp':>3} {'pp':>3}  {'schedule':<18} {'micro-batches':>13}  {'stage cut':<16} "
+            f"{'step s':>8} {rate:>10} {'bubble':>7} {'peak/rank':>10}")
+    lines = [head, "-" * len(head)]
+    for n, p in enumerate(best, 1):
+        c = p.candidate
+        sched = c.schedule + (f" (v={c.virtual_stages})" if c.virtual_stages > 1 else "")
+        cut = ",".join(str(k) for k in c.stage_layers) if len(c.stage_layers) > 1 else "-"
+        cut = cut if len(cut) <= 16 else cut[:13] + "..."
+        value = p.tokens_per_s if gpt else p.samples_per_s
+        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<18} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
+                     f"{cut:<16} {p.step_time_s:>8.4f} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
+    return "\n".join(lines)
+
+
+def _parts(p: Prediction) -> str:
+    idle = p.bubble * p.step_time_s
+    return (f"busiest rank computes {p.busy_max_s:.3f} s, idle {idle:.3f} s of the step, step end "
+            f"(allreduce + optimizer) {p.step_end_s:.3f} s, {size_text(p.peak_bytes)} per rank")
+
+
+def reason(best: Prediction, feasible: list[Prediction], over_budget: int) -> str:
+    """Why the best plan wins: against the runner-up and the fastest plan of every other layout."""
+    lines = [f"best: {describe(best)}, stage cut {list(best.candidate.stage_layers)} "
+             f"({best.candidate.cut}): {_parts(best)}."]
+    others: dict[tuple[int, int], Prediction] = {}
+    for p in feasible[1:]:
+        key = (p.candidate.dp, p.candidate.pp)
+        if key != (best.candidate.dp, best.candidate.pp):
+            others.setdefault(key, p)
+    if len(feasible) > 1:
+        runner = feasible[1]
+        lines.append(f"runner-up: {describe(runner)} is {runner.step_time_s / best.step_time_s - 1:+.1%} "
+                     f"slower: {_parts(runner)}.")
+    for p in others.values():
+        lines.append(f"best with dp={p.candidate.dp} x pp={p.candidate.pp}: {describe(p)} is "
+                     f"{p.step_time_s / best.step_time_s - 1:+.1%} slower: {_parts(p)}.")
+    if over_budget:
+        lines.append(f"{over_budget} plan(s) were discarded for needing more memory per rank than the budget.")
+    return "\n".join(lines)
+
+
+def plan_dict(p: Prediction) -> dict[str, Any]:
+    """A plan as JSON: what to run and what it is predicted to do."""
+    c = p.candidate
+    return {"dp": c.dp, "pp": c.pp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "micro_batches": c.micro_batches, "micro_batch_size": c.micro_batch_size,
+            "stage_layers": list(c.stage_layers), "cut": c.cut, "step_time_s": p.step_time_s,
+            "samples_per_s": p.samples_per_s, "tokens_per_s": p.tokens_per_s, "bubble": p.bubble,
+            "busy_max_s": p.busy_max_s, "step_end_s": p.step_end_s, "peak_bytes_per_rank": p.peak_bytes,
+            "memory": p.memory}
+
+
+def planned_config(config: Config, p: Prediction) -> dict[str, dict[str, Any]]:
+    """The config with the plan's layout, schedule, micro-batching and stage cut in place."""
+    c = p.candidate
+    out = config.to_dict()
+    out["parallel"].update(pp=c.pp, dp=c.dp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+                           stage_layers=list(c.stage_layers) if c.pp * c.virtual_stages > 1 else [])
+    out["train"].update(micro_batches=c.micro_batches, micro_batch_size=c.micro_batch_size)
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def to_toml(config: dict[str, dict[str, Any]], header: str) -> str:
+    """A config as TOML text, with a comment header."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for section, values in config.items():
+        lines.append("")
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+    return "\n".join(lines) + "\n"

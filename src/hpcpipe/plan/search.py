@@ -1,0 +1,99 @@
+"""Search the plans for a global batch on N ranks: layouts, schedules, micro-batching and stage cuts.
+
+Every (dp, pp) with dp x pp = N and pp no more than the layer groups; every
+schedule with the virtual stages it can take (interleaved 1F1B: 2 to 4 layer
+groups' worth, ZB-V: 2); every micro-batch count that divides the replica's
+batch (up to ``max_micro``); and two stage cuts: balanced on the measured F + B
+of each layer group ("profile") and balanced on counted FLOPs ("flops"), when
+they differ. Each is predicted with :class:`hpcpipe.plan.predict.Predictor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError, ScheduleError
+from hpcpipe.nn.model import partition
+from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.plan.predict import Candidate, Prediction, Predictor
+from hpcpipe.plan.profile import Profile
+from hpcpipe.plan.stage_cut import measured_cut
+
+MAX_VIRTUAL = 4
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedule_variants(pp: int, n_layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs worth trying on pp ranks for a model of n_layers groups."""
+    if pp == 1:
+        return [("gpipe", 1)]
+    variants = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
+    variants += [("interleaved-1f1b", v) for v in range(2, MAX_VIRTUAL + 1) if pp * v <= n_layers]
+    if 2 * pp <= n_layers:
+        variants.append(("zb-v", 2))
+    return variants
+
+
+def micro_batch_rows(global_batch: int, ranks: int, n_layers: int, max_micro: int) -> list[int]:
+    """Every micro-batch size some candidate uses (what the profile must measure)."""
+    rows = set()
+    for dp in divisors(ranks):
+        if ranks // dp > n_layers or global_batch % dp:
+            continue
+        replica = global_batch // dp
+        rows.update(replica // m for m in divisors(replica) if m <= max_micro)
+    return sorted(rows)
+
+
+@dataclass
+class SearchResult:
+    """Every prediction made, the ones within the budget (fastest first), and how many were tried."""
+
+    predictions: list[Prediction]
+    feasible: list[Prediction]
+    tried: int
+    skipped: int            # (schedule, micro-batches) pairs a schedule does not support
+
+
+def search(config: Config, profile: Profile, ranks: int, global_batch: int, budget: int | None,
+           cores: int | None = None, max_micro: int = 64) -> SearchResult:
+    """Predict every candidate plan; return them with those that fit the budget, fastest first."""
+    n_layers = config.n_layers
+    predictor = Predictor(config, profile, cores)
+    flops_cache: dict[int, tuple[int, ...]] = {}
+    specs = model_specs(config)
+    predictions: list[Prediction] = []
+    skipped = 0
+    for dp in divisors(ranks):
+        pp = ranks // dp
+        if pp > n_layers or global_batch % dp:
+            continue
+        replica = global_batch // dp
+        for schedule, virtual in schedule_variants(pp, n_layers):
+            n_stages = pp * virtual
+            if n_stages not in flops_cache:
+                flops_cache[n_stages] = tuple(len(r) for r in partition(specs, n_stages))
+            for m in divisors(replica):
+                if m > max_micro:
+                    break
+                rows = replica // m
+                cuts = {measured_cut(profile, n_stages, rows): "profile"}
+                cuts.setdefault(flops_cache[n_stages], "flops")
+                for counts, how in cuts.items():
+                    candidate = Candidate(dp, pp, schedule, virtual, m, rows, counts, how)
+                    try:
+                        predictions.append(predictor.predict(candidate))
+                    except ScheduleError:
+                        skipped += 1
+                        break
+    if not predictions:
+        raise ConfigError(f"no plan exists for {ranks} ranks and a global batch of {global_batch} with "
+                          f"{config.layers_text()}: no dp divides the batch with pp <= {n_layers} layer groups")
+    predictions.sort(key=lambda p: (p.step_time_s, p.peak_bytes))
+    feasible = [p for p in predictions if budget is None or p.peak_bytes <= budget]
+    return SearchResult(predictions, feasible, len(predictions), skipped)

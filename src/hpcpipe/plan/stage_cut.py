@@ -1,0 +1,48 @@
+"""``parallel.stage_layers = "profile"``: cut stages by this host's measured layer costs instead of counted FLOPs."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+from hpcpipe.nn.model import partition
+from hpcpipe.plan import profile_cache
+from hpcpipe.plan.comm_model import CommModel
+from hpcpipe.plan.profile import Profile, default_cache_dir
+
+
+def measured_cut(profile: Profile, n_stages: int, rows: int, ops: tuple[str, ...] = ("F", "B")) -> tuple[int, ...]:
+    """Layer groups per stage minimising the largest stage's measured seconds of ``ops`` at ``rows`` per micro-batch."""
+    costs = [SimpleNamespace(cost=sum(profile.seconds(op, i, rows) for op in ops)) for i in range(profile.n_layers)]
+    return tuple(len(r) for r in partition(costs, n_stages))
+
+
+def rank_threads() -> int:
+    """BLAS threads this rank computes with (hpcpipe sets OMP_NUM_THREADS on import unless the user did)."""
+    value = os.environ.get("OMP_NUM_THREADS", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def stage_counts(config: Config, n_stages: int, rows: int, ops: tuple[str, ...] = ("F", "B")) -> list[int]:
+    """Layer groups per stage that parallel.stage_layers asks for ([] = FLOP-balanced, as partition does).
+
+    For "profile" the cached profile of this model on this host (the one
+    ``python -m hpcpipe.plan`` measured) gives each group's seconds; every rank
+    reads the same file, so every rank cuts the same way. Without one the run
+    is refused before any collective, with the command that makes it.
+    """
+    chosen = config.parallel.stage_layers
+    if chosen != "profile":
+        return list(chosen)
+    threads = rank_threads()
+    directory = default_cache_dir()
+    cached = profile_cache.read(directory, profile_cache.layer_key(config, threads))
+    if cached is None:
+        raise ConfigError(f"parallel.stage_layers = \"profile\" needs a profile of this model measured on this host "
+                          f"with {threads} BLAS thread(s) per rank, and {directory!r} has none: make one with "
+                          f"`python -m hpcpipe.plan --config <this config> --ranks <ranks>` on this host (or set "
+                          f"HPCPIPE_PROFILE_DIR), or give parallel.stage_layers as layer counts")
+    profile = Profile(cached, CommModel.from_dict(cached["comm"]), from_cache=True)
+    return list(measured_cut(profile, n_stages, rows, ops))

@@ -1,0 +1,169 @@
+"""End-to-end runs of `python -m hpcpipe.plan` (real profiling, the real MPI probe) and of the configs it writes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import run_command
+
+MLP = """
+[model]
+dims = [64, 64, 64, 64, 64]
+[parallel]
+pp = 2
+[train]
+steps = 3
+micro_batches = 4
+micro_batch_size = 8
+[checkpoint]
+dir = ""
+[log]
+progress = false
+"""
+
+GPT = """
+[model]
+kind = "gpt"
+vocab_size = 512
+seq_len = 8
+d_model = 16
+n_heads = 2
+n_blocks = 2
+tie_embeddings = false
+[parallel]
+pp = 2
+[train]
+steps = 2
+micro_batches = 2
+micro_batch_size = 4
+optimizer = "adam"
+[data]
+synthetic_samples = 64
+[checkpoint]
+dir = ""
+[log]
+progress = false
+"""
+
+
+def _plan(args, profile_dir, cwd, timeout=240):
+    env = {"HPCPIPE_PROFILE_DIR": str(profile_dir), "PYTHONUNBUFFERED": "1"}
+    import os
+    return subprocess.run([sys.executable, "-m", "hpcpipe.plan", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, **env})
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One measured plan of a small MLP on 2 ranks (the profile is shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    (tmp / "mlp.toml").write_text(MLP)
+    proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--write", "best.toml", "--json", "plans.json",
+                  "--max-micro-batches", "8"], tmp / "profiles", tmp)
+    return tmp, proc
+
+
+def test_plan_measures_prints_and_writes_the_best(planned):
+    tmp, proc = planned
+    assert proc.returncode == 0, proc.stderr
+    assert "profile: measured" in proc.stdout and "within the budget" in proc.stdout
+    assert "best: " in proc.stdout and "wrote best.toml" in proc.stdout
+    doc = json.loads((tmp / "plans.json").read_text())
+    plans = doc["plans"]
+    assert doc["ranks"] == 2 and doc["global_batch"] == 4 * 8      # pp = 2 on 2 ranks: dp = 1
+    times = [p["step_time_s"] for p in plans]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert all(p["dp"] * p["micro_batches"] * p["micro_batch_size"] == doc["global_batch"] for p in plans)
+    assert all(p["peak_bytes_per_rank"] <= doc["budget_bytes"] for p in plans)
+    assert {(p["dp"], p["pp"]) for p in plans} == {(1, 2), (2, 1)}
+    assert list((tmp / "profiles").glob("layers-*.json")) and list((tmp / "profiles").glob("comm-*.json"))
+
+
+def test_second_plan_reads_the_cache(planned):
+    tmp, _ = planned
+    proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--max-micro-batches", "8"], tmp / "profiles", tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert "profile: cached" in proc.stdout
+    assert "profiling" not in proc.stderr
+
+
+def test_written_config_trains_as_planned(planned):
+    tmp, _ = planned
+    best = json.loads((tmp / "plans.json").read_text())["plans"][0]
+    proc = run_command(2, "hpcpipe.train", ["--config", "best.toml"], cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert f"dp={best['dp']} pp={best['pp']} schedule={best['schedule']}" in proc.stdout
+    assert f"micro_batches={best['micro_batches']}x{best['micro_batch_size']}" in proc.stdout
+
+
+def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
+    tmp, _ = planned
+    proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--memory-per-rank", "1MiB", "--max-micro-batches", "8",
+                  "--write", "never.toml"], tmp / "profiles", tmp)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcpipe: error: no plan for 2 ranks fits 1 MiB per rank")
+    assert not (tmp / "never.toml").exists()
+    smallest = int(lines[0].split("smallest feasible budget is ")[1].split("(")[1].split(" bytes")[0])
+    # exactly that budget is feasible, one byte less is not
+    ok = _plan(["--config", "mlp.toml", "--ranks", "2", "--memory-per-rank", str(smallest),
+                "--max-micro-batches", "8"], tmp / "profiles", tmp)
+    assert ok.returncode == 0, ok.stderr
+    short = _plan(["--config", "mlp.toml", "--ranks", "2", "--memory-per-rank", str(smallest - 1),
+                   "--max-micro-batches", "8"], tmp / "profiles", tmp)
+    assert short.returncode == 2 and "smallest feasible budget" in short.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--ranks", "0"], "--ranks must be a positive integer"),
+    (["--ranks", "2", "--memory-per-rank", "lots"], "is not a size"),
+    (["--ranks", "2", "--top", "0"], "--top must be a positive integer"),
+    (["--ranks", "2", "--set", "model.depth=3"], "unknown key model.depth"),
+    (["--ranks", "2", "--config", "missing.toml"], "does not exist"),
+    (["--ranks", "2", "--write", "exists.toml"], "exists; the planner does not overwrite"),
+    (["--ranks", "2", "--json", "nodir/plans.json"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
+    (tmp_path / "exists.toml").write_text("# mine\n")
+    proc = _plan(args, tmp_path / "profiles", tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("hpcpipe: error:")
+    assert words in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (tmp_path / "exists.toml").read_text() == "# mine\n"
+    assert not (tmp_path / "profiles").exists()     # refused before any measurement
+
+
+def test_missing_ranks_is_a_usage_error(tmp_path):
+    proc = _plan([], tmp_path / "profiles", tmp_path)
+    assert proc.returncode == 2 and "--ranks" in proc.stderr
+
+
+def test_profile_cut_needs_a_profile(tmp_path):
+    (tmp_path / "mlp.toml").write_text(MLP)
+    proc = run_command(2, "hpcpipe.train", ["--config", "mlp.toml", "--set", "parallel.stage_layers=\"profile\""],
+                       cwd=tmp_path, env={"HPCPIPE_PROFILE_DIR": str(tmp_path / "none")})
+    assert proc.returncode == 2
+    assert "needs a profile of this model" in proc.stderr and "python -m hpcpipe.plan" in proc.stderr
+
+
+def test_head_heavy_gpt_plan_cuts_by_measured_cost_and_trains_with_it(tmp_path):
+    (tmp_path / "gpt.toml").write_text(GPT)
+    proc = _plan(["--config", "gpt.toml", "--ranks", "2", "--json", "plans.json", "--max-micro-batches", "4"],
+                 tmp_path / "profiles", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stdout
+    profile = json.loads(next((tmp_path / "profiles").glob("layers-*.json")).read_text())
+    groups, sigs = profile["layers"]["groups"], profile["layers"]["signatures"]
+    fb = [groups[s]["F"]["4"] + groups[s]["B"]["4"] for s in sigs]
+    assert fb[-1] > fb[1]                # the 512-word head costs more than a block
+    # train with the measured cut: every rank reads the same profile and the checkpoint records the cut
+    run = run_command(2, "hpcpipe.train", ["--config", "gpt.toml", "--set", "parallel.stage_layers=\"profile\"",
+                                           "--set", "checkpoint.dir=\"ck\""],
+                      cwd=tmp_path, env={"HPCPIPE_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert run.returncode == 0, run.stderr
+    manifest = json.loads(next((tmp_path / "ck").rglob("manifest.json")).read_text())
+    cut = [len(r) for r in manifest["layout"]["stage_layers"]]
+    best = min(range(1, 4), key=lambda k: max(sum(fb[:k]), sum(fb[k:])))
+    assert cut == [best, 4 - best]

@@ -25,9 +25,9 @@ progress = false
 GPT = """
 [model]
 kind = "gpt"
-vocab_size = 512
+vocab_size = 4096
 seq_len = 8
-d_model = 16
+d_model = 32
 n_heads = 2
 n_blocks = 2
 tie_embeddings = false
@@ -157,7 +157,7 @@ def test_head_heavy_gpt_plan_cuts_by_measured_cost_and_trains_with_it(tmp_path):
     profile = json.loads(next((tmp_path / "profiles").glob("layers-*.json")).read_text())
     groups, sigs = profile["layers"]["groups"], profile["layers"]["signatures"]
     fb = [groups[s]["F"]["4"] + groups[s]["B"]["4"] for s in sigs]
-    assert fb[-1] > fb[1]                # the 512-word head costs more than a block
+    assert fb[-1] > fb[1]                # the 4096-word head costs more than a block
     # train with the measured cut: every rank reads the same profile and the checkpoint records the cut
     run = run_command(2, "hpcpipe.train", ["--config", "gpt.toml", "--set", "parallel.stage_layers=\"profile\"",
                                            "--set", "checkpoint.dir=\"ck\""],

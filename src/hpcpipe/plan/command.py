@@ -120,8 +120,10 @@ def run(args) -> int:
         budget_how = f"this node's available memory over {local_ranks} rank(s)"
     rows = micro_batch_rows(global_batch, args.ranks, config.n_layers, args.max_micro_batches)
     threads = plan_threads(args.ranks, args.cores, here)
+    # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
+    concurrent = max(1, min(args.ranks if args.cores is None else args.cores, here) // threads)
     profile = load_profile(config, profile_sizes(rows), threads, args.profile_dir or default_cache_dir(),
-                           args.refresh_profile)
+                           args.refresh_profile, concurrent)
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
     gpt = config.model.kind == "gpt"
     if not result.feasible:
@@ -132,7 +134,7 @@ def run(args) -> int:
     print(f"hpcpipe.plan: {config.layers_text()}, {config.model.dtype}, global batch {global_batch} on "
           f"{args.ranks} ranks, budget {report.size_text(budget)} per rank ({budget_how})")
     print(f"profile: {'cached' if profile.from_cache else 'measured'} ({profile.layers['backend']}, {threads} BLAS "
-          f"thread(s) per rank, micro-batch sizes {profile.sizes}); comm: "
+          f"thread(s) per rank, {concurrent} rank(s) side by side, micro-batch sizes {profile.sizes}); comm: "
           f"{profile.comm.latency_s * 1e6:.1f} us + {1 / max(profile.comm.seconds_per_byte, 1e-30) / 1e9:.2f} GB/s")
     if args.cores is not None:
         print(f"cores: {args.cores} shared by the {args.ranks} ranks (simulated as shared)")

@@ -104,11 +104,18 @@ def profile_sizes(wanted: list[int], limit: int = 10) -> list[int]:
 
 
 def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str, refresh: bool = False,
-                 log: Any = None) -> Profile:
-    """Return the profile of the configured model on this host: from the cache, measuring what it lacks."""
+                 concurrent: int = 1, log: Any = None) -> Profile:
+    """Return the profile of the configured model on this host: from the cache, measuring what it lacks.
+
+    ``concurrent`` ranks of the planned job compute at once on a node: the layers are
+    measured with as many copies side by side (a cached profile taken with another
+    count is measured again).
+    """
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     key = profile_cache.layer_key(config, threads)
     cached = None if refresh else profile_cache.read(cache_dir, key)
+    if cached and cached["layers"].get("concurrent", 1) != concurrent:
+        cached = None
     have = set(Profile(cached, CommModel.from_dict(cached["comm"])).sizes) if cached and "comm" in cached else set()
     missing = [s for s in sizes if s not in have]
     comm_dict = cached.get("comm") if cached else None
@@ -122,8 +129,9 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
             comm_dict = CommModel.from_probe(measure_comm()).to_dict()
             profile_cache.write_comm(cache_dir, comm_dict)
     log(f"hpcpipe.plan: profiling {config.n_layers} layer groups at micro-batch sizes {missing} "
-        f"({threads} BLAS thread{'s' if threads > 1 else ''}) ...")
-    measured = profile_cache.run_layer_profile(config, missing, threads)
+        f"({threads} BLAS thread{'s' if threads > 1 else ''}, {concurrent} process{'es' if concurrent > 1 else ''} "
+        f"side by side) ...")
+    measured = profile_cache.run_layer_profile(config, missing, threads, concurrent)
     layers = measured if not cached else profile_cache.merge_layers(cached["layers"], measured)
     data = {"key": key, "layers": layers, "comm": comm_dict,
             "seconds": round(time.perf_counter() - start, 2) + (cached or {}).get("seconds", 0.0)}

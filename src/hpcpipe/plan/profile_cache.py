@@ -123,21 +123,55 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_layer_profile(config: Config, sizes: list[int], threads: int, timeout_s: float = 600.0) -> dict:
-    """Measure the layer groups in a subprocess with the planned BLAS thread count; return its JSON."""
+def _average(results: list[dict]) -> dict:
+    """One layer profile from the copies that ran side by side: mean times, largest bytes."""
+    out = json.loads(json.dumps(results[0]))
+    for key, entry in out["groups"].items():
+        for field, values in entry.items():
+            if not isinstance(values, dict):
+                continue
+            for rows in values:
+                column = [r["groups"][key][field][rows] for r in results]
+                values[rows] = max(column) if field.endswith("bytes") else sum(column) / len(column)
+    return out
+
+
+def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent: int = 1,
+                      timeout_s: float = 600.0) -> dict:
+    """Measure the layer groups in ``concurrent`` subprocesses side by side, each with the planned BLAS threads.
+
+    The planned job runs that many ranks at once on a node like this one: they share
+    its memory bandwidth and caches, so each is measured while its siblings compute
+    the same layers, as a rank of the real run is.
+    """
     with tempfile.TemporaryDirectory(prefix="hpcpipe-profile-") as tmp:
-        request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "profile.json")
+        request = os.path.join(tmp, "request.json")
         with open(request, "w") as f:
             json.dump({"config": config.to_dict(), "sizes": sizes}, f)
-        cmd = [sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out]
+        outs = [os.path.join(tmp, f"profile-{k}.json") for k in range(concurrent)]
+        cmds = [[sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out] for out in outs]
+        procs = [subprocess.Popen(cmd, env=thread_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for cmd in cmds]
+        failures = []
         try:
-            done = subprocess.run(cmd, env=thread_env(threads), capture_output=True, text=True, timeout=timeout_s)
+            for proc in procs:
+                _, err = proc.communicate(timeout=timeout_s)
+                if proc.returncode != 0:
+                    failures.append((proc.returncode, err))
         except subprocess.TimeoutExpired:
-            raise ConfigError(f"profiling the layers took more than {timeout_s:.0f} s ({' '.join(cmd)})") from None
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise ConfigError(f"profiling the layers failed (exit {done.returncode}): {tail}")
-        data = _read_json(Path(out))
-    if data is None:
+            raise ConfigError(f"profiling the layers took more than {timeout_s:.0f} s ({' '.join(cmds[0])})") from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if failures:
+            code, err = failures[0]
+            tail = "\n".join(err.strip().splitlines()[-5:])
+            raise ConfigError(f"profiling the layers failed (exit {code}): {tail}")
+        results = [_read_json(Path(out)) for out in outs]
+    if any(r is None for r in results):
         raise ConfigError("profiling the layers wrote no result")
+    data = _average(results)
+    data["concurrent"] = concurrent
     return data

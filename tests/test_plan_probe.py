@@ -188,6 +188,16 @@ def test_the_probe_never_overwrites_its_out_file(tmp_path):
     assert out.read_text() == "mine"
 
 
+@pytest.mark.parametrize("sizes, words", [(["2", "4096"], "--sizes 2: every size must be between 4 and"),
+                                          (["4096", "4096"], "give at least 2 different sizes")])
+def test_the_probe_refuses_bad_sizes_before_mpi(tmp_path, sizes, words):
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.plan.probe", "--out", str(out), "--sizes", *sizes],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
 def test_measure_comm_end_to_end_with_the_mpich_wheel():
     import launchers
     start = time.monotonic()

@@ -210,10 +210,11 @@ def launcher_command(launcher: str | list[str] | None = None) -> list[str]:
 
 
 def _child_env() -> dict:
-    """This process's environment, with this hpcpipe first on PYTHONPATH so the ranks import the same code."""
+    """This process's environment, with a source checkout's hpcpipe first on PYTHONPATH (ranks import the same code)."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    if os.path.basename(package_root) not in ("site-packages", "dist-packages"):   # installed: found anyway
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

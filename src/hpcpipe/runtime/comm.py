@@ -312,58 +312,49 @@ def library_line(comm: Any) -> str:
     return runenv.mpi_line(MPI.Get_library_version(), comm.Get_size(), runenv.self_libmpi(), build)
 
 
-# Probes for the planner (hpcpipe.plan.probe): blocking calls are fine here, they time a quiet 2-rank exchange.
-PROBE_WARMUP = 3
-PROBE_TAG = 11
+# Probes for the planner (hpcpipe.plan.probe): blocking calls are fine here, they time a quiet exchange.
+PROBE_WARMUP, PROBE_TAG = 3, 11
 
 
 def pingpong_seconds(comm: Any, peer: int, nbytes: int, repeats: int) -> float:
     """Return the median one-way time (half a round trip) of an nbytes message between this rank and peer.
 
     Both ranks call it with each other as peer; the lower rank sends first,
-    times the round trips and sends the median to the peer, so both return
-    the same number. A few warm-up round trips (first-touch page faults,
-    connection setup) are not timed.
+    times the round trips (after a few untimed warm-ups: first-touch page
+    faults, connection setup) and sends the median to peer: both return it.
     """
     rank = comm.Get_rank()
-    if peer == rank or not 0 <= peer < comm.Get_size():
-        raise ValueError(f"pingpong_seconds: peer {peer} must be another rank of the "
-                         f"{comm.Get_size()}-rank communicator")
-    if nbytes < 1 or repeats < 1:
-        raise ValueError(f"pingpong_seconds: nbytes {nbytes} and repeats {repeats} must be at least 1")
-    buf = np.ones(nbytes, dtype=np.uint8)
-    first = rank < peer
-    times = []
+    if peer == rank or not 0 <= peer < comm.Get_size() or nbytes < 1 or repeats < 1:
+        raise ValueError(f"pingpong_seconds: peer {peer} must be another rank of the {comm.Get_size()} and "
+                         f"nbytes {nbytes}, repeats {repeats} at least 1")
+    buf, first, times = np.ones(nbytes, dtype=np.uint8), rank < peer, []
     for i in range(PROBE_WARMUP + repeats):
+        t0 = time.perf_counter()
         if first:
-            t0 = time.perf_counter()
             comm.Send(buf, dest=peer, tag=PROBE_TAG)
-            comm.Recv(buf, source=peer, tag=PROBE_TAG)
-            if i >= PROBE_WARMUP:
-                times.append((time.perf_counter() - t0) / 2.0)
-        else:
-            comm.Recv(buf, source=peer, tag=PROBE_TAG)
+        comm.Recv(buf, source=peer, tag=PROBE_TAG)
+        if not first:
             comm.Send(buf, dest=peer, tag=PROBE_TAG)
-    result = np.array([np.median(times) if first else 0.0], dtype=np.float64)
-    if first:
-        comm.Send(result, dest=peer, tag=PROBE_TAG)
-    else:
-        comm.Recv(result, source=peer, tag=PROBE_TAG)
-    return float(result[0])
+        elif i >= PROBE_WARMUP:
+            times.append((time.perf_counter() - t0) / 2.0)
+    if not first:
+        return float(comm.recv(source=peer, tag=PROBE_TAG))
+    median = float(np.median(times))
+    comm.send(median, dest=peer, tag=PROBE_TAG)
+    return median
 
 
 def allreduce_seconds(comm: Any, nbytes: int, repeats: int) -> float:
     """Return the median time of an in-place Allreduce(SUM) of a float32 buffer of nbytes over comm (collective).
 
     Each repeat starts after a barrier and counts as the slowest rank's time
-    (an allreduce(MAX) of the measured times), which is what a step waits for.
-    The buffer holds zeros so repeated sums stay finite. Every rank returns the same value.
+    (allreduce(MAX)), which is what a step waits for; every rank returns the
+    same value. The buffer holds zeros so repeated sums stay finite.
     """
     if nbytes < 4 or repeats < 1:
         raise ValueError(f"allreduce_seconds: nbytes {nbytes} must be at least 4 and repeats {repeats} at least 1")
-    buf = np.zeros(nbytes // 4, dtype=np.float32)
+    buf, times = np.zeros(nbytes // 4, dtype=np.float32), []
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)      # warm-up: first touch, algorithm setup
-    times = []
     for _ in range(repeats):
         comm.Barrier()
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ ROOT = SRC.parents[1]
 # the top level: small shared modules and the command entry points; everything else lives in a package
 TOP_LEVEL = {"__init__", "errors", "config", "config_checks", "trace", "cli", "h5files", "checkpoint", "evaluate",
              "simulate", "generate"}
-PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer", "serve"}
+PACKAGES = {"schedule", "nn", "runtime", "state", "train", "infer", "serve", "plan"}
 
 
 def _modules():

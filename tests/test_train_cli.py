@@ -34,6 +34,39 @@ def test_default_job_on_8_ranks_trains_and_writes_metrics(tmp_path):
     assert records[-1]["peak_stashed_microbatches"] == 8
 
 
+def _peak_rss_run(tmp_path, name: str, dims: list[int]) -> tuple[list[dict], str]:
+    """Train 3 steps of an MLP with dims at dp=1 x pp=2 with Adam; return its metrics records and stdout."""
+    metrics = tmp_path / f"{name}.jsonl"
+    args = ["--set", f"model.dims={dims}", "--set", "parallel.pp=2", "--set", "train.steps=3",
+            "--set", "train.optimizer=\"adam\"", "--set", f"log.metrics=\"{metrics}\"",
+            "--set", "checkpoint.dir=\"\"", "--set", "log.progress=false"]
+    proc = run_command(2, "hpcpipe.train", args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in metrics.read_text().splitlines()], proc.stdout
+
+
+def test_metrics_and_summary_carry_every_ranks_peak_rss(tmp_path):
+    tiny, tiny_out = _peak_rss_run(tmp_path, "tiny", [16] * 5)
+    # 4 Linear layers of 2048 x 2048 float32: per rank 2 x 16 MiB of weights, as much of gradients and
+    # twice that of Adam moments: at least 128 MiB more than the tiny model
+    big, big_out = _peak_rss_run(tmp_path, "big", [2048] * 5)
+    for records in (tiny, big):
+        assert [r["step"] for r in records] == [0, 1, 2]
+        for r in records:
+            by_rank = r["peak_rss_bytes_by_rank"]
+            assert len(by_rank) == 2 and all(isinstance(v, int) for v in by_rank)
+            assert isinstance(r["peak_rss_bytes"], int) and r["peak_rss_bytes"] == max(by_rank)
+            assert 20e6 < r["peak_rss_bytes"] < 4e9
+        # a peak never goes down
+        assert records[0]["peak_rss_bytes"] <= records[-1]["peak_rss_bytes"]
+    assert big[-1]["peak_rss_bytes"] > tiny[-1]["peak_rss_bytes"] + 100 * 2**20
+    for records, out in ((tiny, tiny_out), (big, big_out)):
+        match = re.search(r"s\), peak RSS (\d+) MiB per rank \(max\)$", out, re.M)
+        assert match, out
+        # the summary's value is taken after the last step: at least the last logged peak
+        assert int(match.group(1)) >= records[-1]["peak_rss_bytes"] // 2**20
+
+
 @pytest.mark.parametrize("optimizer,extra", [("sgd", ["train.momentum=0.9", "train.weight_decay=1e-4"]),
                                              ("adam", []), ("adamw", ["train.weight_decay=0.01"])])
 def test_every_optimizer_lowers_the_loss(tmp_path, optimizer, extra):

@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def rss_text(by_rank: list[int] | None) -> str:
+    """Return ', peak RSS <X> MiB per rank (max)' for the summary line ('' when not measured)."""
+    return f", peak RSS {max(by_rank) / 2**20:.0f} MiB per rank (max)" if by_rank else ""
+
+
 def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
     c = p.config
@@ -68,7 +73,7 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
           f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
           f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
           f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
-          f"{summary['elapsed_s']:.2f} s)", flush=True)
+          f"{summary['elapsed_s']:.2f} s){rss_text(summary.get('peak_rss_bytes_by_rank'))}", flush=True)
     if summary["skipped"]:
         print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
     if summary["checkpoints"]:

@@ -9,6 +9,7 @@ from typing import Any
 from hpcpipe.errors import EXIT_DIVERGED, AgreedError
 from hpcpipe.runtime.faults import fault_injection, stall_injection, step_sleep
 from hpcpipe.runtime.guard import Watchdog
+from hpcpipe.runtime.rss import peak_rss_bytes
 from hpcpipe.runtime.runenv import stdout_is_terminal
 from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.trace import rank_events, training_trace, write_json
@@ -30,7 +31,8 @@ class Progress:
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
-    def log(self, step: int, loss: float, seconds: float, peaks: list | None = None) -> None:
+    def log(self, step: int, loss: float, seconds: float, peaks: list | None = None,
+            rss_by_rank: list[int] | None = None) -> None:
         """Record one step: metrics line always, console line every log.every steps."""
         tr = self.trainer
         stats = tr.last_stats
@@ -47,6 +49,9 @@ class Progress:
             # measured on every rank: per stage, the most micro-batches (and bytes) held at once
             record["peak_stashed_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[0].items())}
             record["peak_stash_bytes_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[1].items())}
+        if rss_by_rank is not None:
+            record["peak_rss_bytes"] = max(rss_by_rank)
+            record["peak_rss_bytes_by_rank"] = rss_by_rank
         if self.metrics and step % self.cfg.log.every == 0:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -77,7 +82,8 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     non-finite loss or gradient on any rank is skipped everywhere (the data position
     still advances), train.max_bad_steps of them in a row stop the run (AgreedError,
     exit 77), and a stop signal on any rank makes every rank checkpoint and return
-    with summary["stopped"] set. Returns a summary (rank 0 logs).
+    with summary["stopped"] set. Returns a summary (rank 0 logs; its peak_rss_bytes_by_rank is
+    None on the other ranks).
     """
     from hpcpipe.runtime.comm import gather_to_root
 
@@ -111,15 +117,17 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             losses.append(loss)
             if cfg.log.trace:
                 traced.append((step, trainer.last_stats.events))
-            peaks = None
+            peaks = rss_by_rank = None
             if cfg.log.metrics and step % cfg.log.every == 0:
-                # one small gather per logged step: replica 0's stages cover the pipeline
+                # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 stats = trainer.last_stats
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = gather_to_root(world, mine, 0)
-                peaks = [g for g in gathered if g is not None] if gathered else None
+                gathered = gather_to_root(world, (mine, peak_rss_bytes()), 0)
+                if gathered:
+                    peaks = [g[0] for g in gathered if g[0] is not None]
+                    rss_by_rank = [g[1] for g in gathered]
             if progress:
-                progress.log(step, loss, seconds, peaks)
+                progress.log(step, loss, seconds, peaks, rss_by_rank)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
@@ -152,12 +160,14 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     if cfg.log.trace:
         write_trace(cfg.log.trace, world, traced, trainer.topo.name)
     elapsed = time.perf_counter() - start
+    # one small gather per run (after the timing): every rank's peak RSS for the summary line
+    rss = gather_to_root(world, peak_rss_bytes(), 0)
     steps = len(losses)
     return {"steps": steps, "initial_loss": losses[0] if losses else float("nan"),
             "final_loss": losses[-1] if losses else float("nan"),
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s, "skipped": skipped,
-            "stopped": stopped, "saved_step": saved}
+            "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss}
 
 
 def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], label: str = "") -> None:

@@ -1,0 +1,378 @@
+"""Proof harness of the planner (issue 15): plan, run the top choice for real, compare it with a measured grid.
+
+    python bench/bench_plan.py --config configs/plan-mlp.toml --ranks 2 --out bench/results_plan_mlp.json
+    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --out bench/results_plan_gpt.json
+    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --stage-cut --out bench/results_plan_cut.json
+
+The default mode runs ``python -m hpcpipe.plan --config C --ranks N --memory-per-rank M --top T --json J
+--write best.toml`` twice, timing both (the first profiles into a fresh XDG_CACHE_HOME, the second reads
+that cache); runs the top choice as ``mpiexec -n N python -m hpcpipe.train --config best.toml --set
+train.steps=K --set log.metrics=F --set checkpoint.dir="" --set log.progress=false``; runs a hand-picked
+grid (at least 12 configurations: dp/pp, schedule, micro-batch count, the same global batch) the same
+way; and prints a table (predicted where the plan JSON holds the same dp, pp, schedule, virtual stages,
+micro-batches and stage cut) and the checks: the top choice within 15 % of its prediction, within 5 % of
+the fastest grid run, its peak RSS (the metrics' peak_rss_bytes) under the budget, the planner under
+60 s and, cached, under 2 s. Step time = median of rank 0's step_time_s after --warmup steps.
+``--stage-cut`` instead runs the config's layout and schedule with parallel.stage_layers = "profile"
+and with an equal-layer-count cut and reports the speed ratio (goal >= 1.2x).
+``--plan-json FILE`` skips the planner and takes a (hand-made) plan JSON; its first plan is run from
+--config with its values set by --set (or from --best-toml FILE). Every job waits for a quiet machine
+first (bench_schedules.wait_quiet); --rounds repeats every run and keeps its fastest round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+from bench_schedules import ENV, MPIEXEC, load, wait_quiet  # noqa: E402
+
+MATCH_KEYS = ("dp", "pp", "schedule", "virtual_stages", "micro_batches", "stage_layers")
+UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+         "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Return the bytes a size such as '8GiB', '512MB' or '1e9' names."""
+    match = re.fullmatch(r"\s*([\d.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise SystemExit(f"bench_plan: error: --memory-per-rank {text!r} is not a size such as 8GiB or 512MB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def describe(c: dict) -> str:
+    """One table cell naming a configuration: layout, schedule, micro-batches x size, stage cut."""
+    v = f" v={c['virtual_stages']}" if c["virtual_stages"] > 1 else ""
+    return (f"dp={c['dp']} pp={c['pp']} {c['schedule']}{v} {c['micro_batches']}x{c['micro_batch_size']} "
+            f"{c.get('stage_layers') or ''}").rstrip()
+
+
+def overrides_of(c: dict) -> list[str]:
+    """The --set items that make a config run configuration c (stage_layers [] = the FLOP-balanced cut)."""
+    cut = c.get("stage_layers", [])
+    return [f"parallel.dp={c['dp']}", f"parallel.pp={c['pp']}", f"parallel.schedule=\"{c['schedule']}\"",
+            f"parallel.virtual_stages={c['virtual_stages']}",
+            f"parallel.stage_layers={json.dumps(cut) if isinstance(cut, list) else repr(cut)}",
+            f"train.micro_batches={c['micro_batches']}", f"train.micro_batch_size={c['micro_batch_size']}"]
+
+
+def check_config(path: str, ranks: int, overrides: list[str]) -> tuple[dict | None, str]:
+    """Resolve a configuration without MPI: (its values with the stage cut, '') or (None, why it cannot run)."""
+    from hpcpipe.config import load_config, resolve_layout
+    from hpcpipe.errors import ConfigError, ScheduleError
+    from hpcpipe.nn.model import partition
+    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.schedule.lower import lower
+    from hpcpipe.schedule.registry import build_schedule, shape_of
+    from hpcpipe.schedule.validate import validate
+    try:
+        cfg = load_config(path, overrides)
+        dp, pp = resolve_layout(cfg, ranks)
+        par, tr = cfg.parallel, cfg.train
+        cut = [len(r) for r in partition(model_def(cfg).specs, pp * par.virtual_stages, par.stage_layers)]
+        shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
+        validate(lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape), shape)
+    except (ConfigError, ScheduleError) as exc:
+        return None, str(exc)
+    return {"dp": dp, "pp": pp, "schedule": par.schedule, "virtual_stages": par.virtual_stages,
+            "micro_batches": tr.micro_batches, "micro_batch_size": tr.micro_batch_size, "stage_layers": cut,
+            "n_layers": cfg.n_layers}, ""
+
+
+def grid(path: str, ranks: int, global_batch: int, base_size: int) -> tuple[list[dict], list[str]]:
+    """The hand-picked grid for this global batch and rank count; returns (runnable configs, skipped notes).
+
+    Every dp x pp = ranks layout; on pipelines GPipe, 1F1B at half, the base and twice the base micro-batch
+    count (base: micro-batches of the config's size), interleaved 1F1B (v=2), ZB-H1 at the base and twice,
+    ZB-V (v=2); without a pipeline a few micro-batch counts. Stage cut: hpcpipe's FLOP balancing.
+    """
+    picks = []
+    for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+        dp = ranks // pp
+        base = max(1, global_batch // (dp * base_size))
+        if pp == 1:   # no pipeline: every schedule is the same, only the micro-batch count matters
+            picks += [("gpipe", 1, m, dp, pp) for m in (1, max(1, base // 4), base, 2 * base)]
+            continue
+        picks += [(s, v, m, dp, pp) for s, v, m in
+                  (("gpipe", 1, base), ("gpipe", 1, 2 * base), ("1f1b", 1, max(1, base // 2)), ("1f1b", 1, base),
+                   ("1f1b", 1, 2 * base), ("interleaved-1f1b", 2, base), ("zb-h1", 1, base), ("zb-h1", 1, 2 * base),
+                   ("zb-v", 2, base))]
+    out, skipped, seen = [], [], set()
+    for s, v, m, dp, pp in picks:
+        size = global_batch // (dp * m)
+        c = {"dp": dp, "pp": pp, "schedule": s, "virtual_stages": v, "micro_batches": m, "micro_batch_size": size}
+        key = json.dumps(c, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        if size < 1 or dp * m * size != global_batch:
+            skipped.append(f"{describe(c)}: {dp} x {m} micro-batches do not divide the global batch {global_batch}")
+            continue
+        resolved, why = check_config(path, ranks, overrides_of({**c, "stage_layers": []}))
+        if resolved is None:
+            skipped.append(f"{describe(c)}: {why}")
+        else:
+            out.append({k: resolved[k] for k in MATCH_KEYS + ("micro_batch_size",)})
+    return out, skipped
+
+
+def train_run(config: str, ranks: int, sets: list[str], steps: int, warmup: int, tmp: str, name: str,
+              timeout: float) -> dict:
+    """Run mpiexec -n ranks python -m hpcpipe.train for `steps` steps; return the median step time and peak RSS."""
+    metrics = os.path.join(tmp, f"{name}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)   # ours, from an earlier round: metrics files are appended to
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "hpcpipe.train", "--config", config,
+           "--set", f"train.steps={steps}", "--set", f"log.metrics={json.dumps(metrics)}",
+           "--set", 'checkpoint.dir=""', "--set", "log.progress=false", "--set", "log.every=1"]
+    for item in sets:
+        cmd += ["--set", item]
+    try:
+        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"cmd": shlex.join(cmd), "error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode:
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        why = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "")
+        return {"cmd": shlex.join(cmd), "error": f"exit {proc.returncode}: {why.strip()}"}
+    records = [json.loads(line) for line in open(metrics)]
+    times = [r["step_time_s"] for r in records if r["step"] >= warmup]
+    if not times:
+        return {"cmd": shlex.join(cmd), "error": f"no steps after the {warmup} warm-up steps"}
+    summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("hpcpipe: trained")]
+    return {"cmd": shlex.join(cmd), "median_s": statistics.median(times), "times": times,
+            "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in records),
+            "peak_rss_bytes_by_rank": records[-1].get("peak_rss_bytes_by_rank"),
+            "summary": summary[-1] if summary else ""}
+
+
+def run_planner(args: argparse.Namespace, tmp: str) -> dict:
+    """Run python -m hpcpipe.plan twice (fresh cache, then cached); return wall times, the JSON and best.toml."""
+    env = {**ENV, "XDG_CACHE_HOME": os.path.join(tmp, "cache")}   # the first run must profile
+    walls, cmds = [], []
+    for i in (1, 2):
+        out, best = os.path.join(tmp, f"plan-{i}.json"), os.path.join(tmp, f"best-{i}.toml")
+        cmd = [sys.executable, "-m", "hpcpipe.plan", "--config", args.config, "--ranks", str(args.ranks),
+               "--memory-per-rank", args.memory_per_rank, "--top", str(args.top), "--json", out, "--write", best]
+        cmd += ["--cores", str(args.cores)] if args.cores else []
+        wait_quiet(args.quiet_idle, args.quiet_wait)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        walls.append(time.perf_counter() - t0)
+        cmds.append(shlex.join(cmd))
+        if proc.returncode:
+            raise SystemExit(f"bench_plan: error: {shlex.join(cmd)} failed (exit {proc.returncode}):\n"
+                             f"{proc.stdout}{proc.stderr}")
+        print(f"planner run {i}: {walls[-1]:.2f} s (load after {load()})\n{proc.stdout.rstrip()}", flush=True)
+    if walls[0] < 2 * walls[1]:
+        print(f"bench_plan: warning: the first planner run ({walls[0]:.2f} s) was not much slower than the cached "
+              f"one ({walls[1]:.2f} s): does the profile cache live under XDG_CACHE_HOME?", flush=True)
+    with open(os.path.join(tmp, "plan-1.json")) as f:
+        first = json.load(f)
+    with open(os.path.join(tmp, "plan-2.json")) as f:
+        second = json.load(f)
+    same = [describe(p) for p in first["plans"][:1]] == [describe(p) for p in second["plans"][:1]]
+    return {"cmds": cmds, "wall_s": walls, "json": first, "best_toml": os.path.join(tmp, "best-1.toml"),
+            "same_top_choice_cached": same}
+
+
+def predicted(plan_json: dict, c: dict) -> float | None:
+    """The plan's predicted step time of configuration c, if the plan JSON lists the same configuration."""
+    for p in plan_json.get("plans", []):
+        if all(p.get(k) == c.get(k) for k in MATCH_KEYS):
+            return p["step_time_s"]
+    return None
+
+
+def timed(args: argparse.Namespace, config: str, sets: list[str], tmp: str, name: str, label: str) -> dict:
+    """The fastest of --rounds runs of one configuration, each after waiting for a quiet machine."""
+    best: dict = {}
+    for rnd in range(args.rounds):
+        idle = wait_quiet(args.quiet_idle, args.quiet_wait)
+        r = train_run(config, args.ranks, sets, args.steps, args.warmup, tmp, name, args.timeout)
+        r.update(idle_before=idle, load_after=load(), round=rnd)
+        ok = "error" not in r
+        print(f"  {label:40s} " + (f"{r['median_s'] * 1e3:8.1f} ms/step, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
+                                  if ok else r["error"]) + f"  (idle before {idle:.0%})", flush=True)
+        if not best or (ok and ("error" in best or r["median_s"] < best["median_s"])):
+            best = r
+    return best
+
+
+def main_plan(args: argparse.Namespace, tmp: str) -> dict:
+    """Plan (or read --plan-json), run the top choice and the grid, and check the issue's claims."""
+    if args.plan_json:
+        try:
+            with open(args.plan_json) as f:
+                plan_json = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"bench_plan: error: --plan-json {args.plan_json!r} cannot be read: {exc}") from None
+        planner = {"cmds": [], "wall_s": [], "json": plan_json, "best_toml": args.best_toml}
+    else:
+        planner = run_planner(args, tmp)
+        plan_json = planner["json"]
+    if not plan_json.get("plans"):
+        raise SystemExit(f"bench_plan: error: the plan JSON lists no plans: {json.dumps(plan_json)[:300]}")
+    top = plan_json["plans"][0]
+    if planner["best_toml"]:
+        top_config, top_sets = planner["best_toml"], []
+    else:
+        top_config, top_sets = args.config, overrides_of(top)
+    gb = plan_json.get("global_batch") or top["dp"] * top["micro_batches"] * top["micro_batch_size"]
+    base_cfg, why = check_config(args.config, args.ranks, [])
+    if base_cfg is None:
+        raise SystemExit(f"bench_plan: error: --config {args.config!r} does not run on {args.ranks} ranks: {why}")
+    configs, skipped = grid(args.config, args.ranks, gb, base_cfg["micro_batch_size"])
+    configs = configs[:args.max_grid] if args.max_grid else configs
+    for note in skipped:
+        print(f"grid: skipped {note}", flush=True)
+    print(f"top choice: {describe(top)} (predicted {top['step_time_s'] * 1e3:.1f} ms); grid of {len(configs)} "
+          f"configurations, global batch {gb}", flush=True)
+    res_top = timed(args, top_config, top_sets, tmp, "top", f"top: {describe(top)}")
+    res_top.update(config=top, predicted_s=top["step_time_s"])
+    rows = []
+    for i, c in enumerate(configs):
+        r = timed(args, args.config, overrides_of(c), tmp, f"grid-{i:02d}", describe(c))
+        r.update(config=c, predicted_s=predicted(plan_json, c))
+        rows.append(r)
+    budget = plan_json.get("budget_bytes") or parse_bytes(args.memory_per_rank)
+    out = {"mode": "plan", "planner": planner, "top": res_top, "grid": rows, "grid_skipped": skipped,
+           "global_batch": gb, "budget_bytes": budget, "checks": checks(planner, res_top, rows, budget)}
+    if planner["best_toml"]:
+        # the written config must be the plan it names: same layout, schedule, micro-batches and cut
+        written, why = check_config(planner["best_toml"], args.ranks, [])
+        keys = MATCH_KEYS + ("micro_batch_size",)
+        differ = [k for k in keys if written and written[k] != top[k]]
+        out["best_toml"] = written or why
+        out["checks"]["best_toml_is_top_plan"] = {"value": float(not differ and written is not None), "limit": 1.0,
+                                                  "ok": not differ and written is not None,
+                                                  "note": why or (f"differs in {differ}" if differ else "")}
+    return out
+
+
+def checks(planner: dict, top: dict, rows: list[dict], budget: int) -> dict:
+    """The issue's claims as measured: each {value, limit, ok} (ok None when not measured)."""
+    out: dict = {}
+    measured = top.get("median_s")
+    if measured:
+        err = abs(measured - top["predicted_s"]) / measured
+        out["top_prediction_error"] = {"value": err, "limit": 0.15, "ok": err <= 0.15}
+        fastest = min((r["median_s"] for r in rows if "median_s" in r), default=None)
+        if fastest:
+            out["top_vs_fastest_grid"] = {"value": measured / fastest, "limit": 1.05, "ok": measured <= 1.05 * fastest}
+        out["top_peak_rss_bytes"] = {"value": top["peak_rss_bytes"], "limit": budget,
+                                     "ok": 0 < top["peak_rss_bytes"] <= budget}
+    if planner["wall_s"]:
+        out["planner_first_s"] = {"value": planner["wall_s"][0], "limit": 60.0, "ok": planner["wall_s"][0] < 60}
+        out["planner_cached_s"] = {"value": planner["wall_s"][1], "limit": 2.0, "ok": planner["wall_s"][1] < 2}
+    return out
+
+
+def equal_cut(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage by count alone: as equal as can be, the first stages one more."""
+    q, r = divmod(n_layers, n_stages)
+    return [q + (i < r) for i in range(n_stages)]
+
+
+def main_stage_cut(args: argparse.Namespace, tmp: str) -> dict:
+    """Run the config's layout and schedule with the profile cut and the equal-count cut; report the ratio."""
+    base, why = check_config(args.config, args.ranks, [])
+    if base is None:
+        raise SystemExit(f"bench_plan: error: --config {args.config!r} does not run on {args.ranks} ranks: {why}")
+    equal = equal_cut(base["n_layers"], base["pp"] * base["virtual_stages"])
+    print(f"stage cut: {describe({**base, 'stage_layers': []})}; parallel.stage_layers = {args.cut} vs "
+          f"equal counts {equal}", flush=True)
+    cut_text = json.dumps(args.cut) if not args.cut.startswith("[") else args.cut
+    runs = {"profile": timed(args, args.config, [f"parallel.stage_layers={cut_text}"], tmp, "cut-profile",
+                             f"stage_layers = {args.cut}"),
+            "equal": timed(args, args.config, [f"parallel.stage_layers={json.dumps(equal)}"], tmp, "cut-equal",
+                           f"stage_layers = {equal}")}
+    out = {"mode": "stage-cut", "config": base, "cut": args.cut, "equal_cut": equal, "runs": runs, "checks": {}}
+    if all("median_s" in r for r in runs.values()):
+        ratio = runs["equal"]["median_s"] / runs["profile"]["median_s"]
+        out["checks"]["profile_vs_equal_speedup"] = {"value": ratio, "limit": 1.2, "ok": ratio >= 1.2}
+    return out
+
+
+def report(res: dict) -> None:
+    """Print the markdown table and the checks."""
+    mib = 2**20
+    if res["mode"] == "plan":
+        print("\n| configuration | predicted s | measured s | error | peak RSS MiB (max rank) |\n|---|---|---|---|---|")
+        for r in [res["top"]] + res["grid"]:
+            name = ("**top** " if r is res["top"] else "") + describe(r["config"])
+            pred = r.get("predicted_s")
+            if "median_s" in r:
+                err = f"{(pred - r['median_s']) / r['median_s']:+.1%}" if pred else "-"
+                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | {r['median_s']:.3f} | {err} "
+                      f"| {r['peak_rss_bytes'] / mib:.0f} |")
+            else:
+                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | failed: {r['error']} | - | - |")
+        walls = res["planner"]["wall_s"]
+        if walls:
+            print(f"\nplanner wall time: {walls[0]:.2f} s (profiling), {walls[1]:.2f} s (cached profile)")
+    else:
+        print("\n| stage cut | measured s | peak RSS MiB |\n|---|---|---|")
+        for label, r in res["runs"].items():
+            cut = res["cut"] if label == "profile" else res["equal_cut"]
+            cell = (f"{r['median_s']:.3f} | {r['peak_rss_bytes'] / mib:.0f}" if "median_s" in r
+                    else f"failed: {r['error']} | -")
+            print(f"| {label} ({cut}) | {cell} |")
+    print()
+    for name, c in res["checks"].items():
+        note = f" ({c['note']})" if c.get("note") else ""
+        print(f"check {name}: {c['value']:.4g} (limit {c['limit']:.4g}) {'PASS' if c['ok'] else 'FAIL'}{note}")
+
+
+def main() -> int:
+    """Parse the options, run the chosen mode, print the report and write the JSON results."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\nThe default mode")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the model config (configs/plan-mlp.toml, configs/plan-gpt.toml)")
+    ap.add_argument("--ranks", type=int, default=2, help="MPI ranks of every run (default 2)")
+    ap.add_argument("--memory-per-rank", default="8GiB", help="the planner's budget (default 8GiB)")
+    ap.add_argument("--cores", type=int, default=0, help="pass --cores to the planner (default: its own)")
+    ap.add_argument("--top", type=int, default=50, help="plans the planner lists (predictions for the grid)")
+    ap.add_argument("--steps", type=int, default=8, help="train.steps of every run, warm-up included (default 8)")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (default 2)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every configuration this often, keep the fastest")
+    ap.add_argument("--stage-cut", action="store_true", help="compare the profile cut with an equal-count cut")
+    ap.add_argument("--cut", default="profile", help="--stage-cut: the parallel.stage_layers value to compare")
+    ap.add_argument("--plan-json", default="", help="use this plan JSON instead of running the planner")
+    ap.add_argument("--best-toml", default="", help="with --plan-json: run the top choice from this config")
+    ap.add_argument("--max-grid", type=int, default=0, help="run only the first N grid configurations (checks)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one training run may take")
+    ap.add_argument("--quiet-idle", type=float, default=0.9, help="wait for this idle share before each run")
+    ap.add_argument("--quiet-wait", type=float, default=10.0, help="longest wait for quiet, seconds")
+    ap.add_argument("--out", default="", help="write all results to this JSON file")
+    args = ap.parse_args()
+    if args.steps <= args.warmup:
+        ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    tmp = tempfile.mkdtemp(prefix="hpcpipe-bench-plan-")
+    loads = [load()]
+    t0 = time.perf_counter()
+    res = main_stage_cut(args, tmp) if args.stage_cut else main_plan(args, tmp)
+    res.update(config_file=args.config, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
+               loads=loads + [load()], wall_s=time.perf_counter() - t0, tmp=tmp)
+    report(res)
+    print(f"\nwhole run {res['wall_s']:.0f} s; load average before/after {loads[0]} / {res['loads'][1]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

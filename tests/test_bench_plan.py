@@ -75,6 +75,14 @@ def test_checks_fail_a_slow_or_mispredicted_or_oversized_top_choice():
     good = bench_plan.checks(planner, {**top, "predicted_s": 0.9, "peak_rss_bytes": 2**30}, [{"median_s": 0.96}],
                              2 * 2**30)
     assert good["top_prediction_error"]["ok"] and good["top_vs_fastest_grid"]["ok"] and good["top_peak_rss_bytes"]["ok"]
+    # the grid's run of the top plan itself (same rounds as the others) is what the grid comparison uses
+    config = {"dp": 1, "pp": 2, "schedule": "1f1b", "virtual_stages": 1, "micro_batches": 8, "stage_layers": [5, 1]}
+    twin = bench_plan.checks(planner, {**top, "config": config, "median_s": 1.2},
+                             [{"median_s": 0.9, "config": config}, {"median_s": 0.88, "config": {}}], 2 * 2**30)
+    assert twin["top_vs_fastest_grid"]["value"] == 0.9 / 0.88 and twin["top_vs_fastest_grid"]["ok"]
+    # the memory model must bound every run's peak RSS
+    over = bench_plan.checks(planner, {**top, "predicted_peak_bytes": 2**30, "peak_rss_bytes": 2**31}, [], 2**32)
+    assert over["rss_over_predicted_peak_max"] == {"value": 2.0, "limit": 1.0, "ok": False}
 
 
 def test_runner_on_a_hand_made_plan(tmp_path):
@@ -97,6 +105,7 @@ def test_runner_on_a_hand_made_plan(tmp_path):
     assert 20e6 < res["top"]["peak_rss_bytes"] < 2**30
     [row] = res["grid"]
     assert row["config"]["dp"] == 2 and row["predicted_s"] == 0.5 and row["median_s"] > 0
-    assert set(res["checks"]) == {"top_prediction_error", "top_vs_fastest_grid", "top_peak_rss_bytes"}
+    assert set(res["checks"]) == {"top_prediction_error", "top_vs_fastest_grid", "top_peak_rss_bytes",
+                                  "rss_over_predicted_peak_max"}
     assert res["checks"]["top_peak_rss_bytes"]["ok"]
     assert "| **top** dp=1 pp=2 1f1b 8x4 [5, 1] | 0.400 |" in proc.stdout

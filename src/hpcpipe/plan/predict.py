@@ -54,7 +54,7 @@ class Prediction:
 
     candidate: Candidate
     step_time_s: float
-    bubble: float
+    bubble: float                    # idle share of the pipeline ranks before the step's end
     busy_max_s: float                # compute seconds of the busiest pipeline rank
     step_end_s: float                # allreduce, tied sum, norm agreement and optimizer update
     peak_bytes: int                  # the rank with the most
@@ -116,9 +116,8 @@ class Predictor:
 
     def _rank_params(self, layers: list[int], pp_ranks: int) -> int:
         n = sum(self.profile.params(i) for i in layers)
-        last = self.model.n_layers - 1
-        if self.tok_emb and last in layers and 0 in layers:
-            n -= self.tok_emb     # the profiled head held its own copy of the table; next to the embedding it reads it
+        if self.tok_emb and self.model.n_layers - 1 in layers and 0 not in layers:
+            n += self.tok_emb     # a tied head away from the embedding holds its own copy of the table
         return n
 
     def predict(self, c: Candidate) -> Prediction:
@@ -150,7 +149,10 @@ class Predictor:
                 worst = mine
         samples = c.dp * c.micro_batches * c.micro_batch_size
         tokens = self.config.model.seq_len if self.model.kind == "gpt" else 0
-        return Prediction(c, result.step_time, result.bubble, max(result.busy), step_end, sum(worst.values()),
+        # the pipeline's idle share before the step's end (which every rank spends the same way)
+        phase = c.pp * (result.step_time - step_end)
+        bubble = max(0.0, 1.0 - sum(result.busy) / phase) if phase > 0 else 0.0
+        return Prediction(c, result.step_time, bubble, max(result.busy), step_end, sum(worst.values()),
                           worst, samples, tokens)
 
     def _memory(self, c: Candidate, ranges: list[range], stages: list[int], n_params: int,

@@ -70,7 +70,7 @@ class Profile:
         return _interpolate(self._group(index)["work_bytes"], rows)
 
     def params(self, index: int) -> int:
-        """Parameters of the group (a tied head counts its own copy of the table, as the engine holds it)."""
+        """Parameters of the group (a tied head's table is the embedding's: counted there)."""
         return int(self._group(index)["params"])
 
     def optimizer(self, train: Any) -> dict[str, float]:

@@ -23,7 +23,7 @@ from typing import Any
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def _backend_name(choice: str) -> str:

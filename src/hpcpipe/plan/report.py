@@ -41,8 +41,7 @@ def table(best: list[Prediction], gpt: bool) -> str:
 
 
 def _parts(p: Prediction) -> str:
-    idle = p.bubble * p.step_time_s
-    return (f"busiest rank computes {p.busy_max_s:.3f} s, idle {idle:.3f} s of the step, step end "
+    return (f"busiest rank computes {p.busy_max_s:.3f} s, pipeline bubble {p.bubble:.1%}, step end "
             f"(allreduce + optimizer) {p.step_end_s:.3f} s, {size_text(p.peak_bytes)} per rank")
 
 

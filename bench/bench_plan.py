@@ -313,11 +313,26 @@ def main_stage_cut(args: argparse.Namespace, tmp: str) -> dict:
     print(f"stage cut: {describe({**base, 'stage_layers': []})}; parallel.stage_layers = {args.cut} vs "
           f"equal counts {equal}", flush=True)
     cut_text = json.dumps(args.cut) if not args.cut.startswith("[") else args.cut
+    measured = None
+    if args.cut == "profile":
+        # "profile" reads the planner's profile of this model on this host: make one in a fresh cache first
+        ENV["HPCPIPE_PROFILE_DIR"] = os.path.join(tmp, "profiles")
+        planned = subprocess.run([sys.executable, "-m", "hpcpipe.plan", "--config", args.config, "--ranks",
+                                  str(args.ranks)], env=ENV, capture_output=True, text=True, timeout=args.timeout)
+        if planned.returncode != 0:
+            raise SystemExit(f"bench_plan: error: the planner failed: {planned.stderr.strip()[-500:]}")
+        os.environ["HPCPIPE_PROFILE_DIR"] = ENV["HPCPIPE_PROFILE_DIR"]
+        from hpcpipe.config import load_config
+        from hpcpipe.plan.stage_cut import stage_counts
+        chosen = load_config(args.config, ['parallel.stage_layers="profile"'])
+        measured = stage_counts(chosen, base["pp"] * base["virtual_stages"], chosen.train.micro_batch_size)
+        print(f"profile made by the planner: parallel.stage_layers = \"profile\" cuts {measured}", flush=True)
     runs = {"profile": timed(args, args.config, [f"parallel.stage_layers={cut_text}"], tmp, "cut-profile",
                              f"stage_layers = {args.cut}"),
             "equal": timed(args, args.config, [f"parallel.stage_layers={json.dumps(equal)}"], tmp, "cut-equal",
                            f"stage_layers = {equal}")}
-    out = {"mode": "stage-cut", "config": base, "cut": args.cut, "equal_cut": equal, "runs": runs, "checks": {}}
+    out = {"mode": "stage-cut", "config": base, "cut": args.cut, "equal_cut": equal, "runs": runs, "checks": {},
+           "profile_cut": measured if args.cut == "profile" else None}
     if all("median_s" in r for r in runs.values()):
         ratio = runs["equal"]["median_s"] / runs["profile"]["median_s"]
         out["checks"]["profile_vs_equal_speedup"] = {"value": ratio, "limit": 1.2, "ok": ratio >= 1.2}

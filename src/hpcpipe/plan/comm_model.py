@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -263,3 +264,39 @@ def measure_comm(timeout_s: float = 60, launcher: str | list[str] | None = None)
             raise ConfigError(f"the communication probe wrote no usable result ({exc}): {shown}\n"
                               f"{_tail(stderr or stdout)}") from None
     return probe
+
+
+# the smallest training a rank can run: what it costs before any model-sized array (engine, schedule,
+# communicators, MPI's buffers in use, the libraries a training rank imports)
+BARE_TRAINING = ["--set", "model.dims=[8,8,8,8,8]", "--set", "parallel.pp=2", "--set", "train.steps=2",
+                 "--set", "train.micro_batches=2", "--set", "data.synthetic_samples=16", "--set", 'checkpoint.dir=""',
+                 "--set", "log.progress=false"]
+
+
+def measure_rank_baseline(timeout_s: float = 60, launcher: str | list[str] | None = None) -> int:
+    """Peak resident bytes of a rank of a bare 2-rank training run (hpcpipe.train on a model of 8-wide layers)."""
+    words = launcher_command(launcher)
+    command = [*words, "-n", "2", sys.executable, "-m", "hpcpipe.train", *BARE_TRAINING]
+    shown = shlex.join(command)
+    with tempfile.TemporaryDirectory(prefix="hpcpipe-bare-") as folder:
+        try:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=_child_env(), start_new_session=True, cwd=folder)
+        except OSError as exc:
+            raise ConfigError(f"cannot start the MPI launcher {words[0]!r} ({exc.strerror or exc}); set "
+                              f"{LAUNCHER_ENV} to a working launcher, e.g. {LAUNCHER_ENV}=mpiexec") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            stdout, stderr = proc.communicate()
+            raise ConfigError(f"the bare training run did not finish in {timeout_s:g} s: {shown}\n"
+                              f"{_tail(stderr or stdout)}") from None
+    match = re.search(r"peak RSS (\d+) MiB per rank", stdout)
+    if proc.returncode != 0 or match is None:
+        raise ConfigError(f"the bare training run failed (exit status {proc.returncode}): {shown}\n"
+                          f"{_tail(stderr or stdout)}")
+    return int(match.group(1)) * 1024 * 1024

@@ -18,7 +18,7 @@ from typing import Any
 
 from hpcpipe.config import Config
 from hpcpipe.plan import profile_cache
-from hpcpipe.plan.comm_model import CommModel, measure_comm
+from hpcpipe.plan.comm_model import CommModel, measure_comm, measure_rank_baseline
 
 
 def _interpolate(points: dict[str, float], rows: int) -> float:
@@ -125,8 +125,11 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
     if comm_dict is None:
         comm_dict = profile_cache.read_comm(cache_dir) if not refresh else None
         if comm_dict is None:
-            log("hpcpipe.plan: measuring point-to-point and allreduce costs between two ranks ...")
-            comm_dict = CommModel.from_probe(measure_comm()).to_dict()
+            log("hpcpipe.plan: measuring point-to-point and allreduce costs and a bare rank's memory (2 ranks) ...")
+            probe = measure_comm()
+            # a training rank holds more than the probe's imports: the engine, its communicators, MPI's buffers
+            probe["baseline_rss_bytes"] = max(probe["baseline_rss_bytes"], measure_rank_baseline())
+            comm_dict = CommModel.from_probe(probe).to_dict()
             profile_cache.write_comm(cache_dir, comm_dict)
     log(f"hpcpipe.plan: profiling {config.n_layers} layer groups at micro-batch sizes {missing} "
         f"({threads} BLAS thread{'s' if threads > 1 else ''}, {concurrent} process{'es' if concurrent > 1 else ''} "

@@ -26,7 +26,7 @@ def describe(p: Prediction) -> str:
 def table(best: list[Prediction], gpt: bool) -> str:
     """The best plans as a text table."""
     rate = "tokens/s" if gpt else "samples/s"
-    head = (f"{'#':>2}  {'dp':>3} {'pp':>3}  {'schedule':<18} {'micro-batches':>13}  {'stage cut':<16} "
+    head = (f"{'#':>2}  {'dp':>3} {'pp':>3}  {'schedule':<22} {'micro-batches':>13}  {'stage cut':<16} "
             f"{'step s':>8} {rate:>10} {'bubble':>7} {'peak/rank':>10}")
     lines = [head, "-" * len(head)]
     for n, p in enumerate(best, 1):
@@ -35,7 +35,7 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = ",".join(str(k) for k in c.stage_layers) if len(c.stage_layers) > 1 else "-"
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
-        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<18} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
+        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<22} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
                      f"{cut:<16} {p.step_time_s:>8.4f} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
     return "\n".join(lines)
 

@@ -98,3 +98,27 @@ def test_cross_entropy_value_is_stable_for_large_logits():
     logits = np.array([[1000.0, 0.0], [0.0, 1000.0]])
     total, _ = losses.cross_entropy(np, logits, np.array([0, 0]), 1.0)
     assert total == pytest.approx(1000.0)
+
+
+def test_scipy_accumulate_only_with_one_blas_thread(monkeypatch):
+    """NumPy's and SciPy's OpenBLAS pools spin against each other with more than one thread each."""
+    from hpcpipe.nn.layers import _inplace_gemm
+    grad = np.zeros((4, 3), np.float32)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert _inplace_gemm(np, grad) is not None
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert _inplace_gemm(np, grad) is None
+    # both paths accumulate the same weight gradient
+    from hpcpipe.nn.layers import Activation, Dense
+    rng = np.random.default_rng(0)
+    x, dz = rng.standard_normal((5, 4)), rng.standard_normal((5, 3))
+    grads = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", threads)
+        w, gw = np.ones((4, 3)), np.full((4, 3), 0.5)
+        layer = Dense(0, w, None, gw, None, Activation(), np)
+        y, cache = layer.forward(x)
+        layer.backward(cache, dz, True)
+        grads.append(gw.copy())
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+    np.testing.assert_allclose(grads[0], 0.5 + x.T @ dz, rtol=1e-12)

@@ -167,3 +167,15 @@ def test_head_heavy_gpt_plan_cuts_by_measured_cost_and_trains_with_it(tmp_path):
     cut = [len(r) for r in manifest["layout"]["stage_layers"]]
     best = min(range(1, 4), key=lambda k: max(sum(fb[:k]), sum(fb[k:])))
     assert cut == [best, 4 - best]
+
+
+def test_ranks_beyond_this_machine_are_called_predictions(planned):
+    tmp, _ = planned
+    proc = _plan(["--config", "mlp.toml", "--ranks", "64", "--max-micro-batches", "8", "--json", "wide.json",
+                  "--memory-per-rank", "4GiB"], tmp / "profiles", tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert "PREDICTION: 64 ranks are more than this machine's" in proc.stdout
+    doc = json.loads((tmp / "wide.json").read_text())
+    assert doc["prediction_only"] is True
+    assert all(p["dp"] * p["pp"] == 64 and p["pp"] <= 4 for p in doc["plans"])
+    assert all(p["dp"] * p["micro_batches"] * p["micro_batch_size"] == doc["global_batch"] for p in doc["plans"])

@@ -105,6 +105,11 @@ def partition(specs: list[LayerSpec], n_stages: int, explicit: list[int] | tuple
             counts.append(i - j)
             i = j
         counts.reverse()
+    return layer_ranges(counts)
+
+
+def layer_ranges(counts: list[int] | tuple[int, ...]) -> list[range]:
+    """Layer ranges of consecutive stages with the given layer counts."""
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))

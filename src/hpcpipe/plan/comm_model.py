@@ -225,6 +225,35 @@ def _tail(text: str) -> str:
     return "\n".join("  | " + line for line in lines) if lines else "  | (no output)"
 
 
+def _launch(words: list[str], args: list[str], what: str, timeout_s: float, cwd: str | None = None) -> tuple:
+    """Run ``words -n 2 python -m args`` in a session of its own; return (command text, stdout, stderr).
+
+    ConfigError, naming the command line and the end of its output, when the launcher
+    cannot start, the run times out (the launcher and every rank it started are killed)
+    or exits non-zero.
+    """
+    command = [*words, "-n", "2", sys.executable, "-m", *args]
+    shown = shlex.join(command)
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_child_env(), start_new_session=True, cwd=cwd)
+    except OSError as exc:
+        raise ConfigError(f"cannot start the MPI launcher {words[0]!r} ({exc.strerror or exc}); set "
+                          f"{LAUNCHER_ENV} to a working launcher, e.g. {LAUNCHER_ENV}=mpiexec") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        raise ConfigError(f"{what} did not finish in {timeout_s:g} s: {shown}\n{_tail(stderr or stdout)}") from None
+    if proc.returncode != 0:
+        raise ConfigError(f"{what} failed (exit status {proc.returncode}): {shown}\n{_tail(stderr or stdout)}")
+    return shown, stdout, stderr
+
+
 def measure_comm(timeout_s: float = 60, launcher: str | list[str] | None = None) -> dict:
     """Run the probe under the MPI launcher on 2 ranks; return its result (the dict CommModel.from_probe fits).
 
@@ -234,28 +263,8 @@ def measure_comm(timeout_s: float = 60, launcher: str | list[str] | None = None)
     words = launcher_command(launcher)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-probe-") as folder:
         out = os.path.join(folder, "probe.json")
-        command = [*words, "-n", "2", sys.executable, "-m", "hpcpipe.plan.probe", "--out", out]
-        shown = shlex.join(command)
-        try:
-            # a session of its own, so a timeout ends the launcher and every rank it started
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=_child_env(), start_new_session=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot start the MPI launcher {words[0]!r} ({exc.strerror or exc}); set "
-                              f"{LAUNCHER_ENV} to a working launcher, e.g. {LAUNCHER_ENV}=mpiexec") from None
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            stdout, stderr = proc.communicate()
-            raise ConfigError(f"the communication probe did not finish in {timeout_s:g} s: {shown}\n"
-                              f"{_tail(stderr or stdout)}") from None
-        if proc.returncode != 0:
-            raise ConfigError(f"the communication probe failed (exit status {proc.returncode}): {shown}\n"
-                              f"{_tail(stderr or stdout)}")
+        shown, stdout, stderr = _launch(words, ["hpcpipe.plan.probe", "--out", out], "the communication probe",
+                                        timeout_s)
         try:
             with open(out) as f:
                 probe = json.load(f)
@@ -276,27 +285,10 @@ BARE_TRAINING = ["--set", "model.dims=[8,8,8,8,8]", "--set", "parallel.pp=2", "-
 def measure_rank_baseline(timeout_s: float = 60, launcher: str | list[str] | None = None) -> int:
     """Peak resident bytes of a rank of a bare 2-rank training run (hpcpipe.train on a model of 8-wide layers)."""
     words = launcher_command(launcher)
-    command = [*words, "-n", "2", sys.executable, "-m", "hpcpipe.train", *BARE_TRAINING]
-    shown = shlex.join(command)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-bare-") as folder:
-        try:
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=_child_env(), start_new_session=True, cwd=folder)
-        except OSError as exc:
-            raise ConfigError(f"cannot start the MPI launcher {words[0]!r} ({exc.strerror or exc}); set "
-                              f"{LAUNCHER_ENV} to a working launcher, e.g. {LAUNCHER_ENV}=mpiexec") from None
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            stdout, stderr = proc.communicate()
-            raise ConfigError(f"the bare training run did not finish in {timeout_s:g} s: {shown}\n"
-                              f"{_tail(stderr or stdout)}") from None
+        shown, stdout, stderr = _launch(words, ["hpcpipe.train", *BARE_TRAINING], "the bare training run",
+                                        timeout_s, cwd=folder)
     match = re.search(r"peak RSS (\d+) MiB per rank", stdout)
-    if proc.returncode != 0 or match is None:
-        raise ConfigError(f"the bare training run failed (exit status {proc.returncode}): {shown}\n"
-                          f"{_tail(stderr or stdout)}")
+    if match is None:
+        raise ConfigError(f"the bare training run printed no peak RSS: {shown}\n{_tail(stderr or stdout)}")
     return int(match.group(1)) * 1024 * 1024

@@ -30,6 +30,7 @@ from hpcpipe.config import Config, from_dict
 from hpcpipe.nn.model import RankParameters
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.runtime.rss import resident_bytes
 from hpcpipe.train.engine import _cache_bytes
 
 OPS = ("F", "I", "W", "B")
@@ -41,18 +42,6 @@ def group_signature(model: Any, index: int) -> str:
     shapes = sorted((k, tuple(v)) for k, v in spec.shapes.items())
     extra = getattr(spec, "activation", "")
     return json.dumps([model.kind, shapes, extra, index == 0, index == model.n_layers - 1])
-
-
-def _rss_bytes() -> int:
-    """Resident memory of this process now (VmRSS), 0 when /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _inputs(model: Any, index: int, rows: int, rng: np.random.Generator, xp: Any, dtype: str) -> tuple[Any, Any]:
@@ -212,10 +201,10 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     xp, dtype = backend.xp, config.model.dtype
     model = model_def(config)
     rng = np.random.default_rng(0)
-    rss_start = _rss_bytes()
+    rss_start = resident_bytes()
     small = xp.ones((64, 64), dtype=dtype)
     small @ small          # BLAS allocates its buffers at the first product: a rank's fixed cost
-    blas_bytes = max(0, _rss_bytes() - rss_start)
+    blas_bytes = max(0, resident_bytes() - rss_start)
     indices = bench_indices(model)
     bench = _StageBench(model, indices, xp, dtype, config.model.seed)
     signatures = [group_signature(model, i) for i in range(model.n_layers)]

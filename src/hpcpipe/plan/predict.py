@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpcpipe.config import Config
+from hpcpipe.nn.model import layer_ranges
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.plan.profile import Profile
 from hpcpipe.schedule.costs import Costs
@@ -75,15 +76,6 @@ class Prediction:
         return self.samples_per_s * self.tokens_per_sample
 
 
-def stage_ranges(counts: tuple[int, ...]) -> list[range]:
-    """Layer ranges of consecutive stages with the given layer counts."""
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append(range(start, start + c))
-        start += c
-    return ranges
-
-
 class Predictor:
     """Predicts candidates of one config from one profile (caching what does not depend on the candidate)."""
 
@@ -124,7 +116,7 @@ class Predictor:
 
     def predict(self, c: Candidate) -> Prediction:
         """Simulate the candidate and count its memory."""
-        ranges = stage_ranges(c.stage_layers)
+        ranges = layer_ranges(c.stage_layers)
         rows = c.micro_batch_size
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages

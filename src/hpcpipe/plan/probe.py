@@ -23,6 +23,7 @@ import time
 
 from hpcpipe.cli import CommandParser, launcher_rank
 from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from hpcpipe.runtime.rss import resident_bytes
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))     # 4 KiB .. 64 MiB, 8 sizes
@@ -35,19 +36,6 @@ LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLU
 def repeats_for(nbytes: int) -> int:
     """Return how many timed repeats a message of nbytes gets: 50 for small ones, 5 for the biggest."""
     return max(5, min(50, (128 * KIB * KIB) // max(nbytes, 1)))
-
-
-def resident_bytes() -> int:
-    """Return this process's resident memory (VmRSS), else its peak (ru_maxrss) where /proc is missing."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    import resource
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def parse_args(argv: list[str] | None):

@@ -1,4 +1,4 @@
-"""This process's peak resident set size (RSS), in bytes."""
+"""This process's resident set size (RSS) now and at its peak, in bytes."""
 
 from __future__ import annotations
 
@@ -14,3 +14,15 @@ def peak_rss_bytes() -> int:
         return 0
     # Linux reports KiB, macOS bytes
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def resident_bytes() -> int:
+    """Return this process's resident memory now (VmRSS), else its peak where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak_rss_bytes()

@@ -112,3 +112,33 @@ def test_unwritable_stop_marker_warns_and_keeps_going(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "hpcpipe: warning: cannot write the stop marker HPCPIPE_STOP_MARKER=" in err and "75 stands" in err
     assert not (tmp_path / "missing-dir").exists()
+
+
+def _threads_seen(env: dict) -> str:
+    import os
+    import subprocess
+    import sys
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                         "HPCPIPE_THREADS", "HPCPIPE_AUTO_THREADS", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                         "SLURM_NTASKS_PER_NODE", "PMI_LOCAL_SIZE", "MPI_LOCAL_NRANKS")}
+    code = "import os, hpcpipe; print(os.environ['OMP_NUM_THREADS'], os.environ['OPENBLAS_NUM_THREADS'])"
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_parents_automatic_thread_count_is_not_taken_for_the_users():
+    import os
+    cores = len(os.sched_getaffinity(0))
+    share = str(max(1, cores // 4))
+    # a driver that imported hpcpipe (one local process: all cores) then started 4 ranks: each computes its share
+    assert _threads_seen({"OMP_NUM_THREADS": str(cores), "OPENBLAS_NUM_THREADS": str(cores),
+                          "HPCPIPE_AUTO_THREADS": str(cores), "MPI_LOCALNRANKS": "4"}) == f"{share} {share}"
+    # the user's own setting is kept, even when it equals what hpcpipe would have chosen
+    assert _threads_seen({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3", "MPI_LOCALNRANKS": "4"}) == "3 3"
+    # one variable the user's, the other hpcpipe's from the parent
+    mine = str(cores + 1)
+    assert _threads_seen({"OMP_NUM_THREADS": mine, "OPENBLAS_NUM_THREADS": str(cores),
+                          "HPCPIPE_AUTO_THREADS": str(cores), "MPI_LOCALNRANKS": "4"}) == f"{mine} {share}"
+    # nothing set: the share of the local ranks
+    assert _threads_seen({"MPI_LOCALNRANKS": "4"}) == f"{share} {share}"

@@ -118,6 +118,7 @@ def merge_layers(old: dict, new: dict) -> dict:
 def thread_env(threads: int) -> dict[str, str]:
     """The environment of a process computing with ``threads`` BLAS threads (as a rank of the planned job)."""
     env = dict(os.environ)
+    env.pop("HPCPIPE_AUTO_THREADS", None)      # these counts are chosen, not inherited
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "HPCPIPE_THREADS"):
         env[name] = str(threads)
     return env

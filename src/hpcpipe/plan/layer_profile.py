@@ -3,11 +3,12 @@
 ``python -m hpcpipe.plan.layer_profile REQUEST.json OUT.json`` runs :func:`profile_layers`
 in a process of its own, so that it computes with exactly the BLAS thread count a
 rank of the planned job gets (the planner sets the thread variables before NumPy
-loads). Each distinct layer group (the MLP's hidden layers, or a GPT's blocks, are
-one shape repeated) is built with the engine's own layer code
-(:class:`hpcpipe.nn.model.RankParameters`, a one-group stage) and timed at each
-micro-batch size: F (with the loss when it is the model's last group), the
-input-gradient half I, the weight-gradient half W and the full backward B. Bytes
+loads). The layer groups run as one stage built with the engine's own layer code
+(:class:`hpcpipe.nn.model.RankParameters`), each distinct group (the MLP's hidden
+layers, or a GPT's blocks, are one shape repeated) at most 4 times
+(:func:`bench_indices`), and each group is timed inside it at each micro-batch size:
+F (with the loss when it is the model's last group), the input-gradient half I, the
+weight-gradient half W and the full backward B. Bytes
 come from the arrays themselves: the caches a forward keeps for its backward
 (what the engine stashes), the peak of NumPy's allocations during each action
 (tracemalloc sees every NumPy data buffer), the group's parameters.
@@ -213,8 +214,8 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
         groups.setdefault(signatures[index], {"index": index, "params": int(model.specs[index].n_params),
                                               **{op: {} for op in OPS}, "stash_bytes": {}, "work_bytes": {}})
     for rows in sizes:
-        x, target = _inputs(model, indices[0], rows, rng, xp, dtype)
-        _, target = _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)
+        x = _inputs(model, indices[0], rows, rng, xp, dtype)[0]
+        target = _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)[1]
         bench.step(x, target, rows, rng, {op: {i: [] for i in indices} for op in OPS})   # warm-up
         times: dict[str, dict[int, list[float]]] = {op: {i: [] for i in indices} for op in OPS}
         start, passes = time.perf_counter(), 0

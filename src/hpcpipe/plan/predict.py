@@ -108,7 +108,7 @@ class Predictor:
             per[("B", s)] = sum(self.profile.seconds("B", i, rows) for i in r) + extra
         return per
 
-    def _rank_params(self, layers: list[int], pp_ranks: int) -> int:
+    def _rank_params(self, layers: list[int]) -> int:
         n = sum(self.profile.params(i) for i in layers)
         if self.tok_emb and self.model.n_layers - 1 in layers and 0 not in layers:
             n += self.tok_emb     # a tied head away from the embedding holds its own copy of the table
@@ -124,7 +124,7 @@ class Predictor:
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
         comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
-        params = [self._rank_params(layers, c.pp) for layers in rank_layers]
+        params = [self._rank_params(layers) for layers in rank_layers]
         opt = self.profile.optimizer(self.config.train)
         tied_apart = bool(self.tok_emb) and not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
         step_end = max(self.profile.comm.allreduce(n * self.itemsize, c.dp)

@@ -194,8 +194,13 @@ def _bytes(bench: _StageBench, x: Any, target: Any, rows: int, rng: np.random.Ge
     return {i: tuple(v) for i, v in out.items()}
 
 
-def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s: float = 1.5) -> dict:
-    """Measure every distinct layer group at each micro-batch size; return the profile's layer part (JSON-able)."""
+def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s: float = 1.5, first: int = 0) -> dict:
+    """Measure every distinct layer group at each micro-batch size; return the profile's layer part (JSON-able).
+
+    Each pass runs the sizes in turn starting with ``sizes[first]``: copies side by side
+    start apart, so a group is timed while its siblings run the rest of the model (as
+    the other ranks of a pipeline do), not the same group at the same moment.
+    """
     from hpcpipe.runtime.backend import select_backend
 
     backend = select_backend(config.run.backend)
@@ -213,22 +218,27 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     for index in indices:
         groups.setdefault(signatures[index], {"index": index, "params": int(model.specs[index].n_params),
                                               **{op: {} for op in OPS}, "stash_bytes": {}, "work_bytes": {}})
-    for rows in sizes:
-        x = _inputs(model, indices[0], rows, rng, xp, dtype)[0]
-        target = _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)[1]
-        bench.step(x, target, rows, rng, {op: {i: [] for i in indices} for op in OPS})   # warm-up
-        times: dict[str, dict[int, list[float]]] = {op: {i: [] for i in indices} for op in OPS}
-        start, passes = time.perf_counter(), 0
-        while passes < repeats and (passes < 2 or time.perf_counter() - start < budget_s):
-            bench.step(x, target, rows, rng, times)
+    order = sizes[first % len(sizes):] + sizes[:first % len(sizes)]
+    inputs = {rows: (_inputs(model, indices[0], rows, rng, xp, dtype)[0],
+                     _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)[1]) for rows in order}
+    times = {rows: {op: {i: [] for i in indices} for op in OPS} for rows in sizes}
+    for rows, (x, target) in inputs.items():                                   # warm-up
+        bench.step(x, target, rows, rng, {op: {i: [] for i in indices} for op in OPS})
+    # The sizes take turns, pass by pass: a slower or faster spell of the machine
+    # then touches every size alike instead of tilting the line through them.
+    start, passes = time.perf_counter(), 0
+    while passes < repeats and (passes < 2 or time.perf_counter() - start < budget_s * len(sizes)):
+        for rows, (x, target) in inputs.items():
+            bench.step(x, target, rows, rng, times[rows])
             backend.synchronize()
-            passes += 1
+        passes += 1
+    bench.held = []
+    for rows, (x, target) in inputs.items():
         sizes_bytes = _bytes(bench, x, target, rows, rng)
-        bench.held = []
         for key, entry in groups.items():
             mine = [i for i in indices if signatures[i] == key]
             for op in OPS:
-                entry[op][str(rows)] = statistics.median([t for i in mine for t in times[op][i]])
+                entry[op][str(rows)] = statistics.median([t for i in mine for t in times[rows][op][i]])
             entry["stash_bytes"][str(rows)] = max(sizes_bytes[i][0] for i in mine)
             entry["work_bytes"][str(rows)] = max(sizes_bytes[i][1] for i in mine)
     return {"groups": groups, "signatures": signatures, "stage": indices,
@@ -276,13 +286,13 @@ def _optimizer_cost(train: Any, xp: Any, dtype: str, size: int = 1 << 22) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the profiling subprocess: REQUEST.json (config dict, sizes, repeats) -> OUT.json."""
+    """Entry point of the profiling subprocess: REQUEST.json (config dict, sizes, repeats) OUT.json [FIRST]."""
     args = sys.argv[1:] if argv is None else argv
     with open(args[0]) as f:
         request = json.load(f)
     config = from_dict(request["config"])
     result = profile_layers(config, [int(s) for s in request["sizes"]], int(request.get("repeats", 7)),
-                            float(request.get("budget_s", 1.5)))
+                            float(request.get("budget_s", 1.5)), int(args[2]) if len(args) > 2 else 0)
     with open(args[1], "w") as f:
         json.dump(result, f)
     return 0

@@ -23,7 +23,7 @@ from typing import Any
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _backend_name(choice: str) -> str:
@@ -143,14 +143,16 @@ def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent
 
     The planned job runs that many ranks at once on a node like this one: they share
     its memory bandwidth and caches, so each is measured while its siblings compute
-    the same layers, as a rank of the real run is.
+    the model, as a rank of the real run is.
     """
     with tempfile.TemporaryDirectory(prefix="hpcpipe-profile-") as tmp:
         request = os.path.join(tmp, "request.json")
         with open(request, "w") as f:
             json.dump({"config": config.to_dict(), "sizes": sizes}, f)
         outs = [os.path.join(tmp, f"profile-{k}.json") for k in range(concurrent)]
-        cmds = [[sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out] for out in outs]
+        # copy k starts its passes k / concurrent of the way through the sizes
+        cmds = [[sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out, str(k * len(sizes) // concurrent)]
+                for k, out in enumerate(outs)]
         procs = [subprocess.Popen(cmd, env=thread_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True) for cmd in cmds]
         failures = []

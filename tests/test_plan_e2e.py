@@ -80,6 +80,21 @@ def test_plan_measures_prints_and_writes_the_best(planned):
     assert list((tmp / "profiles").glob("layers-*.json")) and list((tmp / "profiles").glob("comm-*.json"))
 
 
+def test_the_profile_is_calibrated_against_real_runs_of_the_engine(planned):
+    tmp, proc = planned
+    engine = json.loads(next((tmp / "profiles").glob("layers-*.json")).read_text())["engine"]
+    assert "failed" not in engine, engine
+    replicas, pipeline = engine["replicas"], engine["pipeline"]
+    assert engine["ranks"] == 2 and replicas["stage_layers"] == [4] and sum(pipeline["stage_layers"]) == 4
+    for run in (replicas, pipeline):
+        # 4 layer groups, one factor each, from the measured seconds per micro-batch of each stage
+        assert len(run["forward"]) == len(run["backward"]) == 4
+        assert all(0.5 <= f <= 2.0 for f in run["forward"] + run["backward"])
+        assert len(run["forward_s"]) == len(run["stage_layers"]) and all(t > 0 for t in run["forward_s"])
+    assert 0.0 <= replicas["sync_share"] <= 0.5
+    assert "engine over bench, replicas (cut [4])" in proc.stderr
+
+
 def test_second_plan_reads_the_cache(planned):
     tmp, _ = planned
     proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--max-micro-batches", "8"], tmp / "profiles", tmp)

@@ -225,14 +225,15 @@ def _tail(text: str) -> str:
     return "\n".join("  | " + line for line in lines) if lines else "  | (no output)"
 
 
-def _launch(words: list[str], args: list[str], what: str, timeout_s: float, cwd: str | None = None) -> tuple:
-    """Run ``words -n 2 python -m args`` in a session of its own; return (command text, stdout, stderr).
+def launch(words: list[str], args: list[str], what: str, timeout_s: float, cwd: str | None = None,
+            ranks: int = 2) -> tuple:
+    """Run ``words -n RANKS python -m args`` in a session of its own; return (command text, stdout, stderr).
 
     ConfigError, naming the command line and the end of its output, when the launcher
     cannot start, the run times out (the launcher and every rank it started are killed)
     or exits non-zero.
     """
-    command = [*words, "-n", "2", sys.executable, "-m", *args]
+    command = [*words, "-n", str(ranks), sys.executable, "-m", *args]
     shown = shlex.join(command)
     try:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -263,7 +264,7 @@ def measure_comm(timeout_s: float = 60, launcher: str | list[str] | None = None)
     words = launcher_command(launcher)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-probe-") as folder:
         out = os.path.join(folder, "probe.json")
-        shown, stdout, stderr = _launch(words, ["hpcpipe.plan.probe", "--out", out], "the communication probe",
+        shown, stdout, stderr = launch(words, ["hpcpipe.plan.probe", "--out", out], "the communication probe",
                                         timeout_s)
         try:
             with open(out) as f:
@@ -286,7 +287,7 @@ def measure_rank_baseline(timeout_s: float = 60, launcher: str | list[str] | Non
     """Peak resident bytes of a rank of a bare 2-rank training run (hpcpipe.train on a model of 8-wide layers)."""
     words = launcher_command(launcher)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-bare-") as folder:
-        shown, stdout, stderr = _launch(words, ["hpcpipe.train", *BARE_TRAINING], "the bare training run",
+        shown, stdout, stderr = launch(words, ["hpcpipe.train", *BARE_TRAINING], "the bare training run",
                                         timeout_s, cwd=folder)
     match = re.search(r"peak RSS (\d+) MiB per rank", stdout)
     if match is None:

@@ -95,6 +95,20 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
 
 
+def engine_text(engine: dict) -> str:
+    """One line on the profile's calibration against real training runs."""
+    if "replicas" not in engine:
+        return f"not calibrated ({engine.get('failed', 'no calibration run')}); times are the layer bench's"
+    parts = []
+    for name in ("replicas", "pipeline"):
+        run = engine.get(name)
+        if run:
+            mean = sum(run["forward"] + run["backward"]) / len(run["forward"] + run["backward"])
+            parts.append(f"{name} {mean:.2f}x")
+    return (f"real runs take {' and '.join(parts)} the layer bench's times; replicas wait "
+            f"{engine['replicas']['sync_share']:.1%} of a step at the allreduce")
+
+
 def plan_threads(ranks: int, cores: int | None, here: int) -> int:
     """BLAS threads a rank of the planned job computes with (what hpcpipe gives each rank of a node)."""
     explicit = os.environ.get("HPCPIPE_THREADS", "")
@@ -136,6 +150,7 @@ def run(args) -> int:
     print(f"profile: {'cached' if profile.from_cache else 'measured'} ({profile.layers['backend']}, {threads} BLAS "
           f"thread(s) per rank, {concurrent} rank(s) side by side, micro-batch sizes {profile.sizes}); comm: "
           f"{profile.comm.latency_s * 1e6:.1f} us + {1 / max(profile.comm.seconds_per_byte, 1e-30) / 1e9:.2f} GB/s")
+    print(f"engine: {engine_text(profile.data.get('engine') or {})}")
     if args.cores is not None:
         print(f"cores: {args.cores} shared by the {args.ranks} ranks (simulated as shared)")
     elif args.ranks > here:

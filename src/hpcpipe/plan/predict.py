@@ -99,13 +99,18 @@ class Predictor:
     def stage_costs(self, ranges: list[range], rows: int) -> dict[tuple[str, int], float]:
         """Per-(op, stage) seconds: the sums of the stage's layer groups (recompute adds a forward to I and B)."""
         per: dict[tuple[str, int], float] = {}
+        piped = len(ranges) > 1
+
+        def seconds(op: str, r: range) -> float:
+            return sum(self.profile.seconds(op, i, rows, pipelined=piped) for i in r)
+
         for s, r in enumerate(ranges):
-            f = sum(self.profile.seconds("F", i, rows) for i in r)
+            f = seconds("F", r)
             extra = f if self.recompute else 0.0
             per[("F", s)] = f
-            per[("I", s)] = sum(self.profile.seconds("I", i, rows) for i in r) + extra
-            per[("W", s)] = sum(self.profile.seconds("W", i, rows) for i in r)
-            per[("B", s)] = sum(self.profile.seconds("B", i, rows) for i in r) + extra
+            per[("I", s)] = seconds("I", r) + extra
+            per[("W", s)] = seconds("W", r)
+            per[("B", s)] = seconds("B", r) + extra
         return per
 
     def _rank_params(self, layers: list[int]) -> int:
@@ -146,7 +151,9 @@ class Predictor:
         # the pipeline's idle share before the step's end (which every rank spends the same way)
         phase = c.pp * (result.step_time - step_end)
         bubble = max(0.0, 1.0 - sum(result.busy) / phase) if phase > 0 else 0.0
-        return Prediction(c, result.step_time, bubble, max(result.busy), step_end, sum(worst.values()),
+        # replicas finish their compute apart and wait for the slowest at the allreduce (measured share)
+        sync = self.profile.sync_share * max(result.busy) if c.dp > 1 else 0.0
+        return Prediction(c, result.step_time + sync, bubble, max(result.busy), step_end, sum(worst.values()),
                           worst, samples, tokens)
 
     def _memory(self, c: Candidate, ranges: list[range], stages: list[int], n_params: int,

@@ -13,9 +13,16 @@ from hpcpipe.plan.comm_model import CommModel
 from hpcpipe.plan.profile import Profile, default_cache_dir
 
 
-def measured_cut(profile: Profile, n_stages: int, rows: int, ops: tuple[str, ...] = ("F", "B")) -> tuple[int, ...]:
-    """Layer groups per stage minimising the largest stage's measured seconds of ``ops`` at ``rows`` per micro-batch."""
-    costs = [SimpleNamespace(cost=sum(profile.seconds(op, i, rows) for op in ops)) for i in range(profile.n_layers)]
+def measured_cut(profile: Profile, n_stages: int, rows: int, ops: tuple[str, ...] = ("F", "B"),
+                 raw: bool = False) -> tuple[int, ...]:
+    """Layer groups per stage minimising the largest stage's measured seconds of ``ops`` at ``rows`` per micro-batch.
+
+    The seconds are a pipeline's (the engine calibration's), or the layer bench's alone with ``raw``.
+    """
+    def seconds(op: str, i: int) -> float:
+        return profile.raw_seconds(op, i, rows) if raw else profile.seconds(op, i, rows, pipelined=n_stages > 1)
+
+    costs = [SimpleNamespace(cost=sum(seconds(op, i) for op in ops)) for i in range(profile.n_layers)]
     return tuple(len(r) for r in partition(costs, n_stages))
 
 

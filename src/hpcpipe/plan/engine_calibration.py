@@ -1,0 +1,142 @@
+"""Scale the layer profile to the engine: short real training runs, traced, against the profile's sums.
+
+The layer profile times each group's kernels in a bench loop. A real rank
+runs the same kernels inside the engine (its feed, its gradient buffers, the
+caches of the micro-batches in flight) beside other ranks that compute other
+things: measured on this machine, 5-25 % slower than the bench for some groups
+and faster for others (a memory-bound head beside compute-bound blocks runs
+faster than beside another head). Data-parallel replicas also wait for the
+slowest at every step's allreduce. Two traced runs of the configured model on
+the ranks that share a node measure it:
+
+* ``replicas`` (dp = those ranks, pp = 1): the engine's F and B per
+  micro-batch over the profile's sum for the same size, the factors of every
+  group's F, and I, W, B, in plans without a pipeline; and ``sync_share``,
+  the replicas' wait at the allreduce (its wall minus CPU time) over a step's
+  compute, which plans with dp > 1 add to their busiest rank;
+* ``pipeline`` (dp = 1, pp = those ranks, the profile's balanced cut): the
+  same factors per stage, given to each stage's groups, for plans with pp > 1.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from collections import defaultdict
+from typing import Any
+
+from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
+from hpcpipe.plan import comm_model
+from hpcpipe.trace import load_trace
+
+STEPS = 12              # the first two are warm-up (allocations, BLAS buffers)
+STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
+FACTOR_RANGE = (0.5, 2.0)
+MAX_SYNC_SHARE = 0.5
+
+
+def calibration_rows(profile: Any, micro_batches: int = 2) -> int:
+    """The micro-batch size to run: the largest profiled one whose predicted step stays short."""
+    def step(rows: int) -> float:
+        return micro_batches * sum(profile.raw_seconds(op, i, rows) for op in "FB" for i in range(profile.n_layers))
+
+    fitting = [rows for rows in profile.sizes if step(rows) <= STEP_BUDGET_S]
+    return max(fitting) if fitting else min(profile.sizes)
+
+
+def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, trace: str) -> dict:
+    out = config.to_dict()
+    out["parallel"].update(dp=dp, pp=pp, schedule="1f1b" if pp > 1 else "gpipe", virtual_stages=1,
+                           stage_layers=cut if pp > 1 else [])
+    out["train"].update(steps=STEPS, micro_batches=2 * pp, micro_batch_size=rows, recompute="none")
+    out["checkpoint"].update(dir="", resume=False)
+    out["log"].update(trace=trace, metrics="", progress=False)
+    if not out["data"].get("path"):
+        out["data"]["synthetic_samples"] = max(int(out["data"].get("synthetic_samples", 0)), dp * 2 * pp * rows)
+    return out
+
+
+def summarize_trace(path: str, poll_s: float = 0.0) -> dict[str, Any]:
+    """Per stage, median F and B seconds per micro-batch; the replicas' allreduce wait over compute; steps >= 2.
+
+    Medians over the steps, as a run's step time is reported: one step that
+    met a burst of another process moves neither. A waiting rank sleeps up to
+    ``poll_s`` between polls: that much of a wait is the poll, not the other
+    replica, and is not counted (a small model's step is all poll).
+    """
+    cells: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    stage_of: dict[int, int] = {}
+    for e in load_trace(path):
+        args, op = e.get("args", {}), e.get("cat", "")
+        if args.get("step", 0) < 2:
+            continue
+        wall, cpu = e["dur"] * 1e-6, args.get("cpu_us", e["dur"]) * 1e-6
+        cell = cells[(args.get("step", 0), e.get("tid", 0))]
+        if op in ("F", "B"):
+            stage_of[e.get("tid", 0)] = int(args.get("stage", 0))
+            cell[op] += cpu
+            cell["n" + op] += 1
+        elif op == "ALLREDUCE":
+            cell["wait"] += max(0.0, wall - cpu - poll_s)
+    full = {key: c for key, c in cells.items() if c["nF"] and c["nB"]}
+    if not full:
+        raise ConfigError(f"the calibration trace {path!r} holds no forward and backward actions after step 1")
+    stages = sorted(set(stage_of.values()))
+    steps: dict[int, list[dict]] = defaultdict(list)
+    for (step, _), cell in full.items():
+        steps[step].append(cell)
+    shares = [min(MAX_SYNC_SHARE, sum(c["wait"] for c in cs) / max(sum(c["F"] + c["B"] for c in cs), 1e-12))
+              for cs in steps.values()]
+
+    def median(op: str, stage: int) -> float:
+        return statistics.median(c[op] / c["n" + op] for (_, tid), c in full.items() if stage_of[tid] == stage)
+
+    return {"forward_s": [median("F", s) for s in stages], "backward_s": [median("B", s) for s in stages],
+            "sync_share": statistics.median(shares)}
+
+
+def _factor(measured: float, predicted: float) -> float:
+    low, high = FACTOR_RANGE
+    return round(min(high, max(low, measured / max(predicted, 1e-12))), 4)
+
+
+def _measure(config: Config, profile: Any, words: list[str], dp: int, cut: list[int], rows: int,
+             timeout_s: float) -> dict[str, Any]:
+    """Run one traced calibration layout; per-group factors (groups of a stage share its factor)."""
+    from hpcpipe.nn.model import layer_ranges
+    from hpcpipe.plan.report import to_toml
+
+    pp = len(cut)
+    with tempfile.TemporaryDirectory(prefix="hpcpipe-calibrate-") as folder:
+        trace = os.path.join(folder, "trace.json")
+        path = os.path.join(folder, "calibrate.toml")
+        with open(path, "w") as f:
+            f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace), "hpcpipe.plan's calibration run"))
+        comm_model.launch(words, ["hpcpipe.train", "--config", path], f"the calibration run (dp={dp} x pp={pp})",
+                          timeout_s, cwd=folder, ranks=dp * pp)
+        measured = summarize_trace(trace, config.run.poll_max_us * 1e-6)
+    out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": [], "sync_share": measured["sync_share"],
+                           "forward_s": measured["forward_s"], "backward_s": measured["backward_s"]}
+    for s, groups in enumerate(layer_ranges(cut)):
+        for key, op in (("forward", "F"), ("backward", "B")):
+            factor = _factor(measured[f"{key}_s"][s], sum(profile.raw_seconds(op, i, rows) for i in groups))
+            out[key].extend([factor] * len(groups))
+    return out
+
+
+def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
+              launcher: str | list[str] | None = None) -> dict[str, Any]:
+    """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors."""
+    from hpcpipe.plan.stage_cut import measured_cut
+
+    rows = calibration_rows(profile)
+    words = comm_model.launcher_command(launcher)
+    out: dict[str, Any] = {"rows": rows, "ranks": ranks,
+                           "replicas": _measure(config, profile, words, ranks, [profile.n_layers], rows, timeout_s)}
+    pp = min(ranks, profile.n_layers)
+    if pp > 1:
+        cut = list(measured_cut(profile, pp, rows, raw=True))
+        out["pipeline"] = _measure(config, profile, words, ranks // pp, cut, rows, timeout_s)
+    return out

@@ -257,6 +257,9 @@ def main_plan(args: argparse.Namespace, tmp: str) -> dict:
         for k, (config, sets, name, label) in enumerate(jobs):
             tries[k].append(timed(one, config, sets, tmp, name, label))
     fastest = [min(rs, key=lambda r: r.get("median_s", float("inf"))) for rs in tries]
+    for best, rs in zip(fastest, tries, strict=True):
+        # every round's median too: the spread says how far this VM's speed moved during the benchmark
+        best["round_medians_s"] = [r.get("median_s") for r in rs]
     res_top = fastest[0]
     res_top.update(config=top, predicted_s=top["step_time_s"], predicted_peak_bytes=top["peak_bytes_per_rank"])
     rows = []
@@ -359,18 +362,20 @@ def report(res: dict) -> None:
     """Print the markdown table and the checks."""
     mib = 2**20
     if res["mode"] == "plan":
-        print("\n| configuration | predicted s | measured s | error | peak RSS MiB (max rank) | predicted peak MiB |"
-              "\n|---|---|---|---|---|---|")
+        print("\n| configuration | predicted s | measured s | error | rounds s | peak RSS MiB (max rank) "
+              "| predicted peak MiB |\n|---|---|---|---|---|---|---|")
         for r in [res["top"]] + res["grid"]:
             name = ("**top** " if r is res["top"] else "") + describe(r["config"])
             pred = r.get("predicted_s")
             if "median_s" in r:
                 err = f"{(pred - r['median_s']) / r['median_s']:+.1%}" if pred else "-"
                 peak = r.get("predicted_peak_bytes")
-                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | {r['median_s']:.3f} | {err} "
+                rounds = [t for t in r.get("round_medians_s", []) if t]
+                spread = f"{min(rounds):.3f}-{max(rounds):.3f}" if len(rounds) > 1 else "-"
+                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | {r['median_s']:.3f} | {err} | {spread} "
                       f"| {r['peak_rss_bytes'] / mib:.0f} | {f'{peak / mib:.0f}' if peak else '-'} |")
             else:
-                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | failed: {r['error']} | - | - | - |")
+                print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | failed: {r['error']} | - | - | - | - |")
         walls = res["planner"]["wall_s"]
         if walls:
             print(f"\nplanner wall time: {walls[0]:.2f} s (profiling), {walls[1]:.2f} s (cached profile)")

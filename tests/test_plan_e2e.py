@@ -194,3 +194,20 @@ def test_ranks_beyond_this_machine_are_called_predictions(planned):
     assert doc["prediction_only"] is True
     assert all(p["dp"] * p["pp"] == 64 and p["pp"] <= 4 for p in doc["plans"])
     assert all(p["dp"] * p["micro_batches"] * p["micro_batch_size"] == doc["global_batch"] for p in doc["plans"])
+
+
+def test_a_reader_that_left_stops_the_plan_quietly(planned):
+    """`python -m hpcpipe.plan ... | head -1`: the reader may be gone before the table is printed."""
+    import os
+
+    tmp, _ = planned
+    read_end, write_end = os.pipe()
+    os.close(read_end)                    # nobody reads: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hpcpipe.plan", "--config", "mlp.toml", "--ranks", "2",
+                               "--max-micro-batches", "8"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120, cwd=tmp, env={**os.environ, "HPCPIPE_PROFILE_DIR": str(tmp / "profiles")})
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

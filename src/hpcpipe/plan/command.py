@@ -61,6 +61,9 @@ def configured_global_batch(config: Config, ranks: int) -> int:
     return dp * tr.micro_batches * tr.micro_batch_size
 
 
+EXIT_BROKEN_PIPE = 141      # 128 + SIGPIPE, what a shell reports for a tool whose reader closed the pipe
+
+
 def _parser() -> CommandParser:
     p = CommandParser(prog="python -m hpcpipe.plan", description=__doc__.split("\n\n")[0],
                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    except BrokenPipeError:
+        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def test_no_negative_fixed_or_per_row_cost():
     assert affine_fit({"8": 4.0}) == (0.0, 0.5)                   # one size: in proportion to the rows
 
 
-def _event(cat, tid, step, stage, dur_us, cpu_us):
-    return {"ph": "X", "cat": cat, "name": cat, "pid": 0, "tid": tid, "ts": 0, "dur": dur_us,
+def _event(cat, tid, step, stage, dur_us, cpu_us, ts_us=0):
+    return {"ph": "X", "cat": cat, "name": cat, "pid": 0, "tid": tid, "ts": ts_us, "dur": dur_us,
             "args": {"step": step, "stage": stage, "mb": 0, "cpu_us": cpu_us}}
 
 
@@ -48,22 +48,26 @@ def test_trace_summary_takes_medians_of_steps_after_the_warm_up(tmp_path):
     events = []
     for step in range(6):
         slow = 10 if step < 2 else 1          # warm-up steps, left out
+        start = step * 100_000
         for tid in (0, 1):
+            t = start
             for _ in range(2):                # 2 micro-batches
-                events.append(_event("F", tid, step, tid, 9999, 1000 * slow * (1 + tid)))
-                events.append(_event("B", tid, step, tid, 9999, 2000 * slow * (1 + tid)))
-            # rank 0 waits 600 us at the allreduce (wall 700, CPU 100), rank 1 none
-            events.append(_event("ALLREDUCE", tid, step, tid, 700 if tid == 0 else 100, 100))
+                events.append(_event("F", tid, step, tid, 1000 * slow * (1 + tid), 1000 * slow * (1 + tid), t))
+                t += 1000 * slow * (1 + tid)
+                events.append(_event("B", tid, step, tid, 2000 * slow * (1 + tid), 2000 * slow * (1 + tid), t))
+                t += 2000 * slow * (1 + tid)
+            # the allreduce's own wall time (its transfer, its polls) is no replica's wait
+            events.append(_event("ALLREDUCE", tid, step, tid, 50_000, 100, t))
     got = summarize_trace(_trace(tmp_path, events))
     assert got["forward_s"] == pytest.approx([1e-3, 2e-3])      # per stage, per micro-batch, CPU time
     assert got["backward_s"] == pytest.approx([2e-3, 4e-3])
-    compute = 2 * (1e-3 + 2e-3) + 2 * (2e-3 + 4e-3)
-    assert got["sync_share"] == pytest.approx(600e-6 / compute)
-    # the last poll's sleep is no replica's fault; a wait far above the compute is capped
-    assert summarize_trace(_trace(tmp_path, events), poll_s=200e-6)["sync_share"] == pytest.approx(400e-6 / compute)
+    # rank 0 ends its compute at 6 ms, rank 1 at 12 ms: on average a rank waits 3 ms for the last one
+    compute = (2 * (1e-3 + 2e-3) + 2 * (2e-3 + 4e-3)) / 2
+    assert got["sync_share"] == pytest.approx(3e-3 / compute)
+    # a wait far above the compute is capped
     for e in events:
-        if e["cat"] == "ALLREDUCE" and e["tid"] == 0:
-            e["dur"] = 10 ** 6
+        if e["tid"] == 1 and e["cat"] == "B":
+            e["ts"] += 10 ** 6
     assert summarize_trace(_trace(tmp_path, events))["sync_share"] == 0.5
 
 

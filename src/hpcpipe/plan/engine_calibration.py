@@ -12,8 +12,8 @@ the ranks that share a node measure it:
 * ``replicas`` (dp = those ranks, pp = 1): the engine's F and B per
   micro-batch over the profile's sum for the same size, the factors of every
   group's F, and I, W, B, in plans without a pipeline; and ``sync_share``,
-  the replicas' wait at the allreduce (its wall minus CPU time) over a step's
-  compute, which plans with dp > 1 add to their busiest rank;
+  how long the replicas wait for the slowest one's compute to end, over a
+  step's compute, which plans with dp > 1 add to their busiest rank;
 * ``pipeline`` (dp = 1, pp = those ranks, the profile's balanced cut): the
   same factors per stage, given to each stage's groups, for plans with pp > 1.
 """
@@ -31,7 +31,8 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.plan import comm_model
 from hpcpipe.trace import load_trace
 
-STEPS = 12              # the first two are warm-up (allocations, BLAS buffers)
+STEPS = 7               # the first two are warm-up (allocations, BLAS buffers)
+TURNS = 2               # runs of each layout, taken in turns
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
 FACTOR_RANGE = (0.5, 2.0)
 MAX_SYNC_SHARE = 0.5
@@ -58,28 +59,27 @@ def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, tra
     return out
 
 
-def summarize_trace(path: str, poll_s: float = 0.0) -> dict[str, Any]:
-    """Per stage, median F and B seconds per micro-batch; the replicas' allreduce wait over compute; steps >= 2.
+def summarize_trace(path: str) -> dict[str, Any]:
+    """Per stage, median F and B seconds per micro-batch; the replicas' wait for the slowest; steps >= 2.
 
     Medians over the steps, as a run's step time is reported: one step that
-    met a burst of another process moves neither. A waiting rank sleeps up to
-    ``poll_s`` between polls: that much of a wait is the poll, not the other
-    replica, and is not counted (a small model's step is all poll).
+    met a burst of another process moves neither. The wait of a step is how
+    long after its own last compute action each rank, on average, still had
+    to wait for the last rank's (one clock for the processes of a node): the
+    allreduce's own transfer, already in the step's end, is not in it.
     """
     cells: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     stage_of: dict[int, int] = {}
     for e in load_trace(path):
         args, op = e.get("args", {}), e.get("cat", "")
-        if args.get("step", 0) < 2:
+        if args.get("step", 0) < 2 or op not in ("F", "B"):
             continue
-        wall, cpu = e["dur"] * 1e-6, args.get("cpu_us", e["dur"]) * 1e-6
-        cell = cells[(args.get("step", 0), e.get("tid", 0))]
-        if op in ("F", "B"):
-            stage_of[e.get("tid", 0)] = int(args.get("stage", 0))
-            cell[op] += cpu
-            cell["n" + op] += 1
-        elif op == "ALLREDUCE":
-            cell["wait"] += max(0.0, wall - cpu - poll_s)
+        tid = e.get("tid", 0)
+        cell = cells[(args.get("step", 0), tid)]
+        stage_of[tid] = int(args.get("stage", 0))
+        cell[op] += args.get("cpu_us", e["dur"]) * 1e-6
+        cell["n" + op] += 1
+        cell["end"] = max(cell["end"], (e["ts"] + e["dur"]) * 1e-6)
     full = {key: c for key, c in cells.items() if c["nF"] and c["nB"]}
     if not full:
         raise ConfigError(f"the calibration trace {path!r} holds no forward and backward actions after step 1")
@@ -87,8 +87,11 @@ def summarize_trace(path: str, poll_s: float = 0.0) -> dict[str, Any]:
     steps: dict[int, list[dict]] = defaultdict(list)
     for (step, _), cell in full.items():
         steps[step].append(cell)
-    shares = [min(MAX_SYNC_SHARE, sum(c["wait"] for c in cs) / max(sum(c["F"] + c["B"] for c in cs), 1e-12))
-              for cs in steps.values()]
+    shares = []
+    for cs in steps.values():
+        last = max(c["end"] for c in cs)
+        wait = sum(last - c["end"] for c in cs) / len(cs)
+        shares.append(min(MAX_SYNC_SHARE, wait / max(sum(c["F"] + c["B"] for c in cs) / len(cs), 1e-12)))
 
     def median(op: str, stage: int) -> float:
         return statistics.median(c[op] / c["n" + op] for (_, tid), c in full.items() if stage_of[tid] == stage)
@@ -102,10 +105,9 @@ def _factor(measured: float, predicted: float) -> float:
     return round(min(high, max(low, measured / max(predicted, 1e-12))), 4)
 
 
-def _measure(config: Config, profile: Any, words: list[str], dp: int, cut: list[int], rows: int,
-             timeout_s: float) -> dict[str, Any]:
-    """Run one traced calibration layout; per-group factors (groups of a stage share its factor)."""
-    from hpcpipe.nn.model import layer_ranges
+def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows: int,
+                timeout_s: float) -> dict[str, Any]:
+    """Run one traced calibration layout for real; return :func:`summarize_trace` of it."""
     from hpcpipe.plan.report import to_toml
 
     pp = len(cut)
@@ -116,27 +118,43 @@ def _measure(config: Config, profile: Any, words: list[str], dp: int, cut: list[
             f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace), "hpcpipe.plan's calibration run"))
         comm_model.launch(words, ["hpcpipe.train", "--config", path], f"the calibration run (dp={dp} x pp={pp})",
                           timeout_s, cwd=folder, ranks=dp * pp)
-        measured = summarize_trace(trace, config.run.poll_max_us * 1e-6)
-    out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": [], "sync_share": measured["sync_share"],
-                           "forward_s": measured["forward_s"], "backward_s": measured["backward_s"]}
-    for s, groups in enumerate(layer_ranges(cut)):
-        for key, op in (("forward", "F"), ("backward", "B")):
-            factor = _factor(measured[f"{key}_s"][s], sum(profile.raw_seconds(op, i, rows) for i in groups))
+        return summarize_trace(trace)
+
+
+def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict]) -> dict[str, Any]:
+    """One layout's runs averaged, as per-group factors over the profile (groups of a stage share its factor)."""
+    from hpcpipe.nn.model import layer_ranges
+
+    out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": [],
+                           "sync_share": statistics.fmean(r["sync_share"] for r in runs)}
+    for key, op in (("forward", "F"), ("backward", "B")):
+        out[f"{key}_s"] = [statistics.fmean(r[f"{key}_s"][s] for r in runs) for s in range(len(cut))]
+        for s, groups in enumerate(layer_ranges(cut)):
+            factor = _factor(out[f"{key}_s"][s], sum(profile.raw_seconds(op, i, rows) for i in groups))
             out[key].extend([factor] * len(groups))
     return out
 
 
 def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
               launcher: str | list[str] | None = None) -> dict[str, Any]:
-    """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors."""
+    """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors.
+
+    The layouts take turns, twice each: a slow spell of the machine then falls on
+    both alike instead of tilting the plans of one layout against the other's.
+    """
     from hpcpipe.plan.stage_cut import measured_cut
 
     rows = calibration_rows(profile)
     words = comm_model.launcher_command(launcher)
-    out: dict[str, Any] = {"rows": rows, "ranks": ranks,
-                           "replicas": _measure(config, profile, words, ranks, [profile.n_layers], rows, timeout_s)}
     pp = min(ranks, profile.n_layers)
+    layouts = {"replicas": (ranks, [profile.n_layers])}
     if pp > 1:
-        cut = list(measured_cut(profile, pp, rows, raw=True))
-        out["pipeline"] = _measure(config, profile, words, ranks // pp, cut, rows, timeout_s)
+        layouts["pipeline"] = (ranks // pp, list(measured_cut(profile, pp, rows, raw=True)))
+    runs: dict[str, list[dict]] = {name: [] for name in layouts}
+    for _ in range(TURNS):
+        for name, (dp, cut) in layouts.items():
+            runs[name].append(_traced_run(config, words, dp, cut, rows, timeout_s))
+    out: dict[str, Any] = {"rows": rows, "ranks": ranks}
+    for name, (_, cut) in layouts.items():
+        out[name] = _factors(profile, cut, rows, runs[name])
     return out

@@ -33,15 +33,16 @@ from hpcpipe.trace import load_trace
 
 STEPS = 7               # the first two are warm-up (allocations, BLAS buffers)
 TURNS = 2               # runs of each layout, taken in turns
+MICRO_BATCHES = 2       # per pipeline stage (2 x pp in a pipeline run)
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
 FACTOR_RANGE = (0.5, 2.0)
 MAX_SYNC_SHARE = 0.5
 
 
-def calibration_rows(profile: Any, micro_batches: int = 2) -> int:
+def calibration_rows(profile: Any) -> int:
     """The micro-batch size to run: the largest profiled one whose predicted step stays short."""
     def step(rows: int) -> float:
-        return micro_batches * sum(profile.raw_seconds(op, i, rows) for op in "FB" for i in range(profile.n_layers))
+        return MICRO_BATCHES * sum(profile.raw_seconds(op, i, rows) for op in "FB" for i in range(profile.n_layers))
 
     fitting = [rows for rows in profile.sizes if step(rows) <= STEP_BUDGET_S]
     return max(fitting) if fitting else min(profile.sizes)
@@ -51,11 +52,12 @@ def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, tra
     out = config.to_dict()
     out["parallel"].update(dp=dp, pp=pp, schedule="1f1b" if pp > 1 else "gpipe", virtual_stages=1,
                            stage_layers=cut if pp > 1 else [])
-    out["train"].update(steps=STEPS, micro_batches=2 * pp, micro_batch_size=rows, recompute="none")
+    out["train"].update(steps=STEPS, micro_batches=MICRO_BATCHES * pp, micro_batch_size=rows, recompute="none")
     out["checkpoint"].update(dir="", resume=False)
     out["log"].update(trace=trace, metrics="", progress=False)
     if not out["data"].get("path"):
-        out["data"]["synthetic_samples"] = max(int(out["data"].get("synthetic_samples", 0)), dp * 2 * pp * rows)
+        out["data"]["synthetic_samples"] = max(int(out["data"].get("synthetic_samples", 0)),
+                                               dp * MICRO_BATCHES * pp * rows)
     return out
 
 

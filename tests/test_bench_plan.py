@@ -109,3 +109,14 @@ def test_runner_on_a_hand_made_plan(tmp_path):
                                   "rss_over_predicted_peak_max"}
     assert res["checks"]["top_peak_rss_bytes"]["ok"]
     assert "| **top** dp=1 pp=2 1f1b 8x4 [5, 1] | 0.400 |" in proc.stdout
+
+
+def test_rounds_combine_into_their_median_or_fastest_and_the_largest_peak():
+    rounds = [{"median_s": 0.40, "peak_rss_bytes": 10}, {"error": "exit 1"}, {"median_s": 0.30, "peak_rss_bytes": 30},
+              {"median_s": 0.35, "peak_rss_bytes": 20}]
+    med = bench_plan.combine_rounds(rounds, "median")
+    assert med["median_s"] == 0.35 and med["fastest_s"] == 0.30 and med["peak_rss_bytes"] == 30
+    assert med["round_medians_s"] == [0.40, None, 0.30, 0.35] and med["statistic"] == "median"
+    assert bench_plan.combine_rounds(rounds, "fastest")["median_s"] == 0.30
+    failed = bench_plan.combine_rounds([{"error": "exit 1"}], "median")
+    assert "median_s" not in failed and failed["error"] == "exit 1"

@@ -210,3 +210,28 @@ def test_a_taken_port_or_a_bad_one_is_one_line_and_exit_2(model):
             errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
             assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
             assert "Traceback" not in proc.stderr
+
+
+def test_hpcpipe_api_key_from_the_environment_guards_the_real_server(model):
+    with Server(2, model[0], "--set", "parallel.pp=2", env={"HPCPIPE_API_KEY": "k-3f9a"}) as s:
+        assert "API key required (HPCPIPE_API_KEY)" in s.output()
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="k-3f9a", max_retries=0, timeout=30)
+        r = ok.completions.create(model="x", prompt="abc", max_tokens=4, temperature=0)
+        assert r.choices[0].text == text_of(reference_generate(model[1], encode("abc"), 4, GREEDY))
+        with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+            s.client(timeout=30).completions.create(model="x", prompt="abc", max_tokens=4)
+        assert urllib.request.urlopen(s.url + "/health", timeout=10).status == 200
+
+
+def test_an_api_key_no_header_can_carry_is_one_line_and_exit_2(model):
+    import os
+    import subprocess
+
+    from state_helpers import ROOT, command
+    proc = subprocess.run(command(2, "hpcpipe.serve", ["--weights", str(model[0]), "--port", "0",
+                                                       "--set", "parallel.pp=2"]),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "HPCPIPE_API_KEY": "two words"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors and all("HPCPIPE_API_KEY must be printable ASCII without spaces" in e for e in errors)

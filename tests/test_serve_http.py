@@ -82,21 +82,21 @@ class ScriptedEngine:
 class Served:
     """A running server with its broker, metrics and (optional) scripted engine."""
 
-    def __init__(self, capacity=16, step=0.001, seq_len=64, tokenizer=None, engine=True, limits=None):
+    def __init__(self, capacity=16, step=0.001, seq_len=64, tokenizer=None, engine=True, limits=None, api_key=""):
         self.broker, self.metrics = Broker(capacity), Metrics()
         self.tokenizer = tokenizer or Tokenizer("bytes")
         self.engine = ScriptedEngine(self.broker, step) if engine else None
-        app = make_app(self.broker, self.metrics, self.tokenizer, MODEL, seq_len, limits)
+        app = make_app(self.broker, self.metrics, self.tokenizer, MODEL, seq_len, limits, api_key=api_key)
         self.server = HttpServer(app, "127.0.0.1", 0)
         self.host, self.port = self.server.start()
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
-                                    timeout=10)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key or "x",
+                                    max_retries=0, timeout=10)
 
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None):
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, headers: dict | None = None):
         """Return (status, headers, parsed JSON or text) of one raw HTTP request."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         text = resp.read().decode()
         conn.close()
@@ -513,3 +513,22 @@ def test_stop_ends_a_stream_the_engine_never_finishes_and_cancels_it(served):
     assert s.broker.outstanding == 0
     with pytest.raises(RuntimeError, match="already started"):
         s.server.start()
+
+
+def test_an_api_key_guards_v1_but_not_health_or_metrics(served):
+    s = served(api_key="s3cret-key")
+    r = s.client.completions.create(model=MODEL, prompt="abc", max_tokens=3)    # the client sends its api_key
+    assert r.choices[0].text == "cba"
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="s3cret-keY", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+        wrong.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Basic s3cret-key"}):
+        status, hdrs, body = s.request("GET", "/v1/models", headers=headers)
+        assert status == 401 and hdrs["WWW-Authenticate"] == "Bearer", headers
+        assert body["error"]["code"] == "invalid_api_key" and "no API key given" in body["error"]["message"]
+        assert "s3cret" not in json.dumps(body)
+    assert s.request("GET", "/v1/models", headers={"Authorization": "Bearer s3cret-key"})[0] == 200
+    assert s.request("GET", "/health")[0] == 200
+    m = s.scrape()
+    assert m[("hpcpipe_requests_total", 'status="401"')] == 4 and m[("hpcpipe_requests_total", 'status="200"')] == 1
+    assert len(s.engine.taken) == 1     # only the request with the key reached the engine

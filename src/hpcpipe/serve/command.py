@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hpcpipe.cli import CommandParser, run_planned
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.serve.plan import ServePlan, plan
+
+API_KEY_ENV = "HPCPIPE_API_KEY"
 
 DESCRIPTION = """Serve a trained GPT over HTTP (the OpenAI completions API) with pipeline (pp) x data (dp)
 parallelism over MPI. World rank 0 runs the HTTP front end; every dp replica is one pipeline decoding its
@@ -24,6 +27,8 @@ examples:
   mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000
   mpiexec -n 8 python -m hpcpipe.serve --weights model.h5 --set parallel.pp=4 --set serve.max_sequences=64
 
+With HPCPIPE_API_KEY set in the environment, every /v1/ request must send "Authorization: Bearer <key>"
+(the openai client's api_key) or is answered 401; /health and /metrics stay open.
 SIGTERM (or SIGUSR1) stops accepting requests (503), finishes those in flight and exits 0.
 exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input."""
 
@@ -42,14 +47,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
+    args.api_key = os.environ.get(API_KEY_ENV, "")
+    if args.api_key and not all(33 <= ord(c) <= 126 for c in args.api_key):
+        # an HTTP header cannot carry it intact: no client could ever send it
+        parser.error(f"{API_KEY_ENV} must be printable ASCII without spaces ({len(args.api_key)} characters given)")
     return args
 
 
 class Frontend:
     """The HTTP side on world rank 0: broker, metrics and the aiohttp server thread."""
 
-    def __init__(self, p: ServePlan, host: str, port: int):
-        self.plan, self.host, self.port = p, host, port
+    def __init__(self, p: ServePlan, host: str, port: int, api_key: str = ""):
+        self.plan, self.host, self.port, self.api_key = p, host, port, api_key
         self.server = None
 
     def open(self):
@@ -59,7 +68,8 @@ class Frontend:
         from hpcpipe.serve.metrics import Metrics
         srv = self.plan.config.serve
         broker = Broker(self.plan.dp * srv.max_sequences + srv.max_queue)
-        app = make_app(broker, Metrics(), self.plan.tokenizer, self.plan.model_name, self.plan.shape.seq_len)
+        app = make_app(broker, Metrics(), self.plan.tokenizer, self.plan.model_name, self.plan.shape.seq_len,
+                       api_key=self.api_key)
         self.server = HttpServer(app, self.host, self.port)
         try:
             self.host, self.port = self.server.start()
@@ -70,8 +80,9 @@ class Frontend:
     def ready(self) -> None:
         """Say where the server listens (every rank has loaded its stage)."""
         p = self.plan
+        guard = f"API key required ({API_KEY_ENV})" if self.api_key else f"no API key ({API_KEY_ENV} unset)"
         print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}, "
-              f"{p.config.serve.max_sequences} sequences per replica)", flush=True)
+              f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
 
     def close(self) -> None:
         """Stop the HTTP thread (after the engine drained)."""
@@ -90,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
 
     def body(p: ServePlan) -> int:
-        frontend = Frontend(p, args.host, args.port)
+        frontend = Frontend(p, args.host, args.port, args.api_key)
         try:
             counts = run(p, world, frontend.open, stop, frontend.ready, frontend.close)
         finally:

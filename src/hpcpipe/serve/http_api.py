@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import json
 import numbers
 import socket
@@ -26,17 +27,24 @@ from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completi
 
 _STATE = web.AppKey("hpcpipe_state", dict)
 _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
+API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open to probes and scrapers
 
 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
-             limits: dict | None = None) -> web.Application:
-    """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics."""
+             limits: dict | None = None, api_key: str = "") -> web.Application:
+    """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics.
+
+    With an ``api_key``, every /v1/ request must carry ``Authorization: Bearer <api_key>`` (what the
+    OpenAI clients send) or is answered 401.
+    """
     limits = check_limits(limits)
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
         raise ValueError(f"serve: seq_len must be an integer >= 2, got {seq_len!r}")
-    app = web.Application(client_max_size=int(limits["max_body_bytes"]), middlewares=[_json_errors])
+    app = web.Application(client_max_size=int(limits["max_body_bytes"]),
+                          middlewares=[_json_errors, _require_api_key])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
-                   "seq_len": int(seq_len), "limits": limits, "started": int(time.time())}
+                   "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
+                   "api_key": api_key.encode()}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -60,6 +68,26 @@ async def _json_errors(request: web.Request, handler):
         message = {404: f"no such endpoint: {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
         return _error(ApiError(exc.status, message, code={404: "not_found"}.get(exc.status)))
+
+
+@web.middleware
+async def _require_api_key(request: web.Request, handler):
+    """Answer 401 to a /v1/ request without the server's API key (when it has one)."""
+    s = request.app[_STATE]
+    if s["api_key"] and request.path.startswith(API_PREFIX):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            err = ApiError(401, "no API key given: send the header 'Authorization: Bearer <key>' (the openai "
+                                "client's api_key) with the key the server was started with (HPCPIPE_API_KEY)",
+                           code="invalid_api_key")
+        elif not hmac.compare_digest(given.strip().encode("utf-8", "replace"), s["api_key"]):
+            err = ApiError(401, "incorrect API key: it is not the one the server was started with (HPCPIPE_API_KEY)",
+                           code="invalid_api_key")
+        else:
+            return await handler(request)
+        s["metrics"].count_request(401)
+        return _error(err, headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -273,12 +273,12 @@ def main_plan(args: argparse.Namespace, tmp: str) -> dict:
         print(f"round {rnd + 1} of {args.rounds}", flush=True)
         for k, (config, sets, name, label) in enumerate(jobs):
             tries[k].append(timed(args, config, sets, tmp, name, label, rnd))
-    fastest = [combine_rounds(rs, args.statistic) for rs in tries]
-    res_top = fastest[0]
+    combined = [combine_rounds(rs, args.statistic) for rs in tries]
+    res_top = combined[0]
     res_top.update(config=top, predicted_s=top["step_time_s"], predicted_peak_bytes=top["peak_bytes_per_rank"])
     rows = []
     for i, c in enumerate(configs):
-        r = fastest[i + 1]
+        r = combined[i + 1]
         twin = matching_plan(plan_json, c)
         r.update(config=c, predicted_s=twin["step_time_s"] if twin else None,
                  predicted_peak_bytes=twin["peak_bytes_per_rank"] if twin else None)

@@ -1,8 +1,10 @@
 """What every command does around its work: argument parsing helpers, one clear error, abort on failure.
 
-Errors found before the first collective (ConfigError from planning) are
-deterministic and identical on every rank: rank 0 prints one message and
-every rank exits with status 2. Any exception after that may be on one rank
+Every rank plans on its own (config, data, checkpoints, profile cache), then
+all ranks agree in one small exchange: if planning failed anywhere, the first
+failing rank prints its message (naming itself when others planned fine) and
+every rank exits with its status (2 for a ConfigError); if the ranks cut the
+model differently, nobody trains. Any exception after that may be on one rank
 only while the others wait in a collective, so the failing rank prints its
 message and calls MPI_Abort, which ends the whole job at once. An
 AgreedError is the exception: every rank raised it together after an
@@ -56,19 +58,59 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"hpcpipe: error: {message} (see {self.prog} --help)\n")
 
 
+def planning_outcome(every: list[tuple[int, str | None]], rank: int, message: str = "") -> tuple[int, str | None]:
+    """Given every rank's (exit code, stage cut) after planning, return (this rank's exit code, what it prints).
+
+    Code 0 means the rank planned; ``message`` is this rank's own error when
+    it did not. If any rank failed, every rank exits with the first failing
+    rank's code and that rank alone speaks, naming itself when others planned
+    fine (the difference is then in its files or environment). If all planned
+    but cut the model differently, every rank exits 2 and rank 0 says so:
+    training on would run a different model on each rank.
+    """
+    failed = [r for r, (code, _) in enumerate(every) if code]
+    if failed:
+        first = failed[0]
+        if rank != first:
+            return every[first][0], None
+        if len(failed) < len(every):
+            head, newline, rest = message.partition("\n")
+            message = f"{head} (on rank {first}; planning failed on {len(failed)} of {len(every)} ranks){newline}{rest}"
+        return every[first][0], message
+    cuts = sorted({cut for _, cut in every if cut is not None})
+    if len(cuts) > 1:
+        return EXIT_CONFIG, (f"hpcpipe: error: the ranks planned different stage cuts ({'; '.join(cuts)}): they "
+                             f"read different files (parallel.stage_layers = \"profile\" with another profile on "
+                             f"some host or in some HPCPIPE_PROFILE_DIR?); give every rank the same profile, or "
+                             f"give parallel.stage_layers as layer counts") if rank == 0 else None
+    return 0, None
+
+
+def _cut_text(planned: Any) -> str | None:
+    ranges = getattr(planned, "stage_ranges", None)
+    return None if ranges is None else str([len(r) for r in ranges])
+
+
 def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], int], label: Callable[[], str]) -> int:
-    """Run planner (local checks) then body(plan); turn errors into one message and the right exit."""
+    """Run planner (local checks) on every rank, agree on the outcome, then body(plan); one message, right exit."""
+    from hpcpipe.runtime.comm import Poller, gather_everyone
+
     rank = world.Get_rank()
+    failure: tuple[int, str] = (0, "")
     try:
         planned = planner()
     except ConfigError as exc:
-        if rank == 0:
-            print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
-    except Exception as exc:  # noqa: BLE001 - planning is local and identical on every rank: one report
-        if rank == 0:
-            print(f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
+        failure = (EXIT_CONFIG, f"hpcpipe: error: {exc}")
+    except Exception as exc:  # noqa: BLE001 - planning failed on this rank: agreed on below, reported once
+        failure = (EXIT_FAILURE, f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    # planning reads files on every rank (config, data, checkpoints, the profile cache); a rank that sees other
+    # files must neither leave the others waiting in the first collective nor train another cut of the model
+    mine = (failure[0], None if failure[0] else _cut_text(planned))
+    code, text = planning_outcome(gather_everyone(world, Poller(), mine), rank, failure[1])
+    if code:
+        if text:
+            print(text, file=sys.stderr, flush=True)
+        return code
     if rank == 0:   # which MPI the job really runs on: a wheel's MPI and the site's are easy to mix up
         from hpcpipe.runtime.comm import library_line
         print(library_line(world), flush=True)

@@ -373,6 +373,15 @@ def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
     return comm.gather(obj, root=root)
 
 
+def gather_everyone(comm: Any, poller: Poller, obj: Any) -> list:
+    """Return every rank's small picklable object on every rank, sleeping until the last rank arrives (setup only)."""
+    if comm.Get_size() == 1:
+        return [obj]
+    # a rank still planning (profiling, reading files) must keep its core: wait asleep, then exchange at once
+    poller.wait([comm.Ibarrier()])
+    return comm.allgather(obj)
+
+
 def barrier(comm: Any, poller: Poller) -> None:
     """A barrier that sleeps while it waits."""
     poller.wait([comm.Ibarrier()])

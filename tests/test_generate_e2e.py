@@ -85,6 +85,16 @@ def test_bad_input_is_one_line_and_exit_2(weights, tmp_path, args, message):
     assert message in _one_error(proc)
 
 
+def test_json_output_never_replaces_the_weights_and_is_checked_before_generating(weights, tmp_path):
+    path, _ = weights["tied"]
+    before = path.read_bytes()
+    proc, _ = _run_bad(tmp_path, path, ["--json", str(path)])
+    assert f"--json path {str(path)!r} is the input file" in _one_error(proc)
+    assert path.read_bytes() == before
+    proc, _ = _run_bad(tmp_path, path, ["--json", str(tmp_path / "nodir" / "out.json")])
+    assert "does not exist" in _one_error(proc) and "generated" not in proc.stderr
+
+
 def _run_bad(tmp_path, path, args):
     prompt = "hello"
     rest = list(args)

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from hpcpipe.cli import CommandParser, run_planned
-from hpcpipe.errors import ConfigError
+from hpcpipe.errors import ConfigError, HpcpipeError
+from hpcpipe.infer.rows import check_output, temporary_name
 from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.plan import ServePlan, plan
 from hpcpipe.serve.sampling import SamplingParams
 from hpcpipe.serve.textstream import TextStream
+from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
 prefilled through the pipeline, then each new token is decoded with a KV cache per stage. The model and
@@ -66,6 +69,9 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if not args.prompt:
         raise ConfigError("--prompt is empty: give at least one character to continue")
+    if args.json:   # refused now, not after generating: never into the weights or a checkpoint
+        files, dirs = protected_paths(args.weights, p.weights)
+        check_output(args.json, args.weights, files, dirs, "--json path")
     try:
         ids = p.tokenizer.encode(args.prompt)
     except ValueError as exc:
@@ -75,6 +81,18 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
                           f"{p.shape.seq_len} tokens")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write doc to path whole or not at all (a temporary file beside it, then rename)."""
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise HpcpipeError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
 
 
 class OneShot:
@@ -141,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hpcpipe: generated {len(source.tokens)} tokens in {counts['seconds']:.2f} s "
                   f"({rate:.1f} tokens/s), finish_reason {source.finish}", file=sys.stderr, flush=True)
             if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"prompt": args.prompt, "completion": source.text.text,
-                               "prompt_tokens": request.prompt, "tokens": source.tokens,
-                               "finish_reason": source.finish, "seconds": counts["seconds"]}, f)
+                write_json(args.json, {"prompt": args.prompt, "completion": source.text.text,
+                                       "prompt_tokens": request.prompt, "tokens": source.tokens,
+                                       "finish_reason": source.finish, "seconds": counts["seconds"]})
         return 0
 
     try:

@@ -8,9 +8,9 @@ from plan_helpers import mlp_config, synthetic_profile
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan import report
-from hpcpipe.plan.command import configured_global_batch, parse_bytes, plan_threads
+from hpcpipe.plan.command import configured_global_batch, parse_bytes, plan_threads, write_new
 from hpcpipe.plan.predict import Candidate, Predictor
-from hpcpipe.plan.profile import _interpolate, profile_sizes
+from hpcpipe.plan.profile import _interpolate, largest_profiled_rows, profile_sizes
 from hpcpipe.plan.search import divisors, micro_batch_rows, schedule_variants, search
 from hpcpipe.plan.stage_cut import measured_cut
 from hpcpipe.schedule.costs import Costs
@@ -42,6 +42,39 @@ def test_profile_sizes_keep_the_ends_and_a_geometric_spread():
     many = [2 ** k for k in range(16)]
     picked = profile_sizes(many, limit=6)
     assert len(picked) == 6 and picked[0] == 1 and picked[-1] == 2 ** 15
+    # a huge batch is measured at the largest size a rank can hold, and extrapolated from there
+    assert profile_sizes([8, 16, 10 ** 12], largest=64) == [8, 16, 64]
+
+
+def test_the_largest_profiled_micro_batch_keeps_its_widest_activation_small():
+    mlp = mlp_config([64, 4096, 10])
+    assert largest_profiled_rows(mlp) == (128 << 20) // (8 * 4096)
+    gpt = from_dict({"model": {"kind": "gpt", "vocab_size": 4096, "seq_len": 64, "d_model": 32, "n_heads": 2,
+                               "n_blocks": 1}, "parallel": {"pp": 1}, "checkpoint": {"dir": ""}})
+    assert largest_profiled_rows(gpt) == (128 << 20) // (8 * 64 * 4096)      # the logits are the widest
+
+
+def test_divisors_of_a_huge_number_are_quick():
+    n = 2 ** 20 * 3 ** 10 * 7 ** 3 * 11          # about 2e14: a loop up to n would run for days
+    found = divisors(n)
+    assert len(found) == 21 * 11 * 4 * 2 and found == sorted(found) and all(n % d == 0 for d in found)
+    assert divisors(1) == [1] and divisors(49) == [1, 7, 49]
+
+
+def test_a_plan_file_is_new_whole_and_never_over_a_file_that_appeared(tmp_path):
+    write_new(str(tmp_path / "best.toml"), "--write", "x = 1\n")
+    assert (tmp_path / "best.toml").read_text() == "x = 1\n"
+    (tmp_path / "mine.toml").write_text("# mine\n")
+    with pytest.raises(ConfigError, match="appeared while planning"):
+        write_new(str(tmp_path / "mine.toml"), "--write", "x = 1\n")
+    assert (tmp_path / "mine.toml").read_text() == "# mine\n"
+    (tmp_path / "link.toml").symlink_to(tmp_path / "elsewhere.toml")        # dangling: never followed
+    with pytest.raises(ConfigError, match="appeared while planning"):
+        write_new(str(tmp_path / "link.toml"), "--write", "x = 1\n")
+    assert not (tmp_path / "elsewhere.toml").exists()
+    with pytest.raises(ConfigError, match="cannot write"):
+        write_new(str(tmp_path / "gone" / "plans.json"), "--json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.toml", "link.toml", "mine.toml"]   # no leftovers
 
 
 def test_micro_batch_rows_cover_every_candidate():

@@ -138,15 +138,20 @@ def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
     (["--ranks", "2", "--config", "missing.toml"], "does not exist"),
     (["--ranks", "2", "--write", "exists.toml"], "exists; the planner does not overwrite"),
     (["--ranks", "2", "--json", "nodir/plans.json"], "does not exist"),
+    (["--ranks", "2", "--write", "dangling.toml"], "exists; the planner does not overwrite"),
+    (["--ranks", "2", "--write", "p.out", "--json", "./p.out"], "--write and --json name the same file"),
+    (["--ranks", "99999999999"], "more than the planner searches"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")
+    (tmp_path / "dangling.toml").symlink_to(tmp_path / "target.toml")
     proc = _plan(args, tmp_path / "profiles", tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("hpcpipe: error:")
     assert words in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "exists.toml").read_text() == "# mine\n"
+    assert not (tmp_path / "target.toml").exists() and not (tmp_path / "p.out").exists()
     assert not (tmp_path / "profiles").exists()     # refused before any measurement
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from hpcpipe.cli import CommandParser
 from hpcpipe.config import Config, load_config
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import report
-from hpcpipe.plan.profile import default_cache_dir, load_profile, profile_sizes
+from hpcpipe.plan.profile import default_cache_dir, largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
 from hpcpipe.train.preflight import available_bytes
 
@@ -61,6 +62,7 @@ def configured_global_batch(config: Config, ranks: int) -> int:
     return dp * tr.micro_batches * tr.micro_batch_size
 
 
+MAX_RANKS = 1 << 20      # a million ranks: beyond any machine, and still planned in seconds
 EXIT_BROKEN_PIPE = 141      # 128 + SIGPIPE, what a shell reports for a tool whose reader closed the pipe
 
 
@@ -89,13 +91,38 @@ def _check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.ranks > MAX_RANKS:
+        raise ConfigError(f"--ranks {args.ranks} is more than the planner searches ({MAX_RANKS})")
+    if args.write and args.json and os.path.abspath(args.write) == os.path.abspath(args.json):
+        raise ConfigError(f"--write and --json name the same file {args.write!r}: give each its own")
     for name in ("write", "json"):
         path = getattr(args, name)
-        if path and Path(path).exists():
+        if path and os.path.lexists(path):     # a dangling symlink too: writing would follow it
             raise ConfigError(f"--{name} {path!r} exists; the planner does not overwrite files: remove it or "
                               f"give a new path")
         if path and not Path(path).resolve().parent.is_dir():
             raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
+
+
+def write_new(path: str, option: str, text: str) -> None:
+    """Write text to a new file at path, whole or not at all, and never over a file that appeared meanwhile."""
+    target = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.resolve().parent)
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)     # an ordinary new file (mkstemp makes it 0600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.link(tmp, target)      # unlike a rename, fails if the path (or a dangling symlink) exists by now
+        finally:
+            os.unlink(tmp)
+    except FileExistsError:
+        raise ConfigError(f"{option} {path!r} appeared while planning; the planner does not overwrite files: the "
+                          f"plan is above") from None
+    except OSError as exc:
+        raise ConfigError(f"{option} {path!r}: cannot write: {exc.strerror or exc}") from None
 
 
 def engine_text(engine: dict) -> str:
@@ -139,7 +166,8 @@ def run(args) -> int:
     threads = plan_threads(args.ranks, args.cores, here)
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
     concurrent = max(1, min(args.ranks if args.cores is None else args.cores, here) // threads)
-    profile = load_profile(config, profile_sizes(rows), threads, args.profile_dir or default_cache_dir(),
+    sizes = profile_sizes(rows, largest=largest_profiled_rows(config))
+    profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
                            args.refresh_profile, concurrent)
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
     gpt = config.model.kind == "gpt"
@@ -170,14 +198,14 @@ def run(args) -> int:
         header = (f"written by python -m hpcpipe.plan --ranks {args.ranks}: {report.describe(p)}\n"
                   f"predicted step {p.step_time_s:.4f} s, peak {report.size_text(p.peak_bytes)} per rank\n"
                   f"run: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
-        Path(args.write).write_text(report.to_toml(report.planned_config(config, p), header))
+        write_new(args.write, "--write", report.to_toml(report.planned_config(config, p), header))
         print(f"\nwrote {args.write}: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
     if args.json:
         doc = {"ranks": args.ranks, "global_batch": global_batch, "budget_bytes": budget,
                "prediction_only": args.cores is None and args.ranks > here, "cores": args.cores,
                "threads": threads, "profile_cached": profile.from_cache,
                "plans": [report.plan_dict(p) for p in result.feasible]}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        write_new(args.json, "--json", json.dumps(doc, indent=1))
     print(f"\nplanned in {time.perf_counter() - start:.1f} s")
     return 0
 

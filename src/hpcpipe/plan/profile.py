@@ -10,6 +10,7 @@ profile for the configured model on this host, measuring what is missing first.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import sys
 import time
@@ -146,9 +147,25 @@ class Profile:
         return sorted(int(k) for k in first["F"])
 
 
-def profile_sizes(wanted: list[int], limit: int = 10) -> list[int]:
-    """The micro-batch sizes to measure: all wanted ones, or ``limit`` of them spread geometrically."""
-    sizes = sorted(set(wanted))
+PROFILE_ARRAY_BYTES = 128 << 20    # the widest activation a profiled micro-batch may have
+
+
+def largest_profiled_rows(config: Config) -> int:
+    """The largest micro-batch the profile measures; larger ones are extrapolated (times affine, bytes linear)."""
+    from hpcpipe.nn.model_spec import model_def
+
+    model = model_def(config)
+    widest = max(math.prod(model.boundary(i, 1)[0]) for i in range(model.n_layers + 1))
+    return max(1, PROFILE_ARRAY_BYTES // (8 * widest))
+
+
+def profile_sizes(wanted: list[int], limit: int = 10, largest: int | None = None) -> list[int]:
+    """The micro-batch sizes to measure: all wanted ones, or ``limit`` of them spread geometrically.
+
+    Sizes above ``largest`` are measured at ``largest`` instead: a huge global
+    batch must not make the profile allocate what no rank could hold.
+    """
+    sizes = sorted({min(w, largest) if largest else w for w in wanted})
     if len(sizes) <= limit:
         return sizes
     picked = {sizes[0], sizes[-1]}

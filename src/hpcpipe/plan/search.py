@@ -10,6 +10,7 @@ they differ. Each is predicted with :class:`hpcpipe.plan.predict.Predictor`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hpcpipe.config import Config
@@ -25,7 +26,8 @@ MAX_VIRTUAL = 4
 
 def divisors(n: int) -> list[int]:
     """Positive divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]    # O(sqrt n): --global-batch may be huge
+    return sorted(set(small + [n // d for d in small]))
 
 
 def schedule_variants(pp: int, n_layers: int) -> list[tuple[str, int]]:

@@ -1,11 +1,14 @@
 """End-to-end runs of `python -m hpcpipe.plan` (real profiling, the real MPI probe) and of the configs it writes."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from helpers import run_command
+
+from hpcpipe.plan.profile_check import profile_problem
 
 MLP = """
 [model]
@@ -101,6 +104,20 @@ def test_second_plan_reads_the_cache(planned):
     assert proc.returncode == 0, proc.stderr
     assert "profile: cached" in proc.stdout
     assert "profiling" not in proc.stderr
+
+
+def test_a_damaged_cached_profile_is_measured_again(planned, tmp_path):
+    tmp, _ = planned
+    shutil.copytree(tmp / "profiles", tmp_path / "profiles")
+    layers = next((tmp_path / "profiles").glob("layers-*.json"))
+    data = json.loads(layers.read_text())
+    data["layers"]["groups"] = {}                      # parses, right key, nothing inside: once a traceback
+    layers.write_text(json.dumps(data))
+    (tmp_path / "mlp.toml").write_text(MLP)
+    proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--max-micro-batches", "8"], tmp_path / "profiles", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "is damaged: it holds no layer groups: measuring it again" in proc.stderr and "Traceback" not in proc.stderr
+    assert profile_problem(json.loads(layers.read_text())) is None
 
 
 def test_written_config_trains_as_planned(planned):

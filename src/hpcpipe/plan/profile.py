@@ -185,7 +185,9 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
     """
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     key = profile_cache.layer_key(config, threads)
-    cached = None if refresh else profile_cache.read(cache_dir, key)
+    cached, problem = (None, None) if refresh else profile_cache.inspect(cache_dir, key)
+    if problem:
+        log(f"hpcpipe.plan: the cached profile {problem}: measuring it again")
     if cached and cached["layers"].get("concurrent", 1) != concurrent:
         cached = None
     have = set(Profile(cached, CommModel.from_dict(cached["comm"])).sizes) if cached and "comm" in cached else set()

@@ -22,6 +22,7 @@ from typing import Any
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
+from hpcpipe.plan.profile_check import profile_problem
 
 PROFILE_VERSION = 3
 
@@ -70,12 +71,23 @@ def _write_json(directory: str, name: str, data: dict) -> Path:
     return target / name
 
 
+def inspect(directory: str, key: dict[str, Any]) -> tuple[dict | None, str | None]:
+    """Return (the cached layer profile for key or None, what is wrong with the file when it exists but is unusable)."""
+    path = Path(directory) / _name(key)
+    data = _read_json(path)
+    if data is None:
+        return None, (f"{str(path)!r} is not a JSON object" if path.exists() else None)
+    if data.get("key") != key:
+        return None, f"{str(path)!r} is the profile of another model or host (its key differs)"
+    problem = profile_problem(data)
+    if problem:
+        return None, f"{str(path)!r} is damaged: {problem}"
+    return data, None
+
+
 def read(directory: str, key: dict[str, Any]) -> dict | None:
-    """Return the cached layer profile for key, or None (missing, unreadable, or another key)."""
-    data = _read_json(Path(directory) / _name(key))
-    if not data or data.get("key") != key or not isinstance(data.get("layers"), dict):
-        return None
-    return data
+    """Return the cached layer profile for key, or None (missing, unreadable, damaged, or another key)."""
+    return inspect(directory, key)[0]
 
 
 def write(directory: str, key: dict[str, Any], data: dict) -> Path:

@@ -45,12 +45,17 @@ def stage_counts(config: Config, n_stages: int, rows: int, ops: tuple[str, ...] 
         return list(chosen)
     threads = rank_threads()
     directory = default_cache_dir()
-    cached = profile_cache.read(directory, profile_cache.layer_key(config, threads))
+    cached, problem = profile_cache.inspect(directory, profile_cache.layer_key(config, threads))
     for other in range(1, (os.cpu_count() or 1) + 1):
         # a profile taken with another BLAS thread count cuts (nearly) alike; the lowest count first, so
         # that every rank of the job picks the same file
         if cached is None and other != threads:
-            cached = profile_cache.read(directory, profile_cache.layer_key(config, other))
+            cached, other_problem = profile_cache.inspect(directory, profile_cache.layer_key(config, other))
+            problem = problem or other_problem
+    if cached is None and problem:
+        raise ConfigError(f"parallel.stage_layers = \"profile\": the profile {problem}; measure it again with "
+                          f"`python -m hpcpipe.plan --config <this config> --ranks <ranks> --refresh-profile`, or "
+                          f"give parallel.stage_layers as layer counts")
     if cached is None:
         raise ConfigError(f"parallel.stage_layers = \"profile\" needs a profile of this model measured on this host "
                           f"with {threads} BLAS thread(s) per rank, and {directory!r} has none: make one with "

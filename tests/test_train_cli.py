@@ -34,6 +34,19 @@ def test_default_job_on_8_ranks_trains_and_writes_metrics(tmp_path):
     assert records[-1]["peak_stashed_microbatches"] == 8
 
 
+def test_metrics_every_n_steps_keep_the_first_and_the_last_step(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--set", "model.dims=[16, 16, 16, 16, 16]", "--set", "parallel.pp=2", "--set", "train.steps=10",
+            "--set", "log.every=4", "--set", f"log.metrics=\"{metrics}\"", "--set", "checkpoint.dir=\"\""]
+    proc = run_command(2, "hpcpipe.train", args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 4, 8, 9]      # 0-based; the final step was once never written
+    assert all("peak_rss_bytes" in r for r in records)
+    _, last = _summary(proc.stdout)
+    assert records[-1]["loss"] == pytest.approx(last, rel=1e-5)
+
+
 def _peak_rss_run(tmp_path, name: str, dims: list[int]) -> tuple[list[dict], str]:
     """Train 3 steps of an MLP with dims at dp=1 x pp=2 with Adam; return its metrics records and stdout."""
     metrics = tmp_path / f"{name}.jsonl"

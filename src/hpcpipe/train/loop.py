@@ -15,6 +15,11 @@ from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.trace import rank_events, training_trace, write_json
 
 
+def logged_step(step: int, every: int, total: int) -> bool:
+    """Whether step (0-based) gets a metrics line: the first, every ``every``-th after it, and the last."""
+    return step % every == 0 or step + 1 == total
+
+
 class Progress:
     """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics.
 
@@ -52,7 +57,7 @@ class Progress:
         if rss_by_rank is not None:
             record["peak_rss_bytes"] = max(rss_by_rank)
             record["peak_rss_bytes_by_rank"] = rss_by_rank
-        if self.metrics and step % self.cfg.log.every == 0:
+        if self.metrics and logged_step(step, self.cfg.log.every, self.total):
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         done = step + 1
@@ -118,7 +123,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             if cfg.log.trace:
                 traced.append((step, trainer.last_stats.events))
             peaks = rss_by_rank = None
-            if cfg.log.metrics and step % cfg.log.every == 0:
+            if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 stats = trainer.last_stats
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None

@@ -124,5 +124,6 @@ def test_ranks_that_read_equal_profiles_train(tmp_path):
         (tmp_path / "copy" / f.name).write_bytes(f.read_bytes())
     proc, _ = _train(tmp_path, ("heavy", "copy"))
     assert proc.returncode == 0, proc.stderr
+    assert "stage_layers=[3, 1]" in proc.stdout       # the summary says which cut was trained
     manifest = json.loads(next((tmp_path / "ck").rglob("manifest.json")).read_text())
     assert [len(r) for r in manifest["layout"]["stage_layers"]] == [3, 1]

@@ -51,6 +51,8 @@ def test_generation_stops_when_the_context_is_full(weights, tmp_path):
                          "--set", "parallel.pp=2")
     assert proc.returncode == 0, proc.stderr
     assert len(out["tokens"]) == 2 and out["finish_reason"] == "length"
+    assert "the context is full: 30 prompt + 2 new tokens = model.seq_len 32, short of --max-new-tokens 20" \
+        in proc.stderr
     assert out["tokens"] == reference_generate(model, encode(prompt), 20, SamplingParams(temperature=0.0))
 
 

@@ -67,7 +67,7 @@ EXIT_BROKEN_PIPE = 141      # 128 + SIGPIPE, what a shell reports for a tool who
 
 
 def _parser() -> CommandParser:
-    p = CommandParser(prog="python -m hpcpipe.plan", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="python -m hpcpipe.plan", description=__doc__.split("\n\n")[0].replace("``", ""),
                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config (default: the embedded default job)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")

@@ -83,6 +83,14 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
 
 
+def full_context_note(source: OneShot, request: Request, p: ServePlan) -> str:
+    """Why fewer tokens came than --max-new-tokens asked for, when the context filled up ('' otherwise)."""
+    if source.finish != "length" or len(source.tokens) >= request.max_new:
+        return ""
+    return (f" (the context is full: {len(request.prompt)} prompt + {len(source.tokens)} new tokens = "
+            f"model.seq_len {p.shape.seq_len}, short of --max-new-tokens {request.max_new})")
+
+
 def write_json(path: str, doc: dict) -> None:
     """Write doc to path whole or not at all (a temporary file beside it, then rename)."""
     tmp = temporary_name(path)
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             source = state["source"]
             rate = counts["tokens"] / counts["seconds"] if counts["seconds"] > 0 else 0.0
             print(f"hpcpipe: generated {len(source.tokens)} tokens in {counts['seconds']:.2f} s "
-                  f"({rate:.1f} tokens/s), finish_reason {source.finish}", file=sys.stderr, flush=True)
+                  f"({rate:.1f} tokens/s), finish_reason {source.finish}{full_context_note(source, request, p)}",
+                  file=sys.stderr, flush=True)
             if args.json:
                 write_json(args.json, {"prompt": args.prompt, "completion": source.text.text,
                                        "prompt_tokens": request.prompt, "tokens": source.tokens,

@@ -25,7 +25,7 @@ from hpcpipe.runtime.guard import Watchdog, write_stop_marker
 from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.train.loop import train
 
-DESCRIPTION = """Train an MLP with pipeline (pp) x data (dp) parallelism over MPI.
+DESCRIPTION = """Train an MLP or a GPT (model.kind) with pipeline (pp) x data (dp) parallelism over MPI.
 Run under mpiexec/srun; world size must equal dp x pp. Without --config the
 embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
 
@@ -72,7 +72,8 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
           f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
           f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
-          f"stage_layers={[len(r) for r in p.stage_ranges]} micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
+          f"stage_layers={[len(r) for r in p.stage_ranges]} "
+          f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
           f"{summary['elapsed_s']:.2f} s){rss_text(summary.get('peak_rss_bytes_by_rank'))}", flush=True)
     if summary["skipped"]:
         print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)

@@ -17,7 +17,7 @@ from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.model import initial_arrays, layer_specs, partition
 from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights
-from hpcpipe.train.preflight import GIB, check_memory, check_output_file, estimate_rank_bytes
+from hpcpipe.train.preflight import GIB, check_memory, check_metrics_file, check_output_file, estimate_rank_bytes
 from hpcpipe.train.trainer import plan
 
 CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
@@ -149,6 +149,22 @@ def test_output_file_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"log.trace '.*old.jsonl/t.json': '.*old.jsonl' is not a directory"):
         check_output_file(str(tmp_path / "old.jsonl" / "t.json"), "log.trace")
     assert sorted(os.listdir(tmp_path)) == ["old.jsonl"]
+
+
+def test_metrics_are_appended_only_to_a_metrics_file(tmp_path):
+    check_metrics_file(str(tmp_path / "new.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    check_metrics_file(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "run.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
+    check_metrics_file(str(tmp_path / "run.jsonl"))          # an earlier run's: continued
+    write_weights(tmp_path / "w.h5", initial_arrays(SPECS, [0, 1, 2], seed=3, dtype="float32"), n_layers=3)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    for name in ("w.h5", "notes.txt", "list.json"):
+        before = (tmp_path / name).read_bytes()
+        with pytest.raises(ConfigError, match=f"log.metrics '.*{name}' exists and is not a metrics file"):
+            check_metrics_file(str(tmp_path / name))
+        assert (tmp_path / name).read_bytes() == before
 
 
 def test_plan_refuses_bad_log_paths_before_anything_is_written(tmp_path):

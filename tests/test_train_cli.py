@@ -222,6 +222,8 @@ INIT = ["--set", "model.dims=[16, 16, 16]", "--set", "parallel.pp=2", "--set", "
     (2, ["--set", "train.weight_decay=inf"], None, "train.weight_decay must be a finite number, got inf"),
     (2, ["--set", "parallel.pp=2", "--set", "log.metrics=\"nodir/m.jsonl\""], None,
      "log.metrics 'nodir/m.jsonl': directory 'nodir' does not exist (create it first)"),
+    (2, ["--set", "parallel.pp=2", "--set", "log.metrics=\"LATIN1\""], None,
+     "log.metrics 'LATIN1' exists and is not a metrics file (JSON lines)"),
     (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"DIR\""], None,
      "log.trace 'DIR' is a directory; give the path of a file to write"),
     (2, ["--set", "model.dims=[16, 1e9, 16]"], None, "model.dims must be list[int], got [16, 1000000000.0, 16]"),

@@ -9,6 +9,7 @@ traceback at the first write or a MemoryError after minutes of allocation.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +206,31 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsS
         if path:
             check_output_file(path, f"log.{key}")
             refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")
+    if metrics:
+        check_metrics_file(metrics)
+
+
+def check_metrics_file(path: str) -> None:
+    """Raise ConfigError when log.metrics names an existing file that is not a JSON-lines metrics file.
+
+    Metrics are appended, so a run continues its own file; appending to
+    anything else (weights, a config, someone's notes) would change a file the
+    run did not create.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"log.metrics {path!r} cannot be read: {exc.strerror or exc}") from None
+    first = head.split(b"\n", 1)[0].strip()
+    if not head.strip():
+        return
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise ConfigError(f"log.metrics {path!r} exists and is not a metrics file (JSON lines): metrics are "
+                          f"appended, so give a new path or an earlier run's metrics file")

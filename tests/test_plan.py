@@ -1,5 +1,6 @@
 """Unit tests of the planner: sizes, interpolation, stage cuts, search against hand arithmetic, the written config."""
 
+import os
 import tomllib
 
 import pytest
@@ -64,6 +65,9 @@ def test_divisors_of_a_huge_number_are_quick():
 def test_a_plan_file_is_new_whole_and_never_over_a_file_that_appeared(tmp_path):
     write_new(str(tmp_path / "best.toml"), "--write", "x = 1\n")
     assert (tmp_path / "best.toml").read_text() == "x = 1\n"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "best.toml").stat().st_mode & 0o777 == 0o666 & ~umask      # not mkstemp's 0600
     (tmp_path / "mine.toml").write_text("# mine\n")
     with pytest.raises(ConfigError, match="appeared while planning"):
         write_new(str(tmp_path / "mine.toml"), "--write", "x = 1\n")

@@ -24,6 +24,7 @@ from hpcpipe.config import Config, load_config
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import report
 from hpcpipe.plan.profile import default_cache_dir, largest_profiled_rows, load_profile, profile_sizes
+from hpcpipe.plan.profile_cache import ordinary_mode
 from hpcpipe.plan.search import micro_batch_rows, search
 from hpcpipe.train.preflight import available_bytes
 
@@ -110,9 +111,7 @@ def write_new(path: str, option: str, text: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.resolve().parent)
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)     # an ordinary new file (mkstemp makes it 0600)
+            ordinary_mode(fd)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.link(tmp, target)      # unlike a rename, fails if the path (or a dangling symlink) exists by now

@@ -56,12 +56,20 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def ordinary_mode(fd: int) -> None:
+    """Give a file from mkstemp (mode 0600) the mode any new file gets under the user's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+
+
 def _write_json(directory: str, name: str, data: dict) -> Path:
     """Write data to directory/name atomically (temporary file in the same directory, then rename)."""
     target = Path(directory)
     try:
         target.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target)
+        ordinary_mode(fd)     # a shared profile directory stays readable to the group, as with any new file
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, target / name)

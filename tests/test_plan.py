@@ -9,7 +9,7 @@ from plan_helpers import mlp_config, synthetic_profile
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan import report
-from hpcpipe.plan.command import configured_global_batch, parse_bytes, plan_threads, write_new
+from hpcpipe.plan.command import configured_global_batch, parse_bytes, plan_threads, planner_command, write_new
 from hpcpipe.plan.predict import Candidate, Predictor
 from hpcpipe.plan.profile import _interpolate, largest_profiled_rows, profile_sizes
 from hpcpipe.plan.search import divisors, micro_batch_rows, schedule_variants, search
@@ -60,6 +60,17 @@ def test_divisors_of_a_huge_number_are_quick():
     found = divisors(n)
     assert len(found) == 21 * 11 * 4 * 2 and found == sorted(found) and all(n % d == 0 for d in found)
     assert divisors(1) == [1] and divisors(49) == [1, 7, 49]
+
+
+def test_small_times_keep_their_digits():
+    assert [report.seconds_text(t) for t in (1.5, 0.652, 0.024, 0.000312, 0.0)] == \
+        ["1.500 s", "652 ms", "24 ms", "312 us", "0.000 s"]
+
+
+def test_the_written_header_holds_the_whole_planner_command_on_one_line():
+    text = planner_command(["--config", "my plan.toml", "--ranks", "2", "--set", "model.dims=[4,\n4]"])
+    assert text == "python -m hpcpipe.plan --config 'my plan.toml' --ranks 2 --set 'model.dims=[4,\\n4]'"
+    assert tomllib.loads(report.to_toml({"train": {"steps": 1}}, f"written by {text}")) == {"train": {"steps": 1}}
 
 
 def test_a_plan_file_is_new_whole_and_never_over_a_file_that_appeared(tmp_path):

@@ -72,6 +72,8 @@ def test_plan_measures_prints_and_writes_the_best(planned):
     assert proc.returncode == 0, proc.stderr
     assert "profile: measured" in proc.stdout and "within the budget" in proc.stdout
     assert "best: " in proc.stdout and "wrote best.toml" in proc.stdout
+    header = (tmp / "best.toml").read_text().splitlines()[0]
+    assert header.startswith("# written by python -m hpcpipe.plan --config mlp.toml --ranks 2 --write best.toml")
     doc = json.loads((tmp / "plans.json").read_text())
     plans = doc["plans"]
     assert doc["ranks"] == 2 and doc["global_batch"] == 4 * 8      # pp = 2 on 2 ranks: dp = 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -194,7 +195,7 @@ def run(args) -> int:
     print(report.reason(best[0], result.feasible, len(result.predictions) - len(result.feasible)))
     if args.write:
         p = best[0]
-        header = (f"written by python -m hpcpipe.plan --ranks {args.ranks}: {report.describe(p)}\n"
+        header = (f"written by {planner_command(args.argv)}\n{report.describe(p)}\n"
                   f"predicted step {p.step_time_s:.4f} s, peak {report.size_text(p.peak_bytes)} per rank\n"
                   f"run: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
         write_new(args.write, "--write", report.to_toml(report.planned_config(config, p), header))
@@ -209,9 +210,17 @@ def run(args) -> int:
     return 0
 
 
+def planner_command(argv: list[str]) -> str:
+    """The command line that made a plan, as one printable line (the written config's header says how to re-plan)."""
+    text = shlex.join(["python", "-m", "hpcpipe.plan", *argv])
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.plan``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     try:
         return run(args)
     except ConfigError as exc:

@@ -16,6 +16,15 @@ def size_text(n: float) -> str:
     return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / MIB:.0f} MiB"
 
 
+def seconds_text(t: float) -> str:
+    """Seconds with three significant digits in s, ms or us (a small model's actions take microseconds)."""
+    if t >= 1.0 or t == 0:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
 def describe(p: Prediction) -> str:
     """One plan in a few words: layout, schedule, micro-batches."""
     c = p.candidate
@@ -36,13 +45,13 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
         lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<22} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
-                     f"{cut:<16} {p.step_time_s:>8.4f} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
+                     f"{cut:<16} {p.step_time_s:>8.4g} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
     return "\n".join(lines)
 
 
 def _parts(p: Prediction) -> str:
-    return (f"busiest rank computes {p.busy_max_s:.3f} s, pipeline bubble {p.bubble:.1%}, step end "
-            f"(allreduce + optimizer) {p.step_end_s:.3f} s, {size_text(p.peak_bytes)} per rank")
+    return (f"busiest rank computes {seconds_text(p.busy_max_s)}, pipeline bubble {p.bubble:.1%}, step end "
+            f"(allreduce + optimizer) {seconds_text(p.step_end_s)}, {size_text(p.peak_bytes)} per rank")
 
 
 def reason(best: Prediction, feasible: list[Prediction], over_budget: int) -> str:

@@ -102,6 +102,42 @@ def test_engine_factors_scale_the_groups_replicas_or_pipeline():
     assert measured_cut(profile, 2, 4, raw=True) == (2, 2)
 
 
+def test_gpipe_and_zb_h1_take_the_zero_bubble_runs_factors_the_others_the_1f1b_runs():
+    config = mlp_config([8] * 5, micro_batches=4, micro_batch_size=2)
+    engine = {"replicas": {"forward": [1.0] * 4, "backward": [1.0] * 4, "sync_share": 0.0},
+              "pipeline": {"forward": [1.5] * 4, "backward": [1.5] * 4, "stage_layers": [2, 2]},
+              "pipeline_zb": {"forward": [1.1] * 4, "backward": [1.2] * 4, "stage_layers": [2, 2]}}
+    profile = _calibrated(config, {i: 0.01 for i in range(4)}, engine)
+    for schedule in ("gpipe", "zb-h1"):
+        assert profile.seconds("F", 3, 4, pipelined=True, schedule=schedule) == pytest.approx(1.1 * 0.04)
+        assert profile.seconds("I", 3, 4, pipelined=True, schedule=schedule) == pytest.approx(1.2 * 0.04)
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-v"):
+        assert profile.seconds("F", 3, 4, pipelined=True, schedule=schedule) == pytest.approx(1.5 * 0.04)
+    assert profile.seconds("F", 3, 4, schedule="zb-h1") == pytest.approx(0.04)       # no pipeline: the replicas'
+    del engine["pipeline_zb"]                                      # a profile calibrated before the ZB-H1 run
+    assert profile.seconds("F", 3, 4, pipelined=True, schedule="zb-h1") == pytest.approx(1.5 * 0.04)
+    # the prediction of a plan uses its own schedule's factors
+    engine["pipeline_zb"] = {"forward": [1.0] * 4, "backward": [1.0] * 4, "stage_layers": [2, 2]}
+    zb, one = Candidate(1, 2, "zb-h1", 1, 4, 2, (2, 2)), Candidate(1, 2, "1f1b", 1, 4, 2, (2, 2))
+    plain = synthetic_profile(config, {i: 0.01 for i in range(4)})
+    assert Predictor(config, profile).predict(zb).busy_max_s == pytest.approx(
+        Predictor(config, plain).predict(zb).busy_max_s)
+    assert Predictor(config, profile).predict(one).busy_max_s == pytest.approx(
+        1.5 * Predictor(config, plain).predict(one).busy_max_s)
+
+
+def test_a_zero_bubble_trace_counts_input_and_weight_halves_as_one_backward(tmp_path):
+    events = []
+    for step in range(4):
+        t = step * 100_000
+        for _ in range(2):
+            for cat, us in (("F", 1000), ("I", 1500), ("W", 500)):
+                events.append(_event(cat, 0, step, 0, us, us, t))
+                t += us
+    got = summarize_trace(_trace(tmp_path, events))
+    assert got["forward_s"] == pytest.approx([1e-3]) and got["backward_s"] == pytest.approx([2e-3])
+
+
 def test_replicas_wait_is_added_to_data_parallel_plans_only():
     config = mlp_config([8] * 5, micro_batches=4, micro_batch_size=2)
     per_row = {i: 0.01 for i in range(4)}
@@ -121,8 +157,10 @@ def test_the_plan_says_how_it_was_calibrated():
 
     engine = {"replicas": {"forward": [1.2, 1.2], "backward": [1.0, 1.0], "sync_share": 0.05},
               "pipeline": {"forward": [1.0, 2.0], "backward": [1.0, 2.0]}}
-    assert engine_text(engine) == ("real runs take replicas 1.10x and pipeline 1.50x the layer bench's times; "
+    assert engine_text(engine) == ("real runs take replicas 1.10x, pipeline 1F1B 1.50x the layer bench's times; "
                                    "replicas wait 5.0% of a step at the allreduce")
+    engine["pipeline_zb"] = {"forward": [1.0, 1.0], "backward": [1.0, 1.4]}
+    assert engine_text(engine).startswith("real runs take replicas 1.10x, pipeline 1F1B 1.50x, ZB-H1 1.10x the")
     assert engine_text({"failed": "the calibration run failed (exit status 1)"}).startswith(
         "not calibrated (the calibration run failed (exit status 1))")
 

@@ -89,9 +89,10 @@ def test_the_profile_is_calibrated_against_real_runs_of_the_engine(planned):
     tmp, proc = planned
     engine = json.loads(next((tmp / "profiles").glob("layers-*.json")).read_text())["engine"]
     assert "failed" not in engine, engine
-    replicas, pipeline = engine["replicas"], engine["pipeline"]
+    replicas, pipeline, zero_bubble = engine["replicas"], engine["pipeline"], engine["pipeline_zb"]
     assert engine["ranks"] == 2 and replicas["stage_layers"] == [4] and sum(pipeline["stage_layers"]) == 4
-    for run in (replicas, pipeline):
+    assert zero_bubble["stage_layers"] == pipeline["stage_layers"]        # the same cut under ZB-H1
+    for run in (replicas, pipeline, zero_bubble):
         # 4 layer groups, one factor each, from the measured seconds per micro-batch of each stage
         assert len(run["forward"]) == len(run["backward"]) == 4
         assert all(0.5 <= f <= 2.0 for f in run["forward"] + run["backward"])

@@ -130,12 +130,12 @@ def engine_text(engine: dict) -> str:
     if "replicas" not in engine:
         return f"not calibrated ({engine.get('failed', 'no calibration run')}); times are the layer bench's"
     parts = []
-    for name in ("replicas", "pipeline"):
+    for name, label in (("replicas", "replicas"), ("pipeline", "pipeline 1F1B"), ("pipeline_zb", "ZB-H1")):
         run = engine.get(name)
         if run:
             mean = sum(run["forward"] + run["backward"]) / len(run["forward"] + run["backward"])
-            parts.append(f"{name} {mean:.2f}x")
-    return (f"real runs take {' and '.join(parts)} the layer bench's times; replicas wait "
+            parts.append(f"{label} {mean:.2f}x")
+    return (f"real runs take {', '.join(parts)} the layer bench's times; replicas wait "
             f"{engine['replicas']['sync_share']:.1%} of a step at the allreduce")
 
 

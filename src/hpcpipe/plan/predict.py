@@ -96,13 +96,13 @@ class Predictor:
             return rows * self.config.model.seq_len * 8          # int64 next-token ids
         return self._boundary_bytes(self.model.n_layers, rows)
 
-    def stage_costs(self, ranges: list[range], rows: int) -> dict[tuple[str, int], float]:
+    def stage_costs(self, ranges: list[range], rows: int, schedule: str = "1f1b") -> dict[tuple[str, int], float]:
         """Per-(op, stage) seconds: the sums of the stage's layer groups (recompute adds a forward to I and B)."""
         per: dict[tuple[str, int], float] = {}
         piped = len(ranges) > 1
 
         def seconds(op: str, r: range) -> float:
-            return sum(self.profile.seconds(op, i, rows, pipelined=piped) for i in r)
+            return sum(self.profile.seconds(op, i, rows, pipelined=piped, schedule=schedule) for i in r)
 
         for s, r in enumerate(ranges):
             f = seconds("F", r)
@@ -125,7 +125,7 @@ class Predictor:
         rows = c.micro_batch_size
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages
-        per = self.stage_costs(ranges, rows)
+        per = self.stage_costs(ranges, rows, c.schedule)
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
         comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]

@@ -92,14 +92,20 @@ class Profile:
         """Number of layer groups of the profiled model."""
         return len(self.layers["signatures"])
 
-    def seconds(self, op: str, index: int, rows: int, pipelined: bool = False) -> float:
+    def seconds(self, op: str, index: int, rows: int, pipelined: bool = False, schedule: str = "1f1b") -> float:
         """Seconds of action op (F, I, W or B) of layer group ``index`` on a micro-batch of ``rows`` samples.
 
-        The bench's time scaled by the engine's factor for the group (:mod:`engine_calibration`): the
-        pipeline run's when ``pipelined`` (pp > 1) and there was one, else the replicas run's.
+        The bench's time scaled by the engine's factor for the group (:mod:`engine_calibration`): when
+        ``pipelined`` (pp > 1), the pipeline run's of ``schedule``'s family (GPipe and ZB-H1: the
+        ZB-H1 run, else the 1F1B run) if there was one, else the replicas run's.
         """
+        from hpcpipe.plan.engine_calibration import ZB_CALIBRATED
+
         engine = self.data.get("engine") or {}
-        run = (engine.get("pipeline") if pipelined else None) or engine.get("replicas") or {}
+        run = None
+        if pipelined:
+            run = (engine.get("pipeline_zb") if schedule in ZB_CALIBRATED else None) or engine.get("pipeline")
+        run = run or engine.get("replicas") or {}
         factors = run.get("forward" if op == "F" else "backward")
         factor = float(factors[index]) if factors and index < len(factors) else 1.0
         return factor * self.raw_seconds(op, index, rows)
@@ -236,7 +242,8 @@ def _engine_factors(config: Config, profile: Profile, ranks: int, log: Any) -> d
     def factors(values: list[float]) -> str:
         return ", ".join(f"{f:.2f}" for f in values)
 
-    for name, run in (("replicas", engine["replicas"]), ("pipeline", engine.get("pipeline"))):
+    for name in ("replicas", "pipeline", "pipeline_zb"):
+        run = engine.get(name)
         if run:
             log(f"hpcpipe.plan: engine over bench, {name} (cut {run['stage_layers']}): "
                 f"F x {factors(run['forward'])}; B x {factors(run['backward'])}")

@@ -24,7 +24,7 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan.profile_check import profile_problem
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4     # 4: the engine calibration has a ZB-H1 pipeline run
 
 
 def _backend_name(choice: str) -> str:

@@ -52,7 +52,7 @@ def _group_problem(signature: str, group: Any) -> str | None:
 def _engine_problem(engine: Any) -> str | None:
     if not isinstance(engine, dict):
         return "engine is not a table"
-    for name in ("replicas", "pipeline"):
+    for name in ("replicas", "pipeline", "pipeline_zb"):
         run = engine.get(name)
         if run is None:
             continue

@@ -127,3 +127,24 @@ def test_ranks_that_read_equal_profiles_train(tmp_path):
     assert "stage_layers=[3, 1]" in proc.stdout       # the summary says which cut was trained
     manifest = json.loads(next((tmp_path / "ck").rglob("manifest.json")).read_text())
     assert [len(r) for r in manifest["layout"]["stage_layers"]] == [3, 1]
+
+
+class _NeverArrives:
+    """A 2-rank communicator whose other rank never reaches the exchange (stuck in a file system)."""
+
+    def Get_size(self):
+        return 2
+
+    def Ibarrier(self):
+        return type("Request", (), {"Test": lambda self: False})()
+
+    def allgather(self, obj):
+        raise AssertionError("no exchange may start before every rank arrived")
+
+
+def test_a_rank_that_never_finishes_planning_is_given_up_on_after_the_timeout():
+    from hpcpipe.runtime.comm import Poller, gather_everyone
+
+    start = time.perf_counter()
+    assert gather_everyone(_NeverArrives(), Poller(), (0, "[4]"), timeout_s=0.2) is None
+    assert 0.2 <= time.perf_counter() - start < 5

@@ -25,9 +25,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, AgreedError, ConfigError, HpcpipeError
+from hpcpipe.errors import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_STALLED,
+    AgreedError,
+    ConfigError,
+    HpcpipeError,
+)
 
 # world rank as set by MPICH/Hydra (PMI), Open MPI, PMIx launchers and srun, in that order of trust
+PLANNING_TIMEOUT_S = 600.0     # as run.stall_timeout's default: the watchdog starts only after planning
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
@@ -106,7 +115,15 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
     # planning reads files on every rank (config, data, checkpoints, the profile cache); a rank that sees other
     # files must neither leave the others waiting in the first collective nor train another cut of the model
     mine = (failure[0], None if failure[0] else _cut_text(planned))
-    code, text = planning_outcome(gather_everyone(world, Poller(), mine), rank, failure[1])
+    every = gather_everyone(world, Poller(), mine, PLANNING_TIMEOUT_S)
+    if every is None:     # no watchdog runs yet: a rank stuck reading a file would hang the job for good
+        from hpcpipe.runtime.comm import abort
+        print(f"hpcpipe: [rank {rank}] error: not every rank finished planning within {PLANNING_TIMEOUT_S:.0f} s "
+              f"(one may be stuck reading its config, data, checkpoint or profile from a file system); "
+              f"aborting the job", file=sys.stderr, flush=True)
+        abort(world, EXIT_STALLED)
+        return EXIT_STALLED
+    code, text = planning_outcome(every, rank, failure[1])
     if code:
         if text:
             print(text, file=sys.stderr, flush=True)

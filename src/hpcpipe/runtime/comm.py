@@ -373,12 +373,21 @@ def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
     return comm.gather(obj, root=root)
 
 
-def gather_everyone(comm: Any, poller: Poller, obj: Any) -> list:
-    """Return every rank's small picklable object on every rank, sleeping until the last rank arrives (setup only)."""
+def gather_everyone(comm: Any, poller: Poller, obj: Any, timeout_s: float | None = None) -> list | None:
+    """Return every rank's small picklable object on every rank, sleeping until the last rank arrives (setup only).
+
+    None when some rank has not arrived within ``timeout_s`` seconds (the caller
+    aborts the job: the missing rank may be stuck in a file system forever).
+    """
     if comm.Get_size() == 1:
         return [obj]
     # a rank still planning (profiling, reading files) must keep its core: wait asleep, then exchange at once
-    poller.wait([comm.Ibarrier()])
+    arrived = comm.Ibarrier()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not arrived.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(poller.max_s)
     return comm.allgather(obj)
 
 

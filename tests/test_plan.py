@@ -65,6 +65,7 @@ def test_divisors_of_a_huge_number_are_quick():
 def test_small_times_keep_their_digits():
     assert [report.seconds_text(t) for t in (1.5, 0.652, 0.024, 0.000312, 0.0)] == \
         ["1.500 s", "652 ms", "24 ms", "312 us", "0.000 s"]
+    assert [report.step_column(t) for t in (0.6907, 12.5, 0.000266)] == ["0.6907", "12.5000", "0.000266"]
 
 
 def test_the_written_header_holds_the_whole_planner_command_on_one_line():

@@ -25,6 +25,11 @@ def seconds_text(t: float) -> str:
     return f"{t * 1e6:.3g} us"
 
 
+def step_column(t: float) -> str:
+    """A step time for the table's 8-wide column: 4 decimals, or 3 significant digits below a millisecond."""
+    return f"{t:.4f}" if t >= 1e-3 else f"{t:.3g}"
+
+
 def describe(p: Prediction) -> str:
     """One plan in a few words: layout, schedule, micro-batches."""
     c = p.candidate
@@ -45,7 +50,7 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
         lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<22} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
-                     f"{cut:<16} {p.step_time_s:>8.4g} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
+                     f"{cut:<16} {step_column(p.step_time_s):>8} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
     return "\n".join(lines)
 
 

@@ -50,7 +50,8 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
         lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<22} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
-                     f"{cut:<16} {step_column(p.step_time_s):>8} {value:>10,.0f} {p.bubble:>6.1%} {size_text(p.peak_bytes):>10}")
+                     f"{cut:<16} {step_column(p.step_time_s):>8} {value:>10,.0f} {p.bubble:>6.1%} "
+                     f"{size_text(p.peak_bytes):>10}")
     return "\n".join(lines)
 
 

@@ -374,6 +374,29 @@ def test_unknown_path_wrong_method_and_huge_body_answer_json(served):
     assert status == 413 and "larger than 1000 bytes" in body["error"]["message"]
 
 
+def test_bodies_that_break_the_parser_or_the_decoder_are_400_not_500(served):
+    s = served(engine=False)
+    status, _, body = s.post(raw=b'{"prompt": ' + b"[" * 100_000)       # recursion in json, under the size limit
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    status, _, body = s.request("POST", "/v1/completions", raw=b'{"prompt": "hi"}',
+                                headers={"Content-Encoding": "gzip"})     # a body that is not what it says
+    assert status == 400 and body["error"]["message"].startswith("the request body cannot be read")
+    assert s.scrape()[("hpcpipe_requests_total", 'status="400"')] == 2
+
+
+def test_an_unexpected_failure_is_a_json_500_and_counted(served, monkeypatch, capfd):
+    from hpcpipe.serve import http_api
+
+    def broken(*args):
+        raise KeyError("a bug")
+    monkeypatch.setattr(http_api, "parse_completion", broken)
+    s = served(engine=False)
+    status, _, body = s.post({"prompt": "hi", "max_tokens": 1})
+    assert status == 500 and body["error"]["type"] == "server_error" and "KeyError" in body["error"]["message"]
+    assert s.scrape()[("hpcpipe_requests_total", 'status="500"')] == 1
+    assert "hpcpipe: [http] error: POST /v1/completions failed: KeyError" in capfd.readouterr().err
+
+
 def test_full_broker_is_429_all_or_none(served):
     s = served(engine=False, capacity=2)
     s.broker.submit([Request("held", [1], 1, SamplingParams(), 0.0)], lambda e: None)

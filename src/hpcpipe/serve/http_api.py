@@ -14,11 +14,14 @@ import hmac
 import json
 import numbers
 import socket
+import sys
 import threading
 import time
+import traceback
 import uuid
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.completion import Completion
@@ -68,6 +71,11 @@ async def _json_errors(request: web.Request, handler):
         message = {404: f"no such endpoint: {request.method} {request.path}",
                    405: f"method {request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
         return _error(ApiError(exc.status, message, code={404: "not_found"}.get(exc.status)))
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: the client still gets JSON, the log the traceback
+        print(f"hpcpipe: [http] error: {request.method} {request.path} failed: {type(exc).__name__}: {exc}\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        request.app[_STATE]["metrics"].count_request(500)
+        return _error(ApiError(500, f"the server failed on this request ({type(exc).__name__})", type="server_error"))
 
 
 @web.middleware
@@ -115,10 +123,14 @@ async def _read_spec(request: web.Request, s: dict):
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than {s['limits']['max_body_bytes']} bytes") from None
+    except RequestPayloadError as exc:      # e.g. a Content-Encoding the body is not in
+        raise ApiError(400, f"the request body cannot be read: {str(exc).strip()}") from None
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
     return parse_completion(body, s["tokenizer"], s["seq_len"], s["limits"])
 
 

@@ -22,10 +22,14 @@ CHARS = " abcdefghijklmnopqrstuvwxyz.,!?'"
 
 
 def make_weights(path: str | Path, *, tied: bool = True, dtype: str = "float64", seed: int = 3, seq_len: int = 32,
-                 d_model: int = 16, n_blocks: int = 4, n_heads: int = 2, tokenizer: dict | None = None) -> GPT:
-    """Write a small GPT (weights drawn larger than at init, so its choices are far from uniform); return it."""
+                 d_model: int = 16, n_blocks: int = 4, n_heads: int = 2, tokenizer: dict | None = None,
+                 vocab: int | None = None) -> GPT:
+    """Write a small GPT (weights drawn larger than at init, so its choices are far from uniform); return it.
+
+    ``vocab`` (default: the tokenizer's) may exceed the tokenizer's: a model with ids no text maps to.
+    """
     tokenizer = tokenizer or {"kind": "chars", "chars": CHARS}
-    vocab = 256 if tokenizer["kind"] == "bytes" else len(tokenizer["chars"])
+    vocab = vocab or (256 if tokenizer["kind"] == "bytes" else len(tokenizer["chars"]))
     shape = GPTShape(vocab=vocab, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks, tied=tied)
     model = GPT(shape, np, dtype, seed=seed)
     model.flat[...] += 0.3 * np.random.default_rng(seed).standard_normal(model.flat.shape).astype(dtype)

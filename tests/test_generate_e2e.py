@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import h5py
 import pytest
-from serve_helpers import encode, generate, make_weights
+from serve_helpers import CHARS, encode, generate, make_weights
 
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.sampling import SamplingParams
@@ -85,6 +85,15 @@ def test_bad_input_is_one_line_and_exit_2(weights, tmp_path, args, message):
     path, _ = weights["tied"]
     proc, _ = _run_bad(tmp_path, path, args)
     assert message in _one_error(proc)
+
+
+def test_a_model_with_more_ids_than_its_tokenizer_samples_only_decodable_ids(tmp_path):
+    path = tmp_path / "wide.h5"
+    make_weights(path, vocab=2 * len(CHARS))           # 32 ids beyond the 32 characters the tokenizer names
+    proc, out = generate(tmp_path, 2, path, "the cat", "--max-new-tokens", "20", "--temperature", "3",
+                         "--set", "parallel.pp=2")
+    assert proc.returncode == 0, proc.stderr         # was: exit 1, "id 37 is outside the vocabulary [0, 32)"
+    assert len(out["tokens"]) == 20 and all(0 <= t < len(CHARS) for t in out["tokens"])
 
 
 def test_json_output_never_replaces_the_weights_and_is_checked_before_generating(weights, tmp_path):

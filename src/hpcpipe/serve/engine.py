@@ -80,7 +80,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     backend = select_backend(cfg.run.backend)
     stage = build_stage(plan, topo.pp_rank, backend, world, poller)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
-    samplers = SamplerTable(backend.to_host)
+    samplers = SamplerTable(backend.to_host, plan.tokenizer.vocab_size)
     barrier(world, poller)
     if rank == 0 and ready is not None:
         ready()

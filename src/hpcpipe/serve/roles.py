@@ -35,8 +35,9 @@ TAG_RESULT = 23
 class SamplerTable:
     """One sampler per KV-cache slot on the last stage, restarted when a new sequence takes the slot."""
 
-    def __init__(self, to_host: Callable[[Any], np.ndarray]):
+    def __init__(self, to_host: Callable[[Any], np.ndarray], vocab: int | None = None):
         self.to_host = to_host
+        self.vocab = vocab        # sample only ids the tokenizer can decode (a model may have more)
         self.samplers: dict[int, Sampler] = {}
 
     def start(self, new: list[tuple[int, SamplingParams]]) -> None:
@@ -50,7 +51,7 @@ class SamplerTable:
         A prompt chunk that does not reach the end of its prompt is not sampled: its sequence's
         generator draws nothing, so the text never depends on how the prompt was chunked.
         """
-        host = np.asarray(self.to_host(logits), dtype=np.float64)
+        host = np.asarray(self.to_host(logits), dtype=np.float64)[:, :self.vocab]
         return [self.samplers[seg.slot].next_token(host[i]) if flag else -1
                 for i, (seg, flag) in enumerate(zip(segments, flags, strict=True))]
 

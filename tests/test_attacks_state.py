@@ -103,6 +103,32 @@ def test_export_and_infer_never_write_over_the_pointers_of_the_checkpoint_they_r
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]          # no temporary left behind
 
 
+def test_outputs_never_land_on_a_stage_file_that_lives_elsewhere(tmp_path):
+    """A stage file may be a symlink to, or a hard link of, a file outside the checkpoint's directories."""
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    step_dir = root / cf.read_latest(root)
+    stage_files = sorted(p for p in step_dir.iterdir() if p.suffix == ".h5")
+    outside, linked = tmp_path / "outside.h5", tmp_path / "linked.h5"
+    stage_files[0].rename(outside)
+    stage_files[0].symlink_to(outside)
+    os.link(stage_files[1], linked)
+    assert run([sys.executable, "-m", "hpcpipe.checkpoint", "verify", str(root)]).returncode == 0
+    before = {p: p.read_bytes() for p in (outside, linked)}
+    x = tmp_path / "in.h5"
+    with h5py.File(x, "w") as f:
+        f["x"] = np.ones((8, 8), np.float32)
+    for out in (outside, linked):
+        result = run([sys.executable, "-m", "hpcpipe.checkpoint", "export", str(root), str(out)])
+        assert result.returncode == 2 and result.stderr.count("error:") == 1, result.stderr
+        assert "is a file of the checkpoint" in result.stderr, result.stderr
+        result = run(command(2, "hpcpipe.infer", ["--weights", str(root), "--input", str(x), "--output", str(out),
+                                                   "--set", "parallel.pp=2"]))
+        assert result.returncode == 2 and "is a file of the checkpoint" in result.stderr, result.stderr
+    assert {p: p.read_bytes() for p in (outside, linked)} == before
+    assert run([sys.executable, "-m", "hpcpipe.checkpoint", "verify", str(root)]).returncode == 0
+
+
 def test_a_latest_that_is_a_directory_is_refused_before_step_0(tmp_path):
     root = tmp_path / "ck"
     (root / cf.LATEST).mkdir(parents=True)

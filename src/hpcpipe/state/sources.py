@@ -215,12 +215,13 @@ Protected = tuple[tuple[str, Path], ...]   # (label, path): "the weights file 'w
 
 
 def protected_paths(given: str | Path, source: WeightsSource) -> tuple[Protected, Protected]:
-    """Return (files, directories) nothing may be written into: the weights file, or the checkpoint's directories.
+    """Return (files, directories) nothing may be written into: the weights file, or the checkpoint's files and dirs.
 
     ``given`` is the path the user named (a checkpoint root, a run or step
     directory, a ``latest`` pointer). For a checkpoint, its step directory, the
     run directory holding it and that run's root are all protected, whichever
-    of them was named.
+    of them was named, and so is each of its stage files wherever it really is
+    (a symlink's target, another name of a hard link).
     """
     if source.kind == "file":
         return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
@@ -232,7 +233,10 @@ def protected_paths(given: str | Path, source: WeightsSource) -> tuple[Protected
     unique: dict[str, Path] = {}
     for d in dirs:
         unique.setdefault(os.path.realpath(d), d)
-    return (), tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in unique.values())
+    # its files too: a stage file may be a symlink to, or a hard link of, a file outside these directories
+    files = tuple((f"a file of the checkpoint (its stage file {str(f)!r})", Path(f))
+                  for f in sorted(set(source.files.values())))
+    return files, tuple((f"the checkpoint directory {str(d)!r} that holds the weights", d) for d in unique.values())
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -252,12 +256,12 @@ def inside(path: Path, directory: Path) -> bool:
 def refuse_overwrite(path: str | Path, files: Protected, dirs: Protected, what: str) -> None:
     """Raise ConfigError when writing path would replace one of ``files`` or land inside one of ``dirs``."""
     p = Path(path)
-    for label, other in files:
-        if same_file(p, other) or os.path.realpath(p) == os.path.realpath(other):
-            raise ConfigError(f"{what} {str(p)!r} is {label}; writing there would destroy it")
     for label, directory in dirs:
         if inside(p, directory):
             raise ConfigError(f"{what} {str(p)!r} is inside {label}; choose a path outside it")
+    for label, other in files:
+        if same_file(p, other) or os.path.realpath(p) == os.path.realpath(other):
+            raise ConfigError(f"{what} {str(p)!r} is {label}; writing there would destroy it")
     state = checkpoint_member(p)
     if state:
         raise ConfigError(f"{what} {str(p)!r} is {state}; writing there would destroy it")

@@ -154,6 +154,9 @@ def test_out_of_vocab_token_file_is_refused_naming_the_row(tmp_path):
     ("missing group", "weights file '{weights}' has layers [0, 1, 3] but the model has 4 layer groups [0, 1, 2, 3]"),
     ("bad shape", "weights file '{weights}': layers/0001/attn/qkv/weight has shape (8, 8), the model needs (8, 24)"),
     ("no n_heads", "weights file '{weights}' holds a GPT model without n_heads in its model attribute"),
+    ("no model attribute", "records no model kind (root attribute 'model') and its layer 0 holds ['pos_emb', "),
+    ("model not JSON", "weights file '{weights}': root attribute model is not JSON text"),
+    ("model a list", "weights file '{weights}': root attribute model must be a JSON object, got list"),
 ])
 def test_bad_gpt_input_is_one_line_exit_2(tmp_path, case, message):
     weights, data = tmp_path / "w.h5", tmp_path / "t.h5"
@@ -175,6 +178,12 @@ def test_bad_gpt_input_is_one_line_exit_2(tmp_path, case, message):
         model = _model(SHAPE, "float64")
         del model["n_heads"]
         write_weights(weights, groups, n_layers=4, model_config=model)
+    elif case.startswith("no model") or case.startswith("model "):
+        with h5py.File(weights, "a") as f:
+            if case == "no model attribute":
+                del f.attrs["model"]
+            else:
+                f.attrs["model"] = "{not json" if case == "model not JSON" else "[1]"
     _tokens(data, x=x)
     line = _one_error(_evaluate("--weights", weights, "--data", data))
     assert message.format(data=data, weights=weights) in line

@@ -112,6 +112,11 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     if source.model_kind == "gpt":
         return evaluate_gpt(source, data, x_name, y_name)
     arrays = source.read(list(range(source.n_layers)))
+    odd = [i for i in (0, source.n_layers - 1) if "weight" not in arrays[i]]
+    if odd:     # no model attribute recorded, and not an MLP's layers: e.g. a GPT's written by hand
+        raise ConfigError(f"{source.describe()} records no model kind (root attribute 'model') and its layer "
+                          f"{odd[0]} holds {sorted(arrays[odd[0]])}, not an MLP's weight: store the model config "
+                          f"with the weights (as training and checkpoint export do)")
     in_dim, out_dim = arrays[0]["weight"].shape[0], arrays[source.n_layers - 1]["weight"].shape[1]
     label = f"data file {str(data)!r}"
     with open_hdf5(data, label) as f:

@@ -148,8 +148,11 @@ def _file_source(path: Path) -> WeightsSource:
         n_layers = int(f.attrs.get("n_layers", len(layers)))
         try:
             model = json.loads(f.attrs.get("model", "{}"))
-        except json.JSONDecodeError:
-            model = {}
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"weights file {str(path)!r}: root attribute model is not JSON text ({exc})") from None
+        if not isinstance(model, dict):
+            raise ConfigError(f"weights file {str(path)!r}: root attribute model must be a JSON object, "
+                              f"got {type(model).__name__}")
         step = int(f.attrs.get("step", 0))
     return WeightsSource(path, "file", step, n_layers, model, {i: path for i in layers})
 

@@ -384,6 +384,21 @@ def test_bodies_that_break_the_parser_or_the_decoder_are_400_not_500(served):
     assert s.scrape()[("hpcpipe_requests_total", 'status="400"')] == 2
 
 
+def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(served, monkeypatch):
+    from hpcpipe.serve import http_api
+
+    monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.5)
+    s = served(engine=False)
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\"")          # 10 of the 100 bytes announced
+        t0 = time.monotonic()
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in answer
+    assert time.monotonic() - t0 < 5
+    assert s.scrape()[("hpcpipe_requests_total", 'status="408"')] == 1
+
+
 def test_an_unexpected_failure_is_a_json_500_and_counted(served, monkeypatch, capfd):
     from hpcpipe.serve import http_api
 

@@ -28,6 +28,8 @@ from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
 from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completion_body, parse_completion, usage
 
+BODY_TIMEOUT_S = 30.0      # from the headers' end to the body's
+
 _STATE = web.AppKey("hpcpipe_state", dict)
 _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
 API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open to probes and scrapers
@@ -120,7 +122,11 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _read_spec(request: web.Request, s: dict):
     """Read and validate the body; raise ApiError (400, 413) on any problem."""
     try:
-        raw = await request.read()
+        # a client that announces more body than it sends must not hold its connection (and a slot of the
+        # file-descriptor limit) for ever
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is larger than {s['limits']['max_body_bytes']} bytes") from None
     except RequestPayloadError as exc:      # e.g. a Content-Encoding the body is not in

@@ -423,6 +423,9 @@ def test_full_broker_is_429_all_or_none(served):
     with pytest.raises(openai.RateLimitError):
         s.client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
     assert s.scrape()[("hpcpipe_requests_total", 'status="429"')] == 2
+    status, _, body = s.post({"prompt": ["a", "b", "c"], "max_tokens": 1})     # could never be admitted whole
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert "list of 3 prompts but this server holds at most 2 at once" in body["error"]["message"]
 
 
 def test_closed_broker_is_503_and_health_says_draining(served):

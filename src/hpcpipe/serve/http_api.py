@@ -149,6 +149,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     except ApiError as err:
         metrics.count_request(err.status)
         return _error(err)
+    if len(spec.prompts) > broker.capacity:      # never admitted whole: "retry later" would be a lie
+        metrics.count_request(400)
+        return _error(ApiError(400, f"prompt is a list of {len(spec.prompts)} prompts but this server holds at "
+                                    f"most {broker.capacity} at once (dp x serve.max_sequences + serve.max_queue): "
+                                    f"send fewer per request", param="prompt"))
     cid = f"cmpl-{uuid.uuid4().hex}"
     requests = [Request(f"{cid}-{i}", ids, spec.max_tokens, spec.params, arrival)
                 for i, ids in enumerate(spec.prompts)]

@@ -381,7 +381,10 @@ def test_bodies_that_break_the_parser_or_the_decoder_are_400_not_500(served):
     status, _, body = s.request("POST", "/v1/completions", raw=b'{"prompt": "hi"}',
                                 headers={"Content-Encoding": "gzip"})     # a body that is not what it says
     assert status == 400 and body["error"]["message"].startswith("the request body cannot be read")
-    assert s.scrape()[("hpcpipe_requests_total", 'status="400"')] == 2
+    status, _, body = s.post(raw=b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert status == 400 and "an integer of more than 4300 digits" in body["error"]["message"]
+    assert "sys." not in body["error"]["message"]
+    assert s.scrape()[("hpcpipe_requests_total", 'status="400"')] == 3
 
 
 def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(served, monkeypatch):

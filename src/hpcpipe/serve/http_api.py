@@ -134,6 +134,9 @@ async def _read_spec(request: web.Request, s: dict):
     try:
         body = json.loads(raw)
     except ValueError as exc:
+        if "int_max_str_digits" in str(exc):     # Python's hint is for the server's author, not the client
+            raise ApiError(400, f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                                f"digits") from None
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None

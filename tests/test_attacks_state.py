@@ -7,7 +7,9 @@ now refused before step 0 (exit 2) with the files intact, or works without touch
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -127,6 +129,35 @@ def test_outputs_never_land_on_a_stage_file_that_lives_elsewhere(tmp_path):
         assert result.returncode == 2 and "is a file of the checkpoint" in result.stderr, result.stderr
     assert {p: p.read_bytes() for p in (outside, linked)} == before
     assert run([sys.executable, "-m", "hpcpipe.checkpoint", "verify", str(root)]).returncode == 0
+
+
+def test_a_second_run_into_a_run_directory_in_use_is_refused_before_step_0(tmp_path):
+    """Two jobs resuming one checkpoint at once deleted and replaced each other's checkpoints, both exit 0."""
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    sections = {name: dict(values) for name, values in TINY.items()}
+    sections["checkpoint"].update(dir=str(root), every=1)
+    sections["train"]["steps"] = 12
+    env = dict(os.environ, HPCPIPE_STEP_SLEEP="0.25", PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(command(2, "hpcpipe.train", sets(**sections) + ["--resume"]), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "run-0001" / cf.step_name(5)).is_dir():        # the first one is saving by now
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        second = run(command(2, "hpcpipe.train", sets(**sections) + ["--resume", "--set", "train.lr=0.5"]),
+                     timeout=120)
+        _refused(second, f"the run directory '{root / 'run-0001'}' is in use by another run (pid ")
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err
+    assert run([sys.executable, "-m", "hpcpipe.checkpoint", "verify", str(root), "--all"]).returncode == 0
+    assert cf.read_latest(root) == f"run-0001/{cf.step_name(12)}"
+    # the lock dies with its run: resuming afterwards works
+    sections["train"]["steps"] = 13
+    assert run(command(2, "hpcpipe.train", sets(**sections) + ["--resume"]), timeout=120).returncode == 0
 
 
 def test_a_latest_that_is_a_directory_is_refused_before_step_0(tmp_path):

@@ -293,3 +293,16 @@ def test_writing_weights_to_a_full_disk_is_a_plain_oserror(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ENOSPC", (result.returncode, result.stderr)
     assert result.stderr == ""                     # no HDF5 error stacks, no "Exception ignored" tracebacks
     assert left == []                              # the partial file is removed
+
+
+def test_a_run_directory_is_locked_by_one_live_run_at_a_time(tmp_path):
+    from hpcpipe.state.run_lock import RunLock
+
+    held = RunLock.acquire(tmp_path)
+    with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on .* since "):
+        RunLock.acquire(tmp_path)
+    held.release()
+    again = RunLock.acquire(tmp_path)            # released (or its process gone): free again
+    again.release()
+    with pytest.raises(ConfigError, match="cannot lock the run directory"):
+        RunLock.acquire(tmp_path / "missing")

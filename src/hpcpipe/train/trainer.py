@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import Config, resolve_layout
-from hpcpipe.errors import AgreedError, ConfigError, ScheduleError
+from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError, ScheduleError
 from hpcpipe.nn.model import RankParameters, partition
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import clip_factor, make_optimizer
 from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.runtime.backend import select_backend
-from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root
+from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
 from hpcpipe.runtime.faults import nan_injection
 from hpcpipe.runtime.guard import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
@@ -32,6 +32,7 @@ from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.kinds import check_kind
+from hpcpipe.state.run_lock import RunLock
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, data_tokenizer, open_data
@@ -183,11 +184,20 @@ class Trainer:
         # the run directory under checkpoint.dir this run saves into: the resumed checkpoint's,
         # or (a fresh run) made by its first save
         self.run_dir: Path | None = p.resume.path.parent if p.resume is not None else None
+        self.run_lock: RunLock | None = None
         try:
+            if self.run_dir is not None:
+                self._lock_run(world)
             self._load_initial_state(world)
         except AgreedError:
             self.topo.free()   # every rank raises it together after the load agreement, so freeing is safe
             raise
+
+    def _lock_run(self, world: Any) -> None:
+        """World rank 0 takes the run directory's lock, before anything there is read or cleaned (collective)."""
+        with together(world, self.poller, EXIT_CONFIG):
+            if world.Get_rank() == 0:
+                self.run_lock = RunLock.acquire(self.run_dir)
 
     def _load_initial_state(self, world: Any) -> None:
         """Fill parameters (and on resume optimizer state, step, data position); all ranks agree first."""
@@ -231,6 +241,12 @@ class Trainer:
                                     dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
                                     optimizer=self.optimizer, n_layers=len(self.specs), info=info,
                                     keep=cfg.checkpoint.keep)
+        if self.run_lock is None and self.topo.world.Get_rank() == 0:
+            # a fresh run's first save made its directory: hold it as a resumed run would
+            try:
+                self.run_lock = RunLock.acquire(final.parent)
+            except ConfigError as exc:
+                print(f"hpcpipe: warning: {exc}", file=sys.stderr, flush=True)
         self.run_dir = final.parent
         return final
 
@@ -313,5 +329,7 @@ class Trainer:
         return [self.backend.to_host(grads[m]) / self.plan.dp for m in sorted(grads)]
 
     def close(self) -> None:
-        """Free the communicators."""
+        """Free the communicators and the run directory."""
         self.topo.free()
+        if self.run_lock is not None:
+            self.run_lock.release()

@@ -36,6 +36,34 @@ def test_stop_signals_only_record_and_restore():
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_a_ctrl_c_whose_keyboardinterrupt_python_dropped_is_still_seen():
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignals().install()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                time.sleep(0.001)
+            raise AssertionError("SIGINT must still raise KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass                    # what Python does with it inside a weakref callback or __del__: dropped
+        with pytest.raises(KeyboardInterrupt):
+            stop.check_interrupt()  # what the training loop asks at every step
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_an_ignored_sigint_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopSignals().install()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        stop.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_watchdog_dumps_every_thread_with_the_rank_name_then_aborts():
     out, codes = io.StringIO(), []
     dog = guard.Watchdog(0.3, lambda: "dp01-pp02", codes.append, stream=out, grace=0.0).start()

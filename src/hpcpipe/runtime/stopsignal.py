@@ -15,12 +15,30 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class StopSignals:
-    """Installs SIGUSR1/SIGTERM handlers that only record which signal came; restores the old ones on close."""
+    """Installs SIGUSR1/SIGTERM handlers that only record which signal came; restores the old ones on close.
+
+    SIGINT keeps raising KeyboardInterrupt (stop at once, exit 130) but is also
+    recorded: Python drops an exception raised inside a weakref callback or a
+    ``__del__`` ("Exception ignored"), and a Ctrl-C that landed there let the
+    job train on to its end; the training loop checks the record every step.
+    """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
         self.signals = signals
         self.received: int | None = None
+        self.interrupted = False   # SIGINT came (its KeyboardInterrupt may have been dropped by a finalizer)
         self._previous: dict[int, object] = {}
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        # As Python's default handler, but remembered: a KeyboardInterrupt raised inside a weakref
+        # callback or __del__ is printed as "Exception ignored" and lost; check_interrupt() re-raises it.
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def check_interrupt(self) -> None:
+        """Raise KeyboardInterrupt if SIGINT arrived, even when the handler's own exception was swallowed."""
+        if self.interrupted:
+            raise KeyboardInterrupt
 
     def _handler(self, signum: int, frame: object) -> None:
         # Only a flag: a handler runs between two bytecodes of the main thread, possibly inside
@@ -37,6 +55,10 @@ class StopSignals:
             # restart interrupted system calls (SA_RESTART): a signal arriving inside MPI start-up
             # or an HDF5 read must not make a C library's read or write fail with EINTR
             signal.siginterrupt(sig, False)
+        else:
+            # Ctrl-C as Python's own handler would take it, but remembered; an inherited "ignore" stays
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def ignore(self) -> None:

@@ -105,7 +105,10 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
     stopped = ""
     beat = watchdog.beat if watchdog else (lambda phase: None)
     if stop is not None:
-        trainer.stop_requested = lambda: stop.requested
+        def requested() -> bool:
+            stop.check_interrupt()   # a dropped Ctrl-C still stops the job at the next step
+            return stop.requested
+        trainer.stop_requested = requested
     traced: list[tuple[int, list]] = []
     dp0 = trainer.topo.dp_rank == 0
     start = time.perf_counter()

@@ -253,8 +253,11 @@ def test_disk_full_during_a_checkpoint_is_one_message_exit_1_and_cleaned(tmpfs, 
     wide = {"checkpoint": {"every": 1}}   # about 130 KiB a checkpoint: the second does not fit
     result = _train(tmpfs, tmp_path / "m.jsonl", timeout=120, **wide)
     assert result.returncode == 1, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if not line.startswith("hpcpipe: warning:")]
     assert len(errors) == 1, result.stderr                       # one line: no tracebacks, no HDF5 noise
+    # said before step 0: two checkpoints kept plus the one being written do not fit
+    assert len(lines) == 2 and "a later save may not fit" in lines[0], result.stderr
     assert f"checkpoint.dir '{tmpfs}' has " in errors[0] and "free, the checkpoint of step 2 needs about" in errors[0]
     assert "step-00000001 is kept" in errors[0]
     run_dir = tmpfs / RUN
@@ -264,6 +267,16 @@ def test_disk_full_during_a_checkpoint_is_one_message_exit_1_and_cleaned(tmpfs, 
     assert cf.read_latest(tmpfs) == f"{RUN}/{cf.step_name(1)}"          # the previous latest is kept ...
     verified = _ckpt_cli("verify", tmpfs)
     assert verified.returncode == 0 and "step 1" in verified.stdout       # ... and complete
+
+
+def test_a_checkpoint_dir_too_small_for_one_checkpoint_is_refused_before_step_0(tmpfs, tmp_path):
+    """A 2 MiB directory for a 3 MiB checkpoint was found only at the first save, after the whole run."""
+    wide = {"model": {"dims": [128, 128, 128, 128, 128]}, "train": {"optimizer": "adam"}}   # about 780 KiB
+    result = _train(tmpfs, tmp_path / "m.jsonl", timeout=120, **wide)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("hpcpipe: error:") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"checkpoint.dir '{tmpfs}' has " in result.stderr and "nothing was trained" in result.stderr
+    assert "step 1/" not in result.stdout and list(tmpfs.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", ["file", "parent-file", "read-only"])

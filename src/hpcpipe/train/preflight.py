@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,54 @@ def check_checkpoint_dir(directory: str, resume: bool) -> None:
         why = "is on a read-only file system" if read_only else "is not writable"
         raise ConfigError(f"checkpoint.dir {directory!r} cannot be written: {str(existing)!r} {why} (set "
                           f"checkpoint.dir to a writable directory, or \"\" to save no checkpoints)")
+
+
+HDF5_BYTES_PER_DATASET = 4096
+
+
+def check_checkpoint_space(config: Config, n_files: int) -> None:
+    """Raise ConfigError when checkpoint.dir's file system cannot hold one checkpoint; warn below keep + 1.
+
+    A checkpoint's size is fixed by the model and the optimizer (parameters and
+    state buffers in the model's dtype, in ``n_files`` stage files), so a
+    directory too small for one is refused before step 0 instead of after the
+    whole run. Rank 0 warns (the caller prints nothing else) when the space is
+    short of the checkpoints a run keeps plus the one being written.
+    """
+    import numpy as np
+
+    from hpcpipe.state.collective import free_bytes, human_bytes, space_needed
+
+    existing = Path(config.checkpoint.dir)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = free_bytes(existing)
+    except OSError:
+        return
+    specs = model_specs(config)
+    buffers = len(make_optimizer(config.train, np, 0, np.float32).state)
+    copies = 1 + buffers      # the parameters and each optimizer state buffer, as datasets of the same shapes
+    data = sum(spec.n_params for spec in specs) * ITEMSIZE[config.model.dtype] * copies
+    # HDF5's own bytes: measured 4.1-5.4 KiB per dataset (object header, B-tree, groups), the lower end taken
+    datasets = sum(len(spec.shapes) for spec in specs) * copies
+    one = space_needed([(data + HDF5_BYTES_PER_DATASET * datasets) // n_files] * n_files)
+    where = f"checkpoint.dir {config.checkpoint.dir!r}"
+    if free < one:
+        raise ConfigError(f"{where} has {human_bytes(free)} free, a checkpoint of this model and optimizer needs "
+                          f"about {human_bytes(one)}; nothing was trained (free some space, set checkpoint.dir "
+                          f"elsewhere, or \"\" to save no checkpoints)")
+    keep = max(config.checkpoint.keep, 1) + 1
+    if free < keep * one and _is_rank_0():
+        print(f"hpcpipe: warning: {where} has {human_bytes(free)} free; keeping checkpoint.keep = "
+              f"{config.checkpoint.keep} checkpoints of about {human_bytes(one)} while the next is written needs "
+              f"about {human_bytes(keep * one)}: a later save may not fit", file=sys.stderr, flush=True)
+
+
+def _is_rank_0() -> bool:
+    from hpcpipe.cli import launcher_rank
+
+    return launcher_rank() == 0
 
 
 def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:

@@ -37,7 +37,13 @@ from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, check_data_file, data_tokenizer, open_data
 from hpcpipe.train.engine import Engine, StepFeed
-from hpcpipe.train.preflight import check_checkpoint_dir, check_log_files, check_memory, check_nothing_newer
+from hpcpipe.train.preflight import (
+    check_checkpoint_dir,
+    check_checkpoint_space,
+    check_log_files,
+    check_memory,
+    check_nothing_newer,
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ def plan(config: Config, world_size: int) -> Plan:
         # refused on every rank before the first collective
         raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
     check_memory(config, ranges, pp, shape.placement, world_size)
+    if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
+        check_checkpoint_space(config, pp)
     return Plan(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
 
 

@@ -160,6 +160,15 @@ def test_a_second_run_into_a_run_directory_in_use_is_refused_before_step_0(tmp_p
     assert run(command(2, "hpcpipe.train", sets(**sections) + ["--resume"]), timeout=120).returncode == 0
 
 
+def test_checkpoint_info_into_a_reader_that_left_stops_quietly(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root).returncode == 0
+    # `true` leaves before the info is written (Python takes longer to start): the write finds no reader
+    line = f"{sys.executable} -m hpcpipe.checkpoint info {root} | true"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", line], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr      # was: "error: [Errno 32] Broken pipe"
+
+
 def test_a_latest_that_is_a_directory_is_refused_before_step_0(tmp_path):
     root = tmp_path / "ck"
     (root / cf.LATEST).mkdir(parents=True)

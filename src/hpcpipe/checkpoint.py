@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
         print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
         return 1

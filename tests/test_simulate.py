@@ -95,6 +95,15 @@ def test_cli_prints_step_time_bubble_and_peaks(capsys):
     assert "r0:8 r1:7" in out and "r7:1" in out
 
 
+def test_cli_into_a_reader_that_left_stops_quietly():
+    import subprocess
+    import sys
+
+    line = f"{sys.executable} -m hpcpipe.simulate --schedule 1f1b --pp 8 --micro-batches 32 --ascii | true"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", line], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr      # was: a BrokenPipeError traceback
+
+
 def test_cli_bad_costs_and_schedule_exit_2(capsys):
     assert main(["--costs", "1,x"]) == 2
     assert main(["--schedule", "interleaved-1f1b", "--pp", "4", "--micro-batches", "6",

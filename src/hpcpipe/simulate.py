@@ -14,6 +14,7 @@ The simulator itself is :mod:`hpcpipe.schedule.simulate` (per action) and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hpcpipe.errors import ScheduleError
@@ -49,6 +50,15 @@ def _listing(items: list[str], edge: int = 8) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.simulate``; returns the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")

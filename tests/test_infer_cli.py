@@ -138,7 +138,7 @@ CASES = {
         lambda t, w: (_bare_weights(t), t / "in.h5", t / "out.h5", []),
         "weights file '{weights}': layer 0 holds ['weight'], the model needs ['bias', 'weight']"),
     "missing weights": (lambda t, w: (t / "none", t / "in.h5", t / "out.h5", []),
-                        "checkpoint '{weights}' does not exist"),
+                        "--weights '{weights}' does not exist"),
     "output parent is a file": (lambda t, w: (w, t / "in.h5", t / "in.h5" / "out.h5", []),
                                 "output path '{output}' is not writable: '{input}' is not a directory"),
     "output directory missing": (lambda t, w: (w, t / "in.h5", t / "no" / "out.h5", []),

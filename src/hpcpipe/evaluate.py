@@ -108,7 +108,7 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     as logits (as ``train.loss = "cross_entropy"``); ``mse`` the mean over
     every element (as ``train.loss = "mse"``).
     """
-    source = resolve_weights(weights)
+    source = resolve_weights(weights, "--weights")
     if source.model_kind == "gpt":
         return evaluate_gpt(source, data, x_name, y_name)
     arrays = source.read(list(range(source.n_layers)))

@@ -71,7 +71,7 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     directory given as --weights, the one holding a given ``latest`` file,
     and the resolved step directory).
     """
-    source = resolve_weights(weights)
+    source = resolve_weights(weights, "--weights")
     refuse_gpt(source, weights)
     raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
     if isinstance(config, dict):

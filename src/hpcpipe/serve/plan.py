@@ -61,7 +61,7 @@ def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
          overrides: list[str] | tuple[str, ...] = ()) -> ServePlan:
     """Check weights, model, layout and tokenizer locally; ConfigError names what is wrong."""
     given = str(weights)
-    source = resolve_weights(weights)
+    source = resolve_weights(weights, "--weights")
     if source.model and source.model_kind != "gpt":
         raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
                           f"needs a GPT (model.kind = \"gpt\"); MLPs run with python -m hpcpipe.infer")

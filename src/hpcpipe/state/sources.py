@@ -194,7 +194,7 @@ def resolve_step_dir(path: str | Path) -> Path:
     raise ConfigError(f"checkpoint {str(p)!r} does not exist")
 
 
-def resolve_weights(path: str | Path) -> WeightsSource:
+def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsSource:
     """Resolve what a user gave as weights into a source that reads layers by global index.
 
     ``path`` may be a single HDF5 weights file (``/layers/NNNN/{weight,bias}``),
@@ -203,10 +203,16 @@ def resolve_weights(path: str | Path) -> WeightsSource:
     Cheap checks (existence, format, manifest) happen here and raise
     ConfigError naming the path; call ``source.check(specs)`` to compare with
     a model and ``source.read(indices)`` to load (hashes are checked then).
+    ``key`` names the setting the path came from (``model.init``,
+    ``--weights``) in the message about a path that does not exist, which
+    ends with ``hint`` when given.
     """
     p = Path(path)
     if not str(path):
         raise ConfigError("no weights path given")
+    if key and not os.path.lexists(p):
+        hint = hint or " (give a weights file or a checkpoint directory)"
+        raise ConfigError(f"{key} {str(p)!r} does not exist{hint}")
     if p.is_file() and p.name != cf.LATEST:
         if not h5py.is_hdf5(p):
             raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")

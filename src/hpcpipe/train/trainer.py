@@ -115,7 +115,8 @@ def plan(config: Config, world_size: int) -> Plan:
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
     if config.checkpoint.resume:
-        resume = resolve_weights(config.checkpoint.dir)
+        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir",
+                                 ": nothing to resume (without --resume a fresh run starts there)")
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
         # a checkpoint of the other model kind is said first, then what differs in the model or optimizer
@@ -124,7 +125,7 @@ def plan(config: Config, world_size: int) -> Plan:
         check_nothing_newer(resume)
         resume.check(specs, "checkpoint.dir")
     elif config.model.init:
-        init = resolve_weights(config.model.init)
+        init = resolve_weights(config.model.init, "model.init")
         init.check(specs, "model.init")
     check_log_files(config, init, resume)
     try:

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 from helpers import run_command, seed_draws
-from state_helpers import flip_byte_in_dataset
+from state_helpers import flip_byte_in_dataset, small_tmpfs
 
 from hpcpipe.state.weights import write_weights
 
@@ -197,6 +197,18 @@ def test_a_rank_failing_mid_stream_ends_the_job_fast_and_leaves_no_output(tmp_pa
     assert time.monotonic() - start < 30
     assert "[dp00-pp02] error while streaming: RuntimeError: injected fault before micro-batch 3" in proc.stderr
     assert not out.exists()
+
+
+def test_an_output_disk_too_small_is_one_error_before_any_row_and_leaves_nothing(tmp_path, seed8):
+    weights, _, _ = seed8
+    data = tmp_path / "big.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.ones((40_000, 16), np.float32)               # 2.4 MiB of float32 rows out
+    with small_tmpfs(tmp_path / "full", "256k") as full:
+        proc = run_command(4, "hpcpipe.infer", _args(weights, data, full / "out.h5"), cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2, proc.stderr                  # was: ENOSPC in a writer mid-stream, exit 1
+        assert "cannot create output file" in _one_error(proc) and "No space left on device" in proc.stderr
+        assert list(full.iterdir()) == []                          # no temporary output fills the disk
 
 
 def test_library_call_in_one_process_without_mpiexec(tmp_path, seed8):

@@ -24,6 +24,7 @@ OUT is either absent (or the previous file) or complete.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -125,6 +126,18 @@ def create_output(tmp: Path, n_rows: int, width: int, dtype: str, dataset: str,
         native = np.dtype(dtype).newbyteorder("=")
         dset = h5py.h5d.create(f.id, dataset.encode(), h5py.h5t.py_create(native), space, dcpl=dcpl)
         offset = dset.get_offset()
+        size = dset.get_storage_size()
+    if n_rows and size:
+        # reserve the rows' blocks now: a full disk is then one error before any row is computed, not an
+        # ENOSPC in a writer mid-stream (an abort that leaves this file behind)
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, offset, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # no reservation on this file system: go on
+                raise
+        finally:
+            os.close(fd)
     return None if n_rows == 0 else offset
 
 

@@ -212,6 +212,26 @@ def test_open_mpi_mpirun_sigterm_requeues_through_the_stop_marker(slurm, uninter
     _same_final_state(tmp_path, ref_work)
 
 
+def test_a_plain_scancel_stops_with_a_checkpoint_and_is_not_requeued(slurm, tmp_path):
+    """A user's scancel was undone: the script requeued after every exit 75 and the job came back to train on."""
+    job = slurm.sbatch(tmp_path, HPCPIPE_ARGS=TINY_ARGS, HPCPIPE_CKPT_DIR="ck", HPCPIPE_STEP_SLEEP="0.3")
+    metrics = tmp_path / "m.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        assert slurm.job(job).get("JobState") not in DONE, (tmp_path / "job.out").read_text()
+        time.sleep(0.1)
+    assert slurm.cmd("scancel", job).returncode == 0
+    info = slurm.wait(job, lambda i: i.get("JobState") in DONE, 90, "the end after scancel")
+    time.sleep(3)                 # a requeue, had the script made one, shows by now
+    info = slurm.job(job)
+    out = (tmp_path / "job.out").read_text()
+    assert info["JobState"] == "CANCELLED" and info.get("Restarts") == "0", (info, out)
+    assert "batch shell got SIGTERM" in out and f"job {job} is ending (COMPLETING: scancel" in out, out
+    assert "stopped with a checkpoint in ck, not requeued" in out, out
+    assert "requeueing job" not in out, out
+    assert "step " in _verify(tmp_path / "ck")          # the checkpoint it stopped with, complete
+
+
 def test_sbatch_serve_answers_over_http_and_scancel_drains_it(slurm, tmp_path):
     import json
     import socket

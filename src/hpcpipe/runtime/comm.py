@@ -1,11 +1,9 @@
 """The one module that moves data over MPI: point-to-point activations, allreduces, abort.
 
-Waiting is done by polling non-blocking requests with an exponential sleep
-(run.poll_min_us .. run.poll_max_us) instead of MPI's blocking calls, which
-busy-spin: with more ranks than cores, a spinning waiter steals the core a
-computing rank needs. On CuPy arrays the current stream is synchronised
-before a buffer is handed to MPI; when the MPI library is not CUDA-aware,
-device buffers are staged through host copies.
+Waiting polls non-blocking requests with an exponential sleep (run.poll_min_us .. run.poll_max_us) instead
+of MPI's blocking calls, which busy-spin: with more ranks than cores, a spinning waiter steals the core a
+computing rank needs. On CuPy arrays the current stream is synchronised before a buffer is handed to MPI;
+when the MPI library is not CUDA-aware, device buffers are staged through host copies.
 """
 
 from __future__ import annotations
@@ -319,9 +317,7 @@ PROBE_WARMUP, PROBE_TAG = 3, 11
 def pingpong_seconds(comm: Any, peer: int, nbytes: int, repeats: int) -> float:
     """Return the median one-way time (half a round trip) of an nbytes message between this rank and peer.
 
-    Both ranks call it with each other as peer; the lower rank sends first,
-    times the round trips (after a few untimed warm-ups: first-touch page
-    faults, connection setup) and sends the median to peer: both return it.
+    Both ranks call it; the lower one times the round trips after untimed warm-ups and sends peer the median.
     """
     rank = comm.Get_rank()
     if peer == rank or not 0 <= peer < comm.Get_size() or nbytes < 1 or repeats < 1:
@@ -347,9 +343,7 @@ def pingpong_seconds(comm: Any, peer: int, nbytes: int, repeats: int) -> float:
 def allreduce_seconds(comm: Any, nbytes: int, repeats: int) -> float:
     """Return the median time of an in-place Allreduce(SUM) of a float32 buffer of nbytes over comm (collective).
 
-    Each repeat starts after a barrier and counts as the slowest rank's time
-    (allreduce(MAX)), which is what a step waits for; every rank returns the
-    same value. The buffer holds zeros so repeated sums stay finite.
+    Each repeat starts after a barrier and counts as the slowest rank's time (what a step waits for).
     """
     if nbytes < 4 or repeats < 1:
         raise ValueError(f"allreduce_seconds: nbytes {nbytes} must be at least 4 and repeats {repeats} at least 1")
@@ -374,19 +368,13 @@ def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
 
 
 def gather_everyone(comm: Any, poller: Poller, obj: Any, timeout_s: float | None = None) -> list | None:
-    """Return every rank's small picklable object on every rank, sleeping until the last rank arrives (setup only).
-
-    None when some rank has not arrived within ``timeout_s`` seconds (the caller
-    aborts the job: the missing rank may be stuck in a file system forever).
-    """
+    """Return every rank's small object on every rank, waiting asleep for the last; None after timeout_s (setup)."""
     if comm.Get_size() == 1:
         return [obj]
-    # a rank still planning (profiling, reading files) must keep its core: wait asleep, then exchange at once
-    arrived = comm.Ibarrier()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    arrived, start = comm.Ibarrier(), time.monotonic()   # a rank still planning keeps its core: wait asleep
     while not arrived.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            return None
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            return None    # the caller aborts: the missing rank may be stuck in a file system for ever
         time.sleep(poller.max_s)
     return comm.allgather(obj)
 
@@ -399,9 +387,7 @@ def barrier(comm: Any, poller: Poller) -> None:
 def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
     """Return, on every rank, the error of the lowest rank that reported one, or None if none did.
 
-    Every rank of comm must call it (collective). Ranks first agree on
-    whether anyone failed (one small allreduce, polled), so a failure on one
-    rank is known to all before anyone proceeds and nobody hangs waiting.
+    Collective: one small polled allreduce says who failed, so nobody proceeds or hangs before all know.
     """
     size = comm.Get_size()
     first = np.array([comm.Get_rank() if error is not None else size], dtype=np.int64)

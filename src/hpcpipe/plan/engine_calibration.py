@@ -45,8 +45,6 @@ MICRO_BATCHES = 2       # per pipeline stage (2 x pp in a pipeline run)
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
 FACTOR_RANGE = (0.5, 2.0)
 MAX_SYNC_SHARE = 0.5
-# which calibration run's factors a pipeline schedule takes (the rest: "pipeline", the 1F1B run)
-ZB_CALIBRATED = ("gpipe", "zb-h1")
 
 
 def calibration_rows(profile: Any) -> int:

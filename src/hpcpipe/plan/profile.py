@@ -22,6 +22,9 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.plan import profile_cache
 from hpcpipe.plan.comm_model import CommModel, measure_comm, measure_rank_baseline
 
+# the pipeline schedules that take the ZB-H1 calibration run's factors (the rest take the 1F1B run's)
+ZB_CALIBRATED = ("gpipe", "zb-h1")
+
 
 def _interpolate(points: dict[str, float], rows: int) -> float:
     """Value at ``rows`` from {rows: value} measurements: piecewise linear, proportional outside the range."""
@@ -99,8 +102,6 @@ class Profile:
         ``pipelined`` (pp > 1), the pipeline run's of ``schedule``'s family (GPipe and ZB-H1: the
         ZB-H1 run, else the 1F1B run) if there was one, else the replicas run's.
         """
-        from hpcpipe.plan.engine_calibration import ZB_CALIBRATED
-
         engine = self.data.get("engine") or {}
         run = None
         if pipelined:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import h5py
 
+from hpcpipe.cli import reader_left
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
@@ -226,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
-        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return reader_left()     # the reader (`| head`) left
     except OSError as exc:
         print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcpipe.errors import (
+    EXIT_BROKEN_PIPE,
     EXIT_CONFIG,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -65,6 +66,13 @@ class CommandParser(argparse.ArgumentParser):
         """Print the usage and one ``hpcpipe: error:`` line (rank 0), then exit 2 (every rank)."""
         self.print_usage(sys.stderr)
         self.exit(EXIT_CONFIG, f"hpcpipe: error: {message} (see {self.prog} --help)\n")
+
+
+def reader_left() -> int:
+    """After a BrokenPipeError on stdout (``| head`` closed it): stop quietly, return 141 as SIGPIPE would."""
+    # stdout is pointed at /dev/null so that the interpreter's final flush finds nothing to complain about
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 def planning_outcome(every: list[tuple[int, str | None]], rank: int, message: str = "") -> tuple[int, str | None]:

@@ -8,6 +8,7 @@ EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGUSR1/SIGTERM, checkpoint 
 EXIT_STALLED = 76         # the watchdog saw no progress for run.stall_timeout seconds; stacks dumped, job aborted
 EXIT_DIVERGED = 77        # train.max_bad_steps steps in a row had a non-finite loss or gradient
 EXIT_INTERRUPTED = 130    # SIGINT (Ctrl-C): stopped at once, no checkpoint (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141    # 128 + SIGPIPE: the reader of stdout left (`| head`), as a shell tool reports it
 
 
 

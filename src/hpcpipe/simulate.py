@@ -14,9 +14,9 @@ The simulator itself is :mod:`hpcpipe.schedule.simulate` (per action) and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from hpcpipe.cli import reader_left
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.calibrate import calibrated_costs
 from hpcpipe.schedule.costs import Costs
@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except BrokenPipeError:
-        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return reader_left()     # the reader (`| head`) left
 
 
 def _main(argv: list[str] | None) -> int:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcpipe.cli import CommandParser
+from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.config import Config, load_config
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import report
@@ -65,7 +65,6 @@ def configured_global_batch(config: Config, ranks: int) -> int:
 
 
 MAX_RANKS = 1 << 20      # a million ranks: beyond any machine, and still planned in seconds
-EXIT_BROKEN_PIPE = 141      # 128 + SIGPIPE, what a shell reports for a tool whose reader closed the pipe
 
 
 def _parser() -> CommandParser:
@@ -227,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except BrokenPipeError:
-        # the reader (`| head`) left: stop quietly, as a shell tool killed by SIGPIPE would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+        return reader_left()     # the reader (`| head`) left
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train.tokens import check_token_file
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--y", default="y", help="MLP integer labels (N,) or float targets (N, outputs); GPT "
                                                  "(N, seq_len) next-token ids")
     args = parser.parse_args(argv)
+    keep_freed_memory()
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))
     except ConfigError as exc:

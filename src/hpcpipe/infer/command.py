@@ -12,6 +12,7 @@ from hpcpipe.cli import CommandParser, run_planned
 from hpcpipe.infer.pipeline import execute
 from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import format_summary
+from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.trace import write_json
 
 DESCRIPTION = """Run a trained MLP forward over the rows of an HDF5 dataset with pipeline (pp) x data (dp)
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.infer``; returns the exit status."""
     args = parse_args(argv)
+    keep_freed_memory()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -24,7 +24,7 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan.profile_check import profile_problem
 
-PROFILE_VERSION = 4     # 4: the engine calibration has a ZB-H1 pipeline run
+PROFILE_VERSION = 5     # 5: measured with freed memory kept (runtime.host_memory); 4: a ZB-H1 calibration run
 
 
 def _backend_name(choice: str) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.runtime.host_memory import keep_freed_memory
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK")
 
@@ -59,6 +60,7 @@ def select_backend(choice: str, node_rank: int | None = None) -> Backend:
     """Return the backend for run.backend = auto | numpy | cupy; auto picks CuPy when a GPU is visible."""
     if choice not in ("auto", "numpy", "cupy"):
         raise ConfigError(f"run.backend {choice!r} is not one of auto, numpy, cupy")
+    keep_freed_memory()
     gpus = _gpu_count() if choice in ("auto", "cupy") else 0
     if choice == "cupy" and gpus == 0:
         raise ConfigError("run.backend = \"cupy\" but CuPy is not installed or sees no GPU "

@@ -18,7 +18,9 @@ and with an equal-layer-count cut and reports the speed ratio (goal >= 1.2x).
 ``--plan-json FILE`` skips the planner and takes a (hand-made) plan JSON; its first plan is run from
 --config with its values set by --set (or from --best-toml FILE). Every job waits for a quiet machine
 first (bench_schedules.wait_quiet); --rounds repeats every run, in turns, and --statistic takes the median
-(default) or the fastest of the rounds' medians.
+(default) or the fastest of the rounds' medians. ``--final-rounds K`` then runs the top plan and each grid
+configuration within --final-within of the fastest in K adjacent pairs (bench/plan_finals.py) and judges
+"within 5 %" by the median ratio of the pairs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 from bench_schedules import ENV, MPIEXEC, load, wait_quiet  # noqa: E402
+from plan_finals import final_check, finalists, run_pairs  # noqa: E402
 
 MATCH_KEYS = ("dp", "pp", "schedule", "virtual_stages", "micro_batches", "stage_layers")
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -286,6 +289,21 @@ def main_plan(args: argparse.Namespace, tmp: str) -> dict:
     budget = plan_json.get("budget_bytes") or parse_bytes(args.memory_per_rank)
     out = {"mode": "plan", "planner": planner, "top": res_top, "grid": rows, "grid_skipped": skipped,
            "global_batch": gb, "budget_bytes": budget, "checks": checks(planner, res_top, rows, budget)}
+    if args.final_rounds and "top_vs_fastest_grid" in out["checks"]:
+        def is_top(r: dict) -> bool:
+            return all(r["config"].get(k) == top.get(k) for k in MATCH_KEYS)
+
+        chosen = finalists(rows, args.final_within, is_top)
+        print(f"final: the top plan against {[f'grid-{i:02d}' for i in chosen]}, {args.final_rounds} pairs each",
+              flush=True)
+        def run(k: int, rnd: int) -> dict:
+            config, sets, name, label = jobs[k + 1]
+            return timed(args, config, sets, tmp, f"{name}-final", label, rnd)
+
+        pairs = run_pairs(run, chosen, args.final_rounds)
+        out["finals"] = {f"grid-{i:02d}": p for i, p in pairs.items()}
+        out["checks"]["top_vs_fastest_grid_first_pass"] = out["checks"].pop("top_vs_fastest_grid")
+        out["checks"]["top_vs_fastest_grid"] = final_check(pairs, rows)
     if planner["best_toml"]:
         # the written config must be the plan it names: same layout, schedule, micro-batches and cut
         written, why = check_config(planner["best_toml"], args.ranks, [])
@@ -390,6 +408,9 @@ def report(res: dict) -> None:
                       f"| {r['peak_rss_bytes'] / mib:.0f} | {f'{peak / mib:.0f}' if peak else '-'} |")
             else:
                 print(f"| {name} | {f'{pred:.3f}' if pred else '-'} | failed: {r['error']} | - | - | - | - |")
+        for name, p in res.get("finals", {}).items():
+            shown = ", ".join(f"{a:.3f}/{b:.3f}" for a, b in p["pairs"])
+            print(f"final, top vs {name}: median ratio {p['ratio'] or float('nan'):.3f} over pairs {shown}")
         walls = res["planner"]["wall_s"]
         if walls:
             print(f"\nplanner wall time: {walls[0]:.2f} s (profiling), {walls[1]:.2f} s (cached profile)")
@@ -418,6 +439,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="train.steps of every run, warm-up included (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (default 2)")
     ap.add_argument("--rounds", type=int, default=1, help="run every configuration this often, in turns")
+    ap.add_argument("--final-rounds", type=int, default=0,
+                    help="then run the top plan against every grid configuration within --final-within of the "
+                         "fastest in this many adjacent pairs, and judge 'within 5 %%' by the pairs' ratios")
+    ap.add_argument("--final-within", type=float, default=0.10, help="share of the fastest first-pass time that "
+                    "takes a grid configuration to the final (default 0.10)")
     ap.add_argument("--statistic", choices=("median", "fastest"), default="median",
                     help="a configuration's step time over its rounds: the median (default) or the fastest round")
     ap.add_argument("--stage-cut", action="store_true", help="compare the profile cut with an equal-count cut")

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_plan  # noqa: E402  (bench/ is not a package)
+import plan_finals  # noqa: E402
 
 MLP, GPT = str(ROOT / "configs" / "plan-mlp.toml"), str(ROOT / "configs" / "plan-gpt.toml")
 
@@ -97,7 +98,8 @@ def test_runner_on_a_hand_made_plan(tmp_path):
                                 "plans": [top, second]}))
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_plan.py"), "--config", GPT, "--plan-json",
-                           str(plan), "--max-grid", "1", "--steps", "3", "--quiet-wait", "0", "--out", str(out)],
+                           str(plan), "--max-grid", "1", "--steps", "3", "--quiet-wait", "0", "--out", str(out),
+                           "--final-rounds", "1", "--final-within", "100"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
@@ -106,7 +108,11 @@ def test_runner_on_a_hand_made_plan(tmp_path):
     [row] = res["grid"]
     assert row["config"]["dp"] == 2 and row["predicted_s"] == 0.5 and row["median_s"] > 0
     assert set(res["checks"]) == {"top_prediction_error", "top_vs_fastest_grid", "top_peak_rss_bytes",
-                                  "rss_over_predicted_peak_max"}
+                                  "rss_over_predicted_peak_max", "top_vs_fastest_grid_first_pass"}
+    # the final: one adjacent pair of the top plan and the grid's entry, judged by their ratio
+    [[a, b]] = res["finals"]["grid-00"]["pairs"]
+    assert res["checks"]["top_vs_fastest_grid"]["value"] == pytest.approx(a / b)
+    assert "final, top vs grid-00: median ratio" in proc.stdout
     assert res["checks"]["top_peak_rss_bytes"]["ok"]
     assert "| **top** dp=1 pp=2 1f1b 8x4 [5, 1] | 0.400 |" in proc.stdout
 
@@ -120,3 +126,29 @@ def test_rounds_combine_into_their_median_or_fastest_and_the_largest_peak():
     assert bench_plan.combine_rounds(rounds, "fastest")["median_s"] == 0.30
     failed = bench_plan.combine_rounds([{"error": "exit 1"}], "median")
     assert "median_s" not in failed and failed["error"] == "exit 1"
+
+
+def test_the_final_pairs_the_top_plan_with_each_close_configuration_and_takes_the_worst_median_ratio():
+    rows = [{"median_s": 1.00, "config": {"schedule": "gpipe", "dp": 2, "pp": 1, "micro_batches": 1,
+                                          "micro_batch_size": 16}},
+            {"median_s": 1.08, "config": {"schedule": "zb-h1", "dp": 1, "pp": 2, "micro_batches": 8,
+                                          "micro_batch_size": 4}},
+            {"median_s": 1.20, "config": {}}, {"error": "exit 1", "config": {}}]
+    # within 10 % of the fastest, the top plan's own twin (row 0 here) left out
+    assert plan_finals.finalists(rows, 0.10, lambda r: False) == [0, 1]
+    assert plan_finals.finalists(rows, 0.10, lambda r: r is rows[0]) == [1]
+    assert plan_finals.finalists([{"error": "x"}], 0.1, lambda r: False) == []
+    speed = {-1: [1.10, 1.00, 1.04], 0: [1.0, 1.0, 1.0], 1: [1.2, 0.9, 1.0]}
+    calls = []
+
+    def run(k, rnd):
+        calls.append((k, rnd))
+        return {"median_s": speed[k][rnd]}
+
+    pairs = plan_finals.run_pairs(run, [0, 1], 3)
+    # the top plan first in even rounds, second in odd ones, each pair adjacent
+    assert calls[:4] == [(-1, 0), (0, 0), (-1, 0), (1, 0)] and calls[4:6] == [(0, 1), (-1, 1)]
+    assert pairs[0]["ratio"] == pytest.approx(1.04) and pairs[1]["ratio"] == pytest.approx(1.04)
+    check = plan_finals.final_check({0: pairs[0], 1: {**pairs[1], "ratio": 1.07}}, rows)
+    assert check["value"] == 1.07 and not check["ok"] and "grid-01 (zb-h1 dp1 pp2 8x4)" in check["note"]
+    assert plan_finals.final_check({}, rows)["ok"]

@@ -180,29 +180,3 @@ def test_a_failed_calibration_run_leaves_the_bench_times_and_says_so(monkeypatch
     bench = synthetic_profile(config, {0: 0.01, 1: 0.01})
     bench.data["engine"] = engine
     assert bench.seconds("F", 0, 4) == bench.raw_seconds("F", 0, 4) and bench.sync_share == 0.0
-
-
-def test_the_calibration_runs_take_turns_in_one_launch_and_a_failing_run_ends_it(tmp_path):
-    """calibration_runs for real on 2 ranks: a good run traces, a run that cannot plan aborts the launch fast."""
-    import subprocess
-    import sys
-    import time
-
-    from hpcpipe.plan import comm_model
-    from hpcpipe.plan.engine_calibration import _run_config
-
-    config = mlp_config([16, 32, 32, 8])
-    good = _run_config(config, 2, 1, [3], 4, str(tmp_path / "t0.json"), "gpipe")
-    bad = {**good, "parallel": {**good["parallel"], "dp": 3}}      # 3 replicas on 2 ranks cannot plan
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"runs": [{"config": good, "trace": str(tmp_path / "t0.json")},
-                                         {"config": bad, "trace": str(tmp_path / "t1.json")}]}))
-    words = comm_model.launcher_command()
-    start = time.perf_counter()
-    proc = subprocess.run([*words, "-n", "2", sys.executable, "-m", "hpcpipe.plan.calibration_runs", str(spec)],
-                          capture_output=True, text=True, timeout=120, env=comm_model._child_env())
-    assert proc.returncode != 0 and time.perf_counter() - start < 60
-    assert "hpcpipe.plan.calibration_runs: rank" in proc.stderr and "dp" in proc.stderr
-    summary = summarize_trace(str(tmp_path / "t0.json"))     # the first run finished and was traced
-    assert len(summary["forward_s"]) == 1 and summary["forward_s"][0] > 0
-    assert not (tmp_path / "t1.json").exists()

@@ -6,17 +6,15 @@ caches of the micro-batches in flight) beside other ranks that compute other
 things: measured on this machine, 5-25 % slower than the bench for some groups
 and faster for others (a memory-bound head beside compute-bound blocks runs
 faster than beside another head). Data-parallel replicas also wait for the
-slowest at every step's allreduce. Traced runs of the configured model on the
-ranks that share a node measure it, each layout twice, all in one launch
-(:mod:`calibration_runs`):
+slowest at every step's allreduce. Two traced runs of the configured model on
+the ranks that share a node measure it:
 
 * ``replicas`` (dp = those ranks, pp = 1): the engine's F and B per
   micro-batch over the profile's sum for the same size, the factors of every
   group's F, and I, W, B, in plans without a pipeline; and ``sync_share``,
   how long the replicas wait for the slowest one's compute to end, over a
   step's compute, which plans with dp > 1 add to their busiest rank;
-* ``pipeline`` (pp = the deepest pipeline, at most one stage per layer group,
-  that divides those ranks, dp = the rest; the profile's balanced cut; 1F1B):
+* ``pipeline`` (dp = 1, pp = those ranks, the profile's balanced cut, 1F1B):
   the same factors per stage, given to each stage's groups, for pipeline
   plans with 1F1B and interleaved 1F1B;
 * ``pipeline_zb`` (the same layout under ZB-H1, whose backward is the
@@ -30,7 +28,6 @@ ranks that share a node measure it, each layout twice, all in one launch
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -42,7 +39,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.plan import comm_model
 from hpcpipe.trace import load_trace
 
-STEPS = 6               # the first two are warm-up (allocations, BLAS buffers)
+STEPS = 7               # the first two are warm-up (allocations, BLAS buffers)
 TURNS = 2               # runs of each layout, taken in turns
 MICRO_BATCHES = 2       # per pipeline stage (2 x pp in a pipeline run)
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
@@ -121,26 +118,21 @@ def _factor(measured: float, predicted: float) -> float:
     return round(min(high, max(low, measured / max(predicted, 1e-12))), 4)
 
 
-def _launch_runs(config: Config, words: list[str], ranks: int, runs: list[tuple], rows: int,
-                 timeout_s: float) -> list[dict[str, Any]]:
-    """Run the traced calibration layouts [(dp, cut, schedule), ...] in one launch, in turn; summarize each."""
+def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows: int,
+                timeout_s: float, schedule: str = "1f1b") -> dict[str, Any]:
+    """Run one traced calibration layout for real; return :func:`summarize_trace` of it."""
     from hpcpipe.plan.report import to_toml
 
+    pp = len(cut)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-calibrate-") as folder:
-        spec = {"runs": []}
-        for k, (dp, cut, schedule) in enumerate(runs):
-            trace = os.path.join(folder, f"trace-{k}.json")
-            spec["runs"].append({"config": _run_config(config, dp, len(cut), cut, rows, trace, schedule),
-                                 "trace": trace})
-        with open(os.path.join(folder, "calibrate.toml"), "w") as f:   # the first run, for a user to repeat
-            f.write(to_toml(spec["runs"][0]["config"], "hpcpipe.plan's calibration run"))
-        path = os.path.join(folder, "calibrate.json")
+        trace = os.path.join(folder, "trace.json")
+        path = os.path.join(folder, "calibrate.toml")
         with open(path, "w") as f:
-            json.dump(spec, f)
-        what = f"the calibration runs ({len(runs)} layouts in turn on {ranks} ranks)"
-        comm_model.launch(words, ["hpcpipe.plan.calibration_runs", path], what, timeout_s * len(runs),
-                          cwd=folder, ranks=ranks)
-        return [summarize_trace(r["trace"]) for r in spec["runs"]]
+            f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace, schedule),
+                            "hpcpipe.plan's calibration run"))
+        what = f"the calibration run (dp={dp} x pp={pp}{f' {schedule}' if pp > 1 else ''})"
+        comm_model.launch(words, ["hpcpipe.train", "--config", path], what, timeout_s, cwd=folder, ranks=dp * pp)
+        return summarize_trace(trace)
 
 
 def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict]) -> dict[str, Any]:
@@ -161,27 +153,26 @@ def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
               launcher: str | list[str] | None = None) -> dict[str, Any]:
     """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors.
 
-    The runs take turns (replicas, 1F1B, ZB-H1, then again) in one launch: a slow
-    spell of the machine, or a slow launch, then falls on every layout instead of
-    tilting one's plans against another's.
+    The runs take turns (replicas, 1F1B, replicas, ZB-H1): a slow spell of the
+    machine then falls on every layout instead of tilting one's plans against another's.
     """
     from hpcpipe.plan.stage_cut import measured_cut
 
     rows = calibration_rows(profile)
     words = comm_model.launcher_command(launcher)
-    # every run of the one launch takes all its ranks: the deepest pipeline that divides them
-    pp = max((d for d in range(2, min(ranks, profile.n_layers) + 1) if ranks % d == 0), default=1)
+    pp = min(ranks, profile.n_layers)
     layouts = {"replicas": (ranks, [profile.n_layers], "gpipe")}
     if pp > 1:
         cut = list(measured_cut(profile, pp, rows, raw=True))
         layouts["pipeline"] = (ranks // pp, cut, "1f1b")
         layouts["pipeline_zb"] = (ranks // pp, cut, "zb-h1")
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
-    # every layout twice, in turns, in one launch (calibration_runs): the launch's speed falls on all alike
-    order = list(layouts) * TURNS
-    for name, summary in zip(order, _launch_runs(config, words, ranks, [layouts[n] for n in order], rows,
-                                                  timeout_s), strict=True):
-        runs[name].append(summary)
+    # the replicas twice, each pipeline schedule once, in turns: four launches, as many as before the ZB-H1
+    # run (six took the first plan of the MLP benchmark to 56 s of its 60 s)
+    order = ["replicas", "pipeline", "replicas", "pipeline_zb"] if pp > 1 else ["replicas"] * TURNS
+    for name in order:
+        dp, cut, schedule = layouts[name]
+        runs[name].append(_traced_run(config, words, dp, cut, rows, timeout_s, schedule))
     out: dict[str, Any] = {"rows": rows, "ranks": ranks}
     for name, (_, cut, _) in layouts.items():
         out[name] = _factors(profile, cut, rows, runs[name])

@@ -456,6 +456,8 @@ def main() -> int:
     ap.add_argument("--quiet-wait", type=float, default=10.0, help="longest wait for quiet, seconds")
     ap.add_argument("--out", default="", help="write all results to this JSON file")
     args = ap.parse_args()
+    if args.final_rounds < 0 or args.final_within < 0:
+        ap.error(f"--final-rounds ({args.final_rounds}) and --final-within ({args.final_within}) must be >= 0")
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     tmp = tempfile.mkdtemp(prefix="hpcpipe-bench-plan-")

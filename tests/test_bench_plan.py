@@ -152,3 +152,12 @@ def test_the_final_pairs_the_top_plan_with_each_close_configuration_and_takes_th
     check = plan_finals.final_check({0: pairs[0], 1: {**pairs[1], "ratio": 1.07}}, rows)
     assert check["value"] == 1.07 and not check["ok"] and "grid-01 (zb-h1 dp1 pp2 8x4)" in check["note"]
     assert plan_finals.final_check({}, rows)["ok"]
+    # a close configuration whose every pair failed is no pass
+    failed = plan_finals.final_check({0: pairs[0], 1: {"pairs": [], "ratios": [], "ratio": None}}, rows)
+    assert not failed["ok"] and "grid-01" in failed["note"]
+
+
+def test_negative_final_options_are_refused():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_plan.py"), "--config", GPT,
+                           "--final-rounds", "-1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--final-rounds (-1) and --final-within (0.1) must be >= 0" in proc.stderr

@@ -15,6 +15,7 @@ then nothing is changed. Other C libraries (musl, macOS) are left alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -23,13 +24,10 @@ M_MMAP_MAX = -4
 KEEP_FREE_BYTES = 1 << 30
 USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
-_state: dict[str, bool] = {}
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc serve every block from its heap and keep up to 1 GiB freed; True if this process now does."""
-    if "done" in _state:
-        return _state["done"]
     done = False
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" \
             and not any(name in os.environ for name in USER_TUNING):
@@ -40,5 +38,4 @@ def keep_freed_memory() -> bool:
             done = mallopt(M_TRIM_THRESHOLD, KEEP_FREE_BYTES) == 1 and mallopt(M_MMAP_MAX, 0) == 1
         except (OSError, AttributeError):
             done = False
-    _state["done"] = done
     return done

@@ -149,6 +149,11 @@ def test_token_cross_entropy_matches_finite_differences_and_log_sum_exp():
     assert big == pytest.approx(total, rel=1e-9)
     with pytest.raises(ValueError, match="do not match"):
         token_cross_entropy(np, logits, targets[:, :2], 1.0)
+    # the gradient is computed in the logits' own buffer (no vocab-sized temporaries)
+    buffer = logits.astype(np.float32)
+    _, g32 = token_cross_entropy(np, buffer, targets, 0.25)
+    assert np.shares_memory(g32, buffer) and g32.dtype == np.float32
+    np.testing.assert_allclose(g32, grad, rtol=1e-5, atol=1e-7)
 
 
 # --- the split: backward_input + backward_weight == backward; backward_input touches no weight gradient

@@ -24,7 +24,9 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan.profile_check import profile_problem
 
-PROFILE_VERSION = 5     # 5: measured with freed memory kept (runtime.host_memory); 4: a ZB-H1 calibration run
+# 6: the token loss computed in the logits' buffer (a cheaper head); 5: measured with freed memory kept
+# (runtime.host_memory); 4: a ZB-H1 calibration run
+PROFILE_VERSION = 6
 
 
 def _backend_name(choice: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import types
 from pathlib import Path
 
 import h5py
@@ -306,3 +307,33 @@ def test_a_run_directory_is_locked_by_one_live_run_at_a_time(tmp_path):
     again.release()
     with pytest.raises(ConfigError, match="cannot lock the run directory"):
         RunLock.acquire(tmp_path / "missing")
+
+
+def test_a_run_directory_in_use_is_named_before_its_newer_steps(tmp_path):
+    """Resuming step 5 while a live run has written step 6: the refusal names the live run, not "continue it"."""
+    from hpcpipe.state.run_lock import RunLock, live_holder
+    from hpcpipe.train.preflight import check_nothing_newer
+
+    run_dir = tmp_path / "run-0001"
+    for step in (5, 6):
+        (run_dir / cf.step_name(step)).mkdir(parents=True)
+        (run_dir / cf.step_name(step) / cf.MANIFEST).write_text("{}")
+    source = types.SimpleNamespace(path=run_dir / cf.step_name(5), step=5, describe=lambda: "checkpoint step 5")
+    assert live_holder(run_dir) is None and not (run_dir / ".lock").exists()   # a probe creates nothing
+    with pytest.raises(ConfigError, match="already holds step-00000006"):
+        check_nothing_newer(source)
+    live = RunLock.acquire(run_dir)
+    with pytest.raises(ConfigError, match="is in use by another run"):      # even with nothing newer
+        check_nothing_newer(types.SimpleNamespace(path=run_dir / cf.step_name(6), step=6, describe=str))
+    live.release()
+    held = RunLock.acquire(run_dir)
+    try:
+        assert live_holder(run_dir).startswith(f"pid {os.getpid()} on ")
+        assert live_holder(run_dir) is not None       # probes are shared: a second (another rank's) also sees it
+        with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ "):
+            check_nothing_newer(source)
+    finally:
+        held.release()
+    assert live_holder(run_dir) is None
+    with pytest.raises(ConfigError, match="already holds step-00000006"):
+        check_nothing_newer(source)

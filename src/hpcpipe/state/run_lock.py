@@ -54,9 +54,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(f"the run directory {str(run_dir)!r} is in use by another run ({holder}): two runs "
-                              f"writing one run directory would delete each other's checkpoints; wait for it to "
-                              f"end, or start a fresh run (without --resume) into its own directory") from None
+            raise in_use_error(run_dir, holder) from None
         except OSError as exc:
             if exc.errno not in _NO_LOCKS:
                 os.close(fd)
@@ -78,6 +76,35 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
+
+
+def in_use_error(run_dir: str | Path, holder: str) -> ConfigError:
+    """The error a run gets when another live run holds run_dir's lock."""
+    return ConfigError(f"the run directory {str(run_dir)!r} is in use by another run ({holder}): two runs "
+                       f"writing one run directory would delete each other's checkpoints; wait for it to "
+                       f"end, or start a fresh run (without --resume) into its own directory")
+
+
+def live_holder(run_dir: str | Path) -> str | None:
+    """Name the live run that holds run_dir's lock, or None when none does (the lock is only probed, not taken).
+
+    The probe asks for a shared lock, which the holder's exclusive one refuses and
+    other probes (every rank of a job checks) do not; it creates no file.
+    """
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
 
 
 def _still_named(fd: int, path: Path) -> bool:

@@ -22,6 +22,7 @@ from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.run_lock import in_use_error, live_holder
 from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite
 
 GIB = 1024 ** 3
@@ -228,8 +229,18 @@ def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
 
 
 def check_nothing_newer(source: WeightsSource) -> None:
-    """Raise ConfigError when the resumed checkpoint's run already holds a later step (--resume would replace it)."""
+    """Raise ConfigError when a live run holds the resumed checkpoint's run, or it holds a later step.
+
+    The live run is named first, before anything else is checked: while it
+    writes, the newest step, ``latest`` and the pruned steps change under
+    this job's feet, and any other message (such as "continue the newest")
+    would be wrong advice. The trainer takes the lock itself later; this only
+    probes it, on every rank.
+    """
     run_dir = Path(source.path).parent
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise in_use_error(run_dir, holder)
     newer = [s for s in cf.committed_steps(run_dir) if s > source.step]
     if newer:
         raise ConfigError(f"cannot resume from {source.describe()}: its run directory {str(run_dir)!r} already "

@@ -119,10 +119,10 @@ def plan(config: Config, world_size: int) -> Plan:
                                  ": nothing to resume (without --resume a fresh run starts there)")
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
+        check_nothing_newer(resume)     # first: a live run there changes everything below under our feet
         # a checkpoint of the other model kind is said first, then what differs in the model or optimizer
         check_kind(resume.model, resume.n_layers, specs, f"checkpoint.dir {str(resume.path)!r}")
         check_resume(config, resume)
-        check_nothing_newer(resume)
         resume.check(specs, "checkpoint.dir")
     elif config.model.init:
         init = resolve_weights(config.model.init, "model.init")

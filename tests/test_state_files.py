@@ -127,6 +127,17 @@ def test_latest_through_a_symlink_out_of_the_root_is_refused(tmp_path):
         resolve_weights(root)
 
 
+@pytest.mark.parametrize("target", ["latest", "nowhere"])
+def test_a_latest_symlink_that_loops_or_dangles_is_named_as_the_pointer(tmp_path, target):
+    """It used to read "neither a checkpoint directory nor a checkpoint root (no 'latest' pointer)"."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / cf.LATEST).symlink_to(target)
+    for given in (root, root / cf.LATEST):
+        with pytest.raises(ConfigError, match=r"checkpoint pointer '.*latest' is unreadable: \[Errno"):
+            resolve_weights(given)
+
+
 def test_prune_keeps_newest_and_never_the_latest_target(tmp_path):
     for s in (2, 4, 6, 8):
         _fake_checkpoint(tmp_path, s)

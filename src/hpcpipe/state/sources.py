@@ -182,11 +182,12 @@ def latest_dir(root: str | Path) -> Path:
 def resolve_step_dir(path: str | Path) -> Path:
     """Return the step directory meant by a checkpoint root, a step directory or a `latest` file."""
     p = Path(path)
-    if p.is_file() and p.name == cf.LATEST:
+    # a dangling or looping `latest` symlink is still the pointer: reading it names what is wrong with it
+    if p.name == cf.LATEST and (p.is_file() or p.is_symlink()):
         return latest_dir(p.parent)
     if p.is_dir() and (p / cf.MANIFEST).exists():
         return p
-    if p.is_dir() and (p / cf.LATEST).exists():
+    if p.is_dir() and ((p / cf.LATEST).exists() or (p / cf.LATEST).is_symlink()):
         return latest_dir(p)
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}) nor a checkpoint "

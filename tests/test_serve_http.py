@@ -402,6 +402,31 @@ def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(served, mon
     assert s.scrape()[("hpcpipe_requests_total", 'status="408"')] == 1
 
 
+def test_headers_that_trickle_in_past_the_deadline_lose_the_connection(served, monkeypatch):
+    """A slowloris: a header line every 0.2 s never ends the headers; the server closes it at the deadline."""
+    from hpcpipe.serve import http_api
+
+    monkeypatch.setattr(http_api, "HEADER_TIMEOUT_S", 1.0)
+    s = served(engine=False)
+    t0 = time.monotonic()
+    closed_after = None
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for i in range(50):                                 # 10 s of trickle if nobody stops it
+                time.sleep(0.2)
+                sock.sendall(b"X-Slow-%d: y\r\n" % i)
+        except OSError:                                         # reset or broken pipe: closed by the server
+            closed_after = time.monotonic() - t0
+        if closed_after is None:
+            sock.settimeout(5)
+            assert sock.recv(65536) == b"", "the trickling connection was still open after 10 s"
+            closed_after = time.monotonic() - t0
+    assert 0.9 < closed_after < 5, closed_after
+    status, _, body = s.request("GET", "/health")               # the server itself carries on
+    assert status == 200, body
+
+
 def test_an_unexpected_failure_is_a_json_500_and_counted(served, monkeypatch, capfd):
     from hpcpipe.serve import http_api
 

@@ -29,6 +29,9 @@ from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
 from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completion_body, parse_completion, usage
 
 BODY_TIMEOUT_S = 30.0      # from the headers' end to the body's
+# a connection's request headers must be whole this long after it opened (or after its last answer):
+# aiohttp >= 3.14.4 closes an idle connection at its keep-alive timeout, whatever bytes trickle in
+HEADER_TIMEOUT_S = 30.0
 
 _STATE = web.AppKey("hpcpipe_state", dict)
 _INFLIGHT = web.AppKey("hpcpipe_inflight", set)
@@ -268,7 +271,7 @@ class HttpServer:
             asyncio.set_event_loop(self._loop)
             try:
                 self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
-                                             access_log=None)
+                                             access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
                 self._loop.run_until_complete(self._runner.setup())
                 self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
             except BaseException as exc:       # reported to start() in the caller's thread

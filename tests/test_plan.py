@@ -131,6 +131,21 @@ def test_prediction_is_the_simulation_of_the_summed_layer_costs():
     assert p.samples_per_step == 32
 
 
+def test_shared_cores_slow_replicas_as_much_as_pipelines():
+    """--cores is shared by all dp x pp ranks: 4 replicas on 1 core take 4x, on 2 cores 2x (was: 1x for dp)."""
+    config = mlp_config([8] * 5, micro_batches=4, micro_batch_size=2)
+    profile = synthetic_profile(config, {i: 0.01 for i in range(4)})
+    alone = Predictor(config, profile).predict(Candidate(4, 1, "gpipe", 1, 4, 2, (4,))).step_time_s
+    for cores, slower in ((4, 1.0), (8, 1.0), (2, 2.0), (1, 4.0)):
+        shared = Predictor(config, profile, cores).predict(Candidate(4, 1, "gpipe", 1, 4, 2, (4,)))
+        assert shared.step_time_s == pytest.approx(alone * slower, rel=1e-9), cores
+    # dp = 2 x pp = 2 on 2 cores: each pipeline has one core for its two ranks, as pp = 2 alone on 1 core
+    piped = Predictor(config, profile, 2).predict(Candidate(2, 2, "1f1b", 1, 4, 2, (2, 2))).step_time_s
+    one_pipeline = Predictor(config, profile, 1).predict(Candidate(1, 2, "1f1b", 1, 4, 2, (2, 2))).step_time_s
+    assert piped == pytest.approx(one_pipeline, rel=1e-9)
+    assert piped > Predictor(config, profile).predict(Candidate(2, 2, "1f1b", 1, 4, 2, (2, 2))).step_time_s * 1.5
+
+
 def test_search_picks_the_fastest_plan_and_respects_the_budget():
     config = mlp_config([8] * 5, micro_batches=8, micro_batch_size=4)
     profile = synthetic_profile(config, {i: 0.01 for i in range(4)})

@@ -137,7 +137,7 @@ class Predictor:
                        + opt["seconds_per_param"] * n for n in params)
         step_end += self.profile.comm.allreduce(32, c.dp * c.pp)      # the agreed step decision
         costs = Costs(comm=comm, step=step_end, per_stage=per)
-        shared = self.cores if self.cores is not None and self.cores < c.pp else None
+        shared, costs = self._shared_cores(c, costs)
         result = simulate_schedule(c.schedule, c.pp, c.micro_batches, c.virtual_stages, costs, check=False,
                                    cores=shared, per_rank_costs=False, events=False)
         worst: dict[str, int] = {}
@@ -155,6 +155,23 @@ class Predictor:
         sync = self.profile.sync_share * max(result.busy) if c.dp > 1 else 0.0
         return Prediction(c, result.step_time + sync, bubble, max(result.busy), step_end, sum(worst.values()),
                           worst, samples, tokens)
+
+    def _shared_cores(self, c: Candidate, costs: Costs) -> tuple[float | None, Costs]:
+        """The cores one replica's pipeline computes on (None: one per rank), and its costs slowed to match.
+
+        ``--cores`` is shared by all dp x pp ranks; the replicas run alike, so each
+        pipeline has cores / dp of them. Below one core a replica's every action runs
+        that much slower (the simulator shares whole cores among its ranks).
+        """
+        if self.cores is None:
+            return None, costs
+        per_replica = self.cores / c.dp
+        if per_replica < 1:
+            slow = 1.0 / per_replica
+            costs = Costs(comm=costs.comm, step=costs.step * slow,
+                          per_stage={key: seconds * slow for key, seconds in costs.per_stage.items()})
+            return (1.0 if c.pp > 1 else None), costs
+        return (per_replica if per_replica < c.pp else None), costs
 
     def _memory(self, c: Candidate, ranges: list[range], stages: list[int], n_params: int,
                 peak_stage: dict[int, int], cut_bytes: int) -> dict[str, int]:

@@ -44,6 +44,7 @@ DAMAGE = [
     (_edit(("layers", "signatures"), []), "signatures"),
     (_edit(("layers", "<group>", "F"), {"8": "fast"}), "F at 8 rows is 'fast'"),
     (_edit(("layers", "<group>", "B"), {"8": -1.0}), "B at 8 rows is -1.0"),
+    (_edit(("layers", "<group>", "F"), {"8": 1e308}), "F at 8 rows is 1e+308"),     # was an OverflowError
     (_edit(("layers", "<group>", "W"), {"eight": 1.0}), "micro-batch size 'eight'"),
     (_edit(("layers", "<group>", "params"), "many"), "has params 'many'"),
     (_edit(("layers", "optimizer"), {}), "optimizer 'sgd' is None"),
@@ -68,7 +69,7 @@ def test_each_damage_is_named(damage, words):
     assert problem is not None and words in problem, problem
 
 
-@pytest.mark.parametrize("damage,words", DAMAGE[:4])
+@pytest.mark.parametrize("damage,words", DAMAGE[:5])
 def test_training_by_the_profile_refuses_a_damaged_one_naming_the_file(tmp_path, monkeypatch, damage, words):
     config, data = _whole()
     key = profile_cache.layer_key(config, 1)

@@ -17,8 +17,13 @@ OPTIMIZER_FIELDS = ("seconds_per_param", "work_bytes_per_param", "state_buffers"
 OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "adamw")     # what layer_profile measures, every time
 
 
+# no measurement (seconds, bytes or a count) comes near this; squared it stays a float (1e308 overflowed the fit)
+LARGEST = 1e15
+
+
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= LARGEST)
 
 
 def _series_problem(name: str, series: Any) -> str | None:
@@ -28,7 +33,7 @@ def _series_problem(name: str, series: Any) -> str | None:
         if not (isinstance(rows, str) and rows.isdigit() and int(rows) > 0):
             return f"{name} has micro-batch size {rows!r}"
         if not _number(value):
-            return f"{name} at {rows} rows is {value!r}, not a non-negative number"
+            return f"{name} at {rows} rows is {value!r}, not a number from 0 to {LARGEST:g}"
     return None
 
 

@@ -2,13 +2,17 @@
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import run_command
 
 from hpcpipe.plan.profile_check import profile_problem
+
+ROOT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 MLP = """
 [model]
@@ -236,3 +240,42 @@ def test_a_reader_that_left_stops_the_plan_quietly(planned):
         os.close(write_end)
     assert proc.returncode == 141
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig,status,words", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                             (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_a_signal_while_profiling_kills_the_children_and_leaves_no_files(tmp_path, sig, status, words):
+    """SIGTERM used to end the planner alone: its profiling children ran on, orphaned, and left their directory."""
+    import os
+    import time
+
+    scratch, profiles = tmp_path / "tmp", tmp_path / "profiles"
+    scratch.mkdir()
+    config = tmp_path / "plan-mlp.toml"
+    shutil.copy(ROOT_CONFIGS / "plan-mlp.toml", config)
+    env = dict(os.environ, TMPDIR=str(scratch), HPCPIPE_PROFILE_DIR=str(profiles))
+    proc = subprocess.Popen([sys.executable, "-m", "hpcpipe.plan", "--config", str(config), "--ranks", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(scratch.glob("hpcpipe-profile-*/request.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)                                   # the layer profiles are computing now
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == status, err
+    assert err.strip().splitlines()[-1] == f"hpcpipe.plan: {words}" and "Traceback" not in err, err
+    assert list(scratch.iterdir()) == []                  # the profiling directory is gone
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).find(str(scratch)) >= 0]
+    assert children == [], [_cmdline(p) for p in children]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -244,15 +244,23 @@ def launch(words: list[str], args: list[str], what: str, timeout_s: float, cwd: 
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         stdout, stderr = proc.communicate()
         raise ConfigError(f"{what} did not finish in {timeout_s:g} s: {shown}\n{_tail(stderr or stdout)}") from None
+    except BaseException:      # Ctrl-C or the planner's SIGTERM: the launcher's own session would outlive us
+        _kill_group(proc)
+        proc.wait()
+        raise
     if proc.returncode != 0:
         raise ConfigError(f"{what} failed (exit status {proc.returncode}): {shown}\n{_tail(stderr or stdout)}")
     return shown, stdout, stderr
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def measure_comm(timeout_s: float = 60, launcher: str | list[str] | None = None) -> dict:

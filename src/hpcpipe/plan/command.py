@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     args.argv = argv
+    # SIGTERM unwinds like Ctrl-C, so that profiling and calibration children are killed and their
+    # temporary directories removed (the default action ended the planner alone and orphaned them)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return run(args)
     except ConfigError as exc:
@@ -227,6 +231,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except BrokenPipeError:
         return reader_left()     # the reader (`| head`) left
+    except KeyboardInterrupt:
+        print("hpcpipe.plan: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+    except _Terminated:
+        print("hpcpipe.plan: terminated (SIGTERM)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind every finally block (children killed, temporary files removed), then exit 143."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":

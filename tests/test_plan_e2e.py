@@ -165,6 +165,9 @@ def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
     (["--ranks", "2", "--write", "dangling.toml"], "exists; the planner does not overwrite"),
     (["--ranks", "2", "--write", "p.out", "--json", "./p.out"], "--write and --json name the same file"),
     (["--ranks", "99999999999"], "more than the planner searches"),
+    (["--ranks", "2", "--cores", "100000"], "more than this machine's"),       # was: 50000 BLAS threads a rank
+    (["--ranks", "2", "--write", ""], "--write needs a file name"),           # was: exit 0, nothing written
+    (["--ranks", "2", "--json", ""], "--json needs a file name"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")

@@ -95,6 +95,14 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.ranks > MAX_RANKS:
         raise ConfigError(f"--ranks {args.ranks} is more than the planner searches ({MAX_RANKS})")
+    if args.cores is not None and args.cores > host_cores():
+        # the profile is measured on this machine's cores; a bigger node is planned with --ranks alone
+        raise ConfigError(f"--cores {args.cores} is more than this machine's {host_cores()} cores, which the "
+                          f"profile is measured on; plan more ranks than cores here with --ranks alone (one core "
+                          f"per rank, printed as a prediction)")
+    for name in ("write", "json"):
+        if getattr(args, name) == "":
+            raise ConfigError(f"--{name} needs a file name (it was empty)")
     if args.write and args.json and os.path.abspath(args.write) == os.path.abspath(args.json):
         raise ConfigError(f"--write and --json name the same file {args.write!r}: give each its own")
     for name in ("write", "json"):

@@ -60,3 +60,53 @@ def test_quick_benchmark_measures_every_point(tmp_path):
     assert len(names) == 6 and any("5x no-cache" in n for n in names)
     assert all(g["pass"] is not None for g in res["goals"] if "8 ranks" not in g["name"])
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_ceiling_bounds_each_layout_by_its_ranks_cpu_time(tmp_path):
+    out = tmp_path / "ceiling.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serve_ceiling.py"), "--quick", "--seconds", "1",
+                           "--layouts", "pp1,pp2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pp2 / pp1: " in proc.stdout and "(goal >= 1.8)" in proc.stdout
+    res = json.loads(out.read_text())
+    assert [(r["layout"], r["dp"], r["pp"], r["rows_per_step"]) for r in res["results"]] == \
+        [("pp1", 1, 1, 32), ("pp2", 1, 2, 16)]
+    for r in res["results"]:
+        cpu = r["cpu_s"]
+        assert len(cpu) == r["dp"] * r["pp"] and min(cpu) > 0 and r["rounds"] >= 2, r
+        # sequences x rounds over the time a perfect scheduler needs for that CPU time
+        ideal = max(sum(cpu) / min(r["cores"], len(cpu)), max(cpu))
+        assert r["tokens_per_s"] == pytest.approx(32 * r["rounds"] / ideal)
+        # no rank used more CPU than wall time, so the bound is at least what the ranks reached side by side
+        assert r["tokens_per_s"] >= 0.95 * r["side_by_side_tokens_per_s"] > 0, r
+
+
+def test_ceiling_rounds_are_the_decode_steps_the_server_runs():
+    from bench_serve_ceiling import LAYOUTS, QUICK, Rank, positions, stage_ranges
+
+    from hpcpipe.nn.decode import Segment
+    assert LAYOUTS["dp2xpp4"] == (2, 4, 4) and LAYOUTS["dp2xpp4-mb1"] == (2, 4, 1)
+    pos = positions(QUICK, 32)
+    assert pos.min() == QUICK["prompt_chars"] and pos.max() == QUICK["prompt_chars"] + QUICK["max_tokens"] - 1
+    ranges = stage_ranges(QUICK, 2)
+    assert ranges[0].start == 0 and ranges[-1].stop == QUICK["n_blocks"] + 2
+    first = Rank(QUICK, ranges[0], 8, 2, gemm_only=False)
+    # two groups of 4 decode rows, each sequence one new token at its own position
+    pos8 = positions(QUICK, 8)
+    assert [[(s.slot, s.start, s.length) for s in segs] for _, segs in first.steps] == \
+        [[(i, int(pos8[i]), 1) for i in range(4)], [(i, int(pos8[i]), 1) for i in range(4, 8)]]
+    x, segs = first.steps[0]
+    assert first.stage.forward(x, segs).shape == (4, QUICK["d_model"])
+    # 8 sequences of max_tokens 16 admit a prompt every other round, prefilled whole into the spare slot 8
+    assert [(s.slot, s.start, s.length) for s in first.prompt[1]] == [(8, 0, QUICK["prompt_chars"])]
+    calls = []
+    first._forward = lambda x, segs: calls.append(sum(s.length for s in segs))
+    for _ in range(4):
+        first.round()
+    assert calls == [4, 4, 4, 4, QUICK["prompt_chars"]] * 2
+    last = Rank(QUICK, ranges[1], 8, 1, gemm_only=True)
+    # the last stage's products include the tied head (d x vocab)
+    assert any(w.shape == (QUICK["d_model"], 96) for w in last.weights)
+    assert isinstance(segs[0], Segment)

@@ -104,6 +104,11 @@ def test_json_output_never_replaces_the_weights_and_is_checked_before_generating
     assert path.read_bytes() == before
     proc, _ = _run_bad(tmp_path, path, ["--json", str(tmp_path / "nodir" / "out.json")])
     assert "does not exist" in _one_error(proc) and "generated" not in proc.stderr
+    notes = tmp_path / "notes.json"        # a file the run did not write: never replaced
+    notes.write_text('{"mine": 1}\n')
+    proc, _ = _run_bad(tmp_path, path, ["--json", str(notes)])
+    assert f"--json path {str(notes)!r} already exists and is not a JSON file hpcpipe wrote" in _one_error(proc)
+    assert notes.read_text() == '{"mine": 1}\n'
 
 
 def _run_bad(tmp_path, path, args):

@@ -178,13 +178,43 @@ def test_read_only_output_directory(tmp_path, seed8):
 def test_corrupt_weights_are_refused_by_all_ranks_and_the_old_output_is_kept(tmp_path, seed8):
     weights, data, _ = seed8
     out = tmp_path / "out.h5"
-    out.write_bytes(b"previous results")
+    with h5py.File(out, "w") as f:        # an earlier run's output, which a successful run would replace
+        f.attrs["format"] = "hpcpipe-infer"
+        f["y"] = np.arange(4.0)
+    previous = out.read_bytes()
     flip_byte_in_dataset(weights, "layers/0002/weight")
     proc = run_command(4, "hpcpipe.infer", _args(weights, data, out), cwd=tmp_path, timeout=60)
     stderr = _one_error(proc)
     assert f"weights file '{weights}': cannot read layers/0002 (corrupt:" in stderr
-    assert out.read_bytes() == b"previous results"
+    assert out.read_bytes() == previous
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_only_an_earlier_infer_output_trace_or_report_is_replaced(tmp_path, seed8):
+    weights, data, _ = seed8
+    out, trace, report = tmp_path / "out.h5", tmp_path / "trace.json", tmp_path / "report.json"
+    args = _args(weights, data, out, "--trace", trace, "--report", report)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("someone's notes\n")
+    # someone's notes at each path in turn, then someone's HDF5 dataset (not an inference output) at --output
+    for source, path, what in ((notes, out, "output path"), (notes, trace, "trace path"),
+                               (notes, report, "report path"), (_other_dataset(tmp_path), out, "output path")):
+        os.link(source, path)
+        before = path.read_bytes()
+        proc = run_command(4, "hpcpipe.infer", args, cwd=tmp_path, timeout=60)
+        assert f"{what} {str(path)!r} already exists and is not" in _one_error(proc)
+        assert path.read_bytes() == before
+        path.unlink()
+    first = run_command(4, "hpcpipe.infer", args, cwd=tmp_path, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert report.read_text().startswith('{"writer": "hpcpipe') and trace.read_text().startswith('{"writer": "hpcpipe')
+    with h5py.File(out, "r+") as f:
+        f["y"][0, 0] = -1.0                   # to see that the rerun wrote it anew
+    again = run_command(4, "hpcpipe.infer", args, cwd=tmp_path, timeout=60)   # a rerun, e.g. a requeued job
+    assert again.returncode == 0, again.stderr
+    with h5py.File(out, "r") as f:
+        assert f["y"][0, 0] != -1.0 and f.attrs["format"] == "hpcpipe-infer"
+    assert json.loads(report.read_text())["rows"] == 32
 
 
 def test_a_rank_failing_mid_stream_ends_the_job_fast_and_leaves_no_output(tmp_path, seed8):

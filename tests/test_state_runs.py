@@ -179,6 +179,10 @@ def test_export_never_writes_over_or_into_what_it_exports(tmp_path):
         assert result.stderr.count("hpcpipe.checkpoint: error:") == 1 and words in result.stderr, result.stderr
     assert _tree(root) == before and out.read_bytes() == weights       # nothing touched
     assert _ckpt_cli("verify", root).returncode == 0
+    exported = (tmp_path / "elsewhere.h5").read_bytes()
+    again = _ckpt_cli("export", root, tmp_path / "elsewhere.h5")   # an exported model is never replaced
+    assert again.returncode == 2 and "already exists; export never replaces a file" in again.stderr, again.stderr
+    assert (tmp_path / "elsewhere.h5").read_bytes() == exported
 
 
 def test_resuming_a_checkpoint_taken_in_another_shuffled_order_warns(tmp_path):

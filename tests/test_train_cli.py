@@ -230,6 +230,8 @@ INIT = ["--set", "model.dims=[16, 16, 16]", "--set", "parallel.pp=2", "--set", "
      "log.metrics 'LATIN1' exists and is not a metrics file (JSON lines)"),
     (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"DIR\""], None,
      "log.trace 'DIR' is a directory; give the path of a file to write"),
+    (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"LATIN1\""], None,
+     "log.trace 'LATIN1' already exists and is not a JSON file hpcpipe wrote"),
     (2, ["--set", "model.dims=[16, 1e9, 16]"], None, "model.dims must be list[int], got [16, 1000000000.0, 16]"),
     (2, ["--set", "model.dims=[16, 1000000000, 16]", "--set", "parallel.pp=2"], None,
      "the model needs about "),

@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.out or args.out.endswith("/") or Path(args.out).is_dir():
                     raise ConfigError(f"export output {args.out!r} is a directory; name the weights file to write")
                 refuse_overwrite(args.out, files, dirs, "export output")
+                if os.path.lexists(args.out):   # an export is a model: never replace one (nor anything else)
+                    raise ConfigError(f"export output {args.out!r} already exists; export never replaces a file: "
+                                      f"move it away or name a new file")
             except ConfigError as exc:
                 print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
                 return 2

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.runtime.topology import rank_name
+from hpcpipe.state.own_output import dump_marked_json
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -70,10 +71,10 @@ def inference_trace(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write obj (a trace or a report) as JSON text to path."""
+def write_json(path: str, obj: Any, writer: str = "hpcpipe") -> None:
+    """Write obj (a trace or a report) as JSON text to path, marked as hpcpipe's (see state.own_output)."""
     with open(path, "w") as f:
-        json.dump(obj, f)
+        dump_marked_json(obj, f, writer)
 
 
 def load_trace(path: str) -> list[dict]:

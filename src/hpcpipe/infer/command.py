@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
     parser.add_argument("--input", required=True, metavar="IN.h5", help="HDF5 file with dataset infer.x (N, dims[0])")
     parser.add_argument("--output", required=True, metavar="OUT.h5",
-                        help="HDF5 file to write with dataset infer.y (N, dims[-1]); replaced atomically")
+                        help="HDF5 file to write with dataset infer.y (N, dims[-1]), atomically; an existing "
+                             "file is replaced only when it is an earlier hpcpipe.infer output")
     parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [infer], [run] apply)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")

@@ -33,6 +33,7 @@ from hpcpipe.runtime.comm import Poller, abort, barrier, broadcast, clock_offset
 from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.state import collective as checkpoint_mpi
+from hpcpipe.state.own_output import INFER_FORMAT
 from hpcpipe.trace import inference_trace, write_json
 
 
@@ -87,7 +88,7 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
         with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
             if rank == 0:
                 tmp = temporary_name(p.output)
-                attrs = {"format": "hpcpipe-infer", "weights": str(p.weights.path), "step": p.weights.step,
+                attrs = {"format": INFER_FORMAT, "weights": str(p.weights.path), "step": p.weights.step,
                          "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
                 created = (str(tmp), create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype,
                                                    cfg.infer.y, attrs))

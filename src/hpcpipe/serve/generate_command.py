@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.plan import ServePlan, plan
 from hpcpipe.serve.sampling import SamplingParams
 from hpcpipe.serve.textstream import TextStream
+from hpcpipe.state.own_output import check_replaceable, dump_marked_json
 from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
@@ -72,6 +72,7 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
     if args.json:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path")
+        check_replaceable(args.json, "json", "--json path")
     try:
         ids = p.tokenizer.encode(args.prompt)
     except ValueError as exc:
@@ -96,7 +97,7 @@ def write_json(path: str, doc: dict) -> None:
     tmp = temporary_name(path)
     try:
         with open(tmp, "w") as f:
-            json.dump(doc, f)
+            dump_marked_json(doc, f, "hpcpipe.generate")
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

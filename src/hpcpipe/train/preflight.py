@@ -22,6 +22,7 @@ from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.own_output import check_replaceable
 from hpcpipe.state.run_lock import in_use_error, live_holder
 from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite
 
@@ -268,6 +269,8 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsS
             refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")
     if metrics:
         check_metrics_file(metrics)
+    if trace:   # the trace is written whole at the end, replacing the file: only an earlier trace may be there
+        check_replaceable(trace, "json", "log.trace")
 
 
 def check_metrics_file(path: str) -> None:

@@ -62,6 +62,13 @@ def test_divisors_of_a_huge_number_are_quick():
     assert divisors(1) == [1] and divisors(49) == [1, 7, 49]
 
 
+def test_small_sizes_keep_their_digits():
+    from hpcpipe.plan.report import size_text
+    # was "0 MiB" for a budget of 1 byte (--memory-per-rank 1, no unit)
+    assert (size_text(1), size_text(1536), size_text(3 << 20), size_text(3 << 30)) == \
+        ("1 bytes", "1.5 KiB", "3 MiB", "3.00 GiB")
+
+
 def test_small_times_keep_their_digits():
     assert [report.seconds_text(t) for t in (1.5, 0.652, 0.024, 0.000312, 0.0)] == \
         ["1.500 s", "652 ms", "24 ms", "312 us", "0.000 s"]

@@ -168,6 +168,8 @@ def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
     (["--ranks", "2", "--cores", "100000"], "more than this machine's"),       # was: 50000 BLAS threads a rank
     (["--ranks", "2", "--write", ""], "--write needs a file name"),           # was: exit 0, nothing written
     (["--ranks", "2", "--json", ""], "--json needs a file name"),
+    (["--ranks", "2", "--write", "/proc/plan.toml"], "cannot create a file in '/proc'"),   # was: after planning
+    (["--ranks", "2", "--profile-dir", "exists.toml"], "--profile-dir 'exists.toml' is not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")

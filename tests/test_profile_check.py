@@ -92,3 +92,18 @@ def test_training_by_a_whole_profile_cuts_by_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCPIPE_PROFILE_DIR", str(tmp_path))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert stage_counts(config, 2, 8) == [3, 1]
+
+
+@pytest.mark.parametrize("spoil,words", [
+    (lambda p: p.write_text(""), "is empty"),
+    (lambda p: p.write_text('{"key": {"model": '), "is not valid JSON (truncated or damaged"),
+    (lambda p: p.write_text("[1, 2]"), "is JSON but not an object"),
+    (lambda p: (p.unlink(), p.mkdir()), "is a directory, not a profile file"),
+])
+def test_an_unreadable_profile_file_is_named_with_what_is_wrong(tmp_path, spoil, words):
+    config, data = _whole()
+    key = profile_cache.layer_key(config, 1)
+    path = profile_cache.write(str(tmp_path), key, {**data, "key": key})
+    spoil(path)                         # was "is not a JSON object" for each
+    cached, problem = profile_cache.inspect(str(tmp_path), key)
+    assert cached is None and problem.startswith(f"{str(path)!r} {words}"), problem

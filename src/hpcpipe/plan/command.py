@@ -112,6 +112,24 @@ def _check_args(args) -> None:
                               f"give a new path")
         if path and not Path(path).resolve().parent.is_dir():
             raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
+        if path:
+            _check_can_create(path, f"--{name}")
+    cache = args.profile_dir or default_cache_dir()
+    if os.path.exists(cache) and not os.path.isdir(cache):   # found now, not after the MPI probe
+        how = "--profile-dir" if args.profile_dir else "the profile cache ($HPCPIPE_PROFILE_DIR or ~/.cache)"
+        raise ConfigError(f"{how} {cache!r} is not a directory")
+
+
+def _check_can_create(path: str, option: str) -> None:
+    """Raise ConfigError unless a file can be created beside path (tried now, before minutes of profiling)."""
+    directory = Path(path).resolve().parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{Path(path).name}.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path!r}: cannot create a file in {str(directory)!r}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def write_new(path: str, option: str, text: str) -> None:

@@ -58,6 +58,23 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def _unusable(path: Path) -> str:
+    """Why an existing profile file gives no JSON object, as the end of a sentence naming it."""
+    if path.is_dir():
+        return "is a directory, not a profile file"
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if not text.strip():
+        return "is empty"
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        return f"is not valid JSON (truncated or damaged: {exc})"
+    return "is JSON but not an object"
+
+
 def ordinary_mode(fd: int) -> None:
     """Give a file from mkstemp (mode 0600) the mode any new file gets under the user's umask."""
     umask = os.umask(0)
@@ -86,7 +103,7 @@ def inspect(directory: str, key: dict[str, Any]) -> tuple[dict | None, str | Non
     path = Path(directory) / _name(key)
     data = _read_json(path)
     if data is None:
-        return None, (f"{str(path)!r} is not a JSON object" if path.exists() else None)
+        return None, (f"{str(path)!r} {_unusable(path)}" if path.exists() or path.is_symlink() else None)
     if data.get("key") != key:
         return None, f"{str(path)!r} is the profile of another model or host (its key differs)"
     problem = profile_problem(data)

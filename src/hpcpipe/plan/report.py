@@ -12,8 +12,12 @@ MIB = 1024 ** 2
 
 
 def size_text(n: float) -> str:
-    """Bytes as MiB or GiB."""
-    return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / MIB:.0f} MiB"
+    """Bytes as GiB, MiB, KiB or bytes (a budget given without a unit can be a few bytes)."""
+    if n >= 1024 ** 3:
+        return f"{n / 1024 ** 3:.2f} GiB"
+    if n >= MIB:
+        return f"{n / MIB:.0f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n:.0f} bytes"
 
 
 def seconds_text(t: float) -> str:

@@ -107,7 +107,8 @@ def test_json_output_never_replaces_the_weights_and_is_checked_before_generating
     notes = tmp_path / "notes.json"        # a file the run did not write: never replaced
     notes.write_text('{"mine": 1}\n')
     proc, _ = _run_bad(tmp_path, path, ["--json", str(notes)])
-    assert f"--json path {str(notes)!r} already exists and is not a JSON file hpcpipe wrote" in _one_error(proc)
+    message = _one_error(proc)
+    assert f"--json path {str(notes)!r} already exists and is not a file hpcpipe wrote as a generate" in message
     assert notes.read_text() == '{"mine": 1}\n'
 
 

@@ -227,6 +227,8 @@ def test_a_rank_failing_mid_stream_ends_the_job_fast_and_leaves_no_output(tmp_pa
     assert time.monotonic() - start < 30
     assert "[dp00-pp02] error while streaming: RuntimeError: injected fault before micro-batch 3" in proc.stderr
     assert not out.exists()
+    # the failing rank removes the preallocated temporary output before it aborts every rank (was left behind)
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_an_output_disk_too_small_is_one_error_before_any_row_and_leaves_nothing(tmp_path, seed8):

@@ -170,10 +170,13 @@ def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
     (["--ranks", "2", "--json", ""], "--json needs a file name"),
     (["--ranks", "2", "--write", "/proc/plan.toml"], "cannot create a file in '/proc'"),   # was: after planning
     (["--ranks", "2", "--profile-dir", "exists.toml"], "--profile-dir 'exists.toml' is not a directory"),
+    (["--ranks", "2", "--write", "ck/plan.toml"], "is inside the checkpoint directory"),   # was: written there
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")
     (tmp_path / "dangling.toml").symlink_to(tmp_path / "target.toml")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "manifest.json").write_text("{}")      # a checkpoint step directory, as far as paths go
     proc = _plan(args, tmp_path / "profiles", tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("hpcpipe: error:")

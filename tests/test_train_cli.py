@@ -231,7 +231,7 @@ INIT = ["--set", "model.dims=[16, 16, 16]", "--set", "parallel.pp=2", "--set", "
     (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"DIR\""], None,
      "log.trace 'DIR' is a directory; give the path of a file to write"),
     (2, ["--set", "parallel.pp=2", "--set", "log.trace=\"LATIN1\""], None,
-     "log.trace 'LATIN1' already exists and is not a JSON file hpcpipe wrote"),
+     "log.trace 'LATIN1' already exists and is not a file hpcpipe wrote as a trace"),
     (2, ["--set", "model.dims=[16, 1e9, 16]"], None, "model.dims must be list[int], got [16, 1000000000.0, 16]"),
     (2, ["--set", "model.dims=[16, 1000000000, 16]", "--set", "parallel.pp=2"], None,
      "the model needs about "),

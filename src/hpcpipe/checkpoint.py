@@ -28,6 +28,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
+from hpcpipe.state.own_output import commit_output
 from hpcpipe.state.sources import (
     WeightsSource,
     checkpoint_source,
@@ -98,9 +99,10 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
                       optimizer=optimizer, optimizer_attrs=attrs,
                       attrs={} if tokenizer is None else {"tokenizer": tokenizer})
         cf.fsync_path(tmp)
-        os.replace(tmp, out)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
     return source
 
 

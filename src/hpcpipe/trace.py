@@ -18,7 +18,7 @@ from typing import Any
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.runtime.topology import rank_name
-from hpcpipe.state.own_output import dump_marked_json
+from hpcpipe.state.own_output import write_json_output
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -71,10 +71,9 @@ def inference_trace(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_json(path: str, obj: Any, writer: str = "hpcpipe") -> None:
-    """Write obj (a trace or a report) as JSON text to path, marked as hpcpipe's (see state.own_output)."""
-    with open(path, "w") as f:
-        dump_marked_json(obj, f, writer)
+def write_json(path: str, obj: Any, kind: str = "trace", what: str = "trace path") -> None:
+    """Write obj (a trace or a report) as JSON to path, marked with its kind, whole, never over another's file."""
+    write_json_output(path, obj, kind, what)
 
 
 def load_trace(path: str) -> list[dict]:

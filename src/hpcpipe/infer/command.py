@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.errors import HpcpipeError
 from hpcpipe.infer.pipeline import execute
 from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import format_summary
@@ -65,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         if world.Get_rank() == 0:
             print(format_summary(report) + f" -> {p.output!r}", flush=True)
             if args.report:
-                write_json(args.report, report)
+                try:
+                    write_json(args.report, report, "report", "report path")
+                except (OSError, HpcpipeError) as exc:   # the output is committed; only the report is lost
+                    print(f"hpcpipe: error: report not written: {exc}", file=sys.stderr, flush=True)
+                    return 1
         return 0
 
     return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")

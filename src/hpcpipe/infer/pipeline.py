@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.errors import ConfigError, HpcpipeError
 from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import summarize
 from hpcpipe.infer.rows import (
@@ -107,6 +108,10 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
             if comm.Get_size() > 1:
                 print(f"hpcpipe: [{topo.name}] error while streaming: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
+                try:   # the abort ends every rank, rank 0's finally clause too: remove it now
+                    discard(tmp)
+                except OSError:
+                    pass
                 abort(comm, 1)
             raise
         stage_done, stage = stage, None
@@ -114,7 +119,11 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
             stage_done.close()
         with together(comm, poller, 1, lambda e: f"cannot rename {str(tmp)!r} to {p.output!r}: {e}"):
             if rank == 0:
-                commit(tmp, Path(p.output))
+                try:
+                    commit(tmp, Path(p.output))
+                except ConfigError:   # a file appeared at the output path meanwhile: the result is kept, and named
+                    tmp = None
+                    raise
         tmp = None
         recv_wait, send_wait = stage_done.waits()
         part = {"rank": rank, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank, "last": topo.next < 0,
@@ -129,9 +138,9 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
                           setup_s=t_start - t_begin, total_s=time.perf_counter() - t_begin)
             if p.trace:
                 try:
-                    write_json(p.trace, inference_trace(parts))
+                    write_json(p.trace, inference_trace(parts), "trace", "trace path")
                     report["trace"] = p.trace
-                except OSError as exc:   # the results are written: a lost trace is not worth failing for
+                except (OSError, HpcpipeError) as exc:   # the results are written: a lost trace is not worth failing
                     report["trace_error"] = f"cannot write trace {p.trace!r}: {exc}"
                     print(f"hpcpipe: warning: {report['trace_error']}", file=sys.stderr, flush=True)
         return broadcast(comm, report)

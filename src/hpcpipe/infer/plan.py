@@ -96,9 +96,9 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     written = ((f"the output file {str(output)!r}", Path(output)),)
     if trace:
         check_output(trace, input, files + written, dirs, "trace path")
-        check_replaceable(trace, "json", "trace path")
+        check_replaceable(trace, "trace", "trace path")
         written += ((f"the trace file {str(trace)!r}", Path(trace)),)
     if report:
         check_output(report, input, files + written, dirs, "report path")
-        check_replaceable(report, "json", "report path")
+        check_replaceable(report, "report", "report path")
     return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)

@@ -35,6 +35,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, open_hdf5
+from hpcpipe.state.own_output import commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 
 
@@ -204,8 +205,11 @@ class RowWriter:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """Atomically rename the complete temporary output to its final name (and make the rename durable)."""
-    os.replace(tmp, final)
+    """Atomically move the complete temporary output to its final name (and make it durable).
+
+    Never over a file that appeared at the path during the run (``own_output.commit_output``).
+    """
+    commit_output(tmp, final, "infer", "output path")
     try:
         fd = os.open(final.parent, os.O_RDONLY)
     except OSError:   # directories that cannot be opened (some platforms): the rename is still atomic

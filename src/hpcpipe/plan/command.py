@@ -28,6 +28,7 @@ from hpcpipe.plan import report
 from hpcpipe.plan.profile import default_cache_dir, largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.profile_cache import ordinary_mode
 from hpcpipe.plan.search import micro_batch_rows, search
+from hpcpipe.state.sources import refuse_overwrite
 from hpcpipe.train.preflight import available_bytes
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3,
@@ -114,6 +115,7 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
         if path:
             _check_can_create(path, f"--{name}")
+            refuse_overwrite(path, (), (), f"--{name}")   # never into a checkpoint: pruning would delete it
     cache = args.profile_dir or default_cache_dir()
     if os.path.exists(cache) and not os.path.isdir(cache):   # found now, not after the MPI probe
         how = "--profile-dir" if args.profile_dir else "the profile cache ($HPCPIPE_PROFILE_DIR or ~/.cache)"

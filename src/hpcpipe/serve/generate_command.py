@@ -6,19 +6,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 from hpcpipe.cli import CommandParser, run_planned
 from hpcpipe.errors import ConfigError, HpcpipeError
-from hpcpipe.infer.rows import check_output, temporary_name
+from hpcpipe.infer.rows import check_output
 from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.plan import ServePlan, plan
 from hpcpipe.serve.sampling import SamplingParams
 from hpcpipe.serve.textstream import TextStream
-from hpcpipe.state.own_output import check_replaceable, dump_marked_json
+from hpcpipe.state.own_output import check_replaceable, write_json_output
 from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
@@ -72,7 +71,7 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
     if args.json:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path")
-        check_replaceable(args.json, "json", "--json path")
+        check_replaceable(args.json, "generate", "--json path")
     try:
         ids = p.tokenizer.encode(args.prompt)
     except ValueError as exc:
@@ -94,13 +93,9 @@ def full_context_note(source: OneShot, request: Request, p: ServePlan) -> str:
 
 def write_json(path: str, doc: dict) -> None:
     """Write doc to path whole or not at all (a temporary file beside it, then rename)."""
-    tmp = temporary_name(path)
     try:
-        with open(tmp, "w") as f:
-            dump_marked_json(doc, f, "hpcpipe.generate")
-        os.replace(tmp, path)
+        write_json_output(path, doc, "generate", "--json path")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise HpcpipeError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
 
 

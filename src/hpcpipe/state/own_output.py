@@ -7,16 +7,21 @@ output path that already exists is refused unless it carries the mark hpcpipe
 writes into every output of that kind:
 
 * an inference output has the root attribute ``format = "hpcpipe-infer"``;
-* a JSON document (trace, report, generation result) starts with the key
-  ``"writer": "hpcpipe..."``. For a Chrome trace this is extra top-level
+* a JSON document starts with the key ``"writer"`` naming its kind
+  (``WRITERS``: a trace, an inference report, a generation result), so one
+  kind never replaces another. For a Chrome trace this is extra top-level
   metadata, which trace viewers ignore.
 
 A rerun, for example a requeued job, still replaces its own earlier result.
+Outputs are committed by ``commit_output``, which checks again at the end of
+the run: a file that appeared at the path meanwhile is left alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +30,27 @@ import h5py
 from hpcpipe.errors import ConfigError
 
 INFER_FORMAT = "hpcpipe-infer"
-_JSON_MARK = b'{"writer": "hpcpipe'
+# JSON kinds and the writer each marks its files with: one kind never replaces another kind's file
+WRITERS = {"trace": "hpcpipe.trace", "report": "hpcpipe.infer.report", "generate": "hpcpipe.generate"}
 _KINDS = {"infer": f"an hpcpipe.infer output (root attribute format = {INFER_FORMAT!r})",
-          "json": "a JSON file hpcpipe wrote (it starts with {\"writer\": \"hpcpipe...\"})"}
+          **{kind: f"a file hpcpipe wrote as a {kind} (it starts with {{\"writer\": \"{w}\"}})"
+             for kind, w in WRITERS.items()}}
 
 
-def marked_json(obj: dict[str, Any], writer: str = "hpcpipe") -> dict[str, Any]:
-    """Return obj with the ``writer`` key first, the mark check_replaceable looks for."""
-    if not writer.startswith("hpcpipe"):
-        raise ValueError(f"writer {writer!r} must start with 'hpcpipe'")
-    return {"writer": writer, **{k: v for k, v in obj.items() if k != "writer"}}
+def _mark(kind: str) -> bytes:
+    return b'{"writer": "' + WRITERS[kind].encode() + b'"'
 
 
-def dump_marked_json(obj: dict[str, Any], f: Any, writer: str = "hpcpipe") -> None:
+def marked_json(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Return obj with the ``writer`` key of this kind first, the mark check_replaceable looks for."""
+    if kind not in WRITERS:
+        raise ValueError(f"unknown JSON output kind {kind!r}")
+    return {"writer": WRITERS[kind], **{k: v for k, v in obj.items() if k != "writer"}}
+
+
+def dump_marked_json(obj: dict[str, Any], f: Any, kind: str) -> None:
     """Write obj as JSON with the writer mark first (json's default separators give the mark's exact bytes)."""
-    json.dump(marked_json(obj, writer), f)
+    json.dump(marked_json(obj, kind), f)
 
 
 def _is_marked(path: Path, kind: str) -> bool:
@@ -50,13 +61,13 @@ def _is_marked(path: Path, kind: str) -> bool:
                 value = f.attrs.get("format")
             return (value.decode() if isinstance(value, bytes) else value) == INFER_FORMAT
         with open(path, "rb") as f:
-            return f.read(len(_JSON_MARK)) == _JSON_MARK
+            return f.read(len(_mark(kind))) == _mark(kind)
     except (OSError, ValueError):   # unreadable, or not HDF5 at all
         return False
 
 
 def check_replaceable(path: str | Path, kind: str, what: str) -> None:
-    """Raise ConfigError when path exists and is not an earlier hpcpipe output of this kind ("infer", "json")."""
+    """Raise ConfigError when path exists and is not an earlier hpcpipe output of this kind (see WRITERS)."""
     if kind not in _KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     p = Path(path)
@@ -71,3 +82,46 @@ def check_replaceable(path: str | Path, kind: str, what: str) -> None:
     if not _is_marked(p, kind):
         raise ConfigError(f"{what} {str(p)!r} already exists and is not {_KINDS[kind]}; hpcpipe replaces only its "
                           f"own earlier output: move the file away or choose another path")
+
+
+def commit_output(tmp: Path, final: Path, kind: str | None, what: str) -> None:
+    """Move the complete temporary file to its final name without destroying a file that appeared meanwhile.
+
+    The path was checked when the run started, but the run can take hours: a
+    path that is free now is taken with a hard link, which fails if anything
+    got there first; a path that holds something is checked again and only
+    an earlier output of this ``kind`` is replaced (None: never replace).
+    On a refusal the result stays at ``tmp`` and the error names it.
+    """
+    keep = f"; this run's result is kept as {str(tmp)!r}"
+    if not (final.exists() or final.is_symlink()):
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            raise ConfigError(f"{what} {str(final)!r} appeared while the run was writing; it was left alone"
+                              f"{keep}") from None
+        except OSError:   # a file system without hard links: a rename, checked just before
+            os.replace(tmp, final)
+            return
+        os.unlink(tmp)
+        return
+    if kind is None:
+        raise ConfigError(f"{what} {str(final)!r} appeared while the run was writing; it was left alone{keep}")
+    try:
+        check_replaceable(final, kind, what)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{keep}") from None
+    os.replace(tmp, final)
+
+
+def write_json_output(path: str | Path, obj: dict[str, Any], kind: str, what: str) -> None:
+    """Write obj as marked JSON beside path, then commit it there (commit_output): whole or not at all."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w") as f:
+            dump_marked_json(obj, f, kind)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    commit_output(tmp, final, kind, what)

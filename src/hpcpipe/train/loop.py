@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
-from hpcpipe.errors import EXIT_DIVERGED, AgreedError
+from hpcpipe.errors import EXIT_DIVERGED, AgreedError, HpcpipeError
 from hpcpipe.runtime.faults import fault_injection, stall_injection, step_sleep
 from hpcpipe.runtime.guard import Watchdog
 from hpcpipe.runtime.rss import peak_rss_bytes
@@ -184,7 +185,10 @@ def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], l
     rank = world.Get_rank()
     parts = gather_to_root(world, (rank, label or f"rank {rank}", rank_events(events_by_step, rank)), 0)
     if parts is not None:
-        write_json(path, training_trace(parts))
+        try:
+            write_json(path, training_trace(parts), "trace", "log.trace")
+        except (OSError, HpcpipeError) as exc:   # the run is done and saved: a lost trace is not worth failing for
+            print(f"hpcpipe: warning: trace not written: {exc}", file=sys.stderr, flush=True)
 
 
 def timed_save(trainer: Any, step: int) -> float:

@@ -261,7 +261,7 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsS
             files += more_files
             dirs += more_dirs
     metrics, trace = config.log.metrics, config.log.trace
-    if metrics and trace and os.path.realpath(metrics) == os.path.realpath(trace):
+    if metrics and trace and (os.path.realpath(metrics) == os.path.realpath(trace) or _same_file(metrics, trace)):
         raise ConfigError(f"log.metrics and log.trace are the same file {metrics!r}; give each its own")
     for key, path in (("metrics", metrics), ("trace", trace)):
         if path:
@@ -270,7 +270,15 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsS
     if metrics:
         check_metrics_file(metrics)
     if trace:   # the trace is written whole at the end, replacing the file: only an earlier trace may be there
-        check_replaceable(trace, "json", "log.trace")
+        check_replaceable(trace, "trace", "log.trace")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """True when both paths exist and are one file (hard links included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def check_metrics_file(path: str) -> None:
@@ -280,20 +288,26 @@ def check_metrics_file(path: str) -> None:
     anything else (weights, a config, someone's notes) would change a file the
     run did not create.
     """
+    p = Path(path)
+    if p.is_symlink():   # appending would follow it into a file the run never named
+        raise ConfigError(f"log.metrics {path!r} is a symbolic link; name the metrics file itself")
+    if not p.exists():
+        return
+    if not p.is_file():   # a FIFO would block the open for ever, a device is no metrics file
+        raise ConfigError(f"log.metrics {path!r} exists and is not a regular file; give a new path")
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)
-    except FileNotFoundError:
-        return
     except OSError as exc:
         raise ConfigError(f"log.metrics {path!r} cannot be read: {exc.strerror or exc}") from None
     first = head.split(b"\n", 1)[0].strip()
-    if not head.strip():
+    if not head.strip():   # nothing to lose (a run that stopped before its first record leaves this)
         return
     try:
         record = json.loads(first)
     except ValueError:
         record = None
-    if not isinstance(record, dict):
+    # a training record, not just any JSON object (a package.json, a JSON-lines dataset, a report)
+    if not isinstance(record, dict) or not {"step", "loss", "step_time_s"} <= record.keys():
         raise ConfigError(f"log.metrics {path!r} exists and is not a metrics file (JSON lines): metrics are "
                           f"appended, so give a new path or an earlier run's metrics file")

@@ -308,6 +308,6 @@ def check_metrics_file(path: str) -> None:
     except ValueError:
         record = None
     # a training record, not just any JSON object (a package.json, a JSON-lines dataset, a report)
-    if not isinstance(record, dict) or not {"step", "loss", "step_time_s"} <= record.keys():
+    if not isinstance(record, dict) or not {"step", "loss"} <= record.keys():
         raise ConfigError(f"log.metrics {path!r} exists and is not a metrics file (JSON lines): metrics are "
                           f"appended, so give a new path or an earlier run's metrics file")

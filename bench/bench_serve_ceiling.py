@@ -186,9 +186,11 @@ def main() -> None:
     if args.quick:   # the tiny model has 4 layer groups: no pp=8
         names = [n for n in names if n not in LAYOUTS or LAYOUTS[n][1] <= size["n_blocks"] + 2]
     unknown = [n for n in names if n not in LAYOUTS]
-    if unknown or args.sequences < 1 or seconds <= 0:
-        sys.exit(f"bench_serve_ceiling: unknown layouts {unknown} (known: {', '.join(LAYOUTS)}), or "
-                 f"--sequences {args.sequences} < 1, or --seconds {seconds} <= 0")
+    if unknown:
+        sys.exit(f"bench_serve_ceiling: unknown layouts {unknown} (known: {', '.join(LAYOUTS)})")
+    if args.sequences < 1 or seconds <= 0:
+        sys.exit(f"bench_serve_ceiling: --sequences must be >= 1 and --seconds > 0, got {args.sequences} and "
+                 f"{seconds:g}")
     print(f"model {size}, {args.sequences} sequences, {seconds:g} s a layout, "
           f"{'GEMMs only' if args.gemm_only else 'DecodeStage.forward'}, "
           f"{'decode only' if args.no_prefill else 'with the prompts prefill'}, load {os.getloadavg()[0]:.2f}",

@@ -22,7 +22,6 @@ from hpcpipe.infer.rows import (
 from hpcpipe.nn.model import layer_specs, partition
 from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.state.kinds import restate_stored_model
-from hpcpipe.state.own_output import check_replaceable
 from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
 
 # model keys the weights decide; the config may repeat them but not contradict them
@@ -91,14 +90,11 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])
     files, dirs = protected_paths(weights, source)
     check_output(output, input, files, dirs)
-    check_replaceable(output, "infer", "output path")
     trace = trace or cfg.log.trace
     written = ((f"the output file {str(output)!r}", Path(output)),)
     if trace:
-        check_output(trace, input, files + written, dirs, "trace path")
-        check_replaceable(trace, "trace", "trace path")
+        check_output(trace, input, files + written, dirs, "trace path", "trace")
         written += ((f"the trace file {str(trace)!r}", Path(trace)),)
     if report:
-        check_output(report, input, files + written, dirs, "report path")
-        check_replaceable(report, "report", "report path")
+        check_output(report, input, files + written, dirs, "report path", "report")
     return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)

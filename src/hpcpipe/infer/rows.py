@@ -35,7 +35,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, open_hdf5
-from hpcpipe.state.own_output import commit_output
+from hpcpipe.state.own_output import check_replaceable, commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 
 
@@ -89,19 +89,22 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
 
 
 def check_output(path: str | Path, input_path: str | Path, protected_files: tuple[tuple[str, Path], ...] = (),
-                 protected_dirs: tuple[tuple[str, Path], ...] = (), what: str = "output path") -> None:
-    """Raise ConfigError unless a file can be created at path without replacing what the run reads.
+                 protected_dirs: tuple[tuple[str, Path], ...] = (), what: str = "output path",
+                 kind: str = "infer") -> None:
+    """Raise ConfigError unless a file of this kind can be written at path without destroying anything.
 
     Its directory must exist and be writable, and it must not be the input
     file, one of ``protected_files`` or anything inside ``protected_dirs``
     ((label, path) pairs, the label a phrase like "the weights file 'w.h5'").
-    Paths are compared after resolving symlinks, and hard links count as the same file.
+    Paths are compared after resolving symlinks, and hard links count as the same file. An existing
+    file there must be hpcpipe's own earlier output of ``kind`` (``own_output.check_replaceable``).
     """
     check_writable(path, what)
     p = Path(path)
     if same_file(p, Path(input_path)):
         raise ConfigError(f"{what} {str(p)!r} is the input file")
     refuse_overwrite(p, protected_files, protected_dirs, what)
+    check_replaceable(p, kind, what)
 
 
 def temporary_name(path: str | Path) -> Path:

@@ -17,7 +17,7 @@ from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.plan import ServePlan, plan
 from hpcpipe.serve.sampling import SamplingParams
 from hpcpipe.serve.textstream import TextStream
-from hpcpipe.state.own_output import check_replaceable, write_json_output
+from hpcpipe.state.own_output import write_json_output
 from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
@@ -70,8 +70,7 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
         raise ConfigError("--prompt is empty: give at least one character to continue")
     if args.json:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
-        check_output(args.json, args.weights, files, dirs, "--json path")
-        check_replaceable(args.json, "generate", "--json path")
+        check_output(args.json, args.weights, files, dirs, "--json path", "generate")
     try:
         ids = p.tokenizer.encode(args.prompt)
     except ValueError as exc:

@@ -1,7 +1,11 @@
-"""``python -m hpcpipe.infer``."""
+"""``python -m hpcpipe.infer``: the stop handlers are installed by this file's first statement (see command.py)."""
 
-import sys
+from hpcpipe.runtime.stopsignal import StopSignals
 
-from hpcpipe.infer.command import main
+EARLY_STOP = StopSignals().install()   # before anything slow is imported, on purpose
 
-sys.exit(main())
+import sys  # noqa: E402
+
+from hpcpipe.infer.command import main  # noqa: E402
+
+sys.exit(main(stop=EARLY_STOP))

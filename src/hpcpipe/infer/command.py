@@ -14,7 +14,9 @@ from hpcpipe.errors import HpcpipeError
 from hpcpipe.infer.pipeline import execute
 from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import format_summary
+from hpcpipe.infer.stopping import StopRequested
 from hpcpipe.runtime.host_memory import keep_freed_memory
+from hpcpipe.runtime.stopsignal import StopSignals
 from hpcpipe.trace import write_json
 
 DESCRIPTION = """Run a trained MLP forward over the rows of an HDF5 dataset with pipeline (pp) x data (dp)
@@ -29,7 +31,9 @@ EPILOG = """examples:
       --set parallel.pp=2 --set infer.micro_batch_size=256 --trace infer-trace.json
 
 exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input (nothing is written
-at the output path)."""
+at the output path), 75 stopped by SIGTERM/SIGUSR1 before the last row (nothing written; rerun the
+command), 130 interrupted (SIGINT). An earlier file at the output path is left as it was in every
+case but success. See docs/infer.md."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,9 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hpcpipe.infer``; returns the exit status."""
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.infer`` (``stop``: its early handlers); returns the exit status."""
+    # `python -m hpcpipe.infer` installed them before MPI and NumPy loaded (__main__.py): a stop signal
+    # during start-up is only recorded, and every rank acts on it before its first micro-batch.
+    stop = stop or StopSignals().install()
+    try:
+        return _main(parse_args(argv), stop)
+    finally:
+        stop.ignore()   # as train: a second signal while the ranks shut down must not kill one
+
+
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     keep_freed_memory()
     from mpi4py import MPI
 
@@ -63,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                     args.trace, args.report)
 
     def body(p: InferPlan) -> int:
-        report = execute(p, world)
+        try:
+            report = execute(p, world, stop)
+        except StopRequested as exc:   # every rank stopped together; nothing was committed
+            if world.Get_rank() == 0:
+                print(exc, file=sys.stderr, flush=True)
+            return exc.code
         if world.Get_rank() == 0:
             print(format_summary(report) + f" -> {p.output!r}", flush=True)
             if args.report:

@@ -8,6 +8,7 @@ the report :mod:`hpcpipe.infer.report`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.errors import ConfigError, HpcpipeError
+from hpcpipe.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ConfigError, HpcpipeError
 from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import summarize
 from hpcpipe.infer.rows import (
@@ -27,6 +28,7 @@ from hpcpipe.infer.rows import (
     replica_micro_batches,
     temporary_name,
 )
+from hpcpipe.infer.stopping import StopNotice, StoppablePoller, StopRequested, StreamStopped, stop_message
 from hpcpipe.infer.stream import StreamStage
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.model import layer_specs
@@ -66,13 +68,15 @@ def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Pat
         pp_comm=topo.pp_comm, prev=topo.prev, next=topo.next, poller=poller)
 
 
-def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
+def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
     """Run a planned inference on every rank of comm (collective); return the report on every rank.
 
     Errors before streaming (unreadable weights, output not creatable) are
     agreed on and raised as AgreedError on every rank, and nothing is left at
     the output path. A failure while streaming on one rank aborts comm
-    (MPI_Abort), since its neighbours would wait for it forever.
+    (MPI_Abort), since its neighbours would wait for it forever. ``stop`` (the
+    command's StopSignals) makes a stop signal on any rank end the stream on
+    every rank: StopRequested on every rank, nothing committed (infer.stopping).
     """
     t_begin = time.perf_counter()
     cfg = p.config
@@ -81,6 +85,9 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
     rank = comm.Get_rank()
     stage: StreamStage | None = None
     tmp: Path | None = None
+    notice = StopNotice(comm, stop) if stop is not None else None
+    stream_poller = poller if notice is None else \
+        StoppablePoller(cfg.run.poll_min_us, cfg.run.poll_max_us, notice.check)
     try:
         arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
                                      with_optimizer=False).arrays
@@ -97,23 +104,29 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
         tmp = Path(tmp_name)
         # e.g. MemoryError or an unreadable input on one rank
         with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot start: {type(e).__name__}: {e}"):
-            stage = _build_stage(p, topo, poller, arrays, tmp, offset)
+            stage = _build_stage(p, topo, stream_poller, arrays, tmp, offset)
         stage.fault_at = fault_step(rank)
+        if notice is not None:
+            stage.stopped = notice.check
         shift = clock_offset(topo.cart, poller)   # our own communicator: no clash with the caller's tags
         barrier(comm, poller)
         t_start = time.perf_counter()
+        left_early = False
         try:
             events = stage.run()
+        except StreamStopped:
+            left_early = True
+            stage.abandon()   # before agreeing: a neighbour may still be sending into this rank's buffers
         except BaseException as exc:  # noqa: BLE001 - neighbours wait on this rank: end the job, never hang
-            if comm.Get_size() > 1:
-                print(f"hpcpipe: [{topo.name}] error while streaming: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
-                try:   # the abort ends every rank, rank 0's finally clause too: remove it now
-                    discard(tmp)
-                except OSError:
-                    pass
-                abort(comm, 1)
+            _abort_stream(comm, topo.name, exc, tmp, p.output)
             raise
+        if notice is not None:
+            every = notice.agree(poller, left_early)
+            if any(early for early, _ in every):   # some rank stopped: the output is incomplete everywhere
+                if not left_early:
+                    stage.abandon()
+                stage = None
+                raise StopRequested(stop_message(every, p.output, os.path.lexists(p.output)))
         stage_done, stage = stage, None
         with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot finish writing {str(tmp)!r}: {e}"):
             stage_done.close()
@@ -152,7 +165,25 @@ def execute(p: InferPlan, comm: Any) -> dict[str, Any]:
                 pass
         if rank == 0 and tmp is not None:
             discard(tmp)
+        if notice is not None:
+            notice.close()
         topo.free()
+
+
+def _abort_stream(comm: Any, name: str, exc: BaseException, tmp: Path, output: str) -> None:
+    """A rank failed or was interrupted mid-stream: say so, remove the temporary output, end the job now."""
+    if comm.Get_size() == 1:
+        return   # one process: the exception ends the command, execute's finally removes the temporary
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"hpcpipe: [{name}] interrupted (SIGINT) while streaming: nothing written at {output!r}; "
+              f"ending the job (exit status {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+    else:
+        print(f"hpcpipe: [{name}] error while streaming: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    try:   # the abort ends every rank, rank 0's finally clause too: remove it now
+        discard(tmp)
+    except OSError:
+        pass
+    abort(comm, EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE)
 
 
 def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any = None,

@@ -206,6 +206,10 @@ class RowWriter:
         finally:
             os.close(self.fd)
 
+    def abandon(self) -> None:
+        """Close the file without flushing it (it is about to be removed)."""
+        os.close(self.fd)
+
 
 def commit(tmp: Path, final: Path) -> None:
     """Atomically move the complete temporary output to its final name (and make it durable).

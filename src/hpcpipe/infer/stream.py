@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
+from hpcpipe.infer.stopping import StreamStopped, cancel_receive
 from hpcpipe.nn.layers import Activation
 from hpcpipe.runtime.comm import StreamLink
 
@@ -132,6 +133,7 @@ class StreamStage:
         self.end_time = 0.0
         self.cpu_s = 0.0       # CPU seconds this process used while streaming (shows contention for cores)
         self.fault_at = -1     # test hook: raise before this rank's k-th micro-batch (HPCPIPE_FAULT)
+        self.stopped: Callable[[], bool] = lambda: False   # a stop signal here or on any rank (StopNotice.check)
 
     def run(self) -> np.ndarray:
         """Stream every micro-batch of this rank; return the (K, 5) event timestamps (perf_counter seconds)."""
@@ -140,7 +142,7 @@ class StreamStage:
         n, slots = len(self.mbs), self.slots
         ev = self.events
         recv, send, reader, writer = self.recv, self.send, self.reader, self.writer
-        in_bufs, compute, progress = self.in_bufs, self.chain.compute, self.progress
+        in_bufs, compute, progress, stopped = self.in_bufs, self.chain.compute, self.progress, self.stopped
         if recv is not None:
             for k in range(min(slots, n)):
                 recv.start(k)
@@ -149,6 +151,8 @@ class StreamStage:
             start, rows = self.rows[k]
             if k == self.fault_at:
                 raise RuntimeError(f"injected fault before micro-batch {self.mbs[k]} (HPCPIPE_FAULT)")
+            if stopped():
+                raise StreamStopped(f"stopped before micro-batch {self.mbs[k]}")
             row = ev[k]
             row[0] = clock()
             if reader is not None:
@@ -187,3 +191,19 @@ class StreamStage:
             self.reader.close()
         if self.writer is not None:
             self.writer.close()
+
+    def abandon(self) -> None:
+        """After a stop: withdraw the pending receives and close the files, never waiting for a neighbour.
+
+        Sends still in flight are left alone: their receiver has stopped too, and
+        MPI forgets them at the end of the process (cancelling a send crashed MPICH).
+        """
+        if self.recv is not None:
+            for slot, active in enumerate(self.recv.active):
+                if active:
+                    cancel_receive(self.recv.requests[slot])
+                    self.recv.active[slot] = False
+        if self.reader is not None:
+            self.reader.close()
+        if self.writer is not None:
+            self.writer.abandon()

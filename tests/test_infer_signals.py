@@ -1,0 +1,123 @@
+"""End-to-end: the real `mpiexec -n 2 python -m hpcpipe.infer` stopped mid-stream by SIGTERM, SIGUSR1 or SIGINT.
+
+The run is big enough (120 000 rows through 1024-wide layers, about 5 s on one
+core per rank) to be signalled while it streams. Whatever stops it, nothing is
+committed, no temporary file stays behind, and an earlier output at the path
+(a real one, from a first run) keeps every byte.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import launchers
+import numpy as np
+import pytest
+from state_helpers import ROOT, command, run, wait_until_gone
+
+from hpcpipe import errors
+from hpcpipe.state.weights import write_weights
+
+pytestmark = pytest.mark.slow
+
+DIMS = [64, 1024, 1024, 1024, 64]
+ROWS = 120_000
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(weights, big input, small input): a float32 MLP whose stream takes seconds over the big input."""
+    tmp = tmp_path_factory.mktemp("infer-signals")
+    rng = np.random.default_rng(0)
+    weights = tmp / "w.h5"
+    layers = {i: {"weight": (rng.standard_normal((DIMS[i], DIMS[i + 1])) / np.sqrt(DIMS[i])).astype(np.float32)}
+              for i in range(len(DIMS) - 1)}
+    write_weights(weights, layers, n_layers=len(DIMS) - 1,
+                  model_config={"dims": DIMS, "bias": False, "activation": "relu", "final_activation": False,
+                                "dtype": "float32"})
+    big, small = tmp / "big.h5", tmp / "small.h5"
+    with h5py.File(big, "w") as f:
+        f["x"] = rng.standard_normal((ROWS, DIMS[0])).astype(np.float32)
+    with h5py.File(small, "w") as f:
+        f["x"] = rng.standard_normal((8, DIMS[0])).astype(np.float32)
+    return weights, big, small
+
+
+def _args(weights: Path, data: Path, out: Path) -> list[str]:
+    return ["--weights", str(weights), "--input", str(data), "--output", str(out), "--set", "parallel.pp=2"]
+
+
+def _temporaries(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if ".tmp-" in p.name]
+
+
+def _wait_for_the_stream(proc: subprocess.Popen, directory: Path) -> None:
+    """Return once the run streams: its temporary output exists (created just before the first micro-batch)."""
+    deadline = time.time() + 60
+    while not _temporaries(directory):
+        assert proc.poll() is None and time.time() < deadline, f"no temporary output (exit status {proc.poll()})"
+        time.sleep(0.02)
+    time.sleep(0.5)       # past the start barrier: mid-stream
+    assert proc.poll() is None, "the run ended before it could be signalled: make the input bigger"
+
+
+def _rank_pid(directory: Path, rank: int) -> int:
+    """The process id of world rank `rank` of the run writing into directory (found by its environment)."""
+    marks = [f"{name}={rank}".encode() for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")]
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"hpcpipe.infer" in cmdline and str(directory).encode() in cmdline and \
+                any(mark in environ.split(b"\0") for mark in marks):
+            return int(entry.name)
+    raise AssertionError(f"no process of world rank {rank} found")
+
+
+@pytest.mark.parametrize("how", ["TERM to mpiexec", "USR1 to mpiexec", "TERM to rank 1", "INT to mpiexec"])
+def test_a_signal_mid_stream_stops_every_rank_writes_nothing_and_keeps_the_earlier_output(files, tmp_path, how):
+    weights, big, small = files
+    out = tmp_path / "out.h5"
+    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)   # the earlier output
+    assert first.returncode == 0, first.stderr
+    before = out.read_bytes()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.Popen(command(2, "hpcpipe.infer", _args(weights, big, out)), env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_the_stream(proc, tmp_path)
+        sig = {"TERM": signal.SIGTERM, "USR1": signal.SIGUSR1, "INT": signal.SIGINT}[how.split()[0]]
+        t0 = time.time()
+        if how.endswith("mpiexec"):
+            proc.send_signal(sig)
+        else:
+            os.kill(_rank_pid(tmp_path, 1), sig)     # as a batch system that signals the tasks, or one node's
+        _, err = proc.communicate(timeout=30)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    openmpi = launchers.chosen() == "openmpi" and how.endswith("mpiexec")
+    if how.startswith("INT") and not openmpi:
+        assert proc.returncode == errors.EXIT_INTERRUPTED, err      # was 1
+        assert "interrupted (SIGINT) while streaming: nothing written at" in err, err
+    else:
+        # Open MPI's mpirun reports 1 although the ranks exited 75, and turns Ctrl-C into SIGTERM to the ranks
+        assert proc.returncode == errors.EXIT_PREEMPTED or (openmpi and proc.returncode == 1), err   # was 15
+        name = "SIGTERM" if openmpi else f"SIG{how.split()[0]}"
+        ranks = "1 of 2" if how.endswith("rank 1") else "2 of 2"
+        assert err.count("hpcpipe: stopped by") == 1, err
+        assert f"stopped by {name} (received on {ranks} ranks) before the last row: nothing written at " \
+               f"{str(out)!r}; the earlier file there is unchanged" in err, err
+        assert "error" not in err.lower(), err
+    assert took < 15
+    assert out.read_bytes() == before
+    assert _temporaries(tmp_path) == []        # was: the full-size OUT.tmp-XXXXXXXX left behind
+    assert wait_until_gone(str(tmp_path), 10) == []

@@ -12,6 +12,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.state.own_output import (
     INFER_FORMAT,
     check_replaceable,
+    check_writable,
     commit_output,
     dump_marked_json,
     marked_json,
@@ -116,3 +117,21 @@ def test_metrics_and_trace_hard_linked_to_one_file_are_refused(tmp_path):
                         "checkpoint": {"dir": ""}})
     with pytest.raises(ConfigError, match="are the same file"):
         check_log_files(config, None, None)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("", "--json path is empty: name the file to write"),
+    ("nodir/x.json", "--json directory '{tmp}/nodir' does not exist (for --json '{tmp}/nodir/x.json')"),
+    ("notes.txt/x.json", "--json path '{tmp}/notes.txt/x.json' is not writable: '{tmp}/notes.txt' is not a directory"),
+    ("fifo", "--json path '{tmp}/fifo' exists and is a named pipe, not a regular file; choose another path"),
+    (".", "--json path '{tmp}' is a directory"),
+])
+def test_an_output_path_that_cannot_take_a_file_is_named_for_what_it_is(tmp_path, name, words):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    path = str(tmp_path / name) if name not in ("", ".") else ("" if not name else str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        check_writable(path, "--json path")
+    assert str(info.value) == words.format(tmp=tmp_path)
+    check_writable(tmp_path / "new.json", "--json path")      # a new name in a writable directory is fine
+

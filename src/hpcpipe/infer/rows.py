@@ -35,7 +35,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, open_hdf5
-from hpcpipe.state.own_output import check_replaceable, commit_output
+from hpcpipe.state.own_output import check_replaceable, check_writable, commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 
 
@@ -69,23 +69,6 @@ def check_input(path: str | Path, dataset: str, width: int) -> int:
         if x.dtype.kind not in "fiu":
             raise ConfigError(f"dataset {dataset!r} in {str(p)!r} has dtype {x.dtype}; a numeric dtype is needed")
         return int(x.shape[0])
-
-
-def check_writable(path: str | Path, what: str = "output path") -> None:
-    """Raise ConfigError unless a file can be created at path: its directory exists and is writable."""
-    p = Path(path)
-    if not str(path):
-        raise ConfigError(f"no {what} given")
-    if p.is_dir():
-        raise ConfigError(f"{what} {str(p)!r} is a directory")
-    parent = p.parent
-    if not parent.exists():
-        raise ConfigError(f"{what.split()[0]} directory {str(parent)!r} does not exist (for {what.split()[0]} "
-                          f"{str(p)!r})")
-    if not parent.is_dir():
-        raise ConfigError(f"{what} {str(p)!r} is not writable: {str(parent)!r} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
 
 
 def check_output(path: str | Path, input_path: str | Path, protected_files: tuple[tuple[str, Path], ...] = (),

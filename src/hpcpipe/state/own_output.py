@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,41 @@ def check_replaceable(path: str | Path, kind: str, what: str) -> None:
     if not _is_marked(p, kind):
         raise ConfigError(f"{what} {str(p)!r} already exists and is not {_KINDS[kind]}; hpcpipe replaces only its "
                           f"own earlier output: move the file away or choose another path")
+
+
+def file_kind(path: str | Path) -> str:
+    """Name what is at an existing path that is not a regular file ("a named pipe", "a socket", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "unreadable"
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_writable(path: str | Path, what: str = "output path") -> None:
+    """Raise ConfigError unless a file can be created at path: a name, in a directory that exists and is writable.
+
+    ``what`` names the option in the one-line message ("output path", "--json path", "export output").
+    """
+    p = Path(path)
+    if not str(path):
+        raise ConfigError(f"{what} is empty: name the file to write")
+    if p.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is a directory")
+    if p.exists() and not p.is_file():   # a FIFO would block the writer, a device is no place for a result
+        raise ConfigError(f"{what} {str(p)!r} exists and is {file_kind(p)}, not a regular file; choose another path")
+    parent = p.parent
+    noun = what.removesuffix(" path")
+    if not (parent.exists() or parent.is_symlink()):
+        raise ConfigError(f"{noun} directory {str(parent)!r} does not exist (for {noun} {str(p)!r})")
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is not writable: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
 
 
 def commit_output(tmp: Path, final: Path, kind: str | None, what: str) -> None:

@@ -7,6 +7,7 @@ verify rejects; --resume of a finished run printed nan; `checkpoint info W.h5` s
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -238,3 +239,33 @@ def test_checkpoint_tool_on_a_missing_path_is_a_usage_error(tmp_path):
         assert "does not exist" in result.stderr
     result = _ckpt_cli("export", tmp_path / "nock", tmp_path / "out.h5")
     assert result.returncode == 2 and not (tmp_path / "out.h5").exists()
+
+
+@pytest.mark.parametrize("target,words", [
+    ("nodir/x.h5", "export output directory '{tmp}/nodir' does not exist (for export output '{tmp}/nodir/x.h5')"),
+    ("", "export output is empty: name the file to write"),                         # was: "'' is a directory"
+    ("fifo", "export output '{tmp}/fifo' exists and is a named pipe, not a regular file"),
+    ("notes.txt/x.h5", "export output '{tmp}/notes.txt/x.h5' is not writable: '{tmp}/notes.txt' is not a directory"),
+])
+def test_a_bad_export_target_is_one_line_exit_2_before_the_checkpoint_is_read(tmp_path, target, words):
+    source = tmp_path / "ck"
+    shutil.copytree(Path(__file__).parent / "data" / "session2-checkpoint", source)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    step = source / "step-00000002"
+    for stage_file in step.glob("*.h5"):   # garbage: a target checked only after reading would fail on these
+        stage_file.write_bytes(b"not the stage file\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = _ckpt_cli("export", source, str(tmp_path / target) if target else "")
+    assert result.returncode == 2, result.stderr                  # was 1 for nodir/x.h5, naming a temporary file
+    assert result.stderr == f"hpcpipe.checkpoint: error: {words.format(tmp=tmp_path)}\n" or \
+        result.stderr.startswith(f"hpcpipe.checkpoint: error: {words.format(tmp=tmp_path)};"), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_named_pipe_given_as_the_checkpoint_is_named_as_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    result = _ckpt_cli("export", tmp_path / "fifo", tmp_path / "x.h5")
+    assert result.returncode == 1, result.stderr
+    assert f"weights path '{tmp_path / 'fifo'}' is a named pipe, not a weights file or a checkpoint" in result.stderr
+    assert "does not exist" not in result.stderr and not (tmp_path / "x.h5").exists()

@@ -28,7 +28,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
-from hpcpipe.state.own_output import commit_output
+from hpcpipe.state.own_output import check_writable, commit_output
 from hpcpipe.state.sources import (
     WeightsSource,
     checkpoint_source,
@@ -104,6 +104,23 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
         raise
     commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
     return source
+
+
+def export_output_error(out: str, protected: tuple | None = None) -> str | None:
+    """Why ``out`` cannot take an export (None if it can): the path alone, or with (files, dirs) it must spare."""
+    try:
+        if protected is None:
+            if out.endswith("/"):
+                raise ConfigError(f"export output {out!r} is a directory; name the weights file to write")
+            check_writable(out, "export output")
+            return None
+        refuse_overwrite(out, *protected, "export output")
+        if os.path.lexists(out):   # an export is a model: never replace one (nor anything else)
+            raise ConfigError(f"export output {out!r} already exists; export never replaces a file: "
+                              f"move it away or name a new file")
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def _describe_dir(p: Path) -> list[str]:
@@ -212,16 +229,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ok: {source.describe()} step {source.step}, {files}"
                       f"{count_text(source.model_kind, source.n_layers)}")
         elif args.command == "export":
-            files, dirs = protected_paths(args.dir, resolve_weights(args.dir))   # a bad checkpoint: status 1
-            try:   # a target that would replace or land inside what it exports is a usage error
-                if not args.out or args.out.endswith("/") or Path(args.out).is_dir():
-                    raise ConfigError(f"export output {args.out!r} is a directory; name the weights file to write")
-                refuse_overwrite(args.out, files, dirs, "export output")
-                if os.path.lexists(args.out):   # an export is a model: never replace one (nor anything else)
-                    raise ConfigError(f"export output {args.out!r} already exists; export never replaces a file: "
-                                      f"move it away or name a new file")
-            except ConfigError as exc:
-                print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
+            # a bad target is a usage error (status 2), found before the checkpoint is read; what it must not
+            # replace or land in is known once the checkpoint is resolved (a bad checkpoint: status 1)
+            refused = export_output_error(args.out)
+            if refused is None:
+                refused = export_output_error(args.out, protected_paths(args.dir, resolve_weights(args.dir)))
+            if refused is not None:
+                print(f"hpcpipe.checkpoint: error: {refused}", file=sys.stderr)
                 return 2
             source = export(args.dir, args.out, args.optimizer)
             print(f"exported {source.describe()} step {source.step} ({count_text(source.model_kind, source.n_layers)}) "

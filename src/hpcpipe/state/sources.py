@@ -21,6 +21,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
+from hpcpipe.state.own_output import file_kind
 from hpcpipe.state.weights import (
     LayerArrays,
     OptimizerArrays,
@@ -214,6 +215,8 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
     if key and not os.path.lexists(p):
         hint = hint or " (give a weights file or a checkpoint directory)"
         raise ConfigError(f"{key} {str(p)!r} does not exist{hint}")
+    if p.exists() and not (p.is_file() or p.is_dir()):   # a FIFO was reported as a checkpoint that does not exist
+        raise ConfigError(f"{key or 'weights path'} {str(p)!r} is {file_kind(p)}, not a weights file or a checkpoint")
     if p.is_file() and p.name != cf.LATEST:
         if not h5py.is_hdf5(p):
             raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")

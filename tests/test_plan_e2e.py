@@ -161,7 +161,9 @@ def test_too_small_a_budget_names_the_smallest_feasible_one(planned):
     (["--ranks", "2", "--set", "model.depth=3"], "unknown key model.depth"),
     (["--ranks", "2", "--config", "missing.toml"], "does not exist"),
     (["--ranks", "2", "--write", "exists.toml"], "exists; the planner does not overwrite"),
-    (["--ranks", "2", "--json", "nodir/plans.json"], "does not exist"),
+    (["--ranks", "2", "--json", "nodir/plans.json"], "--json directory 'nodir' does not exist"),
+    (["--ranks", "2", "--write", "exists.toml/plan.toml"],                 # was: "directory ... does not exist"
+     "--write 'exists.toml/plan.toml' is not writable: 'exists.toml' is not a directory"),
     (["--ranks", "2", "--write", "dangling.toml"], "exists; the planner does not overwrite"),
     (["--ranks", "2", "--write", "p.out", "--json", "./p.out"], "--write and --json name the same file"),
     (["--ranks", "99999999999"], "more than the planner searches"),

@@ -28,6 +28,7 @@ from hpcpipe.plan import report
 from hpcpipe.plan.profile import default_cache_dir, largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.profile_cache import ordinary_mode
 from hpcpipe.plan.search import micro_batch_rows, search
+from hpcpipe.state.own_output import check_writable
 from hpcpipe.state.sources import refuse_overwrite
 from hpcpipe.train.preflight import available_bytes
 
@@ -111,9 +112,8 @@ def _check_args(args) -> None:
         if path and os.path.lexists(path):     # a dangling symlink too: writing would follow it
             raise ConfigError(f"--{name} {path!r} exists; the planner does not overwrite files: remove it or "
                               f"give a new path")
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ConfigError(f"--{name} {path!r}: directory {str(Path(path).parent)!r} does not exist")
         if path:
+            check_writable(path, f"--{name}")   # names a missing directory, or a file where one should be
             _check_can_create(path, f"--{name}")
             refuse_overwrite(path, (), (), f"--{name}")   # never into a checkpoint: pruning would delete it
     cache = args.profile_dir or default_cache_dir()

@@ -74,6 +74,7 @@ def _one_error(proc) -> str:
 @pytest.mark.parametrize("args,message", [
     (["--prompt", "HELLO"], "character 'H'"),
     (["--prompt", ""], "--prompt is empty"),
+    (["--json", ""], "--json path is empty: name the file to write"),          # was: exit 0, nothing written
     (["--prompt", "a" * 33], "33 tokens long but the model's context is model.seq_len = 32"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),

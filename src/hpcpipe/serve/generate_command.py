@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
-    parser.add_argument("--json", metavar="FILE", default="", help="also write the result as JSON")
+    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     return parser.parse_args(argv)
 
 
@@ -68,7 +68,7 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if not args.prompt:
         raise ConfigError("--prompt is empty: give at least one character to continue")
-    if args.json:   # refused now, not after generating: never into the weights or a checkpoint
+    if args.json is not None:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path", "generate")
     try:

@@ -28,12 +28,13 @@ from hpcpipe.infer.rows import (
     replica_micro_batches,
     temporary_name,
 )
-from hpcpipe.infer.stopping import StopNotice, StoppablePoller, StopRequested, StreamStopped, stop_message
+from hpcpipe.infer.stopping import StopRequested, stop_message
 from hpcpipe.infer.stream import StreamStage
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.model import layer_specs
 from hpcpipe.runtime.comm import Poller, abort, barrier, broadcast, clock_offset, gather_to_root, together
 from hpcpipe.runtime.faults import fault_step
+from hpcpipe.runtime.stop_notice import StopNotice, StoppablePoller, StreamStopped
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.own_output import INFER_FORMAT

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
-from hpcpipe.infer.stopping import StreamStopped, cancel_receive
 from hpcpipe.nn.layers import Activation
 from hpcpipe.runtime.comm import StreamLink
+from hpcpipe.runtime.stop_notice import StreamStopped, cancel_receive
 
 # per micro-batch: input started, input ready, output slot free (compute start), compute end, output done
 EVENT_FIELDS = ("input_start", "input_end", "compute_start", "compute_end", "output_end")

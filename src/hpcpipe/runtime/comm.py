@@ -1,4 +1,4 @@
-"""The one module that moves data over MPI: point-to-point activations, allreduces, abort.
+"""The one module that moves data over MPI: point-to-point activations, allreduces, abort (and runtime.stop_notice).
 
 Waiting polls non-blocking requests with an exponential sleep (run.poll_min_us .. run.poll_max_us) instead
 of MPI's blocking calls, which busy-spin: with more ranks than cores, a spinning waiter steals the core a
@@ -45,9 +45,13 @@ class Poller:
         start = time.perf_counter()
         delay = self.min_s
         while not MPI.Request.Testall(requests):
+            self.between_polls()
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_s)
         self.waited_s += time.perf_counter() - start
+
+    def between_polls(self) -> None:
+        """Runs between two polls of a wait; a subclass may raise here to give the wait up (runtime.stop_notice)."""
 
 
 class PipeComm:
@@ -399,7 +403,6 @@ def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
     return comm.bcast(error if comm.Get_rank() == owner else None, root=owner) if size > 1 else error
 
 
-
 @contextmanager
 def together(comm: Any, poller: Poller, code: int, describe: Callable[[Exception], str] | None = None,
              on_failure: Callable[[], None] | None = None) -> Iterator[None]:
@@ -411,12 +414,11 @@ def together(comm: Any, poller: Poller, code: int, describe: Callable[[Exception
             write_my_part()          # may fail on some ranks only
         # here: it worked everywhere, or AgreedError(first failing rank's message, code) on every rank
 
-    The block must hold no collective (a rank that fails early would skip it).
-    An hpcpipe error's own message is used as it is; any other exception is put
-    into words by ``describe`` (default: its type and text). ``on_failure`` runs
-    on every rank before the AgreedError is raised (e.g. rank 0 removes a
-    temporary directory). KeyboardInterrupt and SystemExit are not agreed on:
-    they propagate, and the command's abort path ends the job.
+    The block must hold no collective (a rank that fails early would skip it). An hpcpipe error's own
+    message is used as it is; any other exception is put into words by ``describe`` (default: its type
+    and text). ``on_failure`` runs on every rank before the AgreedError is raised (e.g. rank 0 removes a
+    temporary directory). KeyboardInterrupt and SystemExit are not agreed on: they propagate, and the
+    command's abort path ends the job.
     """
     error = None
     try:
@@ -437,9 +439,8 @@ ABORT_GRACE_S = 0.5
 
 def abort(comm: Any, code: int) -> None:
     """End every rank of the job now (MPI_Abort), so one failing rank never hangs the others."""
-    # The launcher's proxy forwards our stderr asynchronously and kills everything as soon as the
-    # abort reaches it; without a short grace period the failing rank's own error message (the
-    # one line the user needs) was sometimes lost on a loaded node.
+    # The launcher's proxy forwards our stderr asynchronously and kills everything once the abort reaches it;
+    # without a short grace period the failing rank's own error line was sometimes lost on a loaded node.
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

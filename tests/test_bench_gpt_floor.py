@@ -51,6 +51,29 @@ def test_the_kernels_hold_the_stage_s_products_and_transcendentals():
     assert floor.causal_fraction(12) == pytest.approx(13 / 24)
 
 
+def test_lean_passes_are_the_documented_calls():
+    shape = floor.model_shape(SIZE)
+    b, t, d, ff = SIZE["micro_batch_size"], SIZE["seq_len"], 24, 40
+    rows, scores = b * t, (b * 3 * t, (t + 1) // 2)
+    (fwd0, bwd0), (fwd1, bwd1) = (floor.lean_passes(shape, g, b) for g in floor.stage_groups(SIZE))
+
+    def count(calls, kind, dims):
+        return sum(1 for c in calls if c == (kind, dims))
+
+    # per block forward: 2 LayerNorms (5 passes, 2 row sums), 4 biases, GELU 6 passes, the softmax's sum and pass
+    assert count(fwd1, "p", (rows, d)) == 2 * (2 * 5 + 2) + 5 and count(fwd1, "r", (rows, d)) == 2 * 4 + 2
+    assert count(fwd1, "p", (rows, ff)) == 2 * 7 and count(fwd1, "p", (rows, 3 * d)) == 2
+    assert count(fwd1, "r", scores) == count(fwd1, "p", scores) == 2
+    assert count(fwd1, "r", (rows, 50)) == count(fwd1, "p", (rows, 50)) == 1      # the loss, last stage only
+    # per block backward: GELU 7 passes, softmax 3 passes + 1 row sum, 2 LayerNorms, 4 bias gradients
+    assert count(bwd1, "p", (rows, ff)) == 2 * 7 and count(bwd1, "c", (rows, ff)) == 2
+    assert count(bwd1, "p", scores) == 2 * 3 and count(bwd1, "r", scores) == 2
+    assert count(bwd1, "p", (rows, d)) == 2 * 12 + 6 and count(bwd1, "c", (rows, d)) == 2 * (4 + 2) + 2
+    # the embedding: one pass each way, no loss on the first stage
+    assert len(fwd0) == len(fwd1) - 7 - 2 + 1 and len(bwd0) == len(bwd1) - 10 + 1
+    assert not any(dims == (rows, 50) for _, dims in fwd0 + bwd0)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_floor_is_a_lower_bound_of_the_simulated_gpipe_and_1f1b(seed):
     rng = np.random.default_rng(seed)
@@ -76,6 +99,7 @@ def test_quick_floor_run(tmp_path):
     assert all(x > 0 for k in ("forward_s", "backward_s", "update_s") for x in run[k])
     m = res["size"]["micro_batches"]
     assert run["step_s"] == floor.pipeline_floor(run["forward_s"], run["backward_s"], run["update_s"], m)
+    assert run["lean_step_s"] > run["step_s"] and all(x > 0 for x in run["lean_forward_s"] + run["lean_update_s"])
     assert "floor:" in proc.stdout and res["runs"] == {}
 
 

@@ -1,6 +1,6 @@
 """The shortest step any NumPy engine could take for bench_gpt.py's GPT at pp=2, next to torch in the same run.
 
-    python bench/bench_gpt_floor.py              # the full run: floor, torch and hpcpipe, 2 rounds (about 2 minutes when quiet)
+    python bench/bench_gpt_floor.py              # floor, torch and hpcpipe, 2 rounds (about 2 minutes when quiet)
     python bench/bench_gpt_floor.py --no-jobs    # only the floors (about 40 s)
     python bench/bench_gpt_floor.py --quick      # a tiny model, one short round (the smoke test runs this)
 
@@ -33,8 +33,9 @@ the largest speed-up over torch that any engine built from NumPy kernels could s
 The **lean-NumPy floor** adds the elementwise work of the model's contract in few
 NumPy calls (``lean_passes``; a lean count, not a proven minimum: folding LayerNorm's
 affine map and centring and the biases into the products saves a few ms more, see
-docs/bench-gpt.md). NumPy cannot fuse two operations, so each is at least one pass (a scalar multiply into a preallocated array, the
-cheapest pass) or one sum over rows or columns. LayerNorm forward 5 passes + 2 row
+docs/bench-gpt.md). NumPy cannot fuse two operations, so each is at least one pass
+(a scalar multiply into a preallocated array, the cheapest pass) or one sum over rows
+or columns. LayerNorm forward 5 passes + 2 row
 sums, backward 6 passes + 2 row sums + 2 column sums (its weight and bias
 gradients); a bias 1 pass, its gradient 1 column sum; GELU 6 passes forward
 (besides the exp), 7 backward; the causal softmax 1 row sum + 1 pass forward, 3

@@ -135,3 +135,16 @@ def test_an_output_path_that_cannot_take_a_file_is_named_for_what_it_is(tmp_path
     assert str(info.value) == words.format(tmp=tmp_path)
     check_writable(tmp_path / "new.json", "--json path")      # a new name in a writable directory is fine
 
+
+
+@pytest.mark.parametrize("length", [243, 255, 300])
+def test_a_name_too_long_for_its_temporary_is_refused_before_the_run(tmp_path, length):
+    # 243-255 bytes: the name fits, but the temporary beside it (14 bytes longer) would not, and the result
+    # was lost at the end of the run; 300: the name itself is too long (was a traceback, ENAMETOOLONG)
+    path = tmp_path / ("r" * (length - 5) + ".json")
+    with pytest.raises(ConfigError) as info:
+        check_writable(path, "--json path")
+    text = str(info.value)
+    assert text.startswith(f"--json path {str(path)!r}") and "\n" not in text
+    assert ("file name is too long" in text) if length <= 255 else ("not usable: File name too long" in text)
+    check_writable(tmp_path / ("r" * 236 + ".json"), "--json path")     # 241 bytes + 14 = 255: still fine

@@ -31,6 +31,7 @@ import h5py
 from hpcpipe.errors import ConfigError
 
 INFER_FORMAT = "hpcpipe-infer"
+TEMP_SUFFIX_BYTES = 14   # ".NAME.tmp-XXXXXXXX" (the longest temporary name hpcpipe gives an output)
 # JSON kinds and the writer each marks its files with: one kind never replaces another kind's file
 WRITERS = {"trace": "hpcpipe.trace", "report": "hpcpipe.infer.report", "generate": "hpcpipe.generate"}
 _KINDS = {"infer": f"an hpcpipe.infer output (root attribute format = {INFER_FORMAT!r})",
@@ -106,6 +107,20 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
     p = Path(path)
     if not str(path):
         raise ConfigError(f"{what} is empty: name the file to write")
+    try:
+        os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):   # a missing or non-directory parent is named below
+        pass
+    except OSError as exc:   # ENAMETOOLONG, ELOOP, EACCES on a parent...: one line, not a traceback
+        raise ConfigError(f"{what} {str(p)!r} is not usable: {exc.strerror}") from None
+    try:
+        name_max = os.pathconf(p.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(os.fsencode(p.name)) + TEMP_SUFFIX_BYTES > name_max:
+        raise ConfigError(f"{what} {str(p)!r}: the file name is too long ({len(os.fsencode(p.name))} bytes; hpcpipe "
+                          f"writes it under a temporary name {TEMP_SUFFIX_BYTES} bytes longer, and names here hold at "
+                          f"most {name_max})")
     if p.is_dir():
         raise ConfigError(f"{what} {str(p)!r} is a directory")
     if p.exists() and not p.is_file():   # a FIFO would block the writer, a device is no place for a result

@@ -115,15 +115,23 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
     rank = world.Get_rank()
     failure: tuple[int, str] = (0, "")
     try:
-        planned = planner()
-    except ConfigError as exc:
-        failure = (EXIT_CONFIG, f"hpcpipe: error: {exc}")
-    except Exception as exc:  # noqa: BLE001 - planning failed on this rank: agreed on below, reported once
-        failure = (EXIT_FAILURE, f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    # planning reads files on every rank (config, data, checkpoints, the profile cache); a rank that sees other
-    # files must neither leave the others waiting in the first collective nor train another cut of the model
-    mine = (failure[0], None if failure[0] else _cut_text(planned))
-    every = gather_everyone(world, Poller(), mine, PLANNING_TIMEOUT_S)
+        try:
+            planned = planner()
+        except ConfigError as exc:
+            failure = (EXIT_CONFIG, f"hpcpipe: error: {exc}")
+        except Exception as exc:  # noqa: BLE001 - planning failed on this rank: agreed on below, reported once
+            failure = (EXIT_FAILURE, f"hpcpipe: error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        # planning reads files on every rank (config, data, checkpoints, the profile cache); a rank that sees other
+        # files must neither leave the others waiting in the first collective nor train another cut of the model
+        mine = (failure[0], None if failure[0] else _cut_text(planned))
+        every = gather_everyone(world, Poller(), mine, PLANNING_TIMEOUT_S)
+    except KeyboardInterrupt:   # the others wait for this rank in the planning agreement: end the job now
+        print(f"hpcpipe: [{label()}] interrupted (SIGINT) while planning; ending the job "
+              f"(exit status {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+        if world.Get_size() > 1:
+            from hpcpipe.runtime.comm import abort
+            abort(world, EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     if every is None:     # no watchdog runs yet: a rank stuck reading a file would hang the job for good
         from hpcpipe.runtime.comm import abort
         print(f"hpcpipe: [rank {rank}] error: not every rank finished planning within {PLANNING_TIMEOUT_S:.0f} s "
@@ -149,8 +157,12 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
         if isinstance(exc, SystemExit) and not exc.code:
             raise
         name = label()
-        detail = "" if isinstance(exc, (HpcpipeError, KeyboardInterrupt)) else "\n" + traceback.format_exc()
-        print(f"hpcpipe: [{name}] error: {type(exc).__name__}: {exc}{detail}", file=sys.stderr, flush=True)
+        if isinstance(exc, KeyboardInterrupt):   # Ctrl-C is no error: say what happens next
+            print(f"hpcpipe: [{name}] interrupted (SIGINT); ending the job (exit status {EXIT_INTERRUPTED})",
+                  file=sys.stderr, flush=True)
+        else:
+            detail = "" if isinstance(exc, HpcpipeError) else "\n" + traceback.format_exc()
+            print(f"hpcpipe: [{name}] error: {type(exc).__name__}: {exc}{detail}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG if isinstance(exc, ConfigError) else \
             EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE
         if world.Get_size() > 1:

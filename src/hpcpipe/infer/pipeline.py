@@ -32,7 +32,16 @@ from hpcpipe.infer.stopping import StopRequested, stop_message
 from hpcpipe.infer.stream import StreamStage
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.model import layer_specs
-from hpcpipe.runtime.comm import Poller, abort, barrier, broadcast, clock_offset, gather_to_root, together
+from hpcpipe.runtime.comm import (
+    ABORT_GRACE_S,
+    Poller,
+    abort,
+    barrier,
+    broadcast,
+    clock_offset,
+    gather_to_root,
+    together,
+)
 from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.stop_notice import StopNotice, StoppablePoller, StreamStopped
 from hpcpipe.runtime.topology import make_topology
@@ -90,13 +99,15 @@ def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
     stream_poller = poller if notice is None else \
         StoppablePoller(cfg.run.poll_min_us, cfg.run.poll_max_us, notice.check)
     try:
+        # every rank knows the temporary output's name from the start: a rank interrupted before the stream
+        # removes it itself (the job's abort may kill rank 0 before its finally clause runs)
+        tmp = Path(broadcast(comm, str(temporary_name(p.output)) if rank == 0 else None))
         arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
                                      with_optimizer=False).arrays
         created = None
         # (the finally clause below removes a half-created output)
         with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
             if rank == 0:
-                tmp = temporary_name(p.output)
                 attrs = {"format": INFER_FORMAT, "weights": str(p.weights.path), "step": p.weights.step,
                          "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
                 created = (str(tmp), create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype,
@@ -158,6 +169,18 @@ def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
                     report["trace_error"] = f"cannot write trace {p.trace!r}: {exc}"
                     print(f"hpcpipe: warning: {report['trace_error']}", file=sys.stderr, flush=True)
         return broadcast(comm, report)
+    except KeyboardInterrupt:
+        # Ctrl-C on this rank ends the job (the command aborts it), which may kill rank 0 before its finally
+        # clause runs, even while it creates the temporary output: remove it now and once more after the
+        # grace the abort gives a starting file operation anyway
+        if tmp is not None and comm.Get_size() > 1:
+            for pause in (0.0, ABORT_GRACE_S):
+                time.sleep(pause)
+                try:
+                    discard(tmp)
+                except OSError:
+                    pass
+        raise
     finally:
         if stage is not None:   # an agreed error after the stage was built: release what it holds
             try:

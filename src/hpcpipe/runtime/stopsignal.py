@@ -72,7 +72,9 @@ class StopSignals:
             try:
                 signal.signal(sig, signal.SIG_IGN)
             except ValueError:   # not the main thread
-                break
+                return
+        if signal.SIGINT in self._previous:   # a late Ctrl-C must not turn the decided exit status into a kill
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     @property
     def requested(self) -> bool:

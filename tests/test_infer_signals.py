@@ -127,16 +127,62 @@ def test_a_signal_mid_stream_stops_every_rank_writes_nothing_and_keeps_the_earli
     assert wait_until_gone(str(tmp_path), 10) == []
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """True once the process has a handler for sig (SIGINT: Python's, then hpcpipe's; SIGTERM: hpcpipe's)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    return False
+
+
 def _catches_sigint(pid: int) -> bool:
-    """True once the process has a handler for SIGINT (Python's, then hpcpipe's): it runs Python code.
+    """True once the process has a handler for SIGINT: it runs Python code.
 
     A rank killed before that (at exec) leaves MPICH's other ranks spinning in MPI_Init for ever: the
     launcher's behaviour, which no Python program can change.
     """
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
-    return False
+    return _catches(pid, signal.SIGINT)
+
+
+def test_a_stop_while_starting_creates_no_output_at_all(files, tmp_path):
+    # SIGTERM once both ranks have hpcpipe's handler, i.e. while they import, plan or load: the run used to
+    # load every weight and create and preallocate the full-size temporary output before it stopped
+    weights, big, small = files
+    out = tmp_path / "out.h5"
+    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)
+    assert first.returncode == 0, first.stderr
+    before = out.read_bytes()
+    proc = subprocess.Popen(command(2, "hpcpipe.infer", _args(weights, big, out)), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                pids = [_rank_pid(tmp_path, r) for r in (0, 1)]
+                if all(_catches(pid, signal.SIGTERM) for pid in pids):
+                    break
+            except (AssertionError, OSError):
+                pass
+            assert proc.poll() is None and time.time() < deadline, "the ranks never started"
+            time.sleep(0.002)
+        for pid in pids:   # to the ranks themselves, as Slurm signals every task (launchers forward with a delay)
+            os.kill(pid, signal.SIGTERM)
+        while proc.poll() is None and time.time() < deadline:
+            seen.update(_temporaries(tmp_path))
+            time.sleep(0.001)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert seen == set(), seen                  # was: the whole output preallocated, then removed
+    if launchers.chosen() != "openmpi":
+        assert proc.returncode == errors.EXIT_PREEMPTED, err
+    assert "stopped by SIGTERM (received on 2 of 2 ranks) while starting, before the first row: nothing written" \
+           in err, err
+    assert out.read_bytes() == before and _temporaries(tmp_path) == []
+    assert wait_until_gone(str(tmp_path), 10) == []
 
 
 def test_ctrl_c_on_one_rank_while_it_starts_ends_the_job_without_a_hang(files, tmp_path):

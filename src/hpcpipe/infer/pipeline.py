@@ -102,8 +102,10 @@ def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
         # every rank knows the temporary output's name from the start: a rank interrupted before the stream
         # removes it itself (the job's abort may kill rank 0 before its finally clause runs)
         tmp = Path(broadcast(comm, str(temporary_name(p.output)) if rank == 0 else None))
+        _stop_if_asked(notice, poller, p.output)    # a stop during start-up: before the weights load ...
         arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
                                      with_optimizer=False).arrays
+        _stop_if_asked(notice, poller, p.output)    # ... and before the full-size output is created
         created = None
         # (the finally clause below removes a half-created output)
         with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
@@ -192,6 +194,15 @@ def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
         if notice is not None:
             notice.close()
         topo.free()
+
+
+def _stop_if_asked(notice: StopNotice | None, poller: Poller, output: str) -> None:
+    """Raise StopRequested on every rank if a stop signal reached any rank so far (collective; setup only)."""
+    if notice is None:
+        return
+    every = notice.agree(poller, notice.check())
+    if any(stopped for stopped, _ in every):
+        raise StopRequested(stop_message(every, output, os.path.lexists(output), started=False))
 
 
 def _abort_stream(comm: Any, name: str, exc: BaseException, tmp: Path, output: str) -> None:

@@ -21,11 +21,13 @@ class StopRequested(AgreedError):
         super().__init__(message, EXIT_PREEMPTED)
 
 
-def stop_message(every: list[tuple[bool, int]], output: str, earlier: bool) -> str:
-    """The one line rank 0 prints after an agreed stop."""
+def stop_message(every: list[tuple[bool, int]], output: str, earlier: bool, started: bool = True) -> str:
+    """The one line rank 0 prints after an agreed stop (``started``: the temporary output existed)."""
     signals = [s for _, s in every if s]
     name = signal.Signals(signals[0]).name if signals else "a stop signal"
     kept = "; the earlier file there is unchanged" if earlier else ""
-    return (f"hpcpipe: stopped by {name} (received on {len(signals)} of {len(every)} ranks) before the last row: "
-            f"nothing written at {output!r}{kept}, the temporary output removed; exit status {EXIT_PREEMPTED} "
+    where = "before the last row" if started else "while starting, before the first row"
+    tmp = ", the temporary output removed" if started else ""
+    return (f"hpcpipe: stopped by {name} (received on {len(signals)} of {len(every)} ranks) {where}: "
+            f"nothing written at {output!r}{kept}{tmp}; exit status {EXIT_PREEMPTED} "
             f"(inference keeps no checkpoint: rerun the command to infer again)")

@@ -169,3 +169,29 @@ def run_planned(world: Any, planner: Callable[[], Any], body: Callable[[Any], in
             from hpcpipe.runtime.comm import abort
             abort(world, code)
         return code
+
+
+def _script(command: str) -> int:
+    """Run an MPI command's main with the stop handlers installed first, as its ``python -m`` form does.
+
+    A console script imports its target's module before calling it: pointed at the command module, it
+    installed the SIGUSR1/SIGTERM handlers only after NumPy, h5py and mpi4py had loaded, and a batch
+    system's signal during start-up killed the rank (exit 15 instead of the stop contract's 75).
+    """
+    from hpcpipe.runtime.stopsignal import StopSignals
+    stop = StopSignals().install()
+    if command == "train":
+        from hpcpipe.train.command import main
+    else:
+        from hpcpipe.infer.command import main
+    return main(stop=stop)
+
+
+def train_script() -> int:
+    """``hpcpipe-train``: the same as ``python -m hpcpipe.train``."""
+    return _script("train")
+
+
+def infer_script() -> int:
+    """``hpcpipe-infer``: the same as ``python -m hpcpipe.infer``."""
+    return _script("infer")

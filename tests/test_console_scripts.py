@@ -13,23 +13,23 @@ import numpy as np
 import pytest
 from state_helpers import ROOT
 
-import hpcpipe.entry
+import hpcpipe.cli
 from hpcpipe.state.weights import write_weights
 
-SCRIPTS = {"hpcpipe-train": "train", "hpcpipe-infer": "infer"}
+SCRIPTS = {"hpcpipe-train": "train_script", "hpcpipe-infer": "infer_script"}
 
 
-def test_setup_cfg_points_the_mpi_commands_at_the_entry_module():
+def test_setup_cfg_points_the_mpi_commands_at_the_early_handlers():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     lines = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
     for script, function in SCRIPTS.items():
-        assert lines[script] == f"hpcpipe.entry:{function}"      # was hpcpipe.<command>.command:main
-        assert callable(getattr(hpcpipe.entry, function))
+        assert lines[script] == f"hpcpipe.cli:{function}"      # was hpcpipe.<command>.command:main
+        assert callable(getattr(hpcpipe.cli, function))
 
 
-def test_the_entry_module_loads_nothing_slow():
-    code = ("import sys, hpcpipe.entry; "
+def test_the_script_module_loads_nothing_slow():
+    code = ("import sys, hpcpipe.cli; "
             "print(sorted(m for m in ('numpy', 'h5py', 'mpi4py', 'hpcpipe.train.command', 'hpcpipe.infer.command') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -52,6 +52,14 @@ def _args(weights: Path, data: Path, out: Path) -> list[str]:
     return ["--weights", str(weights), "--input", str(data), "--output", str(out), "--set", "parallel.pp=2"]
 
 
+def _earlier_output(weights: Path, small: Path, directory: Path) -> tuple[Path, bytes]:
+    """A real earlier inference output at directory/out.h5 and its bytes (what a stopped run must leave as it was)."""
+    out = directory / "out.h5"
+    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)
+    assert first.returncode == 0, first.stderr
+    return out, out.read_bytes()
+
+
 def _temporaries(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if ".tmp-" in p.name]
 
@@ -84,10 +92,7 @@ def _rank_pid(directory: Path, rank: int) -> int:
                                  "INT to rank 1 at once"])
 def test_a_signal_mid_stream_stops_every_rank_writes_nothing_and_keeps_the_earlier_output(files, tmp_path, how):
     weights, big, small = files
-    out = tmp_path / "out.h5"
-    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)   # the earlier output
-    assert first.returncode == 0, first.stderr
-    before = out.read_bytes()
+    out, before = _earlier_output(weights, small, tmp_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     proc = subprocess.Popen(command(2, "hpcpipe.infer", _args(weights, big, out)), env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -148,10 +153,7 @@ def test_a_stop_while_starting_creates_no_output_at_all(files, tmp_path):
     # SIGTERM once both ranks have hpcpipe's handler, i.e. while they import, plan or load: the run used to
     # load every weight and create and preallocate the full-size temporary output before it stopped
     weights, big, small = files
-    out = tmp_path / "out.h5"
-    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)
-    assert first.returncode == 0, first.stderr
-    before = out.read_bytes()
+    out, before = _earlier_output(weights, small, tmp_path)
     proc = subprocess.Popen(command(2, "hpcpipe.infer", _args(weights, big, out)), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: set[str] = set()
@@ -189,10 +191,7 @@ def test_ctrl_c_on_one_rank_while_it_starts_ends_the_job_without_a_hang(files, t
     # SIGINT to rank 1 while it imports, initialises MPI or plans: the other rank waited for it in the planning
     # agreement for PLANNING_TIMEOUT_S (600 s) before; now the job ends at once and leaves nothing behind
     weights, big, small = files
-    out = tmp_path / "out.h5"
-    first = run(command(2, "hpcpipe.infer", _args(weights, small, out)), timeout=60)
-    assert first.returncode == 0, first.stderr
-    before = out.read_bytes()
+    out, before = _earlier_output(weights, small, tmp_path)
     for delay in (0.3, 0.6, 0.9):
         proc = subprocess.Popen(command(2, "hpcpipe.infer", _args(weights, big, out)), cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

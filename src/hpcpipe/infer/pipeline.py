@@ -106,16 +106,14 @@ def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
         arrays = checkpoint_mpi.load(comm, poller, p.weights, list(p.stage_ranges[topo.pp_rank]),
                                      with_optimizer=False).arrays
         _stop_if_asked(notice, poller, p.output)    # ... and before the full-size output is created
-        created = None
+        offset = None
         # (the finally clause below removes a half-created output)
         with together(comm, poller, 2, lambda e: f"cannot create output file {str(tmp)!r} (for {p.output!r}): {e}"):
             if rank == 0:
                 attrs = {"format": INFER_FORMAT, "weights": str(p.weights.path), "step": p.weights.step,
                          "input": p.input, "model": json.dumps(cfg.to_dict()["model"], sort_keys=True)}
-                created = (str(tmp), create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype,
-                                                   cfg.infer.y, attrs))
-        tmp_name, offset = broadcast(comm, created)
-        tmp = Path(tmp_name)
+                offset = create_output(tmp, p.n_rows, cfg.model.dims[-1], cfg.model.dtype, cfg.infer.y, attrs)
+        offset = broadcast(comm, offset)
         # e.g. MemoryError or an unreadable input on one rank
         with together(comm, poller, 1, lambda e: f"rank {rank} ({topo.name}) cannot start: {type(e).__name__}: {e}"):
             stage = _build_stage(p, topo, stream_poller, arrays, tmp, offset)

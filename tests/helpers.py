@@ -81,7 +81,8 @@ def run_gradients(comm, directory: str, name: str, sections: dict, weights: dict
     """
     from hpcpipe.config import from_dict
     from hpcpipe.state.weights import write_weights
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     data_path = os.path.join(directory, f"{name}-data.h5")
     sections = {k: dict(v) for k, v in sections.items()}
@@ -95,7 +96,7 @@ def run_gradients(comm, directory: str, name: str, sections: dict, weights: dict
         if weights is not None:
             write_weights(weights_path, weights, n_layers=len(weights))
     comm.Barrier()
-    trainer = Trainer(plan(from_dict(sections), comm.Get_size()), comm, keep_input_grads=keep_input_grads)
+    trainer = Trainer(prepare(from_dict(sections), comm.Get_size()), comm, keep_input_grads=keep_input_grads)
     try:
         loss = trainer.compute_gradients(0)
         grads = trainer.gather("grads")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from hpcpipe.config import from_dict
 from hpcpipe.nn.model_spec import model_def
-from hpcpipe.plan.comm_model import CommModel
 from hpcpipe.plan.layer_profile import group_signature
-from hpcpipe.plan.profile import Profile
+from hpcpipe.profiles.comm_model import CommModel
+from hpcpipe.profiles.profile import Profile
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 

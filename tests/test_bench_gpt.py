@@ -11,7 +11,7 @@ import pytest
 
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape, group_params
-from hpcpipe.train.engine import _cache_bytes
+from hpcpipe.nn.memory import cache_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -23,7 +23,7 @@ def test_stash_formula_counts_what_each_layer_keeps():
     tokens = np.random.default_rng(0).integers(0, 50, (3, 12))
     _, caches = GPT(shape).forward(tokens)
     for group, cache in enumerate(caches):
-        measured = _cache_bytes(cache)          # what the engine counts
+        measured = cache_bytes(cache)          # what the engine counts
         assert measured == gpt_cost.stage_stash_bytes(size, 3, range(group, group + 1)), group
 
 

@@ -24,8 +24,9 @@ def _sections(ck_dir: str, dp: int, pp: int, resume: bool = False, schedule: str
 
 def _trainer(comm, sections):
     from hpcpipe.config import from_dict
-    from hpcpipe.train.trainer import Trainer, plan
-    return Trainer(plan(from_dict(sections), comm.Get_size()), comm)
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
+    return Trainer(prepare(from_dict(sections), comm.Get_size()), comm)
 
 
 def _save_reference(world, ck_dir, schedule="gpipe", virtual=1):
@@ -189,11 +190,11 @@ def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_t
 
     from hpcpipe.checkpoint import export, verify
     from hpcpipe.state.sources import resolve_weights
-    from hpcpipe.train.trainer import Plan
+    from hpcpipe.train.setup import TrainSetup
 
     tokenizer = '{"kind": "bytes"}'
     # what a GPT run passes (the data file's tokenizer), here on the small MLP of this file
-    monkeypatch.setattr(Plan, "tokenizer_attrs", lambda self: {"tokenizer": tokenizer})
+    monkeypatch.setattr(TrainSetup, "tokenizer_attrs", lambda self: {"tokenizer": tokenizer})
     comm = sub_world(world, 2)
     if comm is None:
         return

@@ -122,7 +122,7 @@ def test_bad_data_is_one_line_exit_2(tmp_path, case):
     data = make(tmp_path)
     proc = _evaluate("--weights", weights, "--data", data)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("hpcpipe.evaluate: error:") == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.count("hpcpipe: error:") == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert template.format(data=data) in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
@@ -146,5 +146,5 @@ def test_bad_weights_are_one_line_exit_2(tmp_path, case, message):
                       n_layers=2, model_config=MODEL)
     proc = _evaluate("--weights", w, "--data", data)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("hpcpipe.evaluate: error:") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("hpcpipe: error:") == 1 and "Traceback" not in proc.stderr
     assert message.format(w=w, data=data) in proc.stderr

@@ -131,7 +131,7 @@ def test_slab_rows_bound_the_largest_activation():
 def _one_error(proc):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpcpipe.evaluate: error: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("hpcpipe: error: "), proc.stderr
     assert proc.stdout == ""
     return lines[0]
 

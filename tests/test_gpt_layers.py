@@ -386,13 +386,14 @@ def test_stash_formula_matches_what_the_engine_counts():
     from mpi4py import MPI
 
     from hpcpipe.config import from_dict
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
     for recompute in ("none", "stage"):
         cfg = from_dict({"parallel": {"pp": 1, "dp": 1}, "checkpoint": {"dir": ""}, "log": {"progress": False},
                          "model": {"kind": "gpt", "vocab_size": 50, "seq_len": 16, "d_model": 32, "n_heads": 4,
                                    "n_blocks": 3},
                          "train": {"micro_batches": 3, "micro_batch_size": 5, "recompute": recompute}})
-        trainer = Trainer(plan(cfg, 1), MPI.COMM_SELF)
+        trainer = Trainer(prepare(cfg, 1), MPI.COMM_SELF)
         try:
             trainer.compute_gradients(0)
             measured = trainer.engine.stats.peak_stash_bytes
@@ -449,14 +450,15 @@ def test_recompute_is_bit_identical_on_one_rank(kind):
     from mpi4py import MPI
 
     from hpcpipe.config import from_dict
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
     model = {"dims": [6, 9, 7, 4], "activation": "gelu"} if kind == "mlp" else \
         {"kind": "gpt", "vocab_size": 20, "seq_len": 5, "d_model": 8, "n_heads": 2, "n_blocks": 2}
     results = []
     for recompute in ("none", "stage"):
         cfg = from_dict({"parallel": {"pp": 1, "dp": 1}, "checkpoint": {"dir": ""}, "log": {"progress": False},
                          "model": model, "train": {"micro_batches": 3, "micro_batch_size": 2, "recompute": recompute}})
-        trainer = Trainer(plan(cfg, 1), MPI.COMM_SELF)
+        trainer = Trainer(prepare(cfg, 1), MPI.COMM_SELF)
         try:
             results.append((trainer.compute_gradients(0), trainer.params.grad.copy()))
         finally:

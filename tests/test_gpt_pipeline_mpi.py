@@ -63,7 +63,8 @@ def _reference(tied: bool):
 def _gradients(comm, data: str, dp: int, pp: int, schedule: str, micro: int, tied: bool, dtype: str,
                recompute: str = "none"):
     from hpcpipe.config import from_dict
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     virtual = 2 if schedule in ("zb-v", "interleaved-1f1b") else 1
     sections = {"parallel": {"dp": dp, "pp": pp, "schedule": schedule, "virtual_stages": virtual},
@@ -71,7 +72,7 @@ def _gradients(comm, data: str, dp: int, pp: int, schedule: str, micro: int, tie
                 "train": {"micro_batches": micro, "micro_batch_size": WINDOWS // (dp * micro),
                           "recompute": recompute},
                 "checkpoint": {"dir": ""}, "log": {"progress": False}}
-    trainer = Trainer(plan(from_dict(sections), comm.Get_size()), comm)
+    trainer = Trainer(prepare(from_dict(sections), comm.Get_size()), comm)
     try:
         loss = trainer.compute_gradients(0)
         return loss, trainer.gather("grads")

@@ -27,8 +27,9 @@ def _sections(ck_dir: str, dp: int, pp: int, schedule: str = "gpipe", resume: bo
 
 def _trainer(comm, sections):
     from hpcpipe.config import from_dict
-    from hpcpipe.train.trainer import Trainer, plan
-    return Trainer(plan(from_dict(sections), comm.Get_size()), comm)
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
+    return Trainer(prepare(from_dict(sections), comm.Get_size()), comm)
 
 
 @pytest.mark.mpi(min_size=8)

@@ -1,4 +1,4 @@
-"""Unit tests of hpcpipe.runtime.guard: signal flags, the watchdog, the step decision, the test hooks, config keys."""
+"""Unit tests of the run guards: signal flags, the watchdog, the step decision, the test hooks, config keys."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hpcpipe import errors
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.runtime import faults, guard
-from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.runtime import faults, step_health, watchdog
+from hpcpipe.runtime.signals import StopSignals
 
 
 def test_stop_signals_only_record_and_restore():
@@ -66,7 +66,7 @@ def test_an_ignored_sigint_stays_ignored():
 
 def test_watchdog_dumps_every_thread_with_the_rank_name_then_aborts():
     out, codes = io.StringIO(), []
-    dog = guard.Watchdog(0.3, lambda: "dp01-pp02", codes.append, stream=out, grace=0.0).start()
+    dog = watchdog.Watchdog(0.3, lambda: "dp01-pp02", codes.append, stream=out, grace=0.0).start()
     dog.beat("step 7")
     deadline = time.time() + 10
     while not codes and time.time() < deadline:
@@ -78,17 +78,17 @@ def test_watchdog_dumps_every_thread_with_the_rank_name_then_aborts():
     lines = text.splitlines()[1:]
     assert lines and all(line.startswith("[dp01-pp02] ") for line in lines)
     assert any("test_watchdog_dumps_every_thread" in line for line in lines)      # the main thread's stack
-    assert any("hpcpipe/runtime/guard.py" in line and "_run" in line for line in lines)   # and the watchdog's own
+    assert any("hpcpipe/runtime/watchdog.py" in line and "_run" in line for line in lines)   # and the watchdog's own
 
 
 def test_watchdog_stays_quiet_while_beats_come_and_when_off():
     codes = []
-    dog = guard.Watchdog(0.4, lambda: "r", codes.append, stream=io.StringIO(), grace=0.0).start()
+    dog = watchdog.Watchdog(0.4, lambda: "r", codes.append, stream=io.StringIO(), grace=0.0).start()
     for i in range(10):
         dog.beat(f"step {i}")
         time.sleep(0.1)
     dog.stop()
-    off = guard.Watchdog(0.0, lambda: "r", codes.append).start()
+    off = watchdog.Watchdog(0.0, lambda: "r", codes.append).start()
     assert off._thread is None
     off.stop()
     assert codes == []
@@ -96,13 +96,13 @@ def test_watchdog_stays_quiet_while_beats_come_and_when_off():
 
 def test_decision_sums_norm_once_per_stage_and_flags_non_finite():
     # two replicas x two stages: norm counted on replica 0 only, loss from the last stage
-    parts = [guard.local_decision(4.0, 0.0, True, False), guard.local_decision(4.0, 0.0, False, False),
-             guard.local_decision(5.0, 3.0, True, False), guard.local_decision(5.0, 2.0, False, True)]
-    d = guard.decide(np.sum(parts, axis=0))
+    parts = [step_health.local_decision(4.0, 0.0, True, False), step_health.local_decision(4.0, 0.0, False, False),
+             step_health.local_decision(5.0, 3.0, True, False), step_health.local_decision(5.0, 2.0, False, True)]
+    d = step_health.decide(np.sum(parts, axis=0))
     assert d.grad_norm == 3.0 and d.loss_sum == 5.0 and not d.skip and d.stop and d.stop_ranks == 1
-    parts[1] = guard.local_decision(float("nan"), 0.0, False, False)
-    parts[2] = guard.local_decision(5.0, float("inf"), True, False)
-    d = guard.decide(np.sum(parts, axis=0))
+    parts[1] = step_health.local_decision(float("nan"), 0.0, False, False)
+    parts[2] = step_health.local_decision(5.0, float("inf"), True, False)
+    d = step_health.decide(np.sum(parts, axis=0))
     assert d.skip and d.bad_ranks == 2 and math.isnan(d.grad_norm)
 
 

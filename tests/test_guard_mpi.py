@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hpcpipe.config import from_dict
-from hpcpipe.train.trainer import Trainer, plan
+from hpcpipe.train.setup import prepare
+from hpcpipe.train.trainer import Trainer
 
 pytestmark = pytest.mark.mpi
 
@@ -25,7 +26,7 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(world, monkeypatch, what):
     cfg = from_dict({"parallel": {"pp": pp}, "model": {"dims": [8] * (pp + 1)},
                      "train": {"steps": 4, "micro_batches": 2, "micro_batch_size": 2, "optimizer": "adam"},
                      "checkpoint": {"dir": ""}, "log": {"progress": False}})
-    trainer = Trainer(plan(cfg, size), world)
+    trainer = Trainer(prepare(cfg, size), world)
     try:
         decisions, unchanged = [], []
         for step in range(4):

@@ -127,7 +127,8 @@ def test_checkpoint_saved_by_training_at_dp2_pp4_serves_at_other_layouts(world, 
     from hpcpipe.config import from_dict
     from hpcpipe.state.sources import resolve_weights
     from hpcpipe.train.loop import train
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     ck = os.path.join(shared_tmp, "ck")
     _, x, _, data = _deep_files(world, shared_tmp, n_rows=20)
@@ -136,7 +137,7 @@ def test_checkpoint_saved_by_training_at_dp2_pp4_serves_at_other_layouts(world, 
     sections = {"parallel": {"pp": 4, "dp": 2}, "model": model, "data": {"synthetic_samples": 32},
                 "train": {"steps": 3, "micro_batches": 2, "micro_batch_size": 2, "optimizer": "adam", "lr": 0.01},
                 "checkpoint": {"dir": ck}, "log": {"progress": False}}
-    trainer = Trainer(plan(from_dict(sections), 8), comm)
+    trainer = Trainer(prepare(from_dict(sections), 8), comm)
     train(trainer, comm)
     trainer.close()
     comm.Free()

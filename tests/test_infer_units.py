@@ -9,7 +9,6 @@ import pytest
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.evaluate import forward as reference_forward
-from hpcpipe.infer.plan import model_from_weights, plan
 from hpcpipe.infer.rows import (
     RowReader,
     RowWriter,
@@ -18,6 +17,7 @@ from hpcpipe.infer.rows import (
     n_micro_batches,
     replica_micro_batches,
 )
+from hpcpipe.infer.setup import model_from_weights, prepare
 from hpcpipe.infer.stream import ForwardChain, StreamStage
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.state.weights import write_weights
@@ -187,13 +187,13 @@ def test_plan_refuses_interleaved_stages_and_layouts_the_model_cannot_fill(tmp_p
     data = tmp_path / "in.h5"
     with h5py.File(data, "w") as f:
         f["x"] = np.zeros((3, 4), np.float32)
-    p = plan(weights, data, tmp_path / "o.h5", 2, overrides=["parallel.pp=2"])
+    p = prepare(weights, data, tmp_path / "o.h5", 2, overrides=["parallel.pp=2"])
     assert (p.dp, p.pp, p.n_rows, [list(r) for r in p.stage_ranges]) == (1, 2, 3, [[0], [1]])
     with pytest.raises(ConfigError, match="parallel.virtual_stages must be 1, got 2"):
-        plan(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1", "parallel.virtual_stages=2"])
+        prepare(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1", "parallel.virtual_stages=2"])
     with pytest.raises(ConfigError, match=r"parallel.pp \(4\) x parallel.virtual_stages \(1\) exceeds the number "
                                           r"of layers \(2\)"):
-        plan(weights, data, tmp_path / "o.h5", 4)
+        prepare(weights, data, tmp_path / "o.h5", 4)
 
 
 def _gpt_weights(path):
@@ -211,7 +211,7 @@ def test_plan_refuses_gpt_weights_pointing_at_generation(tmp_path):
     with h5py.File(data, "w") as f:
         f["x"] = np.zeros((3, 4), np.int64)
     with pytest.raises(ConfigError) as exc:
-        plan(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1"])
+        prepare(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1"])
     assert str(exc.value) == (f"--weights {str(weights)!r} holds a GPT model (model.kind = \"gpt\", 3 layer groups): "
                               f"batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation is "
                               f"python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")

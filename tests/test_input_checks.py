@@ -12,13 +12,16 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpipe.cli import CommandParser, launcher_rank
+from hpcpipe.cli import CommandParser
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
+from hpcpipe.nn.memory import estimate_rank_bytes
 from hpcpipe.nn.model import initial_arrays, layer_specs, partition
+from hpcpipe.runtime.launcher import launcher_rank
+from hpcpipe.state.outputs import check_writable
 from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights
-from hpcpipe.train.preflight import GIB, check_memory, check_metrics_file, check_output_file, estimate_rank_bytes
-from hpcpipe.train.trainer import plan
+from hpcpipe.train.preflight import GIB, check_memory, check_metrics_file
+from hpcpipe.train.setup import prepare
 
 CFG = from_dict({"model": {"dims": [6, 5, 4, 3]}, "parallel": {"pp": 1}})
 SPECS = layer_specs(CFG)
@@ -138,16 +141,16 @@ def test_non_finite_optimizer_state_is_refused(tmp_path):
 # -- output paths --------------------------------------------------------------------------------------
 
 def test_output_file_checks(tmp_path):
-    check_output_file(str(tmp_path / "m.jsonl"), "log.metrics")               # new file: fine
+    check_writable(str(tmp_path / "m.jsonl"), "log.metrics", append=True)          # new file: fine
     (tmp_path / "old.jsonl").write_text("kept\n")
-    check_output_file(str(tmp_path / "old.jsonl"), "log.metrics")             # appended to: fine
+    check_writable(str(tmp_path / "old.jsonl"), "log.metrics", append=True)        # appended to: fine
     assert (tmp_path / "old.jsonl").read_text() == "kept\n"
-    with pytest.raises(ConfigError, match=r"log.metrics '.*/nodir/m.jsonl': directory '.*/nodir' does not exist"):
-        check_output_file(str(tmp_path / "nodir" / "m.jsonl"), "log.metrics")
-    with pytest.raises(ConfigError, match=r"log.trace '.*' is a directory; give the path of a file to write"):
-        check_output_file(str(tmp_path), "log.trace")
-    with pytest.raises(ConfigError, match=r"log.trace '.*old.jsonl/t.json': '.*old.jsonl' is not a directory"):
-        check_output_file(str(tmp_path / "old.jsonl" / "t.json"), "log.trace")
+    with pytest.raises(ConfigError, match=r"log.metrics directory '.*/nodir' does not exist \(for log.metrics "):
+        check_writable(str(tmp_path / "nodir" / "m.jsonl"), "log.metrics", append=True)
+    with pytest.raises(ConfigError, match=r"log.trace '.*' is a directory"):
+        check_writable(str(tmp_path), "log.trace")
+    with pytest.raises(ConfigError, match=r"log.trace '.*old.jsonl/t.json' is not writable: '.*old.jsonl' is not"):
+        check_writable(str(tmp_path / "old.jsonl" / "t.json"), "log.trace")
     assert sorted(os.listdir(tmp_path)) == ["old.jsonl"]
 
 
@@ -169,9 +172,9 @@ def test_metrics_are_appended_only_to_a_metrics_file(tmp_path):
 
 def test_plan_refuses_bad_log_paths_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match="log.metrics .* does not exist"):
-        plan(from_dict({"parallel": {"pp": 1}, "log": {"metrics": str(tmp_path / "a" / "m.jsonl")}}), 1)
+        prepare(from_dict({"parallel": {"pp": 1}, "log": {"metrics": str(tmp_path / "a" / "m.jsonl")}}), 1)
     with pytest.raises(ConfigError, match="log.trace .* is a directory"):
-        plan(from_dict({"parallel": {"pp": 1}, "log": {"trace": str(tmp_path)}}), 1)
+        prepare(from_dict({"parallel": {"pp": 1}, "log": {"trace": str(tmp_path)}}), 1)
     assert os.listdir(tmp_path) == []
 
 
@@ -222,7 +225,7 @@ def test_existing_and_bench_configs_fit():
 
 def test_plan_refuses_the_huge_model_on_this_machine():
     with pytest.raises(ConfigError, match="the model needs about .* GiB per rank"):
-        plan(from_dict({"model": {"dims": [16, 1000000000, 16]}, "parallel": {"pp": 1}}), 1)
+        prepare(from_dict({"model": {"dims": [16, 1000000000, 16]}, "parallel": {"pp": 1}}), 1)
 
 
 # -- command line: rank 0 speaks ------------------------------------------------------------------------
@@ -282,7 +285,7 @@ class Hook:
         if name in ("numpy", "mpi4py"):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.05)
-            print("recorded", repr(sys.modules["__main__"].EARLY_STOP.name), "while importing", name, flush=True)
+            print("recorded", repr(signal.getsignal(signal.SIGUSR1).__self__.name), "while importing", name, flush=True)
             raise SystemExit(9)
 sys.meta_path.insert(0, Hook())
 sys.argv = ["hpcpipe.train", "--set", "parallel.pp=1"]

@@ -80,7 +80,8 @@ def test_global_norm_clipping_spans_all_stages_and_replicas(world, shared_tmp, d
 
     from hpcpipe.config import from_dict
     from hpcpipe.state.weights import write_weights
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     comm = sub_world(world, dp * pp)
     if comm is None:
@@ -97,7 +98,7 @@ def test_global_norm_clipping_spans_all_stages_and_replicas(world, shared_tmp, d
                         "data": {"path": data}, "log": {"progress": False},
                         "train": {"micro_batches": 4, "micro_batch_size": GLOBAL_BATCH // (4 * dp), "lr": lr,
                                   "grad_clip": max_norm}})
-    trainer = Trainer(plan(config, comm.Get_size()), comm)
+    trainer = Trainer(prepare(config, comm.Get_size()), comm)
     trainer.train_step(0)
     params = trainer.gather("params")
     if comm.Get_rank() == 0:

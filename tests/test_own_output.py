@@ -1,4 +1,4 @@
-"""Which existing files an output may replace (hpcpipe.state.own_output): only hpcpipe's own earlier output."""
+"""Which existing files an output may replace (hpcpipe.state.outputs): only hpcpipe's own earlier output."""
 
 import io
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.state.own_output import (
+from hpcpipe.state.outputs import (
     INFER_FORMAT,
     check_replaceable,
     check_writable,

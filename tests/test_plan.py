@@ -11,9 +11,10 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.plan import report
 from hpcpipe.plan.command import configured_global_batch, parse_bytes, plan_threads, planner_command, write_new
 from hpcpipe.plan.predict import Candidate, Predictor
-from hpcpipe.plan.profile import _interpolate, largest_profiled_rows, profile_sizes
+from hpcpipe.plan.profiling import largest_profiled_rows, profile_sizes
 from hpcpipe.plan.search import divisors, micro_batch_rows, schedule_variants, search
-from hpcpipe.plan.stage_cut import measured_cut
+from hpcpipe.profiles.profile import _interpolate
+from hpcpipe.profiles.stage_cut import measured_cut
 from hpcpipe.schedule.costs import Costs
 from hpcpipe.schedule.simulate import simulate_schedule
 
@@ -88,11 +89,11 @@ def test_a_plan_file_is_new_whole_and_never_over_a_file_that_appeared(tmp_path):
     os.umask(umask)
     assert (tmp_path / "best.toml").stat().st_mode & 0o777 == 0o666 & ~umask      # not mkstemp's 0600
     (tmp_path / "mine.toml").write_text("# mine\n")
-    with pytest.raises(ConfigError, match="appeared while planning"):
+    with pytest.raises(ConfigError, match="appeared while the run was writing"):
         write_new(str(tmp_path / "mine.toml"), "--write", "x = 1\n")
     assert (tmp_path / "mine.toml").read_text() == "# mine\n"
     (tmp_path / "link.toml").symlink_to(tmp_path / "elsewhere.toml")        # dangling: never followed
-    with pytest.raises(ConfigError, match="appeared while planning"):
+    with pytest.raises(ConfigError, match="appeared while the run was writing"):
         write_new(str(tmp_path / "link.toml"), "--write", "x = 1\n")
     assert not (tmp_path / "elsewhere.toml").exists()
     with pytest.raises(ConfigError, match="cannot write"):

@@ -8,8 +8,8 @@ from plan_helpers import mlp_config, synthetic_profile
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan.engine_calibration import FACTOR_RANGE, _factor, summarize_trace
 from hpcpipe.plan.predict import Candidate, Predictor
-from hpcpipe.plan.profile import affine_fit
-from hpcpipe.plan.stage_cut import measured_cut
+from hpcpipe.profiles.profile import affine_fit
+from hpcpipe.profiles.stage_cut import measured_cut
 
 
 def test_the_line_through_exact_points_is_found():
@@ -166,7 +166,7 @@ def test_the_plan_says_how_it_was_calibrated():
 
 
 def test_a_failed_calibration_run_leaves_the_bench_times_and_says_so(monkeypatch):
-    from hpcpipe.plan import engine_calibration, profile
+    from hpcpipe.plan import engine_calibration, profiling
 
     def fail(*args, **kwargs):
         raise ConfigError("the calibration run (dp=2 x pp=1) failed (exit status 1): mpiexec -n 2 ...\n  | MemoryError")
@@ -174,7 +174,7 @@ def test_a_failed_calibration_run_leaves_the_bench_times_and_says_so(monkeypatch
     monkeypatch.setattr(engine_calibration, "calibrate", fail)
     config = mlp_config([8] * 3)
     said = []
-    engine = profile._engine_factors(config, synthetic_profile(config, {0: 0.01, 1: 0.01}), 2, said.append)
+    engine = profiling._engine_factors(config, synthetic_profile(config, {0: 0.01, 1: 0.01}), 2, said.append)
     assert engine == {"failed": "the calibration run (dp=2 x pp=1) failed (exit status 1): mpiexec -n 2 ..."}
     assert any("warning: a calibration run failed" in line for line in said)
     bench = synthetic_profile(config, {0: 0.01, 1: 0.01})

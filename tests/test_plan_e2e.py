@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_command
 
-from hpcpipe.plan.profile_check import profile_problem
+from hpcpipe.profiles.check import profile_problem
 
 ROOT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -12,7 +12,8 @@ import pytest
 from helpers import run_command
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.plan.comm_model import CommModel, fit_line, measure_comm
+from hpcpipe.plan.launch import measure_comm
+from hpcpipe.profiles.comm_model import CommModel, fit_line
 
 SIZES = [4096 * 4 ** k for k in range(8)]     # 4 KiB .. 64 MiB, as the probe measures
 LATENCY, PER_BYTE = 5e-6, 1 / 10e9             # 5 us, 10 GB/s

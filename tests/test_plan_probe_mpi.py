@@ -1,4 +1,4 @@
-"""MPI test: the planner's probes (comm.pingpong_seconds, comm.allreduce_seconds) at any rank count.
+"""MPI test: the planner's probes (mpi_probes.pingpong_seconds, mpi_probes.allreduce_seconds) at any rank count.
 
 World ranks 0 and 1 ping-pong (the others wait, sleeping); the allreduce probe runs on the whole world.
 """
@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from hpcpipe.runtime.comm import Poller, allreduce_seconds, barrier, gather_to_root, pingpong_seconds
+from hpcpipe.runtime.comm import Poller, barrier, gather_to_root
+from hpcpipe.runtime.mpi_probes import allreduce_seconds, pingpong_seconds
 
 pytestmark = pytest.mark.mpi
 

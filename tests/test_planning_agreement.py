@@ -10,10 +10,10 @@ import launchers
 import pytest
 from plan_helpers import synthetic_profile
 
-from hpcpipe.cli import planning_outcome
 from hpcpipe.config import load_config
 from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE
-from hpcpipe.plan import profile_cache
+from hpcpipe.profiles import cache as profile_cache
+from hpcpipe.runtime.job import setup_outcome
 
 MLP = """
 [model]
@@ -37,7 +37,7 @@ progress = false
 # every rank reads the profile directory given for its own rank, as ranks on two nodes read two node-local caches
 BY_RANK = """
 import os, runpy, sys
-from hpcpipe.cli import launcher_rank
+from hpcpipe.runtime.launcher import launcher_rank
 os.environ["HPCPIPE_PROFILE_DIR"] = sys.argv.pop(1).split(",")[launcher_rank()]
 sys.argv[0] = "hpcpipe.train"
 runpy.run_module("hpcpipe.train", run_name="__main__", alter_sys=True)
@@ -46,26 +46,26 @@ runpy.run_module("hpcpipe.train", run_name="__main__", alter_sys=True)
 
 def test_every_rank_takes_the_first_failing_ranks_code_and_only_it_speaks():
     every = [(0, "[2, 2]"), (EXIT_CONFIG, None), (EXIT_FAILURE, None)]
-    assert planning_outcome(every, 0) == (EXIT_CONFIG, None)
-    assert planning_outcome(every, 2, "hpcpipe: error: other") == (EXIT_CONFIG, None)
-    code, text = planning_outcome(every, 1, "hpcpipe: error: no profile\nmore")
+    assert setup_outcome(every, 0) == (EXIT_CONFIG, None)
+    assert setup_outcome(every, 2, "hpcpipe: error: other") == (EXIT_CONFIG, None)
+    code, text = setup_outcome(every, 1, "hpcpipe: error: no profile\nmore")
     assert code == EXIT_CONFIG
-    assert text == "hpcpipe: error: no profile (on rank 1; planning failed on 2 of 3 ranks)\nmore"
+    assert text == "hpcpipe: error: no profile (on rank 1; setup failed on 2 of 3 ranks)\nmore"
 
 
 def test_when_every_rank_fails_rank_0_speaks_as_before():
     every = [(EXIT_CONFIG, None)] * 3
-    assert planning_outcome(every, 0, "hpcpipe: error: bad key") == (EXIT_CONFIG, "hpcpipe: error: bad key")
-    assert planning_outcome(every, 1, "hpcpipe: error: bad key") == (EXIT_CONFIG, None)
+    assert setup_outcome(every, 0, "hpcpipe: error: bad key") == (EXIT_CONFIG, "hpcpipe: error: bad key")
+    assert setup_outcome(every, 1, "hpcpipe: error: bad key") == (EXIT_CONFIG, None)
 
 
 def test_different_cuts_stop_every_rank_and_rank_0_names_them():
     every = [(0, "[2, 2]"), (0, "[3, 1]"), (0, "[2, 2]")]
-    code, text = planning_outcome(every, 0)
+    code, text = setup_outcome(every, 0)
     assert code == EXIT_CONFIG and "different stage cuts ([2, 2]; [3, 1])" in text
-    assert planning_outcome(every, 1) == (EXIT_CONFIG, None)
-    assert planning_outcome([(0, "[2, 2]")] * 2, 0) == (0, None)
-    assert planning_outcome([(0, None)] * 2, 1) == (0, None)       # commands that cut nothing
+    assert setup_outcome(every, 1) == (EXIT_CONFIG, None)
+    assert setup_outcome([(0, "[2, 2]")] * 2, 0) == (0, None)
+    assert setup_outcome([(0, None)] * 2, 1) == (0, None)       # commands that cut nothing
 
 
 def _profiles(tmp_path):
@@ -102,7 +102,7 @@ def test_a_rank_without_its_profile_stops_the_job_at_once(tmp_path, dirs, failin
     errors = _errors(proc)
     assert len(errors) == 1, proc.stderr
     assert "needs a profile of this model" in errors[0]
-    assert f"(on rank {failing}; planning failed on 1 of 2 ranks)" in errors[0]
+    assert f"(on rank {failing}; setup failed on 1 of 2 ranks)" in errors[0]
     assert "watchdog" not in proc.stderr and seconds < 60     # not the stall watchdog: the old hang lasted 600 s
     assert not (tmp_path / "ck").exists()
 
@@ -112,7 +112,7 @@ def test_ranks_that_cut_the_model_differently_do_not_train(tmp_path):
     proc, _ = _train(tmp_path, ("even", "heavy"))
     assert proc.returncode == 2, proc.stderr
     errors = _errors(proc)
-    assert len(errors) == 1 and "the ranks planned different stage cuts ([2, 2]; [3, 1])" in errors[0], proc.stderr
+    assert len(errors) == 1 and "the ranks chose different stage cuts ([2, 2]; [3, 1])" in errors[0], proc.stderr
     assert "trained" not in proc.stdout
     assert not (tmp_path / "ck").exists()
 

@@ -8,9 +8,9 @@ from plan_helpers import synthetic_profile
 
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.plan import profile_cache
-from hpcpipe.plan.profile_check import profile_problem
-from hpcpipe.plan.stage_cut import stage_counts
+from hpcpipe.profiles import cache as profile_cache
+from hpcpipe.profiles.check import profile_problem
+from hpcpipe.profiles.stage_cut import stage_counts
 
 
 def _whole():

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from hpcpipe.runtime import guard, runenv
+from hpcpipe.runtime import runenv, stop_marker
 
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: Fri Oct  3 2025\nMPICH ABI:          17:2:5\n"
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
@@ -96,10 +96,10 @@ def test_terminal_paths():
 
 
 def test_stop_marker_only_when_asked_and_its_contents(tmp_path):
-    assert guard.write_stop_marker(7, "a stop signal", "ck", env={}) == ""
+    assert stop_marker.write_stop_marker(7, "a stop signal", "ck", env={}) == ""
     path = tmp_path / "stop.json"
     env = {"HPCPIPE_STOP_MARKER": str(path), "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}
-    assert guard.write_stop_marker(7, "a stop signal on 1 of 8 rank(s)", "ck", env=env) == str(path)
+    assert stop_marker.write_stop_marker(7, "a stop signal on 1 of 8 rank(s)", "ck", env=env) == str(path)
     record = json.loads(path.read_text())
     assert record["status"] == 75 and record["step"] == 7 and record["checkpoint_dir"] == "ck"
     assert record["job_id"] == "42" and record["restart"] == "1" and "a stop signal" in record["reason"]
@@ -108,7 +108,7 @@ def test_stop_marker_only_when_asked_and_its_contents(tmp_path):
 
 def test_unwritable_stop_marker_warns_and_keeps_going(tmp_path, capsys):
     env = {"HPCPIPE_STOP_MARKER": str(tmp_path / "missing-dir" / "stop.json")}
-    assert guard.write_stop_marker(3, "x", "ck", env=env) == ""
+    assert stop_marker.write_stop_marker(3, "x", "ck", env=env) == ""
     err = capsys.readouterr().err
     assert "hpcpipe: warning: cannot write the stop marker HPCPIPE_STOP_MARKER=" in err and "75 stands" in err
     assert not (tmp_path / "missing-dir").exists()

@@ -121,7 +121,8 @@ def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
     """The engine's measured peak: GPipe holds m micro-batches, 1F1B min(pp - stage, m), as simulated."""
     from hpcpipe.config import from_dict
     from hpcpipe.schedule.simulate import simulate_schedule
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     comm = sub_world(world, 4)
     if comm is None:
@@ -131,7 +132,7 @@ def test_engine_counts_stashed_activations_per_stage(world, micro_batches):
                                ("zb-h1", simulate_schedule("zb-h1", 4, micro_batches).peak_stashed)):
         cfg = from_dict({"parallel": {"pp": 4, "dp": 1, "schedule": schedule},
                          "train": {"micro_batches": micro_batches, "micro_batch_size": 3}, "log": {"progress": False}})
-        trainer = Trainer(plan(cfg, 4), comm)
+        trainer = Trainer(prepare(cfg, 4), comm)
         trainer.compute_gradients(0)
         stats = trainer.last_stats
         stage = trainer.topo.pp_rank
@@ -149,7 +150,8 @@ def test_engine_counts_zbv_stash_as_simulated(world, micro_batches):
     """ZB-V on 2 ranks (4 one-layer stages in a V): the engine's per-stage and per-rank peaks are the simulator's."""
     from hpcpipe.config import from_dict
     from hpcpipe.schedule.simulate import simulate_schedule
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     comm = sub_world(world, 2)
     if comm is None:
@@ -157,7 +159,7 @@ def test_engine_counts_zbv_stash_as_simulated(world, micro_batches):
     sim = simulate_schedule("zb-v", 2, micro_batches, 2)
     cfg = from_dict({"parallel": {"pp": 2, "dp": 1, "schedule": "zb-v", "virtual_stages": 2},
                      "train": {"micro_batches": micro_batches, "micro_batch_size": 3}, "log": {"progress": False}})
-    trainer = Trainer(plan(cfg, 2), comm)
+    trainer = Trainer(prepare(cfg, 2), comm)
     trainer.compute_gradients(0)
     stats = trainer.last_stats
     rank = trainer.topo.pp_rank

@@ -9,7 +9,7 @@ from hpcpipe.schedule.classic import gpipe
 from hpcpipe.schedule.ir import Action, PipeShape, rank_stages, stage_rank
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import SCHEDULES, build_schedule, placement_of, shape_of
-from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_programs import validate_programs
 
 GRID = list(itertools.product(range(1, 9), range(1, 33), range(1, 4)))
 
@@ -58,7 +58,7 @@ def test_every_schedule_validates_over_the_grid(name):
         _check_program_facts(compute, pp, m, v, placement)
         shape = PipeShape(pp, pp * v, m, placement)
         programs = lower(compute, shape)
-        validate(programs, shape)
+        validate_programs(programs, shape)
         sends = sum(a.op.startswith("SEND") for p in programs for a in p)
         recvs = sum(a.op.startswith("RECV") for p in programs for a in p)
         assert sends == recvs
@@ -96,14 +96,14 @@ def test_validator_catches_a_missing_action():
     programs = _lowered("1f1b", 3, 4)
     programs[1] = [a for a in programs[1] if str(a) != "s1B2"]
     with pytest.raises(ScheduleError, match="missing|needs exactly one B"):
-        validate(programs, _shape(3, 4))
+        validate_programs(programs, _shape(3, 4))
 
 
 def test_validator_catches_a_duplicate_action():
     programs = _lowered("gpipe", 2, 2)
     programs[0].insert(1, Action("F", 0, 0))
     with pytest.raises(ScheduleError, match="appears twice"):
-        validate(programs, _shape(2, 2))
+        validate_programs(programs, _shape(2, 2))
 
 
 def test_validator_catches_backward_before_forward():
@@ -111,7 +111,7 @@ def test_validator_catches_backward_before_forward():
     w = next(i for i, a in enumerate(programs[1]) if a.op == "W")
     programs[1].insert(0, programs[1].pop(w))
     with pytest.raises(ScheduleError, match="before its"):
-        validate(programs, _shape(2, 3))
+        validate_programs(programs, _shape(2, 3))
 
 
 def test_validator_reports_deadlock_with_grid():
@@ -120,7 +120,7 @@ def test_validator_reports_deadlock_with_grid():
                [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
     programs = lower(compute, _shape(2, 2))
     with pytest.raises(ScheduleError) as err:
-        validate(programs, _shape(2, 2))
+        validate_programs(programs, _shape(2, 2))
     assert "deadlock" in str(err.value) and "<-- ERROR HERE" in str(err.value)
 
 
@@ -131,30 +131,30 @@ def test_validator_catches_out_of_order_messages():
     p = programs[1]
     p[recvs[0]], p[recvs[1]] = p[recvs[1]], p[recvs[0]]
     with pytest.raises(ScheduleError, match="arrive in order|no input"):
-        validate(programs, _shape(2, 3))
+        validate_programs(programs, _shape(2, 3))
 
 
 def test_validator_catches_unmatched_send():
     programs = _lowered("1f1b", 2, 2)
     programs[0].insert(-2, Action("SEND_F", 0, 1, 1))
     with pytest.raises(ScheduleError, match="unmatched"):
-        validate(programs, _shape(2, 2))
+        validate_programs(programs, _shape(2, 2))
 
 
 def test_plan_turns_unsupported_schedule_into_config_error():
     from hpcpipe.config import from_dict
     from hpcpipe.errors import ConfigError
-    from hpcpipe.train.trainer import plan
+    from hpcpipe.train.setup import prepare
 
     cfg = from_dict({"parallel": {"pp": 2, "schedule": "1f1b", "virtual_stages": 2},
                      "model": {"dims": [4] * 5}, "train": {"micro_batches": 4}})
     with pytest.raises(ConfigError, match=r"parallel.schedule = '1f1b'.*virtual stages: 2"):
-        plan(cfg, 2)
+        prepare(cfg, 2)
     cfg = from_dict({"parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
                      "model": {"dims": [4] * 5}, "train": {"micro_batches": 3}})
     with pytest.raises(ConfigError, match=r"micro-batches: 3, pp: 2, virtual stages: 2"):
-        plan(cfg, 2)
-    assert plan(from_dict({"parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+        prepare(cfg, 2)
+    assert prepare(from_dict({"parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
                            "model": {"dims": [4] * 5}, "train": {"micro_batches": 4}}), 2).n_stages == 4
 
 
@@ -163,7 +163,7 @@ def test_plan_turns_unsupported_schedule_into_config_error():
 @pytest.mark.parametrize("micro", range(1, 17))
 def test_gpipe_lowers_to_a_valid_program(pp, micro):
     programs = lower(gpipe(pp, micro), _shape(pp, micro))
-    validate(programs, _shape(pp, micro))
+    validate_programs(programs, _shape(pp, micro))
     for rank, prog in enumerate(programs):
         ops = [a.op for a in prog]
         assert ops.count("F") == micro and ops.count("B") == micro

@@ -43,7 +43,7 @@ def test_weights_round_trip_with_optimizer_state(tmp_path):
     attrs, state = read_optimizer(path, [1])
     assert attrs == {"name": "adam", "steps": 7}
     assert np.array_equal(state[1]["exp_avg"]["weight"], arrays[1]["weight"] + 1)
-    with h5py.File(path) as f:   # DESIGN.md layout, checksummed
+    with h5py.File(path) as f:   # the layout of docs/state.md, checksummed
         assert f["layers/0001/weight"].shape == (5, 4) and f["layers/0001/weight"].fletcher32
         assert f.attrs["format"] == "hpcpipe" and f.attrs["n_layers"] == 3 and f.attrs["step"] == 7
 

@@ -313,5 +313,5 @@ def test_checkpoint_command_verifies_exports_and_describes_a_gpt_file(tmp_path):
     bad = _write(tmp_path / "bad.h5", arrays)
     proc = _checkpoint_cli("verify", bad)
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        f"hpcpipe.checkpoint: error: weights file {str(bad)!r}: layers/0003/ln_f/bias has shape (9,), the model "
+        f"hpcpipe: error: weights file {str(bad)!r}: layers/0003/ln_f/bias has shape (9,), the model "
         f"needs (8,)")

@@ -18,7 +18,7 @@ from hpcpipe.schedule.registry import SCHEDULES, build_schedule, build_timeline
 from hpcpipe.schedule.render import ascii_timeline, sim_rows
 from hpcpipe.schedule.simulate import simulate, simulate_schedule
 from hpcpipe.schedule.sweep import simulate_timeline
-from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.schedule.validate_timeline import validate_timeline
 from hpcpipe.simulate import main
 
@@ -97,7 +97,7 @@ def test_every_builtin_timeline_validates_and_agrees_with_the_validator():
     for tl in _timelines():
         validate_timeline(tl)
         validate_timeline(tl, ranks_per_pass=1)
-        validate(lower(tl.actions(), tl.shape), tl.shape)
+        validate_programs(lower(tl.actions(), tl.shape), tl.shape)
         count += 1
     assert count >= 400
 
@@ -181,7 +181,7 @@ def test_validator_catches_a_timeline_out_of_dependency_order():
         validate_timeline(moved)
     with pytest.raises(ScheduleError, match="not in dependency order: rank 1 runs s1F0 at tick 0"):
         simulate_timeline(moved, Costs())
-    validate(lower(moved.actions(), moved.shape), moved.shape)      # the programs themselves are fine
+    validate_programs(lower(moved.actions(), moved.shape), moved.shape)      # the programs themselves are fine
 
 
 def test_validator_catches_backward_before_forward_and_w_before_i():
@@ -200,7 +200,7 @@ def test_validator_catches_backward_before_forward_and_w_before_i():
 def _oracle(tl: Timeline) -> bool:
     """The per-action validator, plus the Timeline promise: each message's producer at an earlier tick."""
     try:
-        validate(lower(tl.actions(), tl.shape), tl.shape)
+        validate_programs(lower(tl.actions(), tl.shape), tl.shape)
     except ScheduleError:
         return False
     tick = {}
@@ -281,7 +281,7 @@ def test_out_of_order_timeline_with_valid_programs_is_refused_by_the_simulator()
             continue
         tl = _mutate(tl, rng)
         try:
-            validate(lower(tl.actions(), tl.shape), tl.shape)
+            validate_programs(lower(tl.actions(), tl.shape), tl.shape)
         except ScheduleError:
             continue
         if not _oracle(tl):

@@ -13,14 +13,15 @@ def test_trace_has_one_track_per_rank_and_every_action(world, shared_tmp):
     from hpcpipe.schedule.calibrate import costs_from_trace
     from hpcpipe.trace import measured_events
     from hpcpipe.train.loop import write_trace
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     comm = sub_world(world, 2)
     if comm is None:
         return
     cfg = from_dict({"parallel": {"pp": 2, "dp": 1, "schedule": "zb-h1"},
                      "train": {"micro_batches": 4, "micro_batch_size": 2}, "log": {"progress": False}})
-    p = plan(cfg, 2)
+    p = prepare(cfg, 2)
     trainer = Trainer(p, comm, record_events=True)
     traced = []
     for step in range(2):

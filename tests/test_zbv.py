@@ -14,7 +14,7 @@ from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
 from hpcpipe.schedule.simulate import simulate, simulate_schedule
 from hpcpipe.schedule.sweep import simulate_timeline
-from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.schedule.validate_timeline import validate_timeline
 
 GRID = list(itertools.product(range(1, 9), range(1, 33)))
@@ -76,7 +76,7 @@ def test_zbv_action_lists_are_its_timeline_and_validate_over_the_grid():
             assert sorted({a.stage for a in prog}) == sorted(rank_stages(r, pp, 2 * pp, "v"))
             assert len(prog) == 6 * m                     # F, I, W of both chunks
         lowered = _lowered(pp, m, programs)
-        validate(lowered, _v(pp, m))
+        validate_programs(lowered, _v(pp, m))
         validate_timeline(tl)
         if pp > 1:
             # the V's turn on rank pp - 1 is local: no message between stage pp - 1 and pp
@@ -112,18 +112,18 @@ def test_validators_reject_broken_zbv_variants():
     ok = build_schedule("zb-v", 4, 8, 2)
     # the right programs under the wrong placement: stages on ranks that do not own them
     with pytest.raises(ScheduleError, match="belongs to rank"):
-        validate(lower(ok, PipeShape(4, 8, 8, "interleaved")), PipeShape(4, 8, 8, "interleaved"))
+        validate_programs(lower(ok, PipeShape(4, 8, 8, "interleaved")), PipeShape(4, 8, 8, "interleaved"))
     # a missing action
     dropped = [list(p) for p in ok]
     dropped[2].pop()                      # its last W
     with pytest.raises(ScheduleError, match="needs exactly one B, or one I and one W"):
-        validate(_lowered(4, 8, dropped), _v(4, 8))
+        validate_programs(_lowered(4, 8, dropped), _v(4, 8))
     # chunk b's forwards out of micro-batch order on one rank: that channel is FIFO
     swapped = [list(p) for p in ok]
     f = [i for i, a in enumerate(swapped[1]) if a.op == "F" and a.stage == 6]
     swapped[1][f[0]], swapped[1][f[1]] = swapped[1][f[1]], swapped[1][f[0]]
     with pytest.raises(ScheduleError, match="arrive in order|deadlock"):
-        validate(_lowered(4, 8, swapped), _v(4, 8))
+        validate_programs(_lowered(4, 8, swapped), _v(4, 8))
     # a W before its I
     w_first = [list(p) for p in ok]
     i = next(k for k, a in enumerate(w_first[3]) if a.op == "I")
@@ -131,7 +131,7 @@ def test_validators_reject_broken_zbv_variants():
                                                                                         w_first[3][i].mb))
     w_first[3].insert(i, w_first[3].pop(w))
     with pytest.raises(ScheduleError, match="before its input-gradient I"):
-        validate(_lowered(4, 8, w_first), _v(4, 8))
+        validate_programs(_lowered(4, 8, w_first), _v(4, 8))
     # timeline forms: a duplicate, an action out of range, and one out of dependency order
     t = _tick(tl, 0, I, 1, 0)
     with pytest.raises(ScheduleError):
@@ -152,7 +152,7 @@ def test_timeline_out_of_dependency_order_is_refused_with_valid_programs():
     for arr in (ops, chunk, mb):
         arr[2] = np.roll(arr[2], -1)
     moved = Timeline(tl.name, 3, 4, 2, ops, chunk, mb, "v")
-    validate(_lowered(3, 4, moved.actions()), _v(3, 4))          # the programs are fine
+    validate_programs(_lowered(3, 4, moved.actions()), _v(3, 4))          # the programs are fine
     with pytest.raises(ScheduleError, match="not in dependency order"):
         validate_timeline(moved)
     with pytest.raises(ScheduleError, match="not in dependency order"):
@@ -231,11 +231,11 @@ def test_config_requires_two_virtual_stages_and_enough_layers():
 
 
 def test_plan_places_stages_in_a_v():
-    from hpcpipe.train.trainer import plan
+    from hpcpipe.train.setup import prepare
 
     cfg = from_dict({"parallel": {"pp": 4, "dp": 1, "schedule": "zb-v", "virtual_stages": 2},
                      "model": {"dims": [8] * 9}, "train": {"micro_batches": 6}})
-    p = plan(cfg, 4)
+    p = prepare(cfg, 4)
     assert p.shape.placement == "v" and p.n_stages == 8
     assert [a.stage for a in p.programs[0] if a.op == "F"][:1] == [0]
     assert {a.stage for a in p.programs[0] if a.op in ("F", "I", "W")} == {0, 7}

@@ -8,7 +8,7 @@ import pytest
 from test_timeline import _mutate, _oracle
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule import timeline_checks
+from hpcpipe.schedule import timeline_proofs
 from hpcpipe.schedule.ir import Timeline, W
 from hpcpipe.schedule.registry import build_timeline
 from hpcpipe.schedule.validate_timeline import validate_timeline
@@ -26,13 +26,13 @@ def test_v_validator_agrees_with_the_per_action_one_on_mutated_zbv_timelines(mon
     rng = random.Random(11)
     sizes = list(itertools.product(range(1, 7), range(1, 9)))
     fallbacks = []
-    per_action = timeline_checks.validate_per_action
+    per_action = timeline_proofs.validate_per_action
 
     def spy(tl):
         fallbacks.append(tl)
         per_action(tl)
 
-    monkeypatch.setattr(timeline_checks, "validate_per_action", spy)
+    monkeypatch.setattr(timeline_proofs, "validate_per_action", spy)
     verdicts = {True: 0, False: 0}
     decided_alone = 0            # verdicts reached without the per-action validator
     while sum(verdicts.values()) < 2000:
@@ -54,7 +54,7 @@ def test_builtin_zbv_timelines_validate_without_the_per_action_validator(monkeyp
     def refuse(tl):
         raise AssertionError("per-action fallback taken")
 
-    monkeypatch.setattr(timeline_checks, "validate_per_action", refuse)
+    monkeypatch.setattr(timeline_proofs, "validate_per_action", refuse)
     for p, m in itertools.product(range(1, 9), range(1, 17)):
         for ranks_per_pass in (1, 3, 16):
             validate_timeline(build_timeline("zb-v", p, m, 2), ranks_per_pass=ranks_per_pass)

@@ -7,17 +7,9 @@ spinning thread per core starves the ranks that are computing.
 
 import os as _os
 
+from hpcpipe.runtime.launcher import local_rank_count as _local_rank_count
+
 __version__ = "0.1.0"
-
-
-def _local_rank_count(default: int = 1) -> int:
-    """Return how many ranks of this job share this node, from the launcher's environment (else default)."""
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
-                 "PMI_LOCAL_SIZE", "MPI_LOCAL_NRANKS"):
-        value = _os.environ.get(name, "").split("(")[0].split(",")[0]
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return default
 
 
 AUTO_THREADS = "HPCPIPE_AUTO_THREADS"   # the count hpcpipe chose itself (not the user), for child processes

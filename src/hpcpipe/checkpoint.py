@@ -15,7 +15,6 @@ uses MPI: reading is :mod:`hpcpipe.state.sources`, the directory protocol
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import sys
@@ -23,12 +22,12 @@ from pathlib import Path
 
 import h5py
 
-from hpcpipe.cli import reader_left
+from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
-from hpcpipe.state.own_output import check_writable, commit_output
+from hpcpipe.state.outputs import check_writable, commit_output
 from hpcpipe.state.sources import (
     WeightsSource,
     checkpoint_source,
@@ -193,7 +192,7 @@ def all_checkpoints(root: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.checkpoint``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m hpcpipe.checkpoint",
+    parser = CommandParser(prog="python -m hpcpipe.checkpoint",
                                      description="Verify, export and describe hpcpipe checkpoints and weights "
                                                  "files. PATH: a checkpoint root (checkpoint.dir; its latest is "
                                                  "followed), a run-NNNN or step-NNNNNNNN directory, a latest file, "
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p_info.add_argument("dir", metavar="PATH")
     args = parser.parse_args(argv)
     if not os.path.lexists(args.dir):     # a typo, not a bad checkpoint
-        print(f"hpcpipe.checkpoint: error: {args.dir!r} does not exist", file=sys.stderr)
+        print(f"hpcpipe: error: {args.dir!r} does not exist", file=sys.stderr)
         return 2
     try:
         if args.command == "verify":
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             if refused is None:
                 refused = export_output_error(args.out, protected_paths(args.dir, resolve_weights(args.dir)))
             if refused is not None:
-                print(f"hpcpipe.checkpoint: error: {refused}", file=sys.stderr)
+                print(f"hpcpipe: error: {refused}", file=sys.stderr)
                 return 2
             source = export(args.dir, args.out, args.optimizer)
             print(f"exported {source.describe()} step {source.step} ({count_text(source.model_kind, source.n_layers)}) "
@@ -243,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(info(args.dir))
     except ConfigError as exc:
-        print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         return reader_left()     # the reader (`| head`) left
     except OSError as exc:
-        print(f"hpcpipe.checkpoint: error: {exc}", file=sys.stderr)
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -12,13 +12,12 @@ gives ``{"n", "tokens", "loss_nats",
 "loss_bits", "weights", "step"}``: the mean cross-entropy per target token
 of the token windows (:func:`evaluate_gpt`). Bad input (a file that is not HDF5, a directory,
 missing datasets, wrong shapes or dtypes, row counts that differ, NaN/Inf
-values, labels or token ids out of range) is one ``hpcpipe.evaluate: error:``
+values, labels or token ids out of range) is one ``hpcpipe: error:``
 line naming the file, exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcpipe.cli import CommandParser
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import open_hdf5
 from hpcpipe.nn.gpt import GPT
@@ -234,7 +234,7 @@ def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_n
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.evaluate``; prints one JSON line, returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m hpcpipe.evaluate", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m hpcpipe.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", required=True, help="weights file, checkpoint root or step directory")
     parser.add_argument("--data", required=True, help="HDF5 file with datasets x and y")
     parser.add_argument("--x", default="x", help="input dataset: MLP (N, features) float; GPT (N, seq_len) token ids")
@@ -245,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))
     except ConfigError as exc:
-        print(f"hpcpipe.evaluate: error: {exc}", file=sys.stderr)
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # e.g. a file unreadable at the system level: still one line naming it
-        print(f"hpcpipe.evaluate: error: {exc}", file=sys.stderr)
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

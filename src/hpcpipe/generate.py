@@ -1,8 +1,14 @@
-"""``python -m hpcpipe.generate``: text generation from a trained GPT through the KV-cached pipeline (see serve/)."""
+"""``python -m hpcpipe.generate`` and the ``hpcpipe-generate`` console script: text from a GPT (see serve/)."""
 
 import sys
 
-from hpcpipe.serve.generate_command import main
+
+def script() -> int:
+    """Run the generate command; return its exit status."""
+    from hpcpipe.serve.generate_command import main
+
+    return main()
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script())

@@ -13,10 +13,9 @@ The simulator itself is :mod:`hpcpipe.schedule.simulate` (per action) and
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from hpcpipe.cli import reader_left
+from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.calibrate import calibrated_costs
 from hpcpipe.schedule.costs import Costs
@@ -57,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
@@ -81,7 +79,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            print(f"hpcpipe.simulate: error: --plot needs matplotlib ({exc}): pip install matplotlib "
+            print(f"hpcpipe: error: --plot needs matplotlib ({exc}): pip install matplotlib "
                   f"(or, in the source tree, pip install \".[plot]\")", file=sys.stderr)
             return 2
     try:
@@ -102,7 +100,7 @@ def _main(argv: list[str] | None) -> int:
                                    per_rank_costs=not args.calibrate,
                                    events=bool(args.per_action or args.ascii or args.plot))
     except ScheduleError as exc:
-        print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 2
     print(f"schedule {args.schedule}  pp={args.pp}  micro-batches={args.micro_batches}  "
           f"virtual stages={args.virtual_stages}")
@@ -129,7 +127,7 @@ def _main(argv: list[str] | None) -> int:
                           f"(simulated, bubble {result.bubble:.1%})",
                           "time (s)" if args.calibrate else "time (cost units)")
         except ScheduleError as exc:
-            print(f"hpcpipe.simulate: error: {exc}", file=sys.stderr)
+            print(f"hpcpipe: error: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.plot}")
     return 0

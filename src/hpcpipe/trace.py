@@ -18,7 +18,7 @@ from typing import Any
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.runtime.topology import rank_name
-from hpcpipe.state.own_output import write_json_output
+from hpcpipe.state.outputs import write_json_output
 
 COMPUTE = ("F", "B", "I", "W")
 

@@ -1,4 +1,4 @@
-"""Inference: ``python -m hpcpipe.infer`` (``command``), planning, the pipelined run, the streaming stage, row
+"""Inference: ``python -m hpcpipe.infer`` (``command``), the setup, the pipelined run, the streaming stage, row
 I/O and the report. ``hpcpipe.infer.run(weights, input, output, ...)`` is the Python entry point."""
 
 from __future__ import annotations

@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.cli import CommandParser
 from hpcpipe.errors import HpcpipeError
 from hpcpipe.infer.pipeline import execute
-from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import format_summary
-from hpcpipe.infer.stopping import StopRequested
+from hpcpipe.infer.setup import InferSetup, prepare
+from hpcpipe.infer.stop_outcome import StopRequested
 from hpcpipe.runtime.host_memory import keep_freed_memory
-from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.runtime.job import run_job
+from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.trace import write_json
 
 DESCRIPTION = """Run a trained MLP forward over the rows of an HDF5 dataset with pipeline (pp) x data (dp)
@@ -71,11 +72,11 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     world = MPI.COMM_WORLD
 
-    def planner() -> InferPlan:
-        return plan(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides,
+    def setup() -> InferSetup:
+        return prepare(args.weights, args.input, args.output, world.Get_size(), args.config, args.overrides,
                     args.trace, args.report)
 
-    def body(p: InferPlan) -> int:
+    def body(p: InferSetup) -> int:
         try:
             report = execute(p, world, stop)
         except StopRequested as exc:   # every rank stopped together; nothing was committed
@@ -92,4 +93,4 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
                     return 1
         return 0
 
-    return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")
+    return run_job(world, setup, body, lambda: f"rank {world.Get_rank()}")

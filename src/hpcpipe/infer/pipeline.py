@@ -1,4 +1,4 @@
-"""Running a planned inference (collective): load each stage's layers, stream micro-batches, commit the output.
+"""Running a set-up inference (collective): load each stage's layers, stream micro-batches, commit the output.
 
 Rows go to replicas and land in the output as documented in
 :mod:`hpcpipe.infer.rows`; the streaming itself is :mod:`hpcpipe.infer.stream`,
@@ -12,12 +12,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcpipe.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ConfigError, HpcpipeError
-from hpcpipe.infer.plan import InferPlan, plan
 from hpcpipe.infer.report import summarize
 from hpcpipe.infer.rows import (
     RowReader,
@@ -28,7 +27,8 @@ from hpcpipe.infer.rows import (
     replica_micro_batches,
     temporary_name,
 )
-from hpcpipe.infer.stopping import StopRequested, stop_message
+from hpcpipe.infer.setup import InferSetup, prepare
+from hpcpipe.infer.stop_outcome import StopRequested, stop_message
 from hpcpipe.infer.stream import StreamStage
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.model import layer_specs
@@ -38,19 +38,24 @@ from hpcpipe.runtime.comm import (
     abort,
     barrier,
     broadcast,
-    clock_offset,
     gather_to_root,
     together,
 )
 from hpcpipe.runtime.faults import fault_step
+from hpcpipe.runtime.mpi_probes import clock_offset
 from hpcpipe.runtime.stop_notice import StopNotice, StoppablePoller, StreamStopped
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.state import collective as checkpoint_mpi
-from hpcpipe.state.own_output import INFER_FORMAT
+from hpcpipe.state.outputs import INFER_FORMAT
 from hpcpipe.trace import inference_trace, write_json
 
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
-def _stage_layers(p: InferPlan, arrays: dict[int, dict[str, np.ndarray]], stage: int) -> list[tuple]:
+    from hpcpipe.runtime.topology import Topology
+
+
+def _stage_layers(p: InferSetup, arrays: dict[int, dict[str, np.ndarray]], stage: int) -> list[tuple]:
     specs = layer_specs(p.config)
     dtype = p.config.model.dtype
     out = []
@@ -62,7 +67,8 @@ def _stage_layers(p: InferPlan, arrays: dict[int, dict[str, np.ndarray]], stage:
     return out
 
 
-def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Path, offset: int | None) -> StreamStage:
+def _build_stage(p: InferSetup, topo: Topology, poller: Poller, arrays: dict, tmp: Path,
+                 offset: int | None) -> StreamStage:
     cfg = p.config
     inf, dims, dtype = cfg.infer, cfg.model.dims, np.dtype(cfg.model.dtype)
     stage = topo.pp_rank
@@ -78,8 +84,8 @@ def _build_stage(p: InferPlan, topo: Any, poller: Poller, arrays: dict, tmp: Pat
         pp_comm=topo.pp_comm, prev=topo.prev, next=topo.next, poller=poller)
 
 
-def execute(p: InferPlan, comm: Any, stop: Any = None) -> dict[str, Any]:
-    """Run a planned inference on every rank of comm (collective); return the report on every rank.
+def execute(p: InferSetup, comm: Comm, stop: Any = None) -> dict[str, Any]:
+    """Run a set-up inference on every rank of comm (collective); return the report on every rank.
 
     Errors before streaming (unreadable weights, output not creatable) are
     agreed on and raised as AgreedError on every rank, and nothing is left at
@@ -203,7 +209,7 @@ def _stop_if_asked(notice: StopNotice | None, poller: Poller, output: str) -> No
         raise StopRequested(stop_message(every, output, os.path.lexists(output), started=False))
 
 
-def _abort_stream(comm: Any, name: str, exc: BaseException, tmp: Path, output: str) -> None:
+def _abort_stream(comm: Comm, name: str, exc: BaseException, tmp: Path, output: str) -> None:
     """A rank failed or was interrupted mid-stream: say so, remove the temporary output, end the job now."""
     if comm.Get_size() == 1:
         return   # one process: the exception ends the command, execute's finally removes the temporary
@@ -219,7 +225,7 @@ def _abort_stream(comm: Any, name: str, exc: BaseException, tmp: Path, output: s
     abort(comm, EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILURE)
 
 
-def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any = None,
+def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Comm = None,
         config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
         trace: str = "") -> dict[str, Any]:
     """Infer the outputs of `input`'s rows with the model in `weights` into `output` (collective over comm).
@@ -235,4 +241,4 @@ def run(weights: str | Path, input: str | Path, output: str | Path, *, comm: Any
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-    return execute(plan(weights, input, output, comm.Get_size(), config, overrides, trace), comm)
+    return execute(prepare(weights, input, output, comm.Get_size(), config, overrides, trace), comm)

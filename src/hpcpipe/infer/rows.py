@@ -35,7 +35,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, open_hdf5
-from hpcpipe.state.own_output import check_replaceable, check_writable, commit_output
+from hpcpipe.state.outputs import check_replaceable, check_writable, commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 
 

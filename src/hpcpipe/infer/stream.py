@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
 from hpcpipe.nn.layers import Activation
 from hpcpipe.runtime.comm import StreamLink
 from hpcpipe.runtime.stop_notice import StreamStopped, cancel_receive
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 # per micro-batch: input started, input ready, output slot free (compute start), compute end, output done
 EVENT_FIELDS = ("input_start", "input_end", "compute_start", "compute_end", "output_end")
@@ -98,7 +101,7 @@ class StreamStage:
 
     def __init__(self, *, layers: list[tuple[np.ndarray, np.ndarray | None, Activation]], micro_batches: list[int],
                  n_rows: int, batch: int, slots: int, dtype: Any, in_width: int, out_width: int,
-                 reader: RowReader | None, writer: RowWriter | None, pp_comm: Any, prev: int, next: int,
+                 reader: RowReader | None, writer: RowWriter | None, pp_comm: Comm, prev: int, next: int,
                  poller: Any):
         self.mbs = micro_batches
         self.n_rows, self.batch = n_rows, batch

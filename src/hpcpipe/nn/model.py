@@ -15,6 +15,7 @@ import numpy as np
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
+from hpcpipe.nn.protocol import Layer
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def layer_ranges(counts: list[int] | tuple[int, ...]) -> list[range]:
 class StageModule:
     """The layers of one (virtual) stage: forward/backward over a micro-batch."""
 
-    def __init__(self, stage: int, layers: list):
+    def __init__(self, stage: int, layers: list[Layer]):
         self.stage = stage
         self.layers = layers
 
@@ -143,7 +144,7 @@ class StageModule:
             x, cache = layer.forward(x)
             caches.append(cache)
         last = self.layers[-1]
-        caches.append(last.forward_cache(x) if hasattr(last, "forward_cache") else last.forward(x)[1])
+        caches.append(last.forward_cache(x))
         return caches
 
     def backward_input(self, caches: list, g: Any, need_input_grad: bool = True) -> tuple[Any, list]:

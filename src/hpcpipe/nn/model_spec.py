@@ -23,6 +23,7 @@ from hpcpipe.nn.gpt_layers import build_layer as build_gpt_layer
 from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
 from hpcpipe.nn.layers import Dense, make_activation
 from hpcpipe.nn.model import LayerSpec, initial_arrays, layer_specs
+from hpcpipe.nn.protocol import Layer
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 
@@ -99,7 +100,7 @@ class ModelDef:
         raise NotImplementedError
 
     def build_layer(self, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                    tok_emb: Any = None, grad_tok_emb: Any = None) -> Any:
+                    tok_emb: Any = None, grad_tok_emb: Any = None) -> Layer:
         """Return the layer of group ``index`` over its parameter and gradient views."""
         raise NotImplementedError
 

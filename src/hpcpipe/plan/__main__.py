@@ -1,7 +1,14 @@
-"""``python -m hpcpipe.plan``: see :mod:`hpcpipe.plan.command`."""
+"""``python -m hpcpipe.plan`` and the ``hpcpipe-plan`` console script: see :mod:`hpcpipe.plan.command`."""
 
 import sys
 
-from hpcpipe.plan.command import main
 
-sys.exit(main())
+def script() -> int:
+    """Run the planner; return its exit status."""
+    from hpcpipe.plan.command import main
+
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(script())

@@ -17,20 +17,18 @@ import re
 import shlex
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.config import Config, load_config
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import report
-from hpcpipe.plan.profile import default_cache_dir, largest_profiled_rows, load_profile, profile_sizes
-from hpcpipe.plan.profile_cache import ordinary_mode
+from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
-from hpcpipe.state.own_output import check_writable
+from hpcpipe.profiles.profile import default_cache_dir
+from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.state.outputs import check_writable, write_new
 from hpcpipe.state.sources import refuse_overwrite
-from hpcpipe.train.preflight import available_bytes
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3,
          "gib": 1024 ** 3, "t": 1024 ** 4, "tib": 1024 ** 4, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
@@ -113,44 +111,13 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name} {path!r} exists; the planner does not overwrite files: remove it or "
                               f"give a new path")
         if path:
-            check_writable(path, f"--{name}")   # names a missing directory, or a file where one should be
-            _check_can_create(path, f"--{name}")
+            # a missing directory, a file where one should be, or a place nothing can be created (/proc)
+            check_writable(path, f"--{name}", probe=True)
             refuse_overwrite(path, (), (), f"--{name}")   # never into a checkpoint: pruning would delete it
     cache = args.profile_dir or default_cache_dir()
     if os.path.exists(cache) and not os.path.isdir(cache):   # found now, not after the MPI probe
         how = "--profile-dir" if args.profile_dir else "the profile cache ($HPCPIPE_PROFILE_DIR or ~/.cache)"
         raise ConfigError(f"{how} {cache!r} is not a directory")
-
-
-def _check_can_create(path: str, option: str) -> None:
-    """Raise ConfigError unless a file can be created beside path (tried now, before minutes of profiling)."""
-    directory = Path(path).resolve().parent
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{Path(path).name}.", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(f"{option} {path!r}: cannot create a file in {str(directory)!r}: "
-                          f"{exc.strerror or exc}") from None
-
-
-def write_new(path: str, option: str, text: str) -> None:
-    """Write text to a new file at path, whole or not at all, and never over a file that appeared meanwhile."""
-    target = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.resolve().parent)
-        try:
-            ordinary_mode(fd)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.link(tmp, target)      # unlike a rename, fails if the path (or a dangling symlink) exists by now
-        finally:
-            os.unlink(tmp)
-    except FileExistsError:
-        raise ConfigError(f"{option} {path!r} appeared while planning; the planner does not overwrite files: the "
-                          f"plan is above") from None
-    except OSError as exc:
-        raise ConfigError(f"{option} {path!r}: cannot write: {exc.strerror or exc}") from None
 
 
 def engine_text(engine: dict) -> str:

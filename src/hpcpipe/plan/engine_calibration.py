@@ -36,7 +36,7 @@ from typing import Any
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.plan import comm_model
+from hpcpipe.plan.launch import launch, launcher_command
 from hpcpipe.trace import load_trace
 
 STEPS = 7               # the first two are warm-up (allocations, BLAS buffers)
@@ -131,7 +131,7 @@ def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows:
             f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace, schedule),
                             "hpcpipe.plan's calibration run"))
         what = f"the calibration run (dp={dp} x pp={pp}{f' {schedule}' if pp > 1 else ''})"
-        comm_model.launch(words, ["hpcpipe.train", "--config", path], what, timeout_s, cwd=folder, ranks=dp * pp)
+        launch(words, ["hpcpipe.train", "--config", path], what, timeout_s, cwd=folder, ranks=dp * pp)
         return summarize_trace(trace)
 
 
@@ -156,10 +156,10 @@ def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
     The runs take turns (replicas, 1F1B, replicas, ZB-H1): a slow spell of the
     machine then falls on every layout instead of tilting one's plans against another's.
     """
-    from hpcpipe.plan.stage_cut import measured_cut
+    from hpcpipe.profiles.stage_cut import measured_cut
 
     rows = calibration_rows(profile)
-    words = comm_model.launcher_command(launcher)
+    words = launcher_command(launcher)
     pp = min(ranks, profile.n_layers)
     layouts = {"replicas": (ranks, [profile.n_layers], "gpipe")}
     if pp > 1:

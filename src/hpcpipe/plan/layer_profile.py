@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import Config, from_dict
+from hpcpipe.nn.memory import cache_bytes
 from hpcpipe.nn.model import RankParameters
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.runtime.rss import resident_bytes
-from hpcpipe.train.engine import _cache_bytes
 
 OPS = ("F", "I", "W", "B")
 
@@ -165,7 +165,7 @@ def _bytes(bench: _StageBench, x: Any, target: Any, rows: int, rng: np.random.Ge
     out: dict[int, list[int]] = {i: [0, 0] for i in bench.indices}
     caches, g = bench.forward(x, target, rows, rng, None)
     for index, cache in zip(bench.indices, caches, strict=True):
-        out[index][0] = _cache_bytes(cache)
+        out[index][0] = cache_bytes(cache)
     tracemalloc.start()
     try:
         for k in range(len(bench.layers) - 1, -1, -1):   # each group's backward halves, then its forward
@@ -244,12 +244,6 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     return {"groups": groups, "signatures": signatures, "stage": indices,
             "optimizer": _optimizer_costs(config, xp, dtype), "blas_rss_bytes": blas_bytes,
             "backend": backend.name}
-
-
-def optimizer_name(train: Any) -> str:
-    """The optimizer variant whose update cost differs: sgd, sgd+momentum, adam, adamw."""
-    momentum = train.optimizer == "sgd" and train.momentum > 0
-    return train.optimizer + ("+momentum" if momentum else "")
 
 
 def _optimizer_costs(config: Config, xp: Any, dtype: str) -> dict[str, dict]:

@@ -24,14 +24,14 @@ import math
 from dataclasses import dataclass, field
 
 from hpcpipe.config import Config
+from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
 from hpcpipe.nn.model import layer_ranges
 from hpcpipe.nn.model_spec import model_def
-from hpcpipe.plan.profile import Profile
+from hpcpipe.profiles.profile import Profile
 from hpcpipe.schedule.costs import Costs
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.schedule.registry import placement_of
 from hpcpipe.schedule.simulate import simulate_schedule
-from hpcpipe.train.preflight import ITEMSIZE, estimate_rank_bytes
 
 MAX_SENDS_KEPT = 65    # PipeComm keeps up to 64 sends before it reaps finished ones
 ALLOCATOR_SLACK = 0.15

@@ -9,28 +9,27 @@ larger of the 2 ranks). Rank 0 writes::
     {"p2p": [[nbytes, seconds], ...], "allreduce": [[nbytes, seconds], ...],
      "baseline_rss_bytes": int, "mpi": "<library line>", "ranks": 2, "probe_seconds": float}
 
-hpcpipe.plan.comm_model fits a latency/bandwidth model to it and runs this
+hpcpipe.profiles.comm_model fits a latency/bandwidth model to it and runs this
 command as a subprocess (measure_comm). It takes a few seconds: big messages
 are repeated only a few times.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from hpcpipe.cli import CommandParser, launcher_rank
+from hpcpipe.cli import CommandParser
 from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from hpcpipe.runtime.launcher import launcher_rank, launcher_size
 from hpcpipe.runtime.rss import resident_bytes
+from hpcpipe.state.outputs import write_json_atomic
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))     # 4 KiB .. 64 MiB, 8 sizes
 MAX_SIZE = 1 << 30
 RANKS = 2
-# sizes of the launcher's job, read when MPI sees fewer ranks than the launcher started
-LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
 
 
 def repeats_for(nbytes: int) -> int:
@@ -67,8 +66,8 @@ def wrong_size_message(size: int, library: str) -> str:
     """Return the one-line refusal of a job that does not have exactly 2 ranks."""
     message = (f"hpcpipe: error: the communication probe needs exactly {RANKS} ranks "
                f"(mpiexec -n {RANKS} python -m hpcpipe.plan.probe ...), this job has {size}")
-    started = next((os.environ[v] for v in LAUNCHER_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), "")
-    if size == 1 and started and int(started) > 1:
+    started = launcher_size()
+    if size == 1 and started > 1:
         message += (f"; the launcher started {started} processes but MPI sees each one alone: the launcher "
                     f"does not belong to the MPI library mpi4py uses ({library})")
     return message
@@ -76,24 +75,11 @@ def wrong_size_message(size: int, library: str) -> str:
 
 def measure(world, sizes: list[int]) -> dict:
     """Time p2p and allreduce at every size on the 2 ranks of world (collective); return rank 0's results."""
-    from hpcpipe.runtime.comm import allreduce_seconds, pingpong_seconds
+    from hpcpipe.runtime.mpi_probes import allreduce_seconds, pingpong_seconds
     peer = 1 - world.Get_rank()
     p2p = [[n, pingpong_seconds(world, peer, n, repeats_for(n))] for n in sizes]
     allreduce = [[n, allreduce_seconds(world, n, repeats_for(n))] for n in sizes]
     return {"p2p": p2p, "allreduce": allreduce}
-
-
-def write_json(path: str, result: dict) -> None:
-    """Write result to path through a temporary file beside it, so a reader never sees half a file."""
-    partial = f"{path}.partial-{os.getpid()}"
-    try:
-        with open(partial, "w") as out:
-            json.dump(result, out)
-            out.write("\n")
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     import hpcpipe.train.trainer  # noqa: F401
-    from hpcpipe.runtime.comm import abort, gather_to_root, library_line
+    from hpcpipe.runtime.comm import abort, gather_to_root
+    from hpcpipe.runtime.mpi_probes import library_line
     world = MPI.COMM_WORLD
     rss = resident_bytes()
     size = world.Get_size()
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if world.Get_rank() == 0:
             result.update(baseline_rss_bytes=max(rss_all), mpi=library_line(world), ranks=RANKS,
                           probe_seconds=round(time.perf_counter() - started, 3))
-            write_json(args.out, result)
+            write_json_atomic(args.out, result)
     except BaseException as exc:  # noqa: BLE001 - the other rank may wait in a blocking call: end the job
         print(f"hpcpipe: [probe rank {world.Get_rank()}] error: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)

@@ -18,8 +18,8 @@ from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.plan.predict import Candidate, Prediction, Predictor
-from hpcpipe.plan.profile import Profile
-from hpcpipe.plan.stage_cut import measured_cut
+from hpcpipe.profiles.profile import Profile
+from hpcpipe.profiles.stage_cut import measured_cut
 
 MAX_VIRTUAL = 4
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime.host_memory import keep_freed_memory
-
-_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK")
+from hpcpipe.runtime.launcher import local_rank
 
 
 @dataclass(frozen=True)
@@ -37,15 +35,6 @@ class Backend:
         """Wait for queued device work, so MPI sees finished buffers."""
         if self.on_gpu:
             self.xp.cuda.get_current_stream().synchronize()
-
-
-def local_rank(default: int = 0) -> int:
-    """Return this process's rank among the ranks of its node, from the launcher's environment."""
-    for name in _LOCAL_RANK_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return default
 
 
 def _gpu_count() -> int:

@@ -12,13 +12,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcpipe.errors import AgreedError, HpcpipeError
 from hpcpipe.runtime.backend import Backend
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 
 def cuda_aware() -> bool:
@@ -57,7 +60,7 @@ class Poller:
 class PipeComm:
     """Activation/gradient exchange along one pipeline and gradient averaging across replicas."""
 
-    def __init__(self, pp_comm: Any, dp_comm: Any, world: Any, backend: Backend, poller: Poller,
+    def __init__(self, pp_comm: Comm, dp_comm: Comm, world: Comm, backend: Backend, poller: Poller,
                  gpu_direct: bool | None = None):
         self.pp_comm, self.dp_comm, self.world = pp_comm, dp_comm, world
         self.backend = backend
@@ -110,7 +113,7 @@ class PipeComm:
         self.poller.wait([r for r, _ in self._sends])
         self._sends.clear()
 
-    def _allreduce_inplace(self, buf: Any, comm: Any) -> None:
+    def _allreduce_inplace(self, buf: Any, comm: Comm) -> None:
         if comm.Get_size() == 1:
             return
         wire = self._wire(buf)
@@ -167,7 +170,7 @@ class StreamLink:
         start(slot)           # Isend of micro-batch i overlaps the compute of i + 1
     """
 
-    def __init__(self, comm: Any, peer: int, buffers: list[np.ndarray], tag: int, send: bool, poller: Poller):
+    def __init__(self, comm: Comm, peer: int, buffers: list[np.ndarray], tag: int, send: bool, poller: Poller):
         for buf in buffers:
             if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
                 raise TypeError("StreamLink buffers must be C-contiguous NumPy arrays")
@@ -223,7 +226,7 @@ class Mailbox:
     matched probe (``improbe``) and returns None when nothing has arrived.
     """
 
-    def __init__(self, comm: Any, backend: Backend, poller: Poller):
+    def __init__(self, comm: Comm, backend: Backend, poller: Poller):
         self.comm, self.backend, self.poller = comm, backend, poller
         self._sends: list = []
         self.bytes_sent = 0
@@ -267,115 +270,21 @@ class Mailbox:
         self._sends.clear()
 
 
-def clock_offset(comm: Any, poller: Poller, root: int = 0, rounds: int = 8) -> float:
-    """Return what to add to this rank's ``time.perf_counter()`` to read root's clock (collective, setup only).
-
-    Ranks on root's node share its monotonic clock: their offset is 0. Each
-    rank on another node does ``rounds`` ping-pongs with root and keeps the
-    one with the shortest round trip (Cristian's algorithm), so a rank
-    descheduled during one exchange does not skew the estimate.
-    """
-    hosts = comm.allgather(MPI.Get_processor_name())
-    rank = comm.Get_rank()
-    remote = [r for r, host in enumerate(hosts) if host != hosts[root]]
-    stamp = np.zeros(1, dtype=np.float64)
-    if rank == root:
-        for peer in remote:
-            for _ in range(rounds):
-                poller.wait([comm.Irecv(stamp, source=peer, tag=7)])
-                stamp[0] = time.perf_counter()
-                comm.Send(stamp, dest=peer, tag=7)
-        return 0.0
-    if rank not in remote:
-        return 0.0
-    best_rtt, offset = float("inf"), 0.0
-    ping = np.zeros(1, dtype=np.float64)
-    for _ in range(rounds):
-        reply = comm.Irecv(stamp, source=root, tag=7)
-        t0 = time.perf_counter()
-        comm.Send(ping, dest=root, tag=7)
-        poller.wait([reply])
-        t1 = time.perf_counter()
-        if t1 - t0 < best_rtt:
-            best_rtt, offset = t1 - t0, float(stamp[0]) - (t0 + t1) / 2
-    return offset
-
-
-def library_line(comm: Any) -> str:
-    """Return the run's one-line MPI description: library, the libmpi file loaded, mpi4py build, rank count."""
-    import mpi4py
-
-    from hpcpipe.runtime import runenv
-    try:
-        config = mpi4py.get_config()
-    except Exception:  # noqa: BLE001 - a description must never stop a run
-        config = {}
-    build = runenv.mpi4py_build(getattr(MPI, "__file__", "") or "", config, mpi4py.__version__)
-    return runenv.mpi_line(MPI.Get_library_version(), comm.Get_size(), runenv.self_libmpi(), build)
-
-
-# Probes for the planner (hpcpipe.plan.probe): blocking calls are fine here, they time a quiet exchange.
-PROBE_WARMUP, PROBE_TAG = 3, 11
-
-
-def pingpong_seconds(comm: Any, peer: int, nbytes: int, repeats: int) -> float:
-    """Return the median one-way time (half a round trip) of an nbytes message between this rank and peer.
-
-    Both ranks call it; the lower one times the round trips after untimed warm-ups and sends peer the median.
-    """
-    rank = comm.Get_rank()
-    if peer == rank or not 0 <= peer < comm.Get_size() or nbytes < 1 or repeats < 1:
-        raise ValueError(f"pingpong_seconds: peer {peer} must be another rank of the {comm.Get_size()} and "
-                         f"nbytes {nbytes}, repeats {repeats} at least 1")
-    buf, first, times = np.ones(nbytes, dtype=np.uint8), rank < peer, []
-    for i in range(PROBE_WARMUP + repeats):
-        t0 = time.perf_counter()
-        if first:
-            comm.Send(buf, dest=peer, tag=PROBE_TAG)
-        comm.Recv(buf, source=peer, tag=PROBE_TAG)
-        if not first:
-            comm.Send(buf, dest=peer, tag=PROBE_TAG)
-        elif i >= PROBE_WARMUP:
-            times.append((time.perf_counter() - t0) / 2.0)
-    if not first:
-        return float(comm.recv(source=peer, tag=PROBE_TAG))
-    median = float(np.median(times))
-    comm.send(median, dest=peer, tag=PROBE_TAG)
-    return median
-
-
-def allreduce_seconds(comm: Any, nbytes: int, repeats: int) -> float:
-    """Return the median time of an in-place Allreduce(SUM) of a float32 buffer of nbytes over comm (collective).
-
-    Each repeat starts after a barrier and counts as the slowest rank's time (what a step waits for).
-    """
-    if nbytes < 4 or repeats < 1:
-        raise ValueError(f"allreduce_seconds: nbytes {nbytes} must be at least 4 and repeats {repeats} at least 1")
-    buf, times = np.zeros(nbytes // 4, dtype=np.float32), []
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)      # warm-up: first touch, algorithm setup
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return float(np.median(times))
-
-
-def broadcast(comm: Any, obj: Any, root: int = 0) -> Any:
+def broadcast(comm: Comm, obj: Any, root: int = 0) -> Any:
     """Return root's picklable object on every rank (setup only, never the hot path)."""
     return comm.bcast(obj, root=root)
 
 
-def gather_to_root(comm: Any, obj: Any, root: int = 0) -> list | None:
+def gather_to_root(comm: Comm, obj: Any, root: int = 0) -> list | None:
     """Gather a picklable object from every rank (setup and tests only, never the hot path)."""
     return comm.gather(obj, root=root)
 
 
-def gather_everyone(comm: Any, poller: Poller, obj: Any, timeout_s: float | None = None) -> list | None:
+def gather_everyone(comm: Comm, poller: Poller, obj: Any, timeout_s: float | None = None) -> list | None:
     """Return every rank's small object on every rank, waiting asleep for the last; None after timeout_s (setup)."""
     if comm.Get_size() == 1:
         return [obj]
-    arrived, start = comm.Ibarrier(), time.monotonic()   # a rank still planning keeps its core: wait asleep
+    arrived, start = comm.Ibarrier(), time.monotonic()   # a rank still setting up keeps its core: wait asleep
     while not arrived.Test():
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             return None    # the caller aborts: the missing rank may be stuck in a file system for ever
@@ -383,12 +292,12 @@ def gather_everyone(comm: Any, poller: Poller, obj: Any, timeout_s: float | None
     return comm.allgather(obj)
 
 
-def barrier(comm: Any, poller: Poller) -> None:
+def barrier(comm: Comm, poller: Poller) -> None:
     """A barrier that sleeps while it waits."""
     poller.wait([comm.Ibarrier()])
 
 
-def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
+def agree(comm: Comm, poller: Poller, error: str | None) -> str | None:
     """Return, on every rank, the error of the lowest rank that reported one, or None if none did.
 
     Collective: one small polled allreduce says who failed, so nobody proceeds or hangs before all know.
@@ -404,7 +313,7 @@ def agree(comm: Any, poller: Poller, error: str | None) -> str | None:
 
 
 @contextmanager
-def together(comm: Any, poller: Poller, code: int, describe: Callable[[Exception], str] | None = None,
+def together(comm: Comm, poller: Poller, code: int, describe: Callable[[Exception], str] | None = None,
              on_failure: Callable[[], None] | None = None) -> Iterator[None]:
     """Every rank of comm runs the block; if it failed on any rank, every rank raises the same AgreedError.
 
@@ -437,7 +346,7 @@ def together(comm: Any, poller: Poller, code: int, describe: Callable[[Exception
 ABORT_GRACE_S = 0.5
 
 
-def abort(comm: Any, code: int) -> None:
+def abort(comm: Comm, code: int) -> None:
     """End every rank of the job now (MPI_Abort), so one failing rank never hangs the others."""
     # The launcher's proxy forwards our stderr asynchronously and kills everything once the abort reaches it;
     # without a short grace period the failing rank's own error line was sometimes lost on a loaded node.

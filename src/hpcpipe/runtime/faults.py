@@ -92,8 +92,7 @@ def write_pid(world_rank: int) -> None:
     """HPCPIPE_PID_DIR: write this rank's process id to DIR/rank-R.pid (right after the stop handlers)."""
     directory = os.environ.get("HPCPIPE_PID_DIR", "")
     if directory:
-        # write then rename: a test polling for the file never reads it half written
-        path = Path(directory, f"rank-{world_rank}.pid")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(f"{os.getpid()}\n")
-        os.replace(tmp, path)
+        # written whole: a test polling for the file never reads it half written
+        from hpcpipe.state.outputs import write_atomic
+
+        write_atomic(Path(directory, f"rank-{world_rank}.pid"), f"{os.getpid()}\n")

@@ -1,4 +1,6 @@
-"""Keep freed host memory in the process, so that a step's large temporaries reuse pages instead of faulting new ones.
+"""Host memory: how much this node can still give, and keeping freed memory in the process for reuse.
+
+A step's large temporaries should reuse pages instead of faulting new ones.
 
 glibc's malloc serves every block above its mmap threshold (at most 32 MiB) with a
 fresh ``mmap`` and gives it back with ``munmap`` when NumPy frees it, and trims its
@@ -39,3 +41,18 @@ def keep_freed_memory() -> bool:
         except (OSError, AttributeError):
             done = False
     return done
+
+
+def available_bytes() -> int:
+    """Return the memory this node can still give (MemAvailable; else physical memory), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

@@ -20,6 +20,8 @@ import re
 import sys
 from typing import Any
 
+from hpcpipe.runtime.launcher import under_open_mpi
+
 LAUNCHER_NAMES = ("mpirun", "mpiexec", "orterun", "prterun", "mpirun.openmpi", "mpiexec.openmpi")
 _LIBMPI = re.compile(r"^lib(mpi|impi|msmpi|mpich)\.so(\.\d+)*$")
 
@@ -66,12 +68,6 @@ def _read(path: str) -> str:
 def self_libmpi() -> str:
     """Return the path of the MPI library this process loaded ('' when /proc is unavailable)."""
     return loaded_libmpi(_read("/proc/self/maps"))
-
-
-def under_open_mpi(env: dict | None = None) -> bool:
-    """True when this process was started by Open MPI's launcher (its OMPI_COMM_WORLD_* variables)."""
-    env = os.environ if env is None else env
-    return "OMPI_COMM_WORLD_SIZE" in env
 
 
 def _parent(pid: int) -> tuple[int, str]:

@@ -8,18 +8,21 @@ of its own (:class:`StopNotice`); every rank checks for it between units of
 work and while it waits for a neighbour (:class:`StoppablePoller`), leaving
 with :class:`StreamStopped`. Afterwards every rank, finished or not, takes
 part in one small agreement (:meth:`StopNotice.agree`). The MPI calls live
-here, in the runtime layer; :mod:`hpcpipe.infer.stopping` uses them.
+here, in the runtime layer; :mod:`hpcpipe.infer.stop_outcome` uses them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcpipe.runtime.comm import Poller, gather_everyone
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 NOTICE_TAG = 7575
 CANCEL_WAIT_S = 5.0     # a receive that cannot be cancelled completes once its sender moves on; never wait for ever
@@ -45,7 +48,7 @@ class StoppablePoller(Poller):
 class StopNotice:
     """Spreads one rank's stop signal to every rank of comm without a collective (collective to create)."""
 
-    def __init__(self, comm: Any, stop: Any):
+    def __init__(self, comm: Comm, stop: Any):
         from mpi4py import MPI
         self.comm = comm.Dup()    # a context of its own: the notice never matches a stream message
         self.stop = stop

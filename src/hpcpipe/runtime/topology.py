@@ -8,23 +8,26 @@ same node when ranks are packed by node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpcpipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Cartcomm, Comm
 
 
 @dataclass
 class Topology:
     """This rank's place in the (dp, pp) grid and the communicators that go with it."""
 
-    world: Any
-    cart: Any
+    world: Comm
+    cart: Cartcomm
     dp: int
     pp: int
     dp_rank: int
     pp_rank: int
-    pp_comm: Any    # the ranks of this pipeline; rank in it == pp_rank
-    dp_comm: Any    # the replicas of this stage; rank in it == dp_rank
+    pp_comm: Comm    # the ranks of this pipeline; rank in it == pp_rank
+    dp_comm: Comm    # the replicas of this stage; rank in it == dp_rank
 
     @property
     def name(self) -> str:
@@ -52,7 +55,7 @@ def rank_name(dp_rank: int, pp_rank: int) -> str:
     return f"dp{dp_rank:02d}-pp{pp_rank:02d}"
 
 
-def make_topology(world: Any, dp: int, pp: int) -> Topology:
+def make_topology(world: Comm, dp: int, pp: int) -> Topology:
     """Build the (dp, pp) Cartesian grid over world; the size check runs before any collective."""
     size = world.Get_size()
     if dp < 1 or pp < 1 or dp * pp != size:

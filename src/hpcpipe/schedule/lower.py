@@ -10,7 +10,7 @@ of ZB-V's V on rank pp - 1) hand over locally and get no message.
 Every program ends with ALLREDUCE (data-parallel gradient average) and
 OPT_STEP.
 
-``validate`` proves a lowered program set correct by executing it
+``validate_programs`` proves a lowered program set correct by executing it
 symbolically: sends are non-blocking (the engine posts Isend and completes
 it later), receives block, every message is matched in FIFO order on its
 (source, destination, direction) channel, every compute action appears once
@@ -18,7 +18,7 @@ and after its dependencies, and no set of ranks can wait on each other
 forever. Errors print the rank x step grid with ``<-- ERROR HERE``.
 
 ``validate_timeline`` proves the same of a schedule in array form (what
-``validate(lower(timeline.actions()))`` proves) with whole-array operations,
+``validate_programs(lower(timeline.actions()))`` proves) with whole-array operations,
 for sizes where per-action Python is too slow (pp = 1024 x 8192 micro-batches).
 """
 

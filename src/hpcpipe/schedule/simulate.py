@@ -32,7 +32,7 @@ from hpcpipe.schedule.ir import Action, PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, build_timeline, shape_of
 from hpcpipe.schedule.sweep import simulate_timeline
-from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.schedule.validate_timeline import validate_timeline
 
 
@@ -136,7 +136,7 @@ def simulate_schedule(name: str, pp: int, n_micro: int, virtual: int = 1, costs:
     shape = shape_of(name, pp, n_micro, virtual)
     programs = lower(build_schedule(name, pp, n_micro, virtual), shape)
     if check:
-        validate(programs, shape)
+        validate_programs(programs, shape)
     return simulate(programs, shape, costs, cores)
 
 

@@ -1,30 +1,30 @@
-"""Validate a schedule in array form (what validate(lower(actions)) proves) with whole-array operations."""
+"""Validate a schedule in array form (what validate_programs(lower(actions)) proves) with whole-array operations."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule import timeline_checks as checks
+from hpcpipe.schedule import timeline_proofs as proofs
 from hpcpipe.schedule.ir import IDLE, B, F, I, Timeline, W, chunk_stage, stage_rank
-from hpcpipe.schedule.timeline_checks import (
-    _check_after,
-    _check_last_stage,
-    _check_local_order,
-    _check_neighbours,
-    _check_once,
-    _check_wrap,
-    _order_error,
-    _Workspace,
+from hpcpipe.schedule.timeline_proofs import (
+    Workspace,
+    check_after,
+    check_last_stage,
+    check_local_order,
+    check_neighbours,
+    check_once,
     check_timeline_values,
+    check_wrap,
+    order_error,
 )
-from hpcpipe.schedule.validate_v import _validate_v
+from hpcpipe.schedule.validate_timeline_v import validate_timeline_v
 
 
 def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
     """Raise ScheduleError unless the timeline's programs are complete, paired and deadlock-free (vectorised).
 
-    Proves what ``validate(lower(tl.actions()), ...)`` proves, and the promise
+    Proves what ``validate_programs(lower(tl.actions()), ...)`` proves, and the promise
     of a Timeline (each message's producer at an earlier tick than its
     consumer), with whole-array operations over a few ranks at a time:
 
@@ -52,7 +52,7 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
 
     Steps 3-5 are written for the interleaved placement (rank r's chunk c is
     stage c * pp + r). ZB-V's ``"v"`` placement with two chunks has its own
-    version of them (:func:`_validate_v`); any other placement or chunk count
+    version of them (:func:`validate_timeline_v`); any other placement or chunk count
     is checked for 1, proved by the per-action validator on its lowered
     programs with its placement, and then checked to keep the Timeline
     promise (every message's producer at an earlier tick): the same verdict,
@@ -63,13 +63,13 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
         raise ScheduleError(f"ranks_per_pass must be a positive integer, got {ranks_per_pass}")
     check_timeline_values(tl)
     if tl.placement == "v" and v == 2:
-        _validate_v(tl, ranks_per_pass)
+        validate_timeline_v(tl, ranks_per_pass)
         return
     if tl.placement != "interleaved":
-        checks.validate_per_action(tl)
+        proofs.validate_per_action(tl)
         _check_ticks_any_placement(tl)
         return
-    work = _Workspace(tl, min(ranks_per_pass, pp))
+    work = Workspace(tl, min(ranks_per_pass, pp))
     rank0 = prev = None          # (forward, backward) sequences of rank 0 and of the rank before this pass
     per_action = False           # some rank's W's are outside 6: prove them per action at the end
     for r0 in range(0, pp, ranks_per_pass):
@@ -86,24 +86,24 @@ def validate_timeline(tl: Timeline, ranks_per_pass: int = 16) -> None:
             if (w.keys[split] != bwd.keys[split]).any():
                 per_action = True                # W's in another order than the I's: may be valid
             else:
-                _check_after(tl, bwd, w, split)
+                check_after(tl, bwd, w, split)
         if rank0 is None:
             rank0 = (fwd.row(0), bwd.row(0))
-            _check_once(tl, rank0[0], "forward")
-            _check_once(tl, rank0[1], "backward")
+            check_once(tl, rank0[0], "forward")
+            check_once(tl, rank0[1], "backward")
         if pp > 1:
-            _check_neighbours(tl, work, fwd, prev[0] if prev else None, "forward", 1)
-            _check_neighbours(tl, work, bwd, prev[1] if prev else None, "backward", -1)
+            check_neighbours(tl, work, fwd, prev[0] if prev else None, "forward", 1)
+            check_neighbours(tl, work, bwd, prev[1] if prev else None, "backward", -1)
         prev = (fwd.row(-1), bwd.row(-1))
     if pp == 1:
-        _check_local_order(tl, *rank0)
+        check_local_order(tl, *rank0)
     else:
         if v > 1:
-            _check_wrap(tl, rank0[0], prev[0], "forward", 1)
-            _check_wrap(tl, rank0[1], prev[1], "backward", -1)
-        _check_last_stage(tl, *prev)
+            check_wrap(tl, rank0[0], prev[0], "forward", 1)
+            check_wrap(tl, rank0[1], prev[1], "backward", -1)
+        check_last_stage(tl, *prev)
     if per_action:
-        checks.validate_per_action(tl)
+        proofs.validate_per_action(tl)
 
 
 def _check_ticks_any_placement(tl: Timeline) -> None:
@@ -129,4 +129,4 @@ def _check_ticks_any_placement(tl: Timeline) -> None:
         if late.size:
             k = int(late[0])
             src_rank = stage_rank(int(src[k]), tl.pp, tl.placement)
-            _order_error(tl, kind, src_rank, int(ranks[sel][k]), src_tick[k], ticks[sel][k])
+            order_error(tl, kind, src_rank, int(ranks[sel][k]), src_tick[k], ticks[sel][k])

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.cli import CommandParser
 from hpcpipe.errors import ConfigError
-from hpcpipe.runtime.stopsignal import StopSignals
-from hpcpipe.serve.plan import ServePlan, plan
+from hpcpipe.runtime.job import run_job
+from hpcpipe.runtime.signals import StopSignals
+from hpcpipe.serve.setup import ServeSetup, prepare
 
 API_KEY_ENV = "HPCPIPE_API_KEY"
 
@@ -57,8 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Frontend:
     """The HTTP side on world rank 0: broker, metrics and the aiohttp server thread."""
 
-    def __init__(self, p: ServePlan, host: str, port: int, api_key: str = ""):
-        self.plan, self.host, self.port, self.api_key = p, host, port, api_key
+    def __init__(self, p: ServeSetup, host: str, port: int, api_key: str = ""):
+        self.setup, self.host, self.port, self.api_key = p, host, port, api_key
         self.server = None
 
     def open(self):
@@ -66,9 +67,9 @@ class Frontend:
         from hpcpipe.serve.broker import Broker
         from hpcpipe.serve.http_api import HttpServer, make_app
         from hpcpipe.serve.metrics import Metrics
-        srv = self.plan.config.serve
-        broker = Broker(self.plan.dp * srv.max_sequences + srv.max_queue)
-        app = make_app(broker, Metrics(), self.plan.tokenizer, self.plan.model_name, self.plan.shape.seq_len,
+        srv = self.setup.config.serve
+        broker = Broker(self.setup.dp * srv.max_sequences + srv.max_queue)
+        app = make_app(broker, Metrics(), self.setup.tokenizer, self.setup.model_name, self.setup.shape.seq_len,
                        api_key=self.api_key)
         self.server = HttpServer(app, self.host, self.port)
         try:
@@ -79,7 +80,7 @@ class Frontend:
 
     def ready(self) -> None:
         """Say where the server listens (every rank has loaded its stage)."""
-        p = self.plan
+        p = self.setup
         guard = f"API key required ({API_KEY_ENV})" if self.api_key else f"no API key ({API_KEY_ENV} unset)"
         print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcpipe.serve.engine import run
     world = MPI.COMM_WORLD
 
-    def body(p: ServePlan) -> int:
+    def body(p: ServeSetup) -> int:
         frontend = Frontend(p, args.host, args.port, args.api_key)
         try:
             counts = run(p, world, frontend.open, stop, frontend.ready, frontend.close)
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        return run_planned(world, lambda: plan(args.weights, world.Get_size(), args.config, args.overrides), body,
+        return run_job(world, lambda: prepare(args.weights, world.Get_size(), args.config, args.overrides), body,
                            lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

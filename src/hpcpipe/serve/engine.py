@@ -1,4 +1,4 @@
-"""Running a planned generation or serving job on every rank (collective): set up, loop, stop together.
+"""Running a set-up generation or serving job on every rank (collective): set up, loop, stop together.
 
 Roughly, on every rank::
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpipe.nn.decode import DecodeStage
 from hpcpipe.runtime.backend import select_backend
@@ -24,24 +24,27 @@ from hpcpipe.runtime.comm import Mailbox, Poller, barrier, gather_to_root, toget
 from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.serve.dispatch import TAG_DRAIN, Controller, Dispatcher, Source
-from hpcpipe.serve.plan import ServePlan
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
 from hpcpipe.serve.scheduler import ReplicaScheduler
+from hpcpipe.serve.setup import ServeSetup
 from hpcpipe.state import collective as checkpoint_mpi
 
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
-def build_stage(plan: ServePlan, pp_rank: int, backend: Any, world: Any, poller: Poller) -> DecodeStage:
+
+def build_stage(setup: ServeSetup, pp_rank: int, backend: Any, world: Comm, poller: Poller) -> DecodeStage:
     """Load this rank's layer groups (collective, agreed) and return its KV-cached stage."""
-    mine = plan.stage_ranges[pp_rank]
-    holds_head = plan.shape.n_groups - 1 in mine
-    needs_table = holds_head and plan.shape.tied and 0 not in mine
+    mine = setup.stage_ranges[pp_rank]
+    holds_head = setup.shape.n_groups - 1 in mine
+    needs_table = holds_head and setup.shape.tied and 0 not in mine
     indices = list(mine) + ([0] if needs_table else [])
-    arrays = checkpoint_mpi.load(world, poller, plan.weights, indices, with_optimizer=False).arrays
+    arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
-        stage = DecodeStage(plan.shape, mine, arrays, backend.xp, plan.config.model.dtype,
-                            plan.config.serve.max_sequences, tok_emb=table)
+        stage = DecodeStage(setup.shape, mine, arrays, backend.xp, setup.config.model.dtype,
+                            setup.config.serve.max_sequences, tok_emb=table)
     return stage
 
 
@@ -59,7 +62,7 @@ def loop(steps: list[Callable[[], bool]], done: Callable[[], bool], poller: Poll
             delay = min(delay * 2.0, poller.max_s)
 
 
-def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: Any,
+def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop: Any,
         ready: Callable[[], None] | None = None, closing: Callable[[], None] | None = None) -> dict[str, Any]:
     """Serve on every rank of world until rank 0's source drains; return the counts on rank 0, {} elsewhere.
 
@@ -69,18 +72,18 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     (before the final barrier, so that every rank leaves at the same time: a launcher that
     forwarded a SIGTERM kills the ranks still running when the first one exits).
     """
-    cfg = plan.config
+    cfg = setup.config
     poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
-    topo = make_topology(world, plan.dp, plan.pp)
+    topo = make_topology(world, setup.dp, setup.pp)
     rank = world.Get_rank()
     source = None
     with together(world, poller, 2):
         if rank == 0:
             source = open_source()
     backend = select_backend(cfg.run.backend)
-    stage = build_stage(plan, topo.pp_rank, backend, world, poller)
+    stage = build_stage(setup, topo.pp_rank, backend, world, poller)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
-    samplers = SamplerTable(backend.to_host, plan.tokenizer.vocab_size)
+    samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size)
     barrier(world, poller)
     if rank == 0 and ready is not None:
         ready()
@@ -88,15 +91,15 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
     tokens, reason = 0, ""
     relay = SignalRelay(stop, world_box)
     if topo.pp_rank > 0:
-        follower = Follower(stage, pp_box, topo.pp_rank, plan.pp, samplers)
+        follower = Follower(stage, pp_box, topo.pp_rank, setup.pp, samplers)
         follower.fault_at = fault_step(rank)
         loop([follower.step, relay], lambda: follower.done, poller)
     else:
-        scheduler = ReplicaScheduler(cfg.serve.max_sequences, plan.groups, plan.shape.seq_len, cfg.serve.kv_cache,
+        scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
                                      cfg.serve.prefill_tokens)
         if rank == 0:
-            dispatcher = Dispatcher(source, world_box, plan.dp, plan.pp, scheduler)
-            head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers,
+            dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, scheduler)
+            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers,
                         lambda events: dispatcher.deliver(0, events, scheduler.running))
             head.fault_at = fault_step(rank)
 
@@ -111,7 +114,7 @@ def run(plan: ServePlan, world: Any, open_source: Callable[[], Source], stop: An
                 closing()
         else:
             control = Controller(world_box, scheduler, topo.dp_rank)
-            head = Head(stage, scheduler, pp_box, plan.pp, backend.xp, samplers, control.report)
+            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, control.report)
             head.fault_at = fault_step(rank)
             loop([control.step, head.step, control.flush, relay],
                  lambda: control.finished, poller)

@@ -9,15 +9,16 @@ import argparse
 import sys
 import time
 
-from hpcpipe.cli import CommandParser, run_planned
+from hpcpipe.cli import CommandParser
 from hpcpipe.errors import ConfigError, HpcpipeError
 from hpcpipe.infer.rows import check_output
-from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.runtime.job import run_job
+from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.serve.broker import Event, Request
-from hpcpipe.serve.plan import ServePlan, plan
 from hpcpipe.serve.sampling import SamplingParams
+from hpcpipe.serve.setup import ServeSetup, prepare
 from hpcpipe.serve.textstream import TextStream
-from hpcpipe.state.own_output import write_json_output
+from hpcpipe.state.outputs import write_json_output
 from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
+def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
     """Return the request the arguments describe; ConfigError names a bad value."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -82,7 +83,7 @@ def check_request(args: argparse.Namespace, p: ServePlan) -> Request:
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
 
 
-def full_context_note(source: OneShot, request: Request, p: ServePlan) -> str:
+def full_context_note(source: OneShot, request: Request, p: ServeSetup) -> str:
     """Why fewer tokens came than --max-new-tokens asked for, when the context filled up ('' otherwise)."""
     if source.finish != "length" or len(source.tokens) >= request.max_new:
         return ""
@@ -145,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
     state: dict = {}
 
-    def planner() -> tuple[ServePlan, Request]:
-        p = plan(args.weights, world.Get_size(), args.config, args.overrides)
+    def setup() -> tuple[ServeSetup, Request]:
+        p = prepare(args.weights, world.Get_size(), args.config, args.overrides)
         return p, check_request(args, p)
 
-    def body(planned: tuple[ServePlan, Request]) -> int:
-        p, request = planned
+    def body(prepared: tuple[ServeSetup, Request]) -> int:
+        p, request = prepared
 
         def open_source() -> OneShot:
             state["source"] = OneShot(request, TextStream(p.tokenizer))
@@ -169,6 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        return run_planned(world, planner, body, lambda: f"rank {world.Get_rank()}")
+        return run_job(world, setup, body, lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

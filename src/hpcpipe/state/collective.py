@@ -27,7 +27,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from hpcpipe.runtime.faults import crash_due, crash_hook
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.sources import WeightsSource
 from hpcpipe.state.weights import OptimizerArrays, weights_image, write_file_durably
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 
 def human_bytes(n: float) -> str:
@@ -139,7 +142,7 @@ def _commit(root: Path, run_dir: Path, tmp: Path, step: int, manifest: dict[str,
     return final
 
 
-def save(world: Any, poller: Poller, root: str | Path, step: int, *, run_dir: Path | None, dp_rank: int,
+def save(world: Comm, poller: Poller, root: str | Path, step: int, *, run_dir: Path | None, dp_rank: int,
          pp_rank: int, params: Any, optimizer: Any, n_layers: int, info: SaveInfo, keep: int) -> Path:
     """Save a checkpoint of `step` completed steps (collective over world); return its directory.
 
@@ -231,7 +234,7 @@ class LoadedState:
     optimizer: OptimizerArrays | None
 
 
-def load(world: Any, poller: Poller, source: WeightsSource, indices: list[int], with_optimizer: bool,
+def load(world: Comm, poller: Poller, source: WeightsSource, indices: list[int], with_optimizer: bool,
          clean_root: str | Path | None = None) -> LoadedState:
     """Read this rank's layers (and optimizer state) from source; all ranks agree before returning.
 

@@ -21,7 +21,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
-from hpcpipe.state.own_output import file_kind
+from hpcpipe.state.outputs import file_kind
 from hpcpipe.state.weights import (
     LayerArrays,
     OptimizerArrays,

@@ -1,4 +1,4 @@
-"""One HDF5 weights file: /layers/NNNN/<parameter> by global layer index (DESIGN.md schema).
+"""One HDF5 weights file: /layers/NNNN/<parameter> by global layer index (the schema in docs/state.md).
 
 An MLP layer holds ``weight`` and ``bias``; a GPT layer group holds nested
 names (``tok_emb``, ``ln1/weight``, ``attn/qkv/weight``, ...), each a dataset

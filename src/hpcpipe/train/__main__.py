@@ -1,11 +1,22 @@
-"""``python -m hpcpipe.train``: the stop handlers are installed by this file's first statement (see command.py)."""
+"""``python -m hpcpipe.train`` and the ``hpcpipe-train`` console script: one entry, stop handlers first.
 
-from hpcpipe.runtime.stopsignal import StopSignals
+This module imports only :mod:`hpcpipe.runtime.signals` before the handlers are
+installed, so a batch system's SIGUSR1/SIGTERM during the slow start-up (NumPy,
+h5py, MPI) is recorded instead of killing the rank (see train/command.py).
+"""
 
-EARLY_STOP = StopSignals().install()   # before anything slow is imported, on purpose
+import sys
 
-import sys  # noqa: E402
+from hpcpipe.runtime.signals import StopSignals
 
-from hpcpipe.train.command import main  # noqa: E402
 
-sys.exit(main(stop=EARLY_STOP))
+def script() -> int:
+    """Install the stop handlers, then load and run the train command; return its exit status."""
+    stop = StopSignals().install()   # before anything slow is imported, on purpose
+    from hpcpipe.train.command import main
+
+    return main(stop=stop)
+
+
+if __name__ == "__main__":
+    sys.exit(script())

@@ -1,12 +1,11 @@
-"""``python -m hpcpipe.train``: the command line, planning, the run and its summary.
+"""``python -m hpcpipe.train``: the command line, the setup, the run and its summary.
 
     mpiexec -n 8 python -m hpcpipe.train                  # embedded default: dp=2 x pp=4
     mpiexec -n 8 python -m hpcpipe.train --config configs/default.toml --set train.steps=50 --set parallel.pp=2
 
-Run as ``python -m hpcpipe.train``, the SIGUSR1/SIGTERM handlers are
-installed by the first statement of :mod:`hpcpipe.train.__main__`, before
-anything else is imported; :func:`main` installs them first otherwise
-(console script). This module never loads NumPy or mpi4py (which
+Run as ``python -m hpcpipe.train`` or ``hpcpipe-train``, the SIGUSR1/SIGTERM
+handlers are installed by :func:`hpcpipe.train.__main__.script` before
+anything else is imported; :func:`main` installs them first otherwise. This module never loads NumPy or mpi4py (which
 initialises MPI) at import. A stop signal during the slow start-up is thus
 only recorded, and every rank learns of it at the first step decision: the
 run stops after step 0 with a checkpoint and exit status 75.
@@ -17,12 +16,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hpcpipe.cli import CommandParser, launcher_rank, run_planned
+from hpcpipe.cli import CommandParser
 from hpcpipe.config import load_config
 from hpcpipe.errors import EXIT_PREEMPTED
 from hpcpipe.runtime.faults import write_pid
-from hpcpipe.runtime.guard import Watchdog, write_stop_marker
-from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.runtime.job import run_job
+from hpcpipe.runtime.launcher import launcher_rank
+from hpcpipe.runtime.signals import StopSignals
+from hpcpipe.runtime.stop_marker import write_stop_marker
+from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.train.loop import train
 
 DESCRIPTION = """Train an MLP or a GPT (model.kind) with pipeline (pp) x data (dp) parallelism over MPI.
@@ -89,7 +91,7 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
     """Entry point of ``python -m hpcpipe.train`` (``stop``: its early handlers); returns the exit status."""
-    # Handlers first, before MPI and NumPy load: a signal during start-up, planning or a resume
+    # Handlers first, before MPI and NumPy load: a signal during start-up, the setup or a resume
     # load is only recorded, and every rank learns of it at the first step decision.
     stop = stop or StopSignals().install()
     try:
@@ -102,18 +104,19 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from mpi4py import MPI
 
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     world = MPI.COMM_WORLD
     holder: dict[str, Any] = {}
 
-    def planner():
+    def setup():
         config = load_config(args.config, args.overrides)
-        return plan(config, world.Get_size())
+        return prepare(config, world.Get_size())
 
     def body(p) -> int:
         if p.resume is not None and p.resume.step >= p.config.train.steps:
-            # a finished run: nothing to train, nothing to save (every rank decides the same from the plan)
+            # a finished run: nothing to train, nothing to save (every rank decides the same from the setup)
             if world.Get_rank() == 0:
                 print(f"hpcpipe: nothing to do: {str(p.resume.path)!r} is already at train.steps = "
                       f"{p.config.train.steps} (raise train.steps to continue)", flush=True)
@@ -138,4 +141,4 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         trainer = holder.get("trainer")
         return trainer.topo.name if trainer else f"rank {world.Get_rank()}"
 
-    return run_planned(world, planner, body, label)
+    return run_job(world, setup, body, label)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcpipe.nn.memory import cache_bytes
 from hpcpipe.nn.model import RankParameters
 from hpcpipe.runtime.comm import PipeComm
 from hpcpipe.schedule.ir import Action, PipeShape
@@ -36,33 +37,6 @@ class StepStats:
     peak_stashed_stage: dict[int, int] = field(default_factory=dict)   # per stage this rank owns
     peak_stash_bytes_stage: dict[int, int] = field(default_factory=dict)
     events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
-
-
-def _address(array: Any) -> int:
-    """Start address of an array's data (NumPy or CuPy)."""
-    interface = getattr(array, "__array_interface__", None)
-    return interface["data"][0] if interface is not None else array.data.ptr
-
-
-def _cache_bytes(caches: Any) -> int:
-    """Bytes of the distinct arrays a stage keeps for its backward.
-
-    An array and its views of the same memory (a layer's output is the next one's
-    input, ``rows(u)`` is u) are counted once: keyed by start address and size.
-    """
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    pending = [caches]
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, (tuple, list)):
-            pending.extend(obj)
-        elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):
-            key = (_address(obj), obj.nbytes)
-            if key not in seen:
-                seen.add(key)
-                total += obj.nbytes
-    return total
 
 
 @dataclass
@@ -134,7 +108,7 @@ class Engine:
         if self.recompute:
             caches = Recompute(x)     # the forward's caches are dropped here and rebuilt before the backward
         self.stash[key] = caches
-        nbytes = _cache_bytes(caches.x if self.recompute else caches)
+        nbytes = cache_bytes(caches.x if self.recompute else caches)
         self.stash_bytes += nbytes
         self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
         held = self.held[a.stage] = self.held.get(a.stage, 0) + 1
@@ -155,7 +129,7 @@ class Engine:
 
     def _release(self, key: tuple[int, int]) -> list:
         caches = self.stash.pop(key)
-        nbytes = _cache_bytes(caches.x if isinstance(caches, Recompute) else caches)
+        nbytes = cache_bytes(caches.x if isinstance(caches, Recompute) else caches)
         self.held[key[0]] -= 1
         self.held_bytes[key[0]] -= nbytes
         self.stash_bytes -= nbytes
@@ -170,7 +144,7 @@ class Engine:
             return caches
         rebuilt = self.params.stages[key[0]].forward_caches(caches.x)
         # between I and W the rebuilt caches are stashed in place of the input: account for the difference
-        delta = _cache_bytes(rebuilt) - _cache_bytes(caches.x)
+        delta = cache_bytes(rebuilt) - cache_bytes(caches.x)
         self.stash[key] = rebuilt
         self.stash_bytes += delta
         self.held_bytes[key[0]] += delta

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import EXIT_DIVERGED, AgreedError, HpcpipeError
 from hpcpipe.runtime.faults import fault_injection, stall_injection, step_sleep
-from hpcpipe.runtime.guard import Watchdog
 from hpcpipe.runtime.rss import peak_rss_bytes
 from hpcpipe.runtime.runenv import stdout_is_terminal
-from hpcpipe.runtime.stopsignal import StopSignals
+from hpcpipe.runtime.signals import StopSignals
+from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.trace import rank_events, training_trace, write_json
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 
 def logged_step(step: int, every: int, total: int) -> bool:
@@ -80,7 +83,7 @@ class Progress:
             self.metrics.close()
 
 
-def train(trainer: Any, world: Any, stop: StopSignals | None = None,
+def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
           watchdog: Watchdog | None = None) -> dict[str, Any]:
     """Run steps start_step .. train.steps-1, checkpointing every checkpoint.every steps and at the end.
 
@@ -179,7 +182,7 @@ def train(trainer: Any, world: Any, stop: StopSignals | None = None,
             "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss}
 
 
-def write_trace(path: str, world: Any, events_by_step: list[tuple[int, list]], label: str = "") -> None:
+def write_trace(path: str, world: Comm, events_by_step: list[tuple[int, list]], label: str = "") -> None:
     """Gather every rank's timed actions on world rank 0 and write one Chrome-trace JSON file (collective)."""
     from hpcpipe.runtime.comm import gather_to_root
     rank = world.Get_rank()

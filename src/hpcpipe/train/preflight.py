@@ -1,6 +1,6 @@
-"""Checks against the machine before the first collective: output files can be created, the model fits in memory.
+"""Training's checks against the machine before the first collective: outputs can be written, the model fits.
 
-Called by :func:`hpcpipe.train.trainer.plan` on every rank (identically), so a
+Called by :func:`hpcpipe.train.setup.prepare` on every rank (identically), so a
 metrics path in a missing directory or a model too large for the node is
 refused with one message and exit status 2 before step 0, instead of a
 traceback at the first write or a MemoryError after minutes of allocation.
@@ -12,97 +12,21 @@ import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from hpcpipe import _local_rank_count
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
+from hpcpipe.nn.memory import ITEMSIZE, MemoryEstimate, estimate_rank_bytes
 from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
-from hpcpipe.schedule.ir import rank_stages
+from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
 from hpcpipe.state import checkpoint_dir as cf
-from hpcpipe.state.own_output import check_replaceable
+from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.run_lock import in_use_error, live_holder
-from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite
+from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite, same_file
 
 GIB = 1024 ** 3
-ITEMSIZE = {"float32": 4, "float64": 8}
-
-
-def check_output_file(path: str, key: str) -> None:
-    """Raise ConfigError unless a file can be created (or appended to) at path, naming the config key."""
-    p = Path(path)
-    label = f"{key} {path!r}"
-    if p.is_dir():
-        raise ConfigError(f"{label} is a directory; give the path of a file to write")
-    parent = p.parent
-    if not parent.exists():
-        raise ConfigError(f"{label}: directory {str(parent)!r} does not exist (create it first)")
-    if not parent.is_dir():
-        raise ConfigError(f"{label}: {str(parent)!r} is not a directory")
-    if p.exists():
-        if not os.access(p, os.W_OK):
-            raise ConfigError(f"{label} exists and is not writable")
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{label}: cannot create a file in directory {str(parent)!r} (permission denied)")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs at most (the pipeline rank with the most), by what holds them."""
-
-    parameters: int    # parameters and their gradients
-    optimizer: int     # optimizer state buffers (SGD momentum: 1, Adam(W): 2)
-    activations: int   # layer caches of every micro-batch held at once (an upper bound)
-    data: int          # the synthetic data set, built on every rank
-
-    @property
-    def total(self) -> int:
-        """All of it."""
-        return self.parameters + self.optimizer + self.activations + self.data
-
-
-def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str) -> MemoryEstimate:
-    """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
-    import numpy as np
-
-    specs = model_specs(config)
-    itemsize = ITEMSIZE[config.model.dtype]
-    tr = config.train
-    buffers = len(make_optimizer(tr, np, 0, np.float32).state)
-    rows = tr.micro_batches * tr.micro_batch_size
-    worst = MemoryEstimate(0, 0, 0, 0)
-    for rank in range(pp):
-        layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
-        n_params = sum(s.n_params for s in layers)
-        # each layer's cache holds its input and what its activation saved (one row of each per
-        # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
-        widths = sum(s.act_elements for s in layers)
-        mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
-        worst = max(worst, mine, key=lambda e: e.total)
-    data = 0
-    if not config.data.path and config.model.kind == "gpt":   # int64 windows, x and y views of one stream
-        data = config.data.synthetic_samples * (config.model.seq_len + 1) * 8 * 2
-    elif not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
-        dims = config.model.dims
-        data = config.data.synthetic_samples * (dims[0] + dims[-1]) * (8 + itemsize) + dims[0] * dims[-1] * 8
-    return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
-
-
-def available_bytes() -> int:
-    """Return the memory this node can still give (MemAvailable; else physical memory), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def _gib(n: float) -> str:
@@ -123,7 +47,7 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
     if backend == "cupy" or (backend == "auto" and importlib.util.find_spec("cupy") is not None):
         return need
     available = available_bytes() if available is None else available
-    ranks_here = ranks_here or _local_rank_count(default=world_size)
+    ranks_here = ranks_here or local_rank_count(default=world_size)
     if available > 0 and need.total > available / ranks_here:
         raise ConfigError(
             f"the model needs about {_gib(need.total)} per rank (parameters and gradients "
@@ -199,16 +123,10 @@ def check_checkpoint_space(config: Config, n_files: int) -> None:
                           f"about {human_bytes(one)}; nothing was trained (free some space, set checkpoint.dir "
                           f"elsewhere, or \"\" to save no checkpoints)")
     keep = max(config.checkpoint.keep, 1) + 1
-    if free < keep * one and _is_rank_0():
+    if free < keep * one and launcher_rank() == 0:
         print(f"hpcpipe: warning: {where} has {human_bytes(free)} free; keeping checkpoint.keep = "
               f"{config.checkpoint.keep} checkpoints of about {human_bytes(one)} while the next is written needs "
               f"about {human_bytes(keep * one)}: a later save may not fit", file=sys.stderr, flush=True)
-
-
-def _is_rank_0() -> bool:
-    from hpcpipe.cli import launcher_rank
-
-    return launcher_rank() == 0
 
 
 def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
@@ -261,24 +179,16 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsS
             files += more_files
             dirs += more_dirs
     metrics, trace = config.log.metrics, config.log.trace
-    if metrics and trace and (os.path.realpath(metrics) == os.path.realpath(trace) or _same_file(metrics, trace)):
+    if metrics and trace and (os.path.realpath(metrics) == os.path.realpath(trace) or same_file(metrics, trace)):
         raise ConfigError(f"log.metrics and log.trace are the same file {metrics!r}; give each its own")
     for key, path in (("metrics", metrics), ("trace", trace)):
         if path:
-            check_output_file(path, f"log.{key}")
+            check_writable(path, f"log.{key}", append=True)
             refuse_overwrite(path, tuple(files), tuple(dirs), f"log.{key}")
     if metrics:
         check_metrics_file(metrics)
     if trace:   # the trace is written whole at the end, replacing the file: only an earlier trace may be there
         check_replaceable(trace, "trace", "log.trace")
-
-
-def _same_file(a: str, b: str) -> bool:
-    """True when both paths exist and are one file (hard links included)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def check_metrics_file(path: str) -> None:

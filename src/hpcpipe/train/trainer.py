@@ -1,164 +1,45 @@
 """Trainer: wires config, topology, backend, model, schedule, engine, optimizer and data for one rank.
 
 Construction is in two phases so that a bad configuration never reaches a
-collective: :func:`plan` checks everything that can be checked locally
-(identically on every rank) and raises ConfigError; :class:`Trainer` then
-builds communicators and runs steps.
+collective: :func:`hpcpipe.train.setup.prepare` checks everything that can be
+checked locally (identically on every rank) and raises ConfigError;
+:class:`Trainer` then builds communicators and runs steps.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcpipe.config import Config, resolve_layout
-from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError, ScheduleError
-from hpcpipe.nn.model import RankParameters, partition
+from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError
+from hpcpipe.nn.model import RankParameters
 from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import clip_factor, make_optimizer
-from hpcpipe.plan.stage_cut import stage_counts
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
 from hpcpipe.runtime.faults import nan_injection
-from hpcpipe.runtime.guard import StepDecision, decide, local_decision
+from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
-from hpcpipe.schedule.ir import PipeShape
-from hpcpipe.schedule.lower import lower
-from hpcpipe.schedule.registry import build_schedule, shape_of
-from hpcpipe.schedule.validate import validate
 from hpcpipe.state import collective as checkpoint_mpi
-from hpcpipe.state.kinds import check_kind
 from hpcpipe.state.run_lock import RunLock
-from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.train import shuffle
-from hpcpipe.train.data import ReplicaFeeder, check_data_file, data_tokenizer, open_data
+from hpcpipe.train.data import ReplicaFeeder, open_data
 from hpcpipe.train.engine import Engine, StepFeed
-from hpcpipe.train.preflight import (
-    check_checkpoint_dir,
-    check_checkpoint_space,
-    check_log_files,
-    check_memory,
-    check_nothing_newer,
-)
+from hpcpipe.train.setup import TrainSetup
 
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything decided before the first collective."""
-
-    config: Config
-    dp: int
-    shape: PipeShape                        # pp, stages, micro-batches and the schedule's stage -> rank placement
-    stage_ranges: list[range]
-    programs: list[list]
-    init: WeightsSource | None = None      # model.init, resolved and checked against the model
-    resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
-
-    tokenizer: str | None = None           # a GPT's tokenizer (JSON): the data file's, else the weights'
-
-    @property
-    def pp(self) -> int:
-        """Pipeline ranks."""
-        return self.shape.pp
-
-    def tokenizer_attrs(self) -> dict[str, str]:
-        """Root attributes saved with every checkpoint file: the tokenizer, when the run knows one."""
-        return {"tokenizer": self.tokenizer} if self.tokenizer else {}
-
-    @property
-    def n_stages(self) -> int:
-        """Global (virtual) stages: pp x virtual stages."""
-        return self.shape.n_stages
-
-
-RESUME_MODEL_KEYS = {"mlp": ("kind", "dims", "bias", "activation", "final_activation", "dtype"),
-                     "gpt": ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff",
-                             "tie_embeddings", "dtype")}
-
-
-def check_resume(config: Config, source: WeightsSource) -> None:
-    """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
-    saved = source.manifest["config"]
-    for key in RESUME_MODEL_KEYS[config.model.kind]:
-        stored = saved["model"].get(key, "mlp" if key == "kind" else None)   # older checkpoints: MLPs
-        if stored != getattr(config.model, key):
-            raise ConfigError(f"cannot resume from {source.describe()}: it was saved with model.{key} = "
-                              f"{stored!r}, this run has {getattr(config.model, key)!r}")
-    name = source.manifest["optimizer"]["name"]
-    if name != config.train.optimizer:
-        raise ConfigError(f"cannot resume from {source.describe()}: it holds {name} optimizer state, this run "
-                          f"uses train.optimizer = {config.train.optimizer!r}")
-    expected = sorted(make_optimizer(config.train, np, 0, np.float32).state)
-    stored = sorted(source.manifest["optimizer"].get("state", []))
-    if stored != expected:
-        raise ConfigError(f"cannot resume from {source.describe()}: it holds optimizer state {stored}, this run's "
-                          f"optimizer settings need {expected} (train.momentum changed?)")
-    if source.step > config.train.steps:
-        raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
-                          f"train.steps = {config.train.steps}")
-
-
-def plan(config: Config, world_size: int) -> Plan:
-    """Check config against the world size, data and weights files; lower and validate the schedule."""
-    dp, pp = resolve_layout(config, world_size)
-    par, tr = config.parallel, config.train
-    n_stages = pp * par.virtual_stages
-    specs = model_def(config).specs
-    ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
-    if config.data.path:
-        check_data_file(config)
-    init = resume = None
-    if config.checkpoint.dir:
-        check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
-    if config.checkpoint.resume:
-        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir",
-                                 ": nothing to resume (without --resume a fresh run starts there)")
-        if resume.kind != "checkpoint":
-            raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
-        check_nothing_newer(resume)     # first: a live run there changes everything below under our feet
-        # a checkpoint of the other model kind is said first, then what differs in the model or optimizer
-        check_kind(resume.model, resume.n_layers, specs, f"checkpoint.dir {str(resume.path)!r}")
-        check_resume(config, resume)
-        resume.check(specs, "checkpoint.dir")
-    elif config.model.init:
-        init = resolve_weights(config.model.init, "model.init")
-        init.check(specs, "model.init")
-    check_log_files(config, init, resume)
-    try:
-        shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
-        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape)
-        validate(programs, shape)
-    except ScheduleError as exc:
-        # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
-        # refused on every rank before the first collective
-        raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
-    check_memory(config, ranges, pp, shape.placement, world_size)
-    if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
-        check_checkpoint_space(config, pp)
-    return Plan(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
-
-
-def run_tokenizer(config: Config, source: WeightsSource | None) -> str | None:
-    """Return the tokenizer a GPT run saves: data.path's ``tokenizer`` attribute, else its weights' (checked)."""
-    if config.model.kind != "gpt":
-        return None
-    if config.data.path:
-        found = data_tokenizer(config.data.path, config.model.vocab_size)
-        if found:
-            return found
-    return source.tokenizer() if source is not None else None
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
 
 
 class Trainer:
     """One rank's share of pipeline-parallel training."""
 
-    def __init__(self, p: Plan, world: Any, keep_input_grads: bool = False, record_events: bool = False):
+    def __init__(self, p: TrainSetup, world: Comm, keep_input_grads: bool = False, record_events: bool = False):
         cfg = p.config
-        self.plan, self.config = p, cfg
+        self.setup, self.config = p, cfg
         self.topo = make_topology(world, p.dp, p.pp)
         self.backend = select_backend(cfg.run.backend)
         xp = self.backend.xp
@@ -202,20 +83,20 @@ class Trainer:
             self.topo.free()   # every rank raises it together after the load agreement, so freeing is safe
             raise
 
-    def _lock_run(self, world: Any) -> None:
+    def _lock_run(self, world: Comm) -> None:
         """World rank 0 takes the run directory's lock, before anything there is read or cleaned (collective)."""
         with together(world, self.poller, EXIT_CONFIG):
             if world.Get_rank() == 0:
                 self.run_lock = RunLock.acquire(self.run_dir)
 
-    def _load_initial_state(self, world: Any) -> None:
+    def _load_initial_state(self, world: Comm) -> None:
         """Fill parameters (and on resume optimizer state, step, data position); all ranks agree first."""
         cfg, indices = self.config, self.params.read_indices()
-        source = self.plan.resume or self.plan.init
+        source = self.setup.resume or self.setup.init
         if source is None:
             self.params.load(self.model.init_arrays(indices, cfg.model.seed, cfg.model.dtype))
             return
-        resuming = source is self.plan.resume
+        resuming = source is self.setup.resume
         try:
             state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
                                         clean_root=self.run_dir if resuming else None)
@@ -240,7 +121,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
-        cfg, p = self.config, self.plan
+        cfg, p = self.config, self.setup
         layout = {"dp": p.dp, "pp": p.pp, "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
@@ -335,7 +216,7 @@ class Trainer:
         dp, so the global loss's gradient w.r.t. one replica's inputs is the local one over dp.
         """
         grads = self.engine.input_grads
-        return [self.backend.to_host(grads[m]) / self.plan.dp for m in sorted(grads)]
+        return [self.backend.to_host(grads[m]) / self.setup.dp for m in sorted(grads)]
 
     def close(self) -> None:
         """Free the communicators and the run directory."""

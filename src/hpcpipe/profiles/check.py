@@ -17,6 +17,12 @@ OPTIMIZER_FIELDS = ("seconds_per_param", "work_bytes_per_param", "state_buffers"
 OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "adamw")     # what layer_profile measures, every time
 
 
+def optimizer_name(train: Any) -> str:
+    """The optimizer variant whose update cost differs: sgd, sgd+momentum, adam, adamw."""
+    momentum = train.optimizer == "sgd" and train.momentum > 0
+    return train.optimizer + ("+momentum" if momentum else "")
+
+
 # no measurement (seconds, bytes or a count) comes near this; squared it stays a float (1e308 overflowed the fit)
 LARGEST = 1e15
 

@@ -4,7 +4,7 @@ This module imports nothing but :mod:`signal` (not even :mod:`typing`), so
 ``python -m hpcpipe.train`` installs the handlers before NumPy and mpi4py
 (which initialises MPI) load: a batch system's warning signal that arrives
 during start-up is then recorded instead of killing the rank, and every rank
-learns of it at the first step decision (see :mod:`hpcpipe.runtime.guard`).
+learns of it at the first step decision (see :mod:`hpcpipe.runtime.step_health`).
 """
 
 from __future__ import annotations

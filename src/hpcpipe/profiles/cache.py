@@ -1,11 +1,12 @@
-"""The profile cache: files keyed by model, dtype, backend, host and BLAS threads, and the profiling subprocess.
+"""The profile cache: files keyed by model, dtype, backend, host and BLAS threads, read and written whole.
 
 A layer profile lives in ``<cache dir>/layers-<hash>.json`` where the hash is
 of its key (the model's keys, dtype, loss and optimizer; the backend; the
 host name; the BLAS threads per rank). The communication probe is per host
 and launcher: ``comm-<host>.json``. Files are written whole to a temporary
 name and renamed, so an interrupted plan never leaves a half profile; a cache
-file that cannot be read, or whose key differs, is measured again.
+file that cannot be read, or whose key differs, is measured again (by
+:mod:`hpcpipe.plan.profiling`, which also runs the layer bench).
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ import hashlib
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.plan.profile_check import profile_problem
+from hpcpipe.profiles.check import profile_problem
+from hpcpipe.state.outputs import write_atomic
 
 # 6: the token loss computed in the logits' buffer (a cheaper head); 5: measured with freed memory kept
 # (runtime.host_memory); 4: a ZB-H1 calibration run
@@ -49,7 +48,7 @@ def _name(key: dict[str, Any]) -> str:
     return f"layers-{digest}.json"
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -87,11 +86,7 @@ def _write_json(directory: str, name: str, data: dict) -> Path:
     target = Path(directory)
     try:
         target.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target)
-        ordinary_mode(fd)     # a shared profile directory stays readable to the group, as with any new file
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, target / name)
+        write_atomic(target / name, json.dumps(data))
     except OSError as exc:
         raise ConfigError(f"cannot write the profile cache in {directory!r}: {exc.strerror or exc} "
                           f"(set HPCPIPE_PROFILE_DIR or --profile-dir to a writable directory)") from None
@@ -101,7 +96,7 @@ def _write_json(directory: str, name: str, data: dict) -> Path:
 def inspect(directory: str, key: dict[str, Any]) -> tuple[dict | None, str | None]:
     """Return (the cached layer profile for key or None, what is wrong with the file when it exists but is unusable)."""
     path = Path(directory) / _name(key)
-    data = _read_json(path)
+    data = read_json(path)
     if data is None:
         return None, (f"{str(path)!r} {_unusable(path)}" if path.exists() or path.is_symlink() else None)
     if data.get("key") != key:
@@ -131,7 +126,7 @@ def _comm_name() -> str:
 
 def read_comm(directory: str) -> dict | None:
     """Return this host's cached communication model (as a dict), or None."""
-    return _read_json(Path(directory) / _comm_name())
+    return read_json(Path(directory) / _comm_name())
 
 
 def write_comm(directory: str, data: dict) -> Path:
@@ -152,68 +147,3 @@ def merge_layers(old: dict, new: dict) -> dict:
     merged["optimizer"] = {**old.get("optimizer", {}), **new["optimizer"]}
     merged["blas_rss_bytes"] = max(old.get("blas_rss_bytes", 0), new.get("blas_rss_bytes", 0))
     return merged
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """The environment of a process computing with ``threads`` BLAS threads (as a rank of the planned job)."""
-    env = dict(os.environ)
-    env.pop("HPCPIPE_AUTO_THREADS", None)      # these counts are chosen, not inherited
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "HPCPIPE_THREADS"):
-        env[name] = str(threads)
-    return env
-
-
-def _average(results: list[dict]) -> dict:
-    """One layer profile from the copies that ran side by side: mean times, largest bytes."""
-    out = json.loads(json.dumps(results[0]))
-    for key, entry in out["groups"].items():
-        for field, values in entry.items():
-            if not isinstance(values, dict):
-                continue
-            for rows in values:
-                column = [r["groups"][key][field][rows] for r in results]
-                values[rows] = max(column) if field.endswith("bytes") else sum(column) / len(column)
-    return out
-
-
-def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent: int = 1,
-                      timeout_s: float = 600.0) -> dict:
-    """Measure the layer groups in ``concurrent`` subprocesses side by side, each with the planned BLAS threads.
-
-    The planned job runs that many ranks at once on a node like this one: they share
-    its memory bandwidth and caches, so each is measured while its siblings compute
-    the model, as a rank of the real run is.
-    """
-    with tempfile.TemporaryDirectory(prefix="hpcpipe-profile-") as tmp:
-        request = os.path.join(tmp, "request.json")
-        with open(request, "w") as f:
-            json.dump({"config": config.to_dict(), "sizes": sizes}, f)
-        outs = [os.path.join(tmp, f"profile-{k}.json") for k in range(concurrent)]
-        # copy k starts its passes k / concurrent of the way through the sizes
-        cmds = [[sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out, str(k * len(sizes) // concurrent)]
-                for k, out in enumerate(outs)]
-        procs = [subprocess.Popen(cmd, env=thread_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True) for cmd in cmds]
-        failures = []
-        try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=timeout_s)
-                if proc.returncode != 0:
-                    failures.append((proc.returncode, err))
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"profiling the layers took more than {timeout_s:.0f} s ({' '.join(cmds[0])})") from None
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if failures:
-            code, err = failures[0]
-            tail = "\n".join(err.strip().splitlines()[-5:])
-            raise ConfigError(f"profiling the layers failed (exit {code}): {tail}")
-        results = [_read_json(Path(out)) for out in outs]
-    if any(r is None for r in results):
-        raise ConfigError("profiling the layers wrote no result")
-    data = _average(results)
-    data["concurrent"] = concurrent
-    return data

@@ -1,4 +1,6 @@
-"""Which existing file an output may replace: only an earlier output of the same kind that hpcpipe wrote.
+"""Every file hpcpipe writes goes through here: can it be created, may it replace what is there, written whole.
+
+Which existing file an output may replace: only an earlier output of the same kind that hpcpipe wrote.
 
 hpcpipe writes an output whole under a temporary name and renames it into
 place, and the rename replaces whatever the path held. A run must not destroy
@@ -15,6 +17,10 @@ writes into every output of that kind:
 A rerun, for example a requeued job, still replaces its own earlier result.
 Outputs are committed by ``commit_output``, which checks again at the end of
 the run: a file that appeared at the path meanwhile is left alone.
+
+Files that are hpcpipe's own bookkeeping (a stop marker, a pid file, a
+profile cache entry, a probe result) are replaced whole by :func:`write_atomic`:
+a reader never sees half a file, and an interrupted write leaves no temporary.
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ import secrets
 import stat
 from pathlib import Path
 from typing import Any
-
-import h5py
 
 from hpcpipe.errors import ConfigError
 
@@ -59,6 +63,8 @@ def _is_marked(path: Path, kind: str) -> bool:
     """True when the existing regular file at path is an hpcpipe output of this kind."""
     try:
         if kind == "infer":
+            import h5py  # here: the bookkeeping writers below must not pay for loading HDF5
+
             with h5py.File(path, "r") as f:
                 value = f.attrs.get("format")
             return (value.decode() if isinstance(value, bytes) else value) == INFER_FORMAT
@@ -99,10 +105,13 @@ def file_kind(path: str | Path) -> str:
     return "not a regular file"
 
 
-def check_writable(path: str | Path, what: str = "output path") -> None:
+def check_writable(path: str | Path, what: str = "output path", append: bool = False, probe: bool = False) -> None:
     """Raise ConfigError unless a file can be created at path: a name, in a directory that exists and is writable.
 
-    ``what`` names the option in the one-line message ("output path", "--json path", "export output").
+    ``what`` names the option in the one-line message ("output path", "--json path", "log.metrics").
+    With ``append`` an existing regular file must be writable (it is appended to, not replaced). With
+    ``probe`` a file is created and removed beside a new path, for a check before minutes of work that the
+    permission bits cannot give (root, /proc, read-only mounts); it changes the directory's mtime.
     """
     p = Path(path)
     if not str(path):
@@ -125,6 +134,8 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
         raise ConfigError(f"{what} {str(p)!r} is a directory")
     if p.exists() and not p.is_file():   # a FIFO would block the writer, a device is no place for a result
         raise ConfigError(f"{what} {str(p)!r} exists and is {file_kind(p)}, not a regular file; choose another path")
+    if append and p.is_file() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{what} {str(p)!r} exists and is not writable")
     parent = p.parent
     noun = what.removesuffix(" path")
     if not (parent.exists() or parent.is_symlink()):
@@ -133,6 +144,20 @@ def check_writable(path: str | Path, what: str = "output path") -> None:
         raise ConfigError(f"{what} {str(p)!r} is not writable: {str(parent)!r} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {str(p)!r} is not writable: no write permission on {str(parent)!r}")
+    if probe and not p.exists():
+        _try_create(p, what)
+
+
+def _try_create(p: Path, what: str) -> None:
+    """Create and remove an empty file beside p: the permission bits do not tell (root, /proc, read-only mounts)."""
+    probe = p.with_name(f".{p.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(p)!r}: cannot create a file in {str(p.parent)!r}: "
+                          f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def commit_output(tmp: Path, final: Path, kind: str | None, what: str) -> None:
@@ -176,3 +201,44 @@ def write_json_output(path: str | Path, obj: dict[str, Any], kind: str, what: st
         tmp.unlink(missing_ok=True)
         raise
     commit_output(tmp, final, kind, what)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replace path with text whole: a temporary file beside it, then a rename; no temporary is ever left.
+
+    The temporary is created with the mode any new file gets under the umask
+    (a shared cache directory stays readable to the group), and OSError
+    reaches the caller, who names the file and the setting in its message.
+    """
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Replace path with obj as one line of JSON, whole (:func:`write_atomic`)."""
+    write_atomic(path, json.dumps(obj) + "\n")
+
+
+def write_new(path: str | Path, what: str, text: str) -> None:
+    """Write text to a new file at path, whole or not at all, never over a file that is there or appeared meanwhile."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        try:
+            with open(tmp, "x") as f:
+                f.write(text)
+            os.link(tmp, final)      # unlike a rename, fails if the path (or a dangling symlink) exists by now
+        finally:
+            tmp.unlink(missing_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{what} {str(final)!r} appeared while the run was writing; it was left alone (the "
+                          f"result is printed above)") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(final)!r}: cannot write: {exc.strerror or exc}") from None

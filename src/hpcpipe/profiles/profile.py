@@ -3,24 +3,19 @@
 :class:`Profile` answers "how long does op F/I/W/B of layer group i take on
 ``rows`` samples" from a line fitted through the measured sizes, and "how many
 bytes does it keep or need" by interpolating linearly between them (and scaling
-in proportion to the rows beyond them). :func:`load_profile` returns the cached
-profile for the configured model on this host, measuring what is missing first.
+in proportion to the rows beyond them). The planner measures it
+(:func:`hpcpipe.plan.profiling.load_profile`); ``parallel.stage_layers = "profile"`` only reads it.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import os
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcpipe.config import Config
-from hpcpipe.errors import ConfigError
-from hpcpipe.plan import profile_cache
-from hpcpipe.plan.comm_model import CommModel, measure_comm, measure_rank_baseline
+from hpcpipe.profiles.check import optimizer_name
+from hpcpipe.profiles.comm_model import CommModel
 
 # the pipeline schedules that take the ZB-H1 calibration run's factors (the rest take the 1F1B run's)
 ZB_CALIBRATED = ("gpipe", "zb-h1")
@@ -138,8 +133,6 @@ class Profile:
 
     def optimizer(self, train: Any) -> dict[str, float]:
         """Seconds and temporary bytes per parameter of one update, and the state buffers, of train's optimizer."""
-        from hpcpipe.plan.layer_profile import optimizer_name
-
         return self.layers["optimizer"][optimizer_name(train)]
 
     @property
@@ -152,104 +145,6 @@ class Profile:
         """Micro-batch sizes measured."""
         first = next(iter(self.layers["groups"].values()))
         return sorted(int(k) for k in first["F"])
-
-
-PROFILE_ARRAY_BYTES = 128 << 20    # the widest activation a profiled micro-batch may have
-
-
-def largest_profiled_rows(config: Config) -> int:
-    """The largest micro-batch the profile measures; larger ones are extrapolated (times affine, bytes linear)."""
-    from hpcpipe.nn.model_spec import model_def
-
-    model = model_def(config)
-    widest = max(math.prod(model.boundary(i, 1)[0]) for i in range(model.n_layers + 1))
-    return max(1, PROFILE_ARRAY_BYTES // (8 * widest))
-
-
-def profile_sizes(wanted: list[int], limit: int = 10, largest: int | None = None) -> list[int]:
-    """The micro-batch sizes to measure: all wanted ones, or ``limit`` of them spread geometrically.
-
-    Sizes above ``largest`` are measured at ``largest`` instead: a huge global
-    batch must not make the profile allocate what no rank could hold.
-    """
-    sizes = sorted({min(w, largest) if largest else w for w in wanted})
-    if len(sizes) <= limit:
-        return sizes
-    picked = {sizes[0], sizes[-1]}
-    for k in range(1, limit - 1):
-        target = sizes[0] * (sizes[-1] / sizes[0]) ** (k / (limit - 1))
-        picked.add(min(sizes, key=lambda s: abs(s - target)))
-    return sorted(picked)
-
-
-def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str, refresh: bool = False,
-                 concurrent: int = 1, log: Any = None) -> Profile:
-    """Return the profile of the configured model on this host: from the cache, measuring what it lacks.
-
-    ``concurrent`` ranks of the planned job compute at once on a node: the layers are
-    measured with as many copies side by side (a cached profile taken with another
-    count is measured again).
-    """
-    log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-    key = profile_cache.layer_key(config, threads)
-    cached, problem = (None, None) if refresh else profile_cache.inspect(cache_dir, key)
-    if problem:
-        log(f"hpcpipe.plan: the cached profile {problem}: measuring it again")
-    if cached and cached["layers"].get("concurrent", 1) != concurrent:
-        cached = None
-    have = set(Profile(cached, CommModel.from_dict(cached["comm"])).sizes) if cached and "comm" in cached else set()
-    missing = [s for s in sizes if s not in have]
-    comm_dict = cached.get("comm") if cached else None
-    if cached and not missing and "engine" in cached:
-        return Profile(cached, CommModel.from_dict(comm_dict), from_cache=True)
-    start = time.perf_counter()
-    if comm_dict is None:
-        comm_dict = profile_cache.read_comm(cache_dir) if not refresh else None
-        if comm_dict is None:
-            log("hpcpipe.plan: measuring point-to-point and allreduce costs and a bare rank's memory (2 ranks) ...")
-            probe = measure_comm()
-            # a training rank holds more than the probe's imports: the engine, its communicators, MPI's buffers
-            probe["baseline_rss_bytes"] = max(probe["baseline_rss_bytes"], measure_rank_baseline())
-            comm_dict = CommModel.from_probe(probe).to_dict()
-            profile_cache.write_comm(cache_dir, comm_dict)
-    if missing:
-        log(f"hpcpipe.plan: profiling {config.n_layers} layer groups at micro-batch sizes {missing} "
-            f"({threads} BLAS thread{'s' if threads > 1 else ''}, {concurrent} process{'es' if concurrent > 1 else ''} "
-            f"side by side) ...")
-        measured = profile_cache.run_layer_profile(config, missing, threads, concurrent)
-        layers = measured if not cached else profile_cache.merge_layers(cached["layers"], measured)
-    else:
-        layers = cached["layers"]
-    data = {"key": key, "layers": layers, "comm": comm_dict}
-    data["engine"] = (cached or {}).get("engine") or _engine_factors(config, Profile(data, CommModel.from_dict(
-        comm_dict)), concurrent, log)
-    data["seconds"] = round(time.perf_counter() - start, 2) + (cached or {}).get("seconds", 0.0)
-    path = profile_cache.write(cache_dir, key, data)
-    log(f"hpcpipe.plan: profile saved to {path} ({time.perf_counter() - start:.1f} s)")
-    return Profile(data, CommModel.from_dict(comm_dict))
-
-
-def _engine_factors(config: Config, profile: Profile, ranks: int, log: Any) -> dict:
-    """The engine calibration of the profile, or none (said so) when its runs cannot be made here."""
-    from hpcpipe.plan.engine_calibration import calibrate
-
-    log(f"hpcpipe.plan: calibrating against real training runs on {ranks} rank(s) ...")
-    try:
-        engine = calibrate(config, profile, ranks)
-    except ConfigError as exc:
-        first = str(exc).splitlines()[0]
-        log(f"hpcpipe.plan: warning: a calibration run failed, predicting from the layer bench alone: {first}")
-        return {"failed": first}
-    def factors(values: list[float]) -> str:
-        return ", ".join(f"{f:.2f}" for f in values)
-
-    for name in ("replicas", "pipeline", "pipeline_zb"):
-        run = engine.get(name)
-        if run:
-            log(f"hpcpipe.plan: engine over bench, {name} (cut {run['stage_layers']}): "
-                f"F x {factors(run['forward'])}; B x {factors(run['backward'])}")
-    log(f"hpcpipe.plan: replicas wait {engine['replicas']['sync_share']:.1%} of a step's compute at the allreduce")
-    return engine
 
 
 def default_cache_dir() -> str:

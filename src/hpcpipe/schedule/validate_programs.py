@@ -45,7 +45,7 @@ def _check_compute(programs: list[list[Action]], pp: int, n_stages: int, n_micro
                                           f"or one I and one W", {})
 
 
-def validate(programs: list[list[Action]], shape: PipeShape) -> None:
+def validate_programs(programs: list[list[Action]], shape: PipeShape) -> None:
     """Raise ScheduleError unless the lowered programs are complete, paired and deadlock-free for a pipeline shape."""
     pp, n_stages, n_micro, placement = shape.pp, shape.n_stages, shape.n_micro, shape.placement
     if len(programs) != pp:

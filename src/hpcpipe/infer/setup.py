@@ -20,7 +20,7 @@ from hpcpipe.infer.rows import (
     check_output,
 )
 from hpcpipe.nn.model import layer_specs, partition
-from hpcpipe.plan.stage_cut import stage_counts
+from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.state.kinds import restate_stored_model
 from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
 
@@ -29,7 +29,7 @@ MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")
 
 
 @dataclass(frozen=True)
-class InferPlan:
+class InferSetup:
     """Everything decided before the first collective (identical on every rank)."""
 
     config: Config
@@ -61,9 +61,9 @@ def model_from_weights(raw: dict[str, Any], stored: dict[str, Any], label: str) 
     return restate_stored_model(raw, stored, label, MODEL_KEYS)
 
 
-def plan(weights: str | Path, input: str | Path, output: str | Path, world_size: int,
+def prepare(weights: str | Path, input: str | Path, output: str | Path, world_size: int,
          config: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = (),
-         trace: str = "", report: str = "") -> InferPlan:
+         trace: str = "", report: str = "") -> InferSetup:
     """Check weights, config, layout, input, output, trace and report paths locally; ConfigError names what is wrong.
 
     Nothing the run writes (output, trace, report) may be the input, the
@@ -97,4 +97,4 @@ def plan(weights: str | Path, input: str | Path, output: str | Path, world_size:
         written += ((f"the trace file {str(trace)!r}", Path(trace)),)
     if report:
         check_output(report, input, files + written, dirs, "report path", "report")
-    return InferPlan(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)
+    return InferSetup(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)

@@ -7,24 +7,24 @@ import numpy as np
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.ir import IDLE, Action, B, F, I, Timeline, W, chunk_stage
 from hpcpipe.schedule.lower import lower
-from hpcpipe.schedule.validate import validate
+from hpcpipe.schedule.validate_programs import validate_programs
 
 
-class _Seq:
+class Seq:
     """One kind of action of some consecutive ranks, in tick order: (chunk * m + mb) keys and ticks, rows x v*m."""
 
     def __init__(self, first_rank: int, keys: np.ndarray, ticks: np.ndarray, chunk: np.ndarray | None) -> None:
         self.first_rank, self.keys, self.ticks, self.chunk = first_rank, keys, ticks, chunk
 
-    def row(self, i: int) -> _Seq:
+    def row(self, i: int) -> Seq:
         """A copy of one rank's sequence (i may be negative): the workspace's buffers are reused next pass."""
         i = i % len(self.keys)
         pick = slice(i, i + 1)
-        return _Seq(self.first_rank + i, self.keys[pick].copy(), self.ticks[pick].copy(),
+        return Seq(self.first_rank + i, self.keys[pick].copy(), self.ticks[pick].copy(),
                     None if self.chunk is None else self.chunk[pick].copy())
 
 
-class _Workspace:
+class Workspace:
     """Buffers every pass of validate_timeline reuses: fresh temporaries per pass would cost more in page
     faults than the checks themselves (17 M cells at pp = 1024)."""
 
@@ -44,7 +44,7 @@ class _Workspace:
         """Actions with this op code on each of the pass's ranks."""
         return np.count_nonzero(np.equal(ops, code, out=self.mask[:len(ops)]), axis=1)
 
-    def sequence(self, slot: int, r0: int, ops: np.ndarray, kind: str, with_i: bool = True) -> _Seq:
+    def sequence(self, slot: int, r0: int, ops: np.ndarray, kind: str, with_i: bool = True) -> Seq:
         """Each rank's forwards, backwards (B or I; B alone if not ``with_i``) or W's in tick order, v * m each."""
         tl = self.tl
         rows = len(ops)
@@ -65,14 +65,14 @@ class _Workspace:
         mb = np.take(np.ascontiguousarray(tl.mb[r0:r0 + rows]).ravel(), pos, out=self.mb[slot, :size])
         ticks = np.subtract(pos.reshape(rows, n), self.row_start[:rows], out=self.ticks[slot, :rows])
         if tl.virtual == 1:
-            return _Seq(r0, mb.reshape(rows, n), ticks, None)
+            return Seq(r0, mb.reshape(rows, n), ticks, None)
         chunk = np.take(np.ascontiguousarray(tl.chunk[r0:r0 + rows]).ravel(), pos, out=self.chunk[slot, :size])
         keys = np.multiply(chunk, np.int64(tl.n_micro), out=self.keys[slot, :size])   # (an int8 * 8192 would overflow)
         keys += mb
-        return _Seq(r0, keys.reshape(rows, n), ticks, chunk.reshape(rows, n))
+        return Seq(r0, keys.reshape(rows, n), ticks, chunk.reshape(rows, n))
 
 
-def _first(bad: np.ndarray) -> tuple[int, int] | None:
+def first_bad(bad: np.ndarray) -> tuple[int, int] | None:
     """(row, column) of the first True of a 2-D mask, or None."""
     if not bad.any():
         return None
@@ -80,7 +80,7 @@ def _first(bad: np.ndarray) -> tuple[int, int] | None:
     return i, k
 
 
-def _check_neighbours(tl: Timeline, work: _Workspace, seq: _Seq, before: _Seq | None, name: str,
+def check_neighbours(tl: Timeline, work: Workspace, seq: Seq, before: Seq | None, name: str,
                       direction: int) -> None:
     """Rank r and r + 1 exchange all their actions of one kind: same order (FIFO), the receiver later.
 
@@ -88,20 +88,20 @@ def _check_neighbours(tl: Timeline, work: _Workspace, seq: _Seq, before: _Seq | 
     themselves; direction 1: rank r sends to r + 1 (forwards), -1: r + 1 sends to r (backwards).
     """
     if before is not None:
-        _check_pairs(tl, work, name, direction, before.first_rank, before, slice(0, 1), seq, slice(0, 1))
+        check_pairs(tl, work, name, direction, before.first_rank, before, slice(0, 1), seq, slice(0, 1))
     if len(seq.keys) > 1:
-        _check_pairs(tl, work, name, direction, seq.first_rank, seq, slice(0, -1), seq, slice(1, None))
+        check_pairs(tl, work, name, direction, seq.first_rank, seq, slice(0, -1), seq, slice(1, None))
 
 
-def _check_pairs(tl: Timeline, work: _Workspace, name: str, direction: int, top: int,
-                 upper: _Seq, upper_rows: slice, lower: _Seq, lower_rows: slice) -> None:
+def check_pairs(tl: Timeline, work: Workspace, name: str, direction: int, top: int,
+                 upper: Seq, upper_rows: slice, lower: Seq, lower_rows: slice) -> None:
     """Row i of upper[upper_rows] is rank top + i, row i of lower[lower_rows] rank top + i + 1."""
     up_keys, low_keys = upper.keys[upper_rows], lower.keys[lower_rows]
     up_ticks, low_ticks = upper.ticks[upper_rows], lower.ticks[lower_rows]
     diff = work.diff[:len(up_keys)]
     late = np.greater_equal if direction > 0 else np.less_equal     # the receiver is not later
-    for error, hit in ((_fifo_error, _first(np.not_equal(up_keys, low_keys, out=diff))),
-                       (_order_error, _first(late(up_ticks, low_ticks, out=diff)))):
+    for error, hit in ((fifo_error, first_bad(np.not_equal(up_keys, low_keys, out=diff))),
+                       (order_error, first_bad(late(up_ticks, low_ticks, out=diff)))):
         if hit is not None:
             i, k = hit
             ranks, ticks = (top + i, top + i + 1), (up_ticks[i, k], low_ticks[i, k])
@@ -110,7 +110,7 @@ def _check_pairs(tl: Timeline, work: _Workspace, name: str, direction: int, top:
             error(tl, name, *ranks, *ticks, k)
 
 
-def _check_wrap(tl: Timeline, first: _Seq, last: _Seq, name: str, direction: int) -> None:
+def check_wrap(tl: Timeline, first: Seq, last: Seq, name: str, direction: int) -> None:
     """With virtual stages the last rank's chunk c and rank 0's chunk c + 1 are neighbouring stages."""
     v, m = tl.virtual, tl.n_micro
     last_pos = np.flatnonzero(last.chunk[0] < v - 1)
@@ -123,14 +123,14 @@ def _check_wrap(tl: Timeline, first: _Seq, last: _Seq, name: str, direction: int
     bad = last_keys != first_keys
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
-        _fifo_error(tl, name, src, dst, src_ticks[k], dst_ticks[k], k)
+        fifo_error(tl, name, src, dst, src_ticks[k], dst_ticks[k], k)
     early = dst_ticks <= src_ticks
     if early.any():
         k = int(np.flatnonzero(early)[0])
-        _order_error(tl, name, src, dst, src_ticks[k], dst_ticks[k], k)
+        order_error(tl, name, src, dst, src_ticks[k], dst_ticks[k], k)
 
 
-def _check_last_stage(tl: Timeline, fwd: _Seq, bwd: _Seq) -> None:
+def check_last_stage(tl: Timeline, fwd: Seq, bwd: Seq) -> None:
     """The last stage's F and backward of a micro-batch are on one rank with no message between: F first."""
     m = tl.n_micro
     last = (tl.virtual - 1) * m                       # keys of chunk v - 1
@@ -138,17 +138,17 @@ def _check_last_stage(tl: Timeline, fwd: _Seq, bwd: _Seq) -> None:
     f_tick, b_tick = np.empty(m, np.int64), np.empty(m, np.int64)
     f_tick[fwd.keys[0, f_sel] - last] = fwd.ticks[0, f_sel]
     b_tick[bwd.keys[0, b_sel] - last] = bwd.ticks[0, b_sel]
-    _check_before(tl, tl.pp - 1, f_tick, b_tick, "runs before its forward")
+    check_before(tl, tl.pp - 1, f_tick, b_tick, "runs before its forward")
 
 
-def _check_before(tl: Timeline, rank: int, first: np.ndarray, then: np.ndarray, what: str) -> None:
+def check_before(tl: Timeline, rank: int, first: np.ndarray, then: np.ndarray, what: str) -> None:
     bad = then <= first
     if bad.any():
         tick = int(then[np.flatnonzero(bad)[0]])
         raise ScheduleError(f"{tl.name} timeline: rank {rank}: {_action(tl, rank, tick)} {what} (tick {tick})")
 
 
-def _check_after(tl: Timeline, bwd: _Seq, w: _Seq, split: np.ndarray) -> None:
+def check_after(tl: Timeline, bwd: Seq, w: Seq, split: np.ndarray) -> None:
     """On splitting ranks the k-th W (same key as the k-th I) runs after it."""
     early = (w.ticks <= bwd.ticks) & split[:, None]
     if early.any():
@@ -158,21 +158,21 @@ def _check_after(tl: Timeline, bwd: _Seq, w: _Seq, split: np.ndarray) -> None:
                             f"input-gradient I (tick {tick})")
 
 
-def _fifo_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: int) -> None:
+def fifo_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: int) -> None:
     sent, got = _action(tl, src, int(t_src)), _action(tl, dst, int(t_dst))
     raise ScheduleError(f"{tl.name} timeline: rank {src} sends {name} messages to rank {dst} in the order of its "
                         f"{name}s, {sent} as number {k}, but rank {dst}'s {name} number {k} is {got} "
                         f"(messages on a channel arrive in order)")
 
 
-def _order_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: int = 0) -> None:
+def order_error(tl: Timeline, name: str, src: int, dst: int, t_src, t_dst, k: int = 0) -> None:
     t_src, t_dst = int(t_src), int(t_dst)
     raise ScheduleError(f"{tl.name} timeline is not in dependency order: rank {dst} runs "
                         f"{_action(tl, dst, t_dst)} at tick {t_dst}, but its input comes from "
                         f"{_action(tl, src, t_src)} on rank {src} at tick {t_src}")
 
 
-def _check_once(tl: Timeline, seq: _Seq, name: str) -> None:
+def check_once(tl: Timeline, seq: Seq, name: str) -> None:
     """A rank's keys are a permutation of chunk x micro-batch: each of its stages and micro-batches once."""
     rank = seq.first_rank
     seen = np.bincount(seq.keys[0], minlength=tl.virtual * tl.n_micro)
@@ -184,15 +184,15 @@ def _check_once(tl: Timeline, seq: _Seq, name: str) -> None:
                             f"micro-batch {mb} {state}")
 
 
-def _check_local_order(tl: Timeline, fwd: _Seq, bwd: _Seq) -> None:
+def check_local_order(tl: Timeline, fwd: Seq, bwd: Seq) -> None:
     """One rank: stage s - 1 hands its output to stage s (and gradients back) locally, so they must come first."""
     m, n = tl.n_micro, tl.virtual * tl.n_micro
     f_tick, b_tick = np.empty(n, np.int64), np.empty(n, np.int64)
     f_tick[fwd.keys[0]] = fwd.ticks[0]
     b_tick[bwd.keys[0]] = bwd.ticks[0]
-    _check_before(tl, 0, f_tick[:-m], f_tick[m:], "runs before the forward of the stage before it")
-    _check_before(tl, 0, b_tick[m:], b_tick[:-m], "runs before the backward of the stage after it")
-    _check_before(tl, 0, f_tick, b_tick, "runs before its forward")
+    check_before(tl, 0, f_tick[:-m], f_tick[m:], "runs before the forward of the stage before it")
+    check_before(tl, 0, b_tick[m:], b_tick[:-m], "runs before the backward of the stage after it")
+    check_before(tl, 0, f_tick, b_tick, "runs before its forward")
 
 
 def _action(tl: Timeline, rank: int, tick: int) -> Action:
@@ -212,5 +212,5 @@ def check_timeline_values(tl: Timeline) -> None:
 
 
 def validate_per_action(tl: Timeline) -> None:
-    """The reference path: validate(lower(actions)) one action at a time (small timelines, any placement)."""
-    validate(lower(tl.actions(), tl.shape), tl.shape)
+    """The reference path: validate_programs(lower(actions)) one action at a time (small timelines, any placement)."""
+    validate_programs(lower(tl.actions(), tl.shape), tl.shape)

@@ -17,7 +17,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import gpt_shape, model_specs
-from hpcpipe.plan.stage_cut import stage_counts
+from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.state.kinds import GPT_KEYS, restate_stored_model
 from hpcpipe.state.sources import WeightsSource, resolve_weights
 from hpcpipe.state.tokenizer import Tokenizer
@@ -26,7 +26,7 @@ STORED_KEYS = ("kind", *GPT_KEYS, "dtype")
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServeSetup:
     """Everything decided before the first collective (identical on every rank)."""
 
     config: Config
@@ -57,8 +57,8 @@ def _tokenizer(source: WeightsSource, given: str, vocab: int) -> Tokenizer:
     return tokenizer
 
 
-def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
-         overrides: list[str] | tuple[str, ...] = ()) -> ServePlan:
+def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,
+         overrides: list[str] | tuple[str, ...] = ()) -> ServeSetup:
     """Check weights, model, layout and tokenizer locally; ConfigError names what is wrong."""
     given = str(weights)
     source = resolve_weights(weights, "--weights")
@@ -81,4 +81,4 @@ def plan(weights: str | Path, world_size: int, config: str | Path | None = None,
     shape = gpt_shape(cfg)
     tokenizer = _tokenizer(source, given, shape.vocab)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServePlan(cfg, dp, pp, ranges, source, shape, tokenizer, name)
+    return ServeSetup(cfg, dp, pp, ranges, source, shape, tokenizer, name)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpipe.errors import ScheduleError
-from hpcpipe.schedule import timeline_checks as checks
+from hpcpipe.schedule import timeline_proofs as proofs
 from hpcpipe.schedule.ir import B, F, I, Timeline, W
-from hpcpipe.schedule.timeline_checks import _check_after, _check_before, _fifo_error, _first, _order_error, _Seq
+from hpcpipe.schedule.timeline_proofs import Seq, check_after, check_before, fifo_error, first_bad, order_error
 
 
-def _validate_v(tl: Timeline, ranks_per_pass: int) -> None:
+def validate_timeline_v(tl: Timeline, ranks_per_pass: int) -> None:
     """validate_timeline's steps 2-6 for the V placement with two chunks (rank r owns stages r and 2p-1-r).
 
     Every message between neighbouring ranks travels on one of four
@@ -72,8 +72,8 @@ def _validate_v(tl: Timeline, ranks_per_pass: int) -> None:
             if (w_keys != b_keys).any():
                 per_action = True                # W's in another order than the I's: may be valid
             else:
-                w_seq = _Seq(r0, w_keys, w - starts, None)
-                _check_after(tl, _Seq(r0, b_keys, b - starts, None), w_seq, split)
+                w_seq = Seq(r0, w_keys, w - starts, None)
+                check_after(tl, Seq(r0, b_keys, b - starts, None), w_seq, split)
         if r0 == 0:
             for mb, _ in seqs:
                 if (np.bincount(mb[0].astype(np.int64), minlength=m) != 1).any():
@@ -82,7 +82,7 @@ def _validate_v(tl: Timeline, ranks_per_pass: int) -> None:
             f_tick, b_tick = np.empty(m, np.int64), np.empty(m, np.int64)
             f_tick[fb[0][0]] = fb[1][0]
             b_tick[bb[0][0]] = bb[1][0]
-            _check_before(tl, 0, f_tick, b_tick, "runs before its forward")      # the loss stage, 2p - 1
+            check_before(tl, 0, f_tick, b_tick, "runs before its forward")      # the loss stage, 2p - 1
         top = r0
         if prev is not None:
             seqs = [(np.concatenate([p_mb, mb]), np.concatenate([p_t, t])) for (p_mb, p_t), (mb, t)
@@ -97,16 +97,16 @@ def _validate_v(tl: Timeline, ranks_per_pass: int) -> None:
     turn = pp - 1
     first, then = np.empty(m, np.int64), np.empty(m, np.int64)
     first[fa_mb[0]], then[fb_mb[0]] = fa_t[0], fb_t[0]
-    _check_before(tl, turn, first, then, "runs before the forward of the stage before it")
+    check_before(tl, turn, first, then, "runs before the forward of the stage before it")
     first[bb_mb[0]], then[ba_mb[0]] = bb_t[0], ba_t[0]
-    _check_before(tl, turn, first, then, "runs before the backward of the stage after it")
+    check_before(tl, turn, first, then, "runs before the backward of the stage after it")
     if per_action:
-        checks.validate_per_action(tl)
+        proofs.validate_per_action(tl)
 
 
 def _structure_error(tl: Timeline) -> None:
     """A rank misses or repeats an action, which the per-action validator names (its verdict is certain)."""
-    checks.validate_per_action(tl)
+    proofs.validate_per_action(tl)
     raise ScheduleError(f"{tl.name} timeline: some rank does not run each of its stages' forward and backward "
                         f"once per micro-batch ({tl.n_micro} micro-batches)")
 
@@ -116,8 +116,8 @@ def _check_v_pairs(tl: Timeline, name: str, down: bool, top: int, mb: np.ndarray
     if len(mb) < 2:
         return
     src, dst = (slice(0, -1), slice(1, None)) if down else (slice(1, None), slice(0, -1))
-    for error, bad in ((_fifo_error, mb[src] != mb[dst]), (_order_error, ticks[dst] <= ticks[src])):
-        hit = _first(bad)
+    for error, bad in ((fifo_error, mb[src] != mb[dst]), (order_error, ticks[dst] <= ticks[src])):
+        hit = first_bad(bad)
         if hit is not None:
             i, k = hit
             ranks = (top + i, top + i + 1) if down else (top + i + 1, top + i)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.model import partition
-from hpcpipe.plan import profile_cache
-from hpcpipe.plan.comm_model import CommModel
-from hpcpipe.plan.profile import Profile, default_cache_dir
+from hpcpipe.profiles import cache as profile_cache
+from hpcpipe.profiles.comm_model import CommModel
+from hpcpipe.profiles.profile import Profile, default_cache_dir
 
 
 def measured_cut(profile: Profile, n_stages: int, rows: int, ops: tuple[str, ...] = ("F", "B"),

@@ -1,0 +1,88 @@
+"""How many bytes a model holds: per rank of a planned layout (parameters, optimizer, activations, data), per stash.
+
+Arithmetic only, from the model's specs and the config: the training start-up
+checks (:mod:`hpcpipe.train.preflight`) and the planner
+(:mod:`hpcpipe.plan.predict`) both count with it, and the engine and the
+layer profile measure stashes with :func:`cache_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hpcpipe.config import Config
+from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.schedule.ir import rank_stages
+
+ITEMSIZE = {"float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs at most (the pipeline rank with the most), by what holds them."""
+
+    parameters: int    # parameters and their gradients
+    optimizer: int     # optimizer state buffers (SGD momentum: 1, Adam(W): 2)
+    activations: int   # layer caches of every micro-batch held at once (an upper bound)
+    data: int          # the synthetic data set, built on every rank
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.parameters + self.optimizer + self.activations + self.data
+
+
+def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str) -> MemoryEstimate:
+    """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
+    import numpy as np
+
+    specs = model_specs(config)
+    itemsize = ITEMSIZE[config.model.dtype]
+    tr = config.train
+    buffers = len(make_optimizer(tr, np, 0, np.float32).state)
+    rows = tr.micro_batches * tr.micro_batch_size
+    worst = MemoryEstimate(0, 0, 0, 0)
+    for rank in range(pp):
+        layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
+        n_params = sum(s.n_params for s in layers)
+        # each layer's cache holds its input and what its activation saved (one row of each per
+        # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
+        widths = sum(s.act_elements for s in layers)
+        mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
+        worst = max(worst, mine, key=lambda e: e.total)
+    data = 0
+    if not config.data.path and config.model.kind == "gpt":   # int64 windows, x and y views of one stream
+        data = config.data.synthetic_samples * (config.model.seq_len + 1) * 8 * 2
+    elif not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
+        dims = config.model.dims
+        data = config.data.synthetic_samples * (dims[0] + dims[-1]) * (8 + itemsize) + dims[0] * dims[-1] * 8
+    return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
+
+
+def _address(array: Any) -> int:
+    """Start address of an array's data (NumPy or CuPy)."""
+    interface = getattr(array, "__array_interface__", None)
+    return interface["data"][0] if interface is not None else array.data.ptr
+
+
+def cache_bytes(caches: Any) -> int:
+    """Bytes of the distinct arrays a stage keeps for its backward.
+
+    An array and its views of the same memory (a layer's output is the next one's
+    input, ``rows(u)`` is u) are counted once: keyed by start address and size.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    pending = [caches]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, (tuple, list)):
+            pending.extend(obj)
+        elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+            key = (_address(obj), obj.nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += obj.nbytes
+    return total

@@ -1,0 +1,59 @@
+"""What the launcher (mpiexec, mpirun, srun) told this process through its environment, before MPI starts.
+
+Every answer here reads environment variables only: no MPI call, no import of
+anything slow, so the package's import (which caps BLAS threads before NumPy
+loads) and a command's argument parsing can use them. Launchers disagree on
+names, so each answer tries MPICH/Hydra (PMI), Open MPI, PMIx and Slurm in
+that order of trust.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK")
+LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                        "PMI_LOCAL_SIZE", "MPI_LOCAL_NRANKS")
+
+
+def _first_count(names: tuple[str, ...], env: Mapping[str, str] | None) -> int | None:
+    """The first of names that holds a non-negative integer (Slurm's "4(x2)" and "4,2" forms: the first count)."""
+    env = os.environ if env is None else env
+    for name in names:
+        value = env.get(name, "").strip().split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def launcher_rank(env: Mapping[str, str] | None = None) -> int:
+    """Return this process's world rank from the launcher's environment (0 when not launched by one)."""
+    rank = _first_count(RANK_VARIABLES, env)
+    return 0 if rank is None else rank
+
+
+def launcher_size(env: Mapping[str, str] | None = None) -> int:
+    """Return how many processes the launcher started (0 when it does not say)."""
+    size = _first_count(SIZE_VARIABLES, env)
+    return 0 if size is None else size
+
+
+def local_rank(default: int = 0, env: Mapping[str, str] | None = None) -> int:
+    """Return this process's rank among the ranks of its node."""
+    rank = _first_count(LOCAL_RANK_VARIABLES, env)
+    return default if rank is None else rank
+
+
+def local_rank_count(default: int = 1, env: Mapping[str, str] | None = None) -> int:
+    """Return how many ranks of this job share this node (default when the launcher does not say)."""
+    count = _first_count(LOCAL_SIZE_VARIABLES, env)
+    return count if count else default
+
+
+def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by Open MPI's launcher (its OMPI_COMM_WORLD_* variables)."""
+    env = os.environ if env is None else env
+    return "OMPI_COMM_WORLD_SIZE" in env

@@ -1,0 +1,141 @@
+"""What training decides before its first collective: every local check, the stage cut and the lowered schedule.
+
+:func:`prepare` checks everything that can be checked locally, identically on
+every rank, and raises ConfigError (one message, exit 2) before any rank
+reaches a collective; the :class:`TrainSetup` it returns is what
+:class:`hpcpipe.train.trainer.Trainer` builds communicators and runs steps from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcpipe.config import Config, resolve_layout
+from hpcpipe.errors import ConfigError, ScheduleError
+from hpcpipe.nn.model import partition
+from hpcpipe.nn.model_spec import model_def
+from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.profiles.stage_cut import stage_counts
+from hpcpipe.schedule.ir import PipeShape
+from hpcpipe.schedule.lower import lower
+from hpcpipe.schedule.registry import build_schedule, shape_of
+from hpcpipe.schedule.validate_programs import validate_programs
+from hpcpipe.state.kinds import check_kind
+from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.train.data import check_data_file, data_tokenizer
+from hpcpipe.train.preflight import (
+    check_checkpoint_dir,
+    check_checkpoint_space,
+    check_log_files,
+    check_memory,
+    check_nothing_newer,
+)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Everything decided before the first collective."""
+
+    config: Config
+    dp: int
+    shape: PipeShape                        # pp, stages, micro-batches and the schedule's stage -> rank placement
+    stage_ranges: list[range]
+    programs: list[list]
+    init: WeightsSource | None = None      # model.init, resolved and checked against the model
+    resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
+
+    tokenizer: str | None = None           # a GPT's tokenizer (JSON): the data file's, else the weights'
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return self.shape.pp
+
+    def tokenizer_attrs(self) -> dict[str, str]:
+        """Root attributes saved with every checkpoint file: the tokenizer, when the run knows one."""
+        return {"tokenizer": self.tokenizer} if self.tokenizer else {}
+
+    @property
+    def n_stages(self) -> int:
+        """Global (virtual) stages: pp x virtual stages."""
+        return self.shape.n_stages
+
+
+RESUME_MODEL_KEYS = {"mlp": ("kind", "dims", "bias", "activation", "final_activation", "dtype"),
+                     "gpt": ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff",
+                             "tie_embeddings", "dtype")}
+
+
+def check_resume(config: Config, source: WeightsSource) -> None:
+    """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
+    saved = source.manifest["config"]
+    for key in RESUME_MODEL_KEYS[config.model.kind]:
+        stored = saved["model"].get(key, "mlp" if key == "kind" else None)   # older checkpoints: MLPs
+        if stored != getattr(config.model, key):
+            raise ConfigError(f"cannot resume from {source.describe()}: it was saved with model.{key} = "
+                              f"{stored!r}, this run has {getattr(config.model, key)!r}")
+    name = source.manifest["optimizer"]["name"]
+    if name != config.train.optimizer:
+        raise ConfigError(f"cannot resume from {source.describe()}: it holds {name} optimizer state, this run "
+                          f"uses train.optimizer = {config.train.optimizer!r}")
+    expected = sorted(make_optimizer(config.train, np, 0, np.float32).state)
+    stored = sorted(source.manifest["optimizer"].get("state", []))
+    if stored != expected:
+        raise ConfigError(f"cannot resume from {source.describe()}: it holds optimizer state {stored}, this run's "
+                          f"optimizer settings need {expected} (train.momentum changed?)")
+    if source.step > config.train.steps:
+        raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
+                          f"train.steps = {config.train.steps}")
+
+
+def prepare(config: Config, world_size: int) -> TrainSetup:
+    """Check config against the world size, data and weights files; lower and validate the schedule."""
+    dp, pp = resolve_layout(config, world_size)
+    par, tr = config.parallel, config.train
+    n_stages = pp * par.virtual_stages
+    specs = model_def(config).specs
+    ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
+    if config.data.path:
+        check_data_file(config)
+    init = resume = None
+    if config.checkpoint.dir:
+        check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
+    if config.checkpoint.resume:
+        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir",
+                                 ": nothing to resume (without --resume a fresh run starts there)")
+        if resume.kind != "checkpoint":
+            raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
+        check_nothing_newer(resume)     # first: a live run there changes everything below under our feet
+        # a checkpoint of the other model kind is said first, then what differs in the model or optimizer
+        check_kind(resume.model, resume.n_layers, specs, f"checkpoint.dir {str(resume.path)!r}")
+        check_resume(config, resume)
+        resume.check(specs, "checkpoint.dir")
+    elif config.model.init:
+        init = resolve_weights(config.model.init, "model.init")
+        init.check(specs, "model.init")
+    check_log_files(config, init, resume)
+    try:
+        shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
+        programs = lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape)
+        validate_programs(programs, shape)
+    except ScheduleError as exc:
+        # an unsupported (schedule, pp, micro-batches, virtual stages) is a configuration error:
+        # refused on every rank before the first collective
+        raise ConfigError(f"parallel.schedule = {par.schedule!r}: {exc}") from None
+    check_memory(config, ranges, pp, shape.placement, world_size)
+    if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
+        check_checkpoint_space(config, pp)
+    return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
+
+
+def run_tokenizer(config: Config, source: WeightsSource | None) -> str | None:
+    """Return the tokenizer a GPT run saves: data.path's ``tokenizer`` attribute, else its weights' (checked)."""
+    if config.model.kind != "gpt":
+        return None
+    if config.data.path:
+        found = data_tokenizer(config.data.path, config.model.vocab_size)
+        if found:
+            return found
+    return source.tokenizer() if source is not None else None

@@ -1,7 +1,7 @@
 """GPT benchmark: hpcpipe vs torch.distributed.pipelining at pp=2 (GPipe, 1F1B), MFU, stash bytes, recompute.
 
     pip install -e ".[mpich]" && pip install torch==2.13.0   # torch only for the comparison
-    python bench/bench_gpt.py [--quick] [--steps 6] [--rounds 2] [--out bench/results_gpt.json]
+    python bench/bench_gpt.py [--quick] [--steps 6] [--rounds 2] [--out bench/results/YYYY-MM-DD-gpt.json]
 
 One run, one model in both frameworks: hpcpipe's GPT contract with an untied head
 (torch cannot tie across stages), float32, Adam, the same initial weights
@@ -17,6 +17,8 @@ matmul measured in this run, best sample); FLOPs per token as in gpt_cost.py:
 6 x non-embedding parameters + 12 x n_blocks x T x d (attention, causal counted fully).
 The step-0 losses of both frameworks are printed next to hpcpipe's sequential
 reference on the same batch: equal losses show the two runs train the same model.
+The results go to bench/results/<today>-gpt.json (--quick: <today>-gpt-quick.json)
+unless --out says otherwise; --report FILE prints an earlier run's tables again.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import tempfile
 
 import gpt_cost
 import numpy as np
-from bench_schedules import ENV, HERE, MPIEXEC, ROOT, load, matmul_rate, run_job, wait_quiet
+from bench_schedules import ENV, MPIEXEC, ROOT, dated_out, load, matmul_rate, run_job, wait_quiet, write_results
 
 from hpcpipe.nn.gpt_params import GPTShape
 
@@ -134,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-hpcpipe", action="store_true")
     for key in MODEL_KEYS + ("micro_batches", "micro_batch_size"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {FULL[key]}")
-    ap.add_argument("--out", default=os.path.join(HERE, "results_gpt.json"))
+    ap.add_argument("--out", default=None,
+                    help="write the results here (default: bench/results/<today>-gpt.json, --quick: -gpt-quick.json)")
     ap.add_argument("--quiet-idle", type=float, default=0.9, help="before each job wait for this idle share")
     ap.add_argument("--quiet-wait", type=float, default=None, help="longest wait for quiet, s (60; --quick 0)")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier run's results")
@@ -143,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.warmup = 1 if args.quick and args.warmup == 2 else args.warmup
     args.quiet_wait = (0.0 if args.quick else 60.0) if args.quiet_wait is None else args.quiet_wait
+    args.out = args.out or dated_out("gpt-quick" if args.quick else "gpt")
     return args
 
 
@@ -204,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     results["stash_formula_gpipe"] = gpt_cost.stash_formula(m, size["micro_batch_size"], size["micro_batches"],
                                                             "gpipe", stage_groups, False)
     report(results)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(args.out, results)
     print(f"\nwrote {args.out}; command: {results['command']}")
     return 0
 

@@ -1,8 +1,9 @@
 """Proof harness of the planner (issue 15): plan, run the top choice for real, compare it with a measured grid.
 
-    python bench/bench_plan.py --config configs/plan-mlp.toml --ranks 2 --out bench/results_plan_mlp.json
-    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --out bench/results_plan_gpt.json
-    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --stage-cut --out bench/results_plan_cut.json
+    python bench/bench_plan.py --config configs/plan-mlp.toml --ranks 2 --out bench/results/$(date +%F)-plan-mlp.json
+    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --out bench/results/$(date +%F)-plan-gpt.json
+    python bench/bench_plan.py --config configs/plan-gpt.toml --ranks 2 --stage-cut \
+        --out bench/results/$(date +%F)-plan-cut.json
 
 The default mode runs ``python -m hpcpipe.plan --config C --ranks N --memory-per-rank M --top T --json J
 --write best.toml`` twice, timing both (the first profiles into a fresh XDG_CACHE_HOME, the second reads
@@ -80,14 +81,14 @@ def check_config(path: str, ranks: int, overrides: list[str]) -> tuple[dict | No
     from hpcpipe.nn.model_spec import model_def
     from hpcpipe.schedule.lower import lower
     from hpcpipe.schedule.registry import build_schedule, shape_of
-    from hpcpipe.schedule.validate import validate
+    from hpcpipe.schedule.validate_programs import validate_programs
     try:
         cfg = load_config(path, overrides)
         dp, pp = resolve_layout(cfg, ranks)
         par, tr = cfg.parallel, cfg.train
         cut = [len(r) for r in partition(model_def(cfg).specs, pp * par.virtual_stages, par.stage_layers)]
         shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
-        validate(lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape), shape)
+        validate_programs(lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape), shape)
     except (ConfigError, ScheduleError) as exc:
         return None, str(exc)
     return {"dp": dp, "pp": pp, "schedule": par.schedule, "virtual_stages": par.virtual_stages,
@@ -369,7 +370,7 @@ def main_stage_cut(args: argparse.Namespace, tmp: str) -> dict:
             raise SystemExit(f"bench_plan: error: the planner failed: {planned.stderr.strip()[-500:]}")
         os.environ["HPCPIPE_PROFILE_DIR"] = ENV["HPCPIPE_PROFILE_DIR"]
         from hpcpipe.config import load_config
-        from hpcpipe.plan.stage_cut import stage_counts
+        from hpcpipe.profiles.stage_cut import stage_counts
         chosen = load_config(args.config, ['parallel.stage_layers="profile"'])
         measured = stage_counts(chosen, base["pp"] * base["virtual_stages"], chosen.train.micro_batch_size)
         print(f"profile made by the planner: parallel.stage_layers = \"profile\" cuts {measured}", flush=True)

@@ -1,7 +1,7 @@
 """Benchmark: hpcpipe schedules vs PyTorch's torch.distributed.pipelining, MFU, 8-rank scaling, simulator.
 
     pip install -e ".[mpich,plot]" && pip install torch==2.13.0   # torch only for the comparison
-    python bench/bench_schedules.py [--steps 5] [--no-torch] [--out bench/results.json]
+    python bench/bench_schedules.py [--steps 5] [--no-torch] [--out bench/results/YYYY-MM-DD-schedules.json]
 
 Model dims = [1024] * 9 (8 Linear + ReLU), float32, global batch 2048 as 16
 micro-batches of 128, SGD. Every job runs under ``mpiexec`` with one BLAS
@@ -12,6 +12,7 @@ round and keeps its best round, because the machine is shared. MFU = 6 x params 
 step time / (2 cores x the single-core rate of a 2048^3 float32 matmul measured
 in this run: the best of its samples, one per round). The simulator is calibrated on each pp's GPipe trace and then
 predicts every schedule, at pp=2 and at pp=4 (4 ranks sharing the 2 cores).
+The results go to bench/results/<today>-schedules.json unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ ROOT = os.path.dirname(HERE)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HPCPIPE_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+RESULTS = os.path.join(HERE, "results")
+
+
+def dated_out(name: str) -> str:
+    """The default results file of a benchmark run today: bench/results/YYYY-MM-DD-<name>.json."""
+    return os.path.join(RESULTS, f"{time.strftime('%Y-%m-%d')}-{name}.json")
+
+
+def write_results(path: str, results: dict) -> None:
+    """Write a run's results as indented JSON, creating the file's folder (bench/results/) if it is missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def matmul_rate(m: int, k: int, n: int, seconds: float = 1.5) -> float:
@@ -96,7 +110,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="repeat every job; each keeps its best round")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v")
-    ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    ap.add_argument("--out", default=None,
+                    help="write the results here (default: bench/results/<today>-schedules.json)")
     ap.add_argument("--plots", default="", help="directory for measured/simulated timeline PNGs")
     ap.add_argument("--skip-8", action="store_true", help="skip the 8-rank runs")
     ap.add_argument("--quiet-idle", type=float, default=0.9,
@@ -104,6 +119,7 @@ def main() -> int:
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for quiet, seconds")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier run's results")
     args = ap.parse_args()
+    args.out = args.out or dated_out("schedules")
     if args.report:
         with open(args.report) as f:
             res = json.load(f)
@@ -185,8 +201,8 @@ def main() -> int:
                 plot_timeline(rows, os.path.join(args.plots, f"simulated-{s}-pp{pp}.png"), f"simulated {s} pp={pp}")
     results["loads"] = loads
     _report(results, schedules, loads)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(args.out, results)
+    print(f"\nwrote {args.out}")
     return 0
 
 

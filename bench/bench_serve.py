@@ -1,7 +1,7 @@
 """Serving benchmark: tokens/s, TTFT and inter-token p50/p99 of `python -m hpcpipe.serve` under real HTTP clients.
 
     pip install -e ".[mpich]"     # aiohttp comes with hpcpipe (the server's HTTP library; the clients use it too)
-    python bench/bench_serve.py [--quick] [--seconds 20] [--warmup 3] [--out bench/results_serve.json]
+    python bench/bench_serve.py [--quick] [--seconds 20] [--warmup 3] [--out bench/results/YYYY-MM-DD-serve.json]
 
 One float32 GPT with a 96-character tokenizer (printable ASCII + newline; one
 character = one token) is written once with random weights; the text it
@@ -27,7 +27,9 @@ between successive token arrivals of one stream inside the window; the server's
 own /metrics over the same window (histogram quantiles are bucket bounds).
 Before the servers, one decode step of the whole model is timed alone at 1-32
 rows (least CPU time): the tokens/s ratios those costs allow are printed beside
-the goals. Method, a measured run and the analysis: docs/bench-serve.md.
+the goals. The results go to bench/results/<today>-serve.json (--long:
+-serve-long-prompts.json, --quick: -serve-quick.json) unless --out says otherwise.
+Method, the measured runs and the analysis: docs/bench-serve.md.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import tempfile
 import time
 
 import numpy as np
-from bench_schedules import ENV, HERE, MPIEXEC, ROOT, load, matmul_rate, wait_quiet
+from bench_schedules import ENV, HERE, MPIEXEC, ROOT, dated_out, load, matmul_rate, wait_quiet, write_results
 from serve_load import measure
 
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -226,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-requests", type=int, default=100_000, help="bound on requests per point")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(HERE, "results_serve.json"))
+    ap.add_argument("--out", default=None, help="write the results here (default: bench/results/<today>-serve.json; "
+                                                "--long: -serve-long-prompts.json, --quick: -serve-quick.json)")
     ap.add_argument("--quiet-idle", type=float, default=0.9, help="before each server wait for this idle share")
     ap.add_argument("--quiet-wait", type=float, default=None, help="longest wait for quiet, s (30; --quick 0)")
     ap.add_argument("--report", metavar="JSON", help="only print the table and goals of an earlier run")
@@ -236,6 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layouts = (args.layouts or ("pp1,pp1-nocache,pp2" if args.quick else ",".join(LAYOUTS))).split(",")
     args.concurrency = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,8,32")).split(",")]
     args.quiet_wait = (0.0 if args.quick else 30.0) if args.quiet_wait is None else args.quiet_wait
+    args.out = args.out or dated_out("serve-quick" if args.quick else "serve-long-prompts" if args.long else "serve")
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")
@@ -304,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     results["loads"].append(load())
     results["goals"] = goals(results["points"])
     report(results)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(args.out, results)
     print(f"\nwrote {args.out}; command: {results['command']}")
     return 0
 

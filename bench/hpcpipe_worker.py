@@ -33,7 +33,8 @@ def main() -> None:
 
     from hpcpipe.config import from_dict
     from hpcpipe.train.loop import write_trace
-    from hpcpipe.train.trainer import Trainer, plan
+    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.trainer import Trainer
 
     world = MPI.COMM_WORLD
     dp = world.Get_size() // args.pp
@@ -49,7 +50,7 @@ def main() -> None:
         "log": {"progress": False},
         "run": {"poll_max_us": args.poll_max_us},
     })
-    trainer = Trainer(plan(cfg, world.Get_size()), world, record_events=bool(args.trace))
+    trainer = Trainer(prepare(cfg, world.Get_size()), world, record_events=bool(args.trace))
     times, events, cpu, faults = [], [], 0.0, 0
     for step in range(args.warmup + args.steps):
         world.Barrier()

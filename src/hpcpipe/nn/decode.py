@@ -1,15 +1,19 @@
-"""KV-cached forward of one pipeline stage of a GPT over the new tokens of many sequences at once.
+"""KV-cached forward of one pipeline stage of a decoder (GPT or Llama kind) over the new tokens of many sequences.
 
 A ``DecodeStage`` holds a contiguous range of layer groups and, per local
-block, a key and a value cache of shape (slots, n_heads, seq_len, d_head): row
-``slot`` belongs to one sequence, position j of it holds the key (value) of
-that sequence's token j. Each ``forward`` call runs the stage over the new
-tokens of several sequences (``Segment``: slot, start, length), writes their
-keys and values at positions [start, start + length) and attends causally over
-[0, start + length). Projections, LayerNorms and the MLP are the training
-layers' forward (``gpt_layers.Block`` without gradients), run once over the
-rows of every segment; only attention is new. Decode segments (length 1) share
-one batched attention over their caches gathered up to the longest; longer
+block, a key and a value cache of shape (slots, n_kv_heads, seq_len, head_dim)
+(GPT: n_kv_heads = n_heads): row ``slot`` belongs to one sequence, position j
+of it holds the key (value) of that sequence's token j. Each ``forward`` call
+runs the stage over the new tokens of several sequences (``Segment``: slot,
+start, length), writes their keys and values at positions [start, start +
+length) and attends causally over [0, start + length). The kind's steps
+(``decode_gpt.GPTSteps``, ``decode_llama.LlamaSteps``) run the training layers'
+forward without gradients once over the rows of every segment; this module is
+the kind-neutral part: segments, planning, cache writes, gather, masks and
+softmax. Query head i attends with key/value head i // (n_heads / n_kv_heads):
+the queries of one kv head are handled as one block, so the products run per
+kv head with no repeated keys or values. Decode segments (length 1) share one
+batched attention over their caches gathered up to the longest; longer
 (prefill) segments attend one by one. Layout and sizing: docs/decode.md.
 """
 
@@ -21,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.gpt_layers import Block, layer_norm
-from hpcpipe.nn.gpt_params import GPTShape, group_params
-from hpcpipe.nn.layers import Activation, Dense
-from hpcpipe.nn.linear import linear
+from hpcpipe.nn.decode_gpt import GPTSteps
+from hpcpipe.nn.decode_llama import LlamaSteps
+from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.llama_params import LlamaShape
 
 # decode slots spread over at most this many times their count are read in place, wider ones gathered
 _IN_PLACE_SPAN = 1.5
@@ -54,7 +58,7 @@ class _DecodeBatch:
     n: int
     keys: int        # keys attended over: max(position) + 1
     span: slice | None   # the cache rows read in place, or None: gather ``slots``
-    gather: Any      # xp int64 (n * h * keys,) rows of the cache seen as (slots * h * seq_len, d_head) rows, or None
+    gather: Any      # xp int64 (n * kv * keys,) rows of the cache seen as (slots * kv * seq_len, hd) rows, or None
     order: Any       # xp int64 (n,) each token's row in the span, or None when row i is token i
     future: Any      # xp bool (rows attended, 1, 1, keys): True where a key is after the query
 
@@ -68,6 +72,7 @@ class _Plan:
     last_rows: Any                       # xp int64 (n_segments,), or None when every row is a segment's last
     prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
     decode: _DecodeBatch | None
+    dev_positions: Any = None            # xp copy of positions, made on first use (see DecodeStage._positions)
 
 
 def _all(rows: Any) -> Any:
@@ -75,16 +80,24 @@ def _all(rows: Any) -> Any:
     return slice(None) if rows is None else rows
 
 
-def _forward_only(params: dict[str, Any]) -> dict[str, None]:
-    """Gradient slots for a forward-only layer: every name maps to None."""
-    return dict.fromkeys(params)
+def kind_steps(shape: GPTShape | LlamaShape, xp: Any) -> GPTSteps | LlamaSteps:
+    """Return the per-kind steps (embedding, block, head) for a model's shape."""
+    if isinstance(shape, LlamaShape):
+        return LlamaSteps(shape, xp)
+    if isinstance(shape, GPTShape):
+        return GPTSteps(shape, xp)
+    raise ValueError(f"decode stage: no KV-cached decoding for a model shape of type {type(shape).__name__}")
 
 
 class DecodeStage:
-    """Layer groups ``groups`` (a range of GPT group indices, e.g. range(0, 3)) of a GPT, with a KV cache per block."""
+    """Layer groups ``groups`` (a range of group indices, e.g. range(0, 3)) of a decoder, with a KV cache per block.
 
-    def __init__(self, shape: GPTShape, groups: range, arrays: dict[int, dict[str, np.ndarray]], xp: Any,
-                 dtype: str, slots: int, tok_emb: Any = None):
+    The kind follows the shape: a ``GPTShape`` (GPT) or a ``LlamaShape`` (Llama).
+    """
+
+    def __init__(self, shape: GPTShape | LlamaShape, groups: range, arrays: dict[int, dict[str, np.ndarray]],
+                 xp: Any, dtype: str, slots: int, tok_emb: Any = None):
+        self.steps = kind_steps(shape, xp)
         if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
                 or groups.start < 0 or groups.stop > shape.n_groups:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
@@ -95,15 +108,12 @@ class DecodeStage:
         params = {i: self._load_group(i, arrays) for i in groups}
         self.has_embedding = 0 in groups
         self.has_head = shape.n_blocks + 1 in groups
-        if self.has_embedding:
-            self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0]["pos_emb"]
-        self.blocks = [Block(params[i], _forward_only(params[i]), shape.n_heads, xp)
-                       for i in groups if 1 <= i <= shape.n_blocks]
-        if self.has_head:
-            self._build_head(params[shape.n_blocks + 1], tok_emb)
-        h, t, dh = shape.n_heads, shape.seq_len, shape.d_head
+        self.steps.build(params, self._head_table(params, tok_emb))
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, self.steps.n_kv_heads, self.steps.head_dim
+        self.group = self.n_heads // self.n_kv_heads
+        kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
         # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
-        self._cache = xp.zeros((len(self.blocks), 2, slots, h, t, dh), dtype=self.dtype)
+        self._cache = xp.zeros((len(self.steps.blocks), 2, slots, kv, t, dh), dtype=self.dtype)
         self._future = xp.triu(xp.ones((t, t), dtype=bool), k=1)   # [i, j]: key j is after query i
         self._scale = 1.0 / math.sqrt(dh)
         self._scratch = None                      # (2, rows, d_head): gathered keys and values, see _gather
@@ -115,7 +125,7 @@ class DecodeStage:
         if group is None:
             raise ValueError(f"decode stage: no arrays for layer group {index}")
         out = {}
-        for name, dims in group_params(self.shape, index):
+        for name, dims in self.steps.group_params(index):
             if name not in group:
                 raise ValueError(f"decode stage: layer group {index} has no array {name!r}")
             if tuple(group[name].shape) != dims:
@@ -124,26 +134,22 @@ class DecodeStage:
             out[name] = self.xp.ascontiguousarray(self.xp.asarray(group[name], dtype=self.dtype))
         return out
 
-    def _build_head(self, params: dict[str, Any], tok_emb: Any) -> None:
-        """The final LayerNorm and the head: own weights (untied) or the embedding table's transpose (tied)."""
-        self.ln_f = layer_norm(params, _forward_only(params), "ln_f", self.xp)
-        if not self.shape.tied:
-            self.head = linear(params, _forward_only(params), "head", self.xp, bias=False)
-            return
+    def _head_table(self, params: dict[int, dict[str, Any]], tok_emb: Any) -> Any:
+        """The table a tied head multiplies by (transposed): group 0's tok_emb or ``tok_emb``; None when not needed."""
+        if not self.has_head or not self.shape.tied:
+            return None
         if self.has_embedding:
-            table = self.tok_emb
-        elif tok_emb is None:
+            return params[0]["tok_emb"]
+        if tok_emb is None:
             raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
-        else:
-            want = (self.shape.vocab, self.shape.d_model)
-            if tuple(tok_emb.shape) != want:
-                raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
-            table = self.xp.ascontiguousarray(self.xp.asarray(tok_emb, dtype=self.dtype))
-        self.head = Dense(-1, table.T, None, None, None, Activation(), self.xp)
+        want = (self.shape.vocab, self.shape.d_model)
+        if tuple(tok_emb.shape) != want:
+            raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
+        return self.xp.ascontiguousarray(self.xp.asarray(tok_emb, dtype=self.dtype))
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of this stage's KV cache: 2 x local blocks x slots x seq_len x d_model x itemsize."""
+        """Bytes of this stage's KV cache: 2 x local blocks x slots x n_kv_heads x seq_len x head_dim x itemsize."""
         return int(self._cache.nbytes)
 
     def _plan(self, segments: list[Segment]) -> _Plan:
@@ -190,9 +196,9 @@ class DecodeStage:
         dev_slots, dev_pos = xp.asarray(slots), xp.asarray(positions)
         future = self._future[dev_pos, :keys]
         if span > _IN_PLACE_SPAN * n:
-            h, t = self.shape.n_heads, self.shape.seq_len
-            # every (slot, head) pair's first ``keys`` positions, as rows of d_head values: one take per array
-            gather = (((slots[:, None] * h + np.arange(h))[:, :, None] * t) + np.arange(keys)).reshape(-1)
+            kv, t = self.n_kv_heads, self.shape.seq_len
+            # every (slot, kv head) pair's first ``keys`` positions, as rows of head_dim values: one take per array
+            gather = (((slots[:, None] * kv + np.arange(kv))[:, :, None] * t) + np.arange(keys)).reshape(-1)
             return _DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys, None,
                                 xp.asarray(gather), None, future.reshape(n, 1, 1, keys))
         order = None
@@ -217,10 +223,16 @@ class DecodeStage:
             if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
                 raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
                                  f"0..{self.shape.vocab - 1}")
-            return self.tok_emb[x] + self.pos_emb[xp.asarray(plan.positions)]
+            return self.steps.embed(x, lambda: self._positions(plan))
         if x.shape != (plan.n_rows, d):
             raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
         return x.astype(self.dtype, copy=False)
+
+    def _positions(self, plan: _Plan) -> Any:
+        """The rows' positions on xp, copied to the device once per call and only when a step asks."""
+        if plan.dev_positions is None:
+            plan.dev_positions = self.xp.asarray(plan.positions)
+        return plan.dev_positions
 
     def _softmax_(self, scores: Any, future: Any) -> Any:
         """Scale, mask and softmax attention scores in place over the last axis (as CausalSelfAttention)."""
@@ -232,46 +244,51 @@ class DecodeStage:
         p /= p.sum(axis=-1, keepdims=True)
         return p
 
-    def _attend(self, qkv: Any, cache: Any, plan: _Plan) -> Any:
-        """Write the new keys and values into ``cache`` and return the attention heads (n_rows, d)."""
-        xp, n = self.xp, plan.n_rows
-        h, dh = self.shape.n_heads, self.shape.d_head
-        qkv = qkv.reshape(n, 3, h, dh)
-        keys, values = cache[0], cache[1]
-        heads = xp.empty((n, h, dh), dtype=qkv.dtype)
-        for first, seg in plan.prefill:
-            new = slice(first, first + seg.length)
-            end = seg.start + seg.length
-            keys[seg.slot, :, seg.start:end] = qkv[new, 1].transpose(1, 0, 2)
-            values[seg.slot, :, seg.start:end] = qkv[new, 2].transpose(1, 0, 2)
-            scores = qkv[new, 0].transpose(1, 0, 2) @ keys[seg.slot, :, :end].swapaxes(-1, -2)
-            p = self._softmax_(scores, self._future[seg.start:end, :end])
-            heads[new] = (p @ values[seg.slot, :, :end]).transpose(1, 0, 2)
-        if plan.decode is not None:
-            heads[_all(plan.decode.rows)] = self._attend_decode(qkv, keys, values, plan.decode)
-        return heads.reshape(n, h * dh)
+    def _attend(self, q: Any, k: Any, v: Any, cache: Any, plan: _Plan) -> Any:
+        """Write the new keys and values into ``cache`` and return the attention heads (n_rows, n_heads * head_dim).
 
-    def _attend_decode(self, qkv: Any, keys: Any, values: Any, dec: _DecodeBatch) -> Any:
-        """Write the decode tokens' keys and values and return their attention heads (n, h, d_head)."""
+        ``q``: (n_rows, n_heads, head_dim), ``k`` and ``v``: (n_rows, n_kv_heads, head_dim), any strides.
+        """
+        xp, n = self.xp, plan.n_rows
+        kv, grp, dh = self.n_kv_heads, self.group, self.head_dim
+        keys, values = cache[0], cache[1]
+        heads = xp.empty((n, kv, grp, dh), dtype=q.dtype)
+        for first, seg in plan.prefill:
+            new, length = slice(first, first + seg.length), seg.length
+            end = seg.start + length
+            keys[seg.slot, :, seg.start:end] = k[new].transpose(1, 0, 2)
+            values[seg.slot, :, seg.start:end] = v[new].transpose(1, 0, 2)
+            # the group's query heads stacked along the rows: one product per kv head (a view when the group is 1)
+            qs = q[new].reshape(length, kv, grp, dh).transpose(1, 2, 0, 3).reshape(kv, grp * length, dh)
+            scores = qs @ keys[seg.slot, :, :end].swapaxes(-1, -2)                # (kv, grp * length, end)
+            p = self._softmax_(scores.reshape(kv, grp, length, end), self._future[seg.start:end, :end])
+            out = p.reshape(kv, grp * length, end) @ values[seg.slot, :, :end]
+            heads[new] = out.reshape(kv, grp, length, dh).transpose(2, 0, 1, 3)
+        if plan.decode is not None:
+            heads[_all(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode)
+        return heads.reshape(n, kv * grp * dh)
+
+    def _attend_decode(self, q: Any, k: Any, v: Any, keys: Any, values: Any, dec: _DecodeBatch) -> Any:
+        """Write the decode tokens' keys and values and return their attention heads (n, kv, group, head_dim)."""
         xp = self.xp
-        n, h, dh = dec.n, self.shape.n_heads, self.shape.d_head
+        n, kv, grp, dh = dec.n, self.n_kv_heads, self.group, self.head_dim
         rows = _all(dec.rows)
-        keys[dec.slots, :, dec.positions] = qkv[rows, 1]
-        values[dec.slots, :, dec.positions] = qkv[rows, 2]
-        q = qkv[rows, 0].reshape(n, 1, h, dh).swapaxes(1, 2)          # (n, h, 1, dh)
+        keys[dec.slots, :, dec.positions] = k[rows]
+        values[dec.slots, :, dec.positions] = v[rows]
+        q = q[rows].reshape(n, kv, grp, dh)                            # a kv head's queries against its keys
         if dec.span is None:
-            k, v = self._gather(keys, values, dec)                     # (n, h, keys, dh) each
+            k, v = self._gather(keys, values, dec)                     # (n, kv, keys, dh) each
         else:
             k, v = keys[dec.span, :, :dec.keys], values[dec.span, :, :dec.keys]   # views of the cache
             if dec.order is not None:
-                spread = xp.zeros((k.shape[0], h, 1, dh), dtype=q.dtype)
+                spread = xp.zeros((k.shape[0], kv, grp, dh), dtype=q.dtype)
                 spread[dec.order] = q
                 q = spread
-        p = self._softmax_(q @ k.swapaxes(-1, -2), dec.future)        # (rows, h, 1, keys)
+        p = self._softmax_(q @ k.swapaxes(-1, -2), dec.future)        # (rows, kv, grp, keys)
         out = p @ v
         if dec.order is not None:
             out = out[dec.order]
-        return out.reshape(n, h, dh)
+        return out
 
     def _gather(self, keys: Any, values: Any, dec: _DecodeBatch) -> tuple[Any, Any]:
         """Copy the decode slots' keys and values up to ``dec.keys`` into the stage's scratch (grown when short).
@@ -279,7 +296,7 @@ class DecodeStage:
         Fancy indexing would allocate two fresh arrays of that size per block, and NumPy's large allocations
         cost a page fault per 4 KiB page each time (measured: 3x the whole step with 32 sequences).
         """
-        xp, dh = self.xp, self.shape.d_head
+        xp, dh = self.xp, self.head_dim
         rows = dec.gather
         n_rows = rows.shape[0]
         if self._scratch is None or self._scratch.shape[1] < n_rows:
@@ -288,19 +305,8 @@ class DecodeStage:
         for source, buf in zip((keys, values), self._scratch, strict=True):
             # NumPy buffers ``out`` under the default mode "raise"; the rows are in range by construction
             xp.take(source.reshape(-1, dh), rows, axis=0, out=buf[:n_rows], **self._take_mode)
-            out.append(buf[:n_rows].reshape(dec.n, self.shape.n_heads, dec.keys, dh))
+            out.append(buf[:n_rows].reshape(dec.n, self.n_kv_heads, dec.keys, dh))
         return tuple(out)
-
-    def _block(self, block: Block, cache: Any, h: Any, plan: _Plan) -> Any:
-        """One decoder block over the rows ``h``: a = h + attn(ln1(h)); return a + mlp(ln2(a))."""
-        u, _ = block.ln1.forward(h)
-        qkv, _ = block.attn.qkv.forward(u)
-        a, _ = block.attn.proj.forward(self._attend(qkv, cache, plan))
-        a += h
-        u, _ = block.ln2.forward(a)
-        y, _ = block.mlp.forward(u)
-        y += a
-        return y
 
     def forward(self, x: Any, segments: list[Segment]) -> Any:
         """Run the stage over the new tokens of several sequences at once.
@@ -311,12 +317,12 @@ class DecodeStage:
         """
         plan = self._plan(segments)
         h = self._input(x, plan)
-        for block, cache in zip(self.blocks, self._cache, strict=True):
-            h = self._block(block, cache, h, plan)
+        steps = self.steps
+        context = steps.prepare(lambda: self._positions(plan))
+        for index, cache in enumerate(self._cache):
+            h = steps.block(index, h, context, lambda q, k, v, cache=cache: self._attend(q, k, v, cache, plan))
         if not self.has_head:
             return self.xp.ascontiguousarray(h)
         if plan.last_rows is not None:
             h = h[plan.last_rows]
-        u, _ = self.ln_f.forward(h)
-        logits, _ = self.head.forward(u)
-        return logits
+        return steps.head_logits(h)

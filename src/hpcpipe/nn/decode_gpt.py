@@ -1,0 +1,76 @@
+"""The GPT kind's steps of a KV-cached ``DecodeStage`` (hpcpipe.nn.decode): embedding, block and head over rows.
+
+The training layers' forward without gradients (``gpt_layers.Block``, ``LayerNorm``,
+``Dense``): h = tok_emb[x] + pos_emb[position]; per block a = h + attn(ln1(h)) with
+qkv = u @ Wqkv + bqkv split into q | k | v of n_heads heads each (every query head has
+its own key/value head), y = a + mlp(ln2(a)); logits = ln_f(h) @ (tok_emb.T | head).
+Attention itself (cache writes, masks, softmax) is the stage's, kind-neutral.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hpcpipe.nn.gpt_layers import Block, layer_norm
+from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.nn.layers import Activation, Dense
+from hpcpipe.nn.linear import linear
+
+
+def forward_only(params: dict[str, Any]) -> dict[str, None]:
+    """Gradient slots for a forward-only layer: every name maps to None."""
+    return dict.fromkeys(params)
+
+
+class GPTSteps:
+    """GPT layers of one decode stage; keys and values have n_heads heads of d_head."""
+
+    def __init__(self, shape: GPTShape, xp: Any):
+        self.shape, self.xp = shape, xp
+        self.n_kv_heads, self.head_dim = shape.n_heads, shape.d_head
+        self.blocks: list[Block] = []
+
+    def group_params(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes of group ``index``'s arrays."""
+        return group_params(self.shape, index)
+
+    def build(self, params: dict[int, dict[str, Any]], table: Any) -> None:
+        """Build the stage's layers from its groups' xp arrays; ``table``: tok_emb for a tied head, else None."""
+        shape, xp = self.shape, self.xp
+        if 0 in params:
+            self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0]["pos_emb"]
+        self.blocks = [Block(p, forward_only(p), shape.n_heads, xp) for i, p in sorted(params.items())
+                       if 1 <= i <= shape.n_blocks]
+        final = params.get(shape.n_blocks + 1)
+        if final is not None:
+            self.ln_f = layer_norm(final, forward_only(final), "ln_f", xp)
+            self.head = Dense(-1, table.T, None, None, None, Activation(), xp) if table is not None \
+                else linear(final, forward_only(final), "head", xp, bias=False)
+
+    def embed(self, tokens: Any, positions: Callable[[], Any]) -> Any:
+        """Return the (rows, d) embeddings of checked token ids; ``positions()``: their positions on xp."""
+        return self.tok_emb[tokens] + self.pos_emb[positions()]
+
+    def prepare(self, positions: Callable[[], Any]) -> None:
+        """Per-call state of the blocks: none (positions entered with the embedding)."""
+        return None
+
+    def block(self, index: int, h: Any, context: Any, attend: Callable[[Any, Any, Any], Any]) -> Any:
+        """Local block ``index`` over the rows ``h``: a = h + attn(ln1(h)); return a + mlp(ln2(a))."""
+        block = self.blocks[index]
+        n, heads, dh = h.shape[0], self.shape.n_heads, self.head_dim
+        u, _ = block.ln1.forward(h)
+        qkv, _ = block.attn.qkv.forward(u)
+        qkv = qkv.reshape(n, 3, heads, dh)
+        a, _ = block.attn.proj.forward(attend(qkv[:, 0], qkv[:, 1], qkv[:, 2]))
+        a += h
+        u, _ = block.ln2.forward(a)
+        y, _ = block.mlp.forward(u)
+        y += a
+        return y
+
+    def head_logits(self, h: Any) -> Any:
+        """Return the logits of the rows ``h``: ln_f, then the head."""
+        u, _ = self.ln_f.forward(h)
+        return self.head.forward(u)[0]

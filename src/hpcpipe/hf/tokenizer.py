@@ -1,0 +1,307 @@
+"""A Hugging Face model's tokenizer (tokenizer.json through the ``tokenizers`` package), encoding and decoding as
+transformers 5's ``AutoTokenizer`` does, its files carried inside hpcpipe HDF5 files, and streaming decode.
+
+What transformers' ``TokenizersBackend`` (``PreTrainedTokenizerFast``) does on top of tokenizer.json, and so do we:
+truncation and padding stored in tokenizer.json are off for a plain call; ``add_bos_token`` / ``add_eos_token`` of
+tokenizer_config.json are dropped whenever tokenizer.json exists (its post-processor alone decides whether BOS/EOS
+are added); the ``added_tokens_decoder`` of tokenizer_config.json and every named special token (bos, eos, unk,
+sep, pad, cls, mask, the extra and model-specific ones; special_tokens_map.json when the config has no
+``added_tokens_decoder``) are added to the vocabulary as transformers adds them; ``decode`` skips special tokens
+and applies ``clean_up_tokenization_spaces`` only to non-BPE models, as transformers 5 does.
+
+In an hpcpipe weights file or checkpoint the files are uint8 datasets below ``/tokenizer/`` named by file name,
+and the root attribute ``tokenizer`` is ``{"kind": "hf"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.errors import ConfigError
+from hpcpipe.hf import backend
+from hpcpipe.hf.config import token_ids
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "config.json")
+GROUP = "tokenizer"
+KIND_JSON = json.dumps({"kind": "hf"})
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from its files ({file name: bytes}); the interface of hpcpipe's Tokenizer where it
+    makes sense (``kind``, ``vocab_size``, ``encode``, ``decode``, ``to_json``) plus streaming and special tokens."""
+
+    kind = "hf"
+
+    def __init__(self, files: dict[str, bytes], source: str = "tokenizer files"):
+        self.files = {name: bytes(data) for name, data in files.items()}
+        self.source = source
+        raw = self.files.get("tokenizer.json")
+        if raw is None:
+            raise ConfigError(f"{source}: no tokenizer.json (hpcpipe reads fast tokenizers' tokenizer.json only)")
+        config = self._json("tokenizer_config.json") or {}
+        model_config = self._json("config.json") or {}
+        if not isinstance(config, dict) or not isinstance(model_config, dict):
+            raise ConfigError(f"{source}: tokenizer_config.json and config.json must hold JSON objects")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: tokenizer.json is not UTF-8 text") from None
+        self.config = config
+        self.backend_class = backend.tokenizer_class(config, model_config, text)
+        doc = self._json("tokenizer.json") if self.backend_class in backend.CLASS_DEFAULTS else {}
+        try:
+            self._tok = backend.build(self.backend_class, text, doc if isinstance(doc, dict) else {}, config)
+        except Exception as exc:   # the Rust side raises its own Exception type
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise ConfigError(f"{source}: tokenizer.json is not a tokenizer the tokenizers package reads "
+                              f"({reason})") from None
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.special_tokens_map = backend.add_config_tokens(self._tok, self.backend_class, config,
+                                                            self._json("special_tokens_map.json"))
+        self._tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(self._tok.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values(), default=-1) + 1
+        fallback = getattr(self._tok.model, "byte_fallback", False)   # <0xNN> tokens: a run decodes as a whole
+        self._byte_ids = frozenset(vocab[t] for t in (f"<0x{b:02X}>" for b in range(256)) if t in vocab) \
+            if fallback else frozenset()
+        self.bos_token = self.special_tokens_map.get("bos_token")
+        self.eos_token = self.special_tokens_map.get("eos_token")
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token is not None else None
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
+        gen = self._json("generation_config.json") or {}
+        where, value = ("generation_config.json", gen.get("eos_token_id")) if isinstance(gen, dict) else ("", None)
+        if value is None:
+            where, value = "config.json", model_config.get("eos_token_id")
+        ids = token_ids(value, f"{source}: {where} eos_token_id")
+        self.eos_ids: tuple[int, ...] = ids or ((self.eos_id,) if self.eos_id is not None else ())
+
+    def _json(self, name: str) -> Any:
+        """Return the parsed JSON of one of the files, None when absent; ConfigError naming it when invalid."""
+        data = self.files.get(name)
+        if data is None:
+            return None
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{self.source}: {name} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (largest id + 1, added tokens included)."""
+        return self._vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        """Return the id of a token's text, or None."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """Return the int64 token ids of text, as ``AutoTokenizer(text)["input_ids"]`` (a rendered chat prompt is
+        encoded with add_special_tokens=False, as ``apply_chat_template`` does)."""
+        if not isinstance(text, str):
+            raise ValueError(f"tokenizer: encode needs a str, got {type(text).__name__}")
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int64)
+
+    def _ids(self, ids) -> list[int]:
+        """Return ids as a list of ints; ValueError unless they are non-negative integers."""
+        a = np.asarray(ids)
+        if a.size == 0:
+            return []
+        if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"tokenizer: decode needs integer ids, got dtype {a.dtype}")
+        a = a.reshape(-1)
+        bad = (a < 0) | (a > 0xFFFFFFFF)
+        if bad.any():
+            raise ValueError(f"tokenizer: token id {int(a[bad][0])} is negative or too large")
+        return a.tolist()
+
+    def decode_raw(self, ids) -> str:
+        """Return the text of ids with special tokens skipped, before transformers' clean-up of spaces."""
+        return self._tok.decode(self._ids(ids), skip_special_tokens=True)
+
+    def decode(self, ids) -> str:
+        """Return the text of ids as ``decode(ids, skip_special_tokens=True)`` (ids it does not know are skipped)."""
+        text = self.decode_raw(ids)
+        return clean_up(text) if self._cleanup else text
+
+    def incremental_decoder(self, context=()) -> IncrementalDecoder:
+        """Return a streaming decoder for one generation (see :class:`IncrementalDecoder`)."""
+        return IncrementalDecoder(self, context)
+
+    def to_json(self) -> str:
+        """Return the JSON text stored as the ``tokenizer`` root attribute: ``{"kind": "hf"}``."""
+        return KIND_JSON
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HFTokenizer) and self.files == other.files
+
+    def __hash__(self) -> int:
+        return hash(self.files.get("tokenizer.json"))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def clean_up(text: str) -> str:
+    """Return text with transformers' clean_up_tokenization applied (spaces before punctuation and contractions)."""
+    for old, new in _CLEANUPS:
+        text = text.replace(old, new)
+    return text
+
+
+class IncrementalDecoder:
+    """Token ids in, text out, for streaming: whole characters only, nothing emitted twice.
+
+    ``decode(ids)`` returns the new text certain after these ids. A byte-level token may hold part of a UTF-8
+    character: text ending in U+FFFD (an incomplete character) is held back until a later token completes it,
+    or until ``decode(..., final=True)`` / :meth:`finish`; with byte fallback (``<0xNN>`` tokens, Llama 2 style)
+    a run of byte tokens is held until it ends, as the decoder reads it as a whole. Each step decodes a short
+    window of recent ids
+    (from the last point where emitted text ended), so a long generation costs no more per token than a short
+    one; the concatenation of all pieces is ``tokenizer.decode(all ids)``. ``context`` (the last prompt ids)
+    makes the first generated token decode as it does after the prompt (e.g. keep its leading space) instead.
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, context=()):
+        self._tok = tokenizer
+        self._ids = [int(i) for i in np.asarray(context, dtype=np.int64).reshape(-1)[-6:]]
+        self._prefix, self._read = 0, len(self._ids)
+        self._full = tokenizer._cleanup   # the clean-up rewrites across pieces: decode all ids, hold the last word
+        self._start = len(self._ids)
+        self.text = ""
+
+    def decode(self, ids, final: bool = False) -> str:
+        """Return the text that is certain after these ids ('' while a character is incomplete)."""
+        self._ids.extend(self._tok._ids(ids))
+        if self._full:
+            return self._decode_full(final)
+        if not final and self._ids and self._ids[-1] in self._tok._byte_ids:
+            return ""   # byte fallback decodes a run of byte tokens as a whole (U+FFFD each if invalid): wait
+        before = self._tok.decode_raw(self._ids[self._prefix:self._read])
+        after = self._tok.decode_raw(self._ids[self._prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")) and after.startswith(before):
+            piece = after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+        elif final and len(after) > len(before):   # a decoder that rewrote earlier text: emit what is new
+            piece = after[len(before):]
+        else:
+            return ""
+        self.text += piece
+        return piece
+
+    def _decode_full(self, final: bool) -> str:
+        """Decode every id with clean-up; emit only up to the last space unless final (clean-up may change it)."""
+        text = self._tok.decode(self._ids[self._start:])
+        if not final:
+            text = text[:max(text.rfind(" "), 0)]
+        if len(text) <= len(self.text) or not text.startswith(self.text):
+            return ""
+        piece = text[len(self.text):]
+        self.text = text
+        return piece
+
+    def finish(self) -> str:
+        """Return the rest of the text at the end of generation (an incomplete character is then U+FFFD)."""
+        return self.decode([], final=True)
+
+
+def from_files(files: dict[str, bytes], source: str = "tokenizer files") -> HFTokenizer:
+    """Return the HFTokenizer of a {file name: bytes} set (as :func:`tokenizer_files` or the HDF5 group give)."""
+    return HFTokenizer(files, source)
+
+
+def tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """Return the tokenizer files of a model directory ({name: bytes}, tokenizer.json required).
+
+    config.json travels too (it is small): its model_type decides which class AutoTokenizer would use, and its
+    eos_token_id is the stop ids' fallback when there is no generation_config.json.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ConfigError(f"Hugging Face model directory {str(d)!r} " + ("is not a directory" if d.exists()
+                                                                          else "does not exist"))
+    if not (d / "tokenizer.json").is_file():
+        raise ConfigError(f"{str(d)!r} has no tokenizer.json (hpcpipe reads fast tokenizers' tokenizer.json; "
+                          f"a tokenizer.model or vocab.json alone is not enough)")
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = d / name
+        if path.is_file():
+            try:
+                files[name] = path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"{str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    return files
+
+
+def load_tokenizer(directory: str | Path) -> HFTokenizer:
+    """Return the HFTokenizer of a Hugging Face model directory."""
+    return from_files(tokenizer_files(directory), f"Hugging Face model directory {str(directory)!r}")
+
+
+def _plain_name(name: str) -> bool:
+    """Whether a file name is safe as a dataset name and as a file in a directory."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
+def write_tokenizer_group(h5file, files: dict[str, bytes]) -> None:
+    """Store tokenizer files as uint8 datasets below /tokenizer/ (replacing any) and set the root attribute
+    ``tokenizer`` to ``{"kind": "hf"}``."""
+    for name in files:
+        if not _plain_name(name):
+            raise ValueError(f"tokenizer: {name!r} is not a plain file name")
+    if GROUP in h5file:
+        del h5file[GROUP]
+    group = h5file.create_group(GROUP)
+    for name, data in sorted(files.items()):
+        array = np.frombuffer(bytes(data), dtype=np.uint8)
+        group.create_dataset(name, data=array, fletcher32=array.size > 0)
+    h5file.attrs["tokenizer"] = KIND_JSON
+
+
+def read_tokenizer_files(h5file) -> dict[str, bytes]:
+    """Return the tokenizer files stored below /tokenizer/; ConfigError naming the HDF5 file if absent or corrupt."""
+    import h5py
+    label = f"weights file {str(h5file.filename)!r}"
+    group = h5file.get(GROUP)
+    if not isinstance(group, h5py.Group):
+        raise ConfigError(f"{label} has no /{GROUP} group of tokenizer files (its tokenizer attribute says kind 'hf')")
+    files = {}
+    for name in group:
+        obj = group.get(name)
+        if not isinstance(obj, h5py.Dataset) or obj.dtype != np.uint8 or obj.ndim != 1:
+            raise ConfigError(f"{label}: /{GROUP}/{name} is not a one-dimensional uint8 dataset")
+        try:
+            files[name] = obj[...].tobytes()
+        except OSError as exc:
+            raise ConfigError(f"{label}: cannot read /{GROUP}/{name} (corrupt: {exc})") from None
+    if "tokenizer.json" not in files:
+        raise ConfigError(f"{label}: /{GROUP} holds no tokenizer.json")
+    return files
+
+
+def write_tokenizer_dir(directory: str | Path, files: dict[str, bytes]) -> None:
+    """Write tokenizer files into a directory (each via a temporary name and a rename), for export."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        if not _plain_name(name):
+            raise ValueError(f"tokenizer: {name!r} is not a plain file name")
+        tmp = d / f".{name}.tmp-{os.getpid()}"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, d / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

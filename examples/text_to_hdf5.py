@@ -1,7 +1,7 @@
 """Turn text files into GPT token data: train and held-out HDF5 files of next-token windows.
 
     python examples/text_to_hdf5.py INPUT.txt [MORE.txt | DIR ...] --out data --seq-len 64 \\
-        --tokenizer bytes|chars --held-out 0.1 [--seed 0]
+        --tokenizer bytes|chars|HF_DIR --held-out 0.1 [--seed 0]
     # -> data/text-train.h5, data/text-test.h5
 
 The inputs (files, or directories whose text files are read in name order,
@@ -9,14 +9,17 @@ not recursively) are read as UTF-8 and joined into one stream; in a directory,
 strfile indexes (``*.dat``), links to a file already read (Debian's
 ``*.u8``), subdirectories and files that are not UTF-8 text are skipped and
 counted. The stream is tokenized (``bytes``: UTF-8 bytes, vocabulary 256;
-``chars``: the sorted distinct characters of the whole text), then split by
+``chars``: the sorted distinct characters of the whole text; a Hugging Face
+model directory: its tokenizer.json, as AutoTokenizer encodes the text without
+adding special tokens, the stream being one long document), then split by
 contiguous blocks: the held-out set is the stream's last ``--held-out``
 fraction of tokens, so no window of one set overlaps the other. Each set is
 cut into non-overlapping windows w of T+1 tokens (a leftover shorter than that
 is dropped): ``x = w[:-1]``, ``y = w[1:]``, so ``y`` (N, T) holds the
 next-token targets of ``x`` (N, T), both int32. The training rows are shuffled
 with ``--seed``; the held-out rows stay in text order. Root attributes:
-``tokenizer`` (JSON, the same text a GPT weights file stores), ``seq_len``,
+``tokenizer`` (JSON, the same text a GPT weights file stores; for a Hugging Face
+tokenizer ``{"kind": "hf"}`` and its files in the group ``/tokenizer``), ``seq_len``,
 ``source`` (the inputs as given), ``source_files`` (JSON list of files read),
 ``split``, ``token_start``/``token_stop`` (the set's slice of the stream) and
 ``seed``.
@@ -40,6 +43,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcpipe.errors import ConfigError
+from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
 from hpcpipe.state.tokenizer import Tokenizer, chars_tokenizer
 
 
@@ -119,13 +124,14 @@ def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def write(path: Path, x: np.ndarray, y: np.ndarray, attrs: dict) -> None:
+def write(path: Path, x: np.ndarray, y: np.ndarray, attrs: dict, stored: StoredTokenizer) -> None:
     """Write one token file (x, y int32, checksummed) under a temporary name, then rename it into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with h5py.File(tmp, "w") as f:
             f.create_dataset("x", data=x.astype(np.int32), fletcher32=True, chunks=True)
             f.create_dataset("y", data=y.astype(np.int32), fletcher32=True, chunks=True)
+            stored.write(f)
             for key, value in attrs.items():
                 f.attrs[key] = value
         os.replace(tmp, path)
@@ -147,8 +153,16 @@ def convert(args: argparse.Namespace) -> str:
     text, files, skipped = read_texts(args.inputs)
     skips = "; skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) if skipped else ""
     print(f"read {len(files)} file(s), {len(text)} characters{skips}")
-    tok = Tokenizer("bytes") if args.tokenizer == "bytes" else chars_tokenizer(text)
-    ids = tok.encode(text)
+    if args.tokenizer in ("bytes", "chars"):
+        tok = Tokenizer("bytes") if args.tokenizer == "bytes" else chars_tokenizer(text)
+        stored, ids = StoredTokenizer(tok.to_json()), tok.encode(text)
+    else:
+        try:
+            stored = from_hf_directory(args.tokenizer)
+        except ConfigError as exc:
+            raise InputError(f"--tokenizer {args.tokenizer!r}: {exc}") from None
+        tok = stored.load()
+        ids = tok.encode(text, add_special_tokens=False)
     cut = len(ids) - round(len(ids) * args.held_out)
     (x_train, y_train), (x_test, y_test) = windows(ids[:cut], args.seq_len), windows(ids[cut:], args.seq_len)
     if len(x_train) == 0 or len(x_test) == 0:
@@ -157,12 +171,13 @@ def convert(args: argparse.Namespace) -> str:
     order = np.random.default_rng(args.seed).permutation(len(x_train))
     x_train, y_train = x_train[order], y_train[order]
     out.mkdir(parents=True, exist_ok=True)
-    common = {"tokenizer": tok.to_json(), "seq_len": args.seq_len, "source": ", ".join(args.inputs),
+    common = {"seq_len": args.seq_len, "source": ", ".join(args.inputs),
               "source_files": json.dumps([str(f) for f in files]), "seed": args.seed}
-    write(targets[0], x_train, y_train, {**common, "split": "train", "token_start": 0, "token_stop": cut})
-    write(targets[1], x_test, y_test, {**common, "split": "held-out", "token_start": cut, "token_stop": len(ids)})
+    write(targets[0], x_train, y_train, {**common, "split": "train", "token_start": 0, "token_stop": cut}, stored)
+    write(targets[1], x_test, y_test, {**common, "split": "held-out", "token_start": cut, "token_stop": len(ids)},
+          stored)
     h = unigram_entropy(y_test, tok.vocab_size)
-    return (f"wrote {targets[0]} and {targets[1]}: {len(ids)} tokens ({args.tokenizer}, vocab {tok.vocab_size}), "
+    return (f"wrote {targets[0]} and {targets[1]}: {len(ids)} tokens ({tok.kind}, vocab {tok.vocab_size}), "
             f"T={args.seq_len}, windows train {len(x_train)} / held-out {len(x_test)}; held-out unigram entropy "
             f"{h:.4f} nats = {h / math.log(2):.4f} bits per token (target: held-out loss <= 0.6 x that = "
             f"{0.6 * h:.4f} nats)")
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or directories of text files")
     parser.add_argument("--out", default="data", help="output directory (default: data)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per window T (default: 64)")
-    parser.add_argument("--tokenizer", choices=("bytes", "chars"), default="bytes")
+    parser.add_argument("--tokenizer", default="bytes", metavar="bytes|chars|HF_DIR",
+                        help="bytes (default), chars, or a Hugging Face model directory whose tokenizer.json to use")
     parser.add_argument("--held-out", type=float, default=0.1, help="held-out fraction, the text's tail (0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows' order (default: 0)")
     parser.add_argument("--force", action="store_true", help="replace existing output files")

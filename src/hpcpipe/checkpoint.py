@@ -1,7 +1,9 @@
-"""``python -m hpcpipe.checkpoint verify|export|info``: check, flatten or describe stored state.
+"""``python -m hpcpipe.checkpoint verify|export|info|import``: check, flatten, describe or convert stored state.
 
     python -m hpcpipe.checkpoint verify PATH         # manifest, sizes, SHA-256, shapes, checksums; exit 1: bad file
     python -m hpcpipe.checkpoint export PATH out.h5  # one weights file holding every layer
+    python -m hpcpipe.checkpoint export PATH DIR --format hf   # a Hugging Face directory transformers loads
+    python -m hpcpipe.checkpoint import HF_DIR out.h5          # a Hugging Face model as one weights file
     python -m hpcpipe.checkpoint info PATH           # runs, step, layout, optimizer, files (or a weights file's layers)
 
 PATH is a checkpoint root (its ``latest`` is followed into the run that
@@ -25,6 +27,7 @@ import h5py
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.outputs import check_writable, commit_output
@@ -95,8 +98,7 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")   # never a name a user file could have
     try:
         write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
-                      optimizer=optimizer, optimizer_attrs=attrs,
-                      attrs={} if tokenizer is None else {"tokenizer": tokenizer})
+                      optimizer=optimizer, optimizer_attrs=attrs, tokenizer=tokenizer)
         cf.fsync_path(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -141,7 +143,8 @@ def _model_lines(source: WeightsSource) -> tuple[str, list[str]]:
     """Return ("6 layer groups, gpt vocab_size=... ", ["  tokenizer ..."]) describing the stored model."""
     kind = source.model_kind
     try:   # info describes even a damaged checkpoint: the attribute is read unhashed, a bad one reported
-        tokenizer = source.tokenizer(verify=False)
+        stored = source.tokenizer(verify=False)
+        tokenizer = None if stored is None else stored.describe()
     except ConfigError as exc:
         tokenizer = f"unreadable: {exc}"
     return (f"{count_text(kind, source.n_layers)}, {shape_text(source.model)}",
@@ -209,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("dir", metavar="PATH")
     p_export.add_argument("out", metavar="OUT", help="output HDF5 weights file")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
+    p_export.add_argument("--format", choices=("hpcpipe", "hf"), default="hpcpipe",
+                          help="hpcpipe: one HDF5 weights file (default); hf: a new Hugging Face model directory "
+                               "(config.json, safetensors, tokenizer) for GPT and Llama-family models")
+    p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                          help="with --format hf: the safetensors' dtype (default float32)")
+    p_import = sub.add_parser("import", help="write a Hugging Face model directory as one hpcpipe weights file: "
+                                             "import HF_DIR OUT")
+    p_import.add_argument("dir", metavar="HF_DIR", help="directory with config.json, *.safetensors, tokenizer.json")
+    p_import.add_argument("out", metavar="OUT", help="output HDF5 weights file")
     p_info = sub.add_parser("info", help="print runs, step, layout, optimizer and files (or a weights file's layers)")
     p_info.add_argument("dir", metavar="PATH")
     args = parser.parse_args(argv)
@@ -227,6 +239,24 @@ def main(argv: list[str] | None = None) -> int:
                 files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
                 print(f"ok: {source.describe()} step {source.step}, {files}"
                       f"{count_text(source.model_kind, source.n_layers)}")
+        elif args.command == "import":
+            refused = export_output_error(args.out)
+            if refused is None and os.path.lexists(args.out):
+                refused = f"import output {args.out!r} already exists; import never replaces a file"
+            if refused is not None:
+                print(f"hpcpipe: error: {refused.replace('export output', 'import output')}", file=sys.stderr)
+                return 2
+            source = import_hf(args.dir, args.out)
+            print(f"imported {source.describe()} ({count_text(source.model_kind, source.n_layers)}) to {args.out!r}")
+        elif args.command == "export" and args.format == "hf":
+            try:
+                check_new_directory(args.out)
+            except ConfigError as exc:
+                print(f"hpcpipe: error: {exc}", file=sys.stderr)
+                return 2
+            source = resolve_weights(args.dir)
+            export_hf(source, args.out, args.dtype)
+            print(f"exported {source.describe()} step {source.step} as a Hugging Face model to {args.out!r}")
         elif args.command == "export":
             # a bad target is a usage error (status 2), found before the checkpoint is read; what it must not
             # replace or land in is known once the checkpoint is resolved (a bad checkpoint: status 1)

@@ -18,9 +18,13 @@ from typing import Any, get_type_hints
 from hpcpipe.config_checks import KINDS, validate
 from hpcpipe.errors import ConfigError
 
-# model keys that only one kind reads: setting one together with the other kind is an error
+# the [model] keys each kind reads: setting a key another kind reads is an error
 MLP_KEYS = ("dims", "bias", "activation", "final_activation")
 GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
+LLAMA_KEYS = GPT_KEYS + ("n_kv_heads", "head_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias")
+KIND_KEYS = {"mlp": MLP_KEYS, "gpt": GPT_KEYS, "llama": LLAMA_KEYS}
+DECODERS = ("gpt", "llama")    # language models: token data, a tokenizer, cross-entropy over tokens, generate/serve
+KIND_NAMES = {"mlp": "an MLP", "gpt": "a GPT", "llama": "a Llama-family model"}
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,14 @@ class ModelConfig:
     d_model: int = 64
     n_heads: int = 4
     n_blocks: int = 4
-    d_ff: int = 0              # 0 = 4 x d_model
+    d_ff: int = 0              # 0 = 4 x d_model (gpt), Meta's 8/3 x d_model rounded up to 256 (llama)
     tie_embeddings: bool = True
+    n_kv_heads: int = 0        # llama: key/value heads (grouped-query attention); 0 = n_heads
+    head_dim: int = 0          # llama: width of one head; 0 = d_model / n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)   # llama: {} or Hugging Face's, e.g. {rope_type = "llama3", ...}
+    norm_eps: float = 1e-5     # llama: RMSNorm epsilon
+    qkv_bias: bool = False     # llama: biases on q, k and v (Qwen2)
     init: str = ""
     seed: int = 0
     dtype: str = "float32"
@@ -137,21 +147,23 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as plain nested dicts (JSON/TOML friendly), without the other kind's model keys."""
         out = dataclasses.asdict(self)
-        for key in GPT_KEYS if self.model.kind == "mlp" else MLP_KEYS:
+        mine = KIND_KEYS.get(self.model.kind, ())
+        for key in {k for keys in KIND_KEYS.values() for k in keys} - set(mine):
             del out["model"][key]
         return out
 
     @property
     def n_layers(self) -> int:
-        """Number of layers (MLP: Linear layers; GPT: layer groups, n_blocks + 2)."""
-        if self.model.kind == "gpt":
+        """Number of layers (MLP: Linear layers; GPT and llama: layer groups, n_blocks + 2)."""
+        if self.model.kind in DECODERS:
             return self.model.n_blocks + 2
         return len(self.model.dims) - 1
 
     def layers_text(self) -> str:
         """Name the layers for a message: 'model.dims [..]' or 'the GPT's n_blocks + 2 layer groups'."""
-        if self.model.kind == "gpt":
-            return f"the GPT's layer groups (model.n_blocks {self.model.n_blocks} + 2)"
+        if self.model.kind in DECODERS:
+            name = "GPT" if self.model.kind == "gpt" else "model"
+            return f"the {name}'s layer groups (model.n_blocks {self.model.n_blocks} + 2)"
         return f"model.dims {self.model.dims}"
 
 
@@ -179,6 +191,11 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     elif text == "int | str":
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
             return value
+    elif text == "dict":
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value) and all(
+                isinstance(v, (str, int, float, bool)) for v in value.values()):
+            return dict(value)
+        raise ConfigError(f"{where} must be a table of keys and plain values, got {value!r}")
     elif text in ("list[int]", "list[int] | str"):
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return list(value)
@@ -277,7 +294,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}] (known sections: {', '.join(sections)})")
     model, train = raw.get("model"), raw.get("train", {})
-    if isinstance(model, dict) and model.get("kind") == "gpt" and isinstance(train, dict):
+    if isinstance(model, dict) and model.get("kind") in DECODERS and isinstance(train, dict):
         # a GPT's loss is token cross-entropy: the default, so that a saved config reads back
         raw = {**raw, "train": {"loss": "cross_entropy", **train}}
     built = {}
@@ -297,15 +314,15 @@ def _check_kind_keys(raw: dict[str, Any]) -> None:
     kind = model.get("kind", "mlp")
     if kind not in KINDS:
         raise ConfigError(f"model.kind {kind!r} is not one of {', '.join(KINDS)}")
-    foreign = [k for k in (MLP_KEYS if kind == "gpt" else GPT_KEYS) if k in model]
+    foreign = [k for k in model if k not in KIND_KEYS[kind] and any(k in keys for keys in KIND_KEYS.values())]
     if foreign:
-        other = "an MLP" if kind == "gpt" else "a GPT"
-        raise ConfigError(f"model.{foreign[0]} is {other}-only key and cannot be set with model.kind = {kind!r} "
-                          f"(keys set: {', '.join('model.' + k for k in foreign)})")
+        owners = [KIND_NAMES[other] for other, keys in KIND_KEYS.items() if foreign[0] in keys]
+        raise ConfigError(f"model.{foreign[0]} is a key of {' or '.join(owners)} and cannot be set with "
+                          f"model.kind = {kind!r} (keys set: {', '.join('model.' + k for k in foreign)})")
     loss = raw.get("train", {}).get("loss")
-    if kind == "gpt" and loss not in (None, "cross_entropy"):
-        raise ConfigError(f"train.loss = {loss!r}: a GPT (model.kind = \"gpt\") trains on cross-entropy over "
-                          f"tokens; leave train.loss unset or set it to \"cross_entropy\"")
+    if kind in DECODERS and loss not in (None, "cross_entropy"):
+        raise ConfigError(f"train.loss = {loss!r}: {KIND_NAMES[kind]} (model.kind = \"{kind}\") trains on "
+                          f"cross-entropy over tokens; leave train.loss unset or set it to \"cross_entropy\"")
 
 
 def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:

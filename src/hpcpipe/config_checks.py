@@ -14,7 +14,7 @@ LOSSES = ("mse", "cross_entropy")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("float32", "float64")
-KINDS = ("mlp", "gpt")
+KINDS = ("mlp", "gpt", "llama")
 RECOMPUTE = ("none", "stage")
 
 
@@ -43,6 +43,8 @@ def validate(config: Config) -> None:
     _require(mod.kind in KINDS, f"model.kind {mod.kind!r} is not one of {', '.join(KINDS)}")
     if mod.kind == "gpt":
         _validate_gpt(mod)
+    elif mod.kind == "llama":
+        _validate_llama(mod)
     _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
              f"model.dims needs at least two positive widths, got {mod.dims}")
     _require(mod.activation in ACTIVATIONS,
@@ -65,7 +67,7 @@ def validate(config: Config) -> None:
     _require(tr.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}")
     _require(tr.loss in LOSSES, f"train.loss {tr.loss!r} is not one of {', '.join(LOSSES)}")
     _require(tr.recompute in RECOMPUTE, f"train.recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    _require(mod.kind == "gpt" or tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
+    _require(mod.kind != "mlp" or tr.loss != "cross_entropy" or mod.dims[-1] >= 2,
              f"train.loss = \"cross_entropy\" needs at least 2 output classes, model.dims[-1] is {mod.dims[-1]}")
     _require(tr.optimizer in OPTIMIZERS, f"train.optimizer {tr.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
@@ -113,3 +115,30 @@ def _validate_gpt(mod: ModelConfig) -> None:
     _require(mod.d_model % mod.n_heads == 0,
              f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}): attention heads "
              f"are d_model / n_heads wide")
+
+
+def _validate_llama(mod: ModelConfig) -> None:
+    """Check the llama shape keys (the numerics' own checks name the rest: rope_scaling, head_dim parity)."""
+    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks"):
+        _require(getattr(mod, key) >= 1, f"model.{key} must be >= 1, got {getattr(mod, key)}")
+    _require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
+    for key, zero in (("d_ff", "Meta's 8/3 x d_model, rounded up to 256"), ("n_kv_heads", "model.n_heads"),
+                      ("head_dim", "model.d_model / model.n_heads")):
+        _require(getattr(mod, key) >= 0, f"model.{key} must be >= 0 (0 = {zero}), got {getattr(mod, key)}")
+    kv = mod.n_kv_heads or mod.n_heads
+    _require(mod.n_heads % kv == 0,
+             f"model.n_kv_heads ({kv}) does not divide model.n_heads ({mod.n_heads}): each key/value head serves "
+             f"n_heads / n_kv_heads query heads")
+    _require(mod.head_dim > 0 or mod.d_model % mod.n_heads == 0,
+             f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}); give model.head_dim")
+    _require((mod.head_dim or mod.d_model // mod.n_heads) % 2 == 0,
+             f"model.head_dim ({mod.head_dim or mod.d_model // mod.n_heads}) must be even: RoPE rotates the two "
+             f"halves of each head")
+    _require(mod.rope_theta > 0, f"model.rope_theta must be > 0, got {mod.rope_theta}")
+    _require(mod.norm_eps > 0, f"model.norm_eps must be > 0, got {mod.norm_eps}")
+    if mod.rope_scaling:
+        from hpcpipe.nn.rope import check_scaling
+        try:
+            check_scaling(mod.rope_scaling)
+        except ValueError as exc:
+            raise ConfigError(f"model.rope_scaling: {exc}") from None

@@ -10,7 +10,7 @@ integer labels (cross_entropy = mean softmax cross entropy of the outputs as
 logits) or ``{"n", "mse", "weights", "step"}`` for float targets. A GPT
 gives ``{"n", "tokens", "loss_nats",
 "loss_bits", "weights", "step"}``: the mean cross-entropy per target token
-of the token windows (:func:`evaluate_gpt`). Bad input (a file that is not HDF5, a directory,
+of the token windows (:func:`evaluate_tokens`). Bad input (a file that is not HDF5, a directory,
 missing datasets, wrong shapes or dtypes, row counts that differ, NaN/Inf
 values, labels or token ids out of range) is one ``hpcpipe: error:``
 line naming the file, exit status 2.
@@ -28,15 +28,17 @@ import h5py
 import numpy as np
 
 from hpcpipe.cli import CommandParser
+from hpcpipe.config import DECODERS
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import open_hdf5
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.layers import make_activation
-from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.nn.llama import Llama
+from hpcpipe.nn.model_spec import decoder_shape, model_specs
 from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.state.kinds import stored_config
-from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.sources import resolve_weights
 from hpcpipe.train.tokens import check_token_file
 
 
@@ -99,7 +101,8 @@ def read_rows(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
 def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
     """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets (MLP).
 
-    For a GPT, {'n', 'tokens', 'loss_nats', 'loss_bits'} (see :func:`evaluate_gpt`).
+    For a GPT or a Llama-family model (hpcpipe weights, a checkpoint or a Hugging Face directory), {'n',
+    'tokens', 'loss_nats', 'loss_bits'} (see :func:`evaluate_tokens`).
 
     The data are checked against the weights first (datasets, shapes, dtypes,
     row counts), then read CHUNK_ROWS at a time; a NaN/Inf input or target, a
@@ -110,8 +113,8 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     every element (as ``train.loss = "mse"``).
     """
     source = resolve_weights(weights, "--weights")
-    if source.model_kind == "gpt":
-        return evaluate_gpt(source, data, x_name, y_name)
+    if source.model_kind in DECODERS:
+        return evaluate_tokens(source, data, x_name, y_name)
     arrays = source.read(list(range(source.n_layers)))
     odd = [i for i in (0, source.n_layers - 1) if "weight" not in arrays[i]]
     if odd:     # no model attribute recorded, and not an MLP's layers: e.g. a GPT's written by hand
@@ -157,28 +160,28 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     return result
 
 
-# --- GPT: mean cross-entropy per target token over token windows --------------------------------------------
+# --- GPT and llama: mean cross-entropy per target token over token windows ---------------------------------
 
-SLAB_ELEMENTS = 1 << 21   # numbers in the largest activation of one GPT slab (logits or attention scores)
+SLAB_ELEMENTS = 1 << 21   # numbers in the largest activation of one slab (logits or attention scores)
 
 
-def slab_rows(shape: GPTShape) -> int:
+def slab_rows(shape: Any) -> int:
     """Return how many windows to run at once so that no activation exceeds about SLAB_ELEMENTS numbers."""
     widest = max(shape.vocab, shape.ff, 3 * shape.d_model, shape.n_heads * shape.seq_len)
     return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
 
 
-def load_gpt(source: WeightsSource, specs: list[Any], shape: GPTShape, dtype: str) -> GPT:
-    """Return a GPT holding the stored weights (every group checked against its spec, then read)."""
+def load_decoder(source: Any, specs: list[Any], shape: Any, dtype: str) -> GPT | Llama:
+    """Return the whole model (GPT or Llama) holding the stored weights (every group checked, then read)."""
     source.check(specs)
-    model = GPT(shape, np, dtype)
+    model = GPT(shape, np, dtype) if isinstance(shape, GPTShape) else Llama(shape, np, dtype)
     arrays = source.read(list(range(shape.n_groups)))
     for index in range(shape.n_groups):
         model.load_group(index, arrays[index])
     return model
 
 
-def logits_of(model: GPT, tokens: np.ndarray) -> np.ndarray:
+def logits_of(model: GPT | Llama, tokens: np.ndarray) -> np.ndarray:
     """Return the (rows, T, vocab) logits, keeping no layer's cache beyond its own step."""
     x: Any = tokens
     for layer in model.layers:
@@ -193,13 +196,21 @@ def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - np.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0]
 
 
-def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
-    """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT over a token file.
+def _window(data: str | Path, x_name: str, longest: int) -> int:
+    """Return the token file's window length when it is at most ``longest`` (else ``longest``: refused later)."""
+    with open_hdf5(data, f"token file {str(data)!r}") as f:
+        x = f.get(x_name)
+        t = x.shape[1] if isinstance(x, h5py.Dataset) and x.ndim == 2 else 0
+    return t if 0 < t <= longest else longest
+
+
+def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
+    """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT or llama over a token file.
 
     The token file is checked first (integer ``x`` and ``y`` of shape (N, seq_len),
     every id inside the vocabulary: the first bad one is named by row); then the
-    windows run through :class:`hpcpipe.nn.gpt.GPT` (the layers the pipeline
-    trains) in the model's dtype, in slabs whose largest activation holds about
+    windows run through :class:`hpcpipe.nn.gpt.GPT` or :class:`hpcpipe.nn.llama.Llama`
+    (the layers the pipeline trains) in the model's dtype, in slabs whose largest activation holds about
     ``SLAB_ELEMENTS`` numbers, so memory stays bounded whatever the file's size.
 
     ``n`` counts windows, ``tokens`` target tokens; ``loss_nats`` is their mean
@@ -207,10 +218,13 @@ def evaluate_gpt(source: WeightsSource, data: str | Path, x_name: str = "x", y_n
     loss is a ConfigError naming the row, never a NaN in the result.
     """
     label = source.describe()
-    config = stored_config(source.model, label)
-    shape, dtype = gpt_shape(config), config.model.dtype
+    stored = dict(source.model)
+    if stored.get("kind") == "llama":     # RoPE has no position table: windows up to the context length work
+        stored["seq_len"] = _window(data, x_name, stored["seq_len"])
+    config = stored_config(stored, label)
+    shape, dtype = decoder_shape(config), config.model.dtype
     n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
-    model = load_gpt(source, model_specs(config), shape, dtype)
+    model = load_decoder(source, model_specs(config), shape, dtype)
     where = f"token file {str(data)!r}"
     total, step = 0.0, slab_rows(shape)
     with open_hdf5(data, where) as f:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcpipe.config import Config, from_dict, load_raw, resolve_layout
+from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
 from hpcpipe.infer.rows import (
     check_input,
@@ -43,11 +43,13 @@ class InferSetup:
     trace: str = ""      # Chrome-trace file to write ("" = none)
 
 
-def refuse_gpt(source: WeightsSource, given: str | Path) -> None:
-    """Raise ConfigError when the weights hold a GPT: batch inference runs MLPs; GPT generation is another command."""
-    if source.model_kind == "gpt":
-        raise ConfigError(f'--weights {str(given)!r} holds a GPT model (model.kind = "gpt", {source.n_layers} layer '
-                          f"groups): batch inference (python -m hpcpipe.infer) covers MLP models; GPT text "
+def refuse_decoder(source: WeightsSource, given: str | Path) -> None:
+    """Raise ConfigError when the weights hold a language model: batch inference runs MLPs; text is generate/serve."""
+    kind = source.model_kind
+    if kind in DECODERS:
+        name = "a GPT" if kind == "gpt" else "a Llama-family"
+        raise ConfigError(f'--weights {str(given)!r} holds {name} model (model.kind = "{kind}", {source.n_layers} '
+                          f"layer groups): batch inference (python -m hpcpipe.infer) covers MLP models; text "
                           f"generation is python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")
 
 
@@ -72,7 +74,7 @@ def prepare(weights: str | Path, input: str | Path, output: str | Path, world_si
     and the resolved step directory).
     """
     source = resolve_weights(weights, "--weights")
-    refuse_gpt(source, weights)
+    refuse_decoder(source, weights)
     raw = load_raw(None, overrides) if isinstance(config, dict) or config is None else load_raw(config, overrides)
     if isinstance(config, dict):
         base = {name: dict(values) for name, values in config.items()}

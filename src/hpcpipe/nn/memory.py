@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hpcpipe.config import Config
+from hpcpipe.config import DECODERS, Config
 from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.schedule.ir import rank_stages
@@ -53,12 +53,37 @@ def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, plac
         mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
         worst = max(worst, mine, key=lambda e: e.total)
     data = 0
-    if not config.data.path and config.model.kind == "gpt":   # int64 windows, x and y views of one stream
+    if not config.data.path and config.model.kind in DECODERS:   # int64 windows, x and y views of one stream
         data = config.data.synthetic_samples * (config.model.seq_len + 1) * 8 * 2
     elif not config.data.path:   # every rank draws the whole synthetic set (in float64 first)
         dims = config.model.dims
         data = config.data.synthetic_samples * (dims[0] + dims[-1]) * (8 + itemsize) + dims[0] * dims[-1] * 8
     return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
+
+
+def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, int]:
+    """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
+
+    A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
+    per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens.
+    """
+    from hpcpipe.nn.model_spec import decoder_shape
+
+    specs = model_specs(config)
+    shape = decoder_shape(config)
+    itemsize = ITEMSIZE[config.model.dtype]
+    kv_heads = getattr(shape, "n_kv_heads", shape.n_heads)
+    head_dim = getattr(shape, "head_dim", shape.d_model // shape.n_heads)
+    per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
+    worst = (0, 0)
+    for groups in stage_ranges:
+        params = sum(specs[i].n_params for i in groups)
+        if shape.tied and len(specs) - 1 in groups and 0 not in groups:
+            params += specs[0].n_params
+        blocks = sum(1 for i in groups if 1 <= i <= shape.n_blocks)
+        mine = (params * itemsize, blocks * per_block)
+        worst = max(worst, mine, key=sum)
+    return worst
 
 
 def _address(array: Any) -> int:

@@ -4,8 +4,9 @@ The trainer, the partition, the parameter buffers and the state code see a
 model only through :class:`ModelDef`: ``specs`` (one per HDF5 layer group, with
 ``index``, ``kind``, ``shapes``, ``n_params``, ``cost``), ``init_arrays``,
 ``build_layer``, the activation shape at each group boundary and the loss.
-``mlp`` is the Linear + activation model; ``gpt`` the GPT-2 style decoder
-(group 0 embedding, 1..n_blocks decoder blocks, n_blocks + 1 final norm + head).
+``mlp`` is the Linear + activation model; ``gpt`` the GPT-2 style decoder and
+``llama`` the Llama-family decoder (both: group 0 embedding, 1..n_blocks decoder
+blocks, n_blocks + 1 final norm + head).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import Config
+from hpcpipe.errors import ConfigError
 from hpcpipe.nn import loss as losses
 from hpcpipe.nn.gpt_layers import build_layer as build_gpt_layer
 from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
 from hpcpipe.nn.layers import Dense, make_activation
+from hpcpipe.nn.llama_layers import build_layer as build_llama_layer
+from hpcpipe.nn.llama_params import LlamaShape
+from hpcpipe.nn.llama_params import group_params as llama_group_params
+from hpcpipe.nn.llama_params import init_group as llama_init_group
 from hpcpipe.nn.model import LayerSpec, initial_arrays, layer_specs
 from hpcpipe.nn.protocol import Layer
 from hpcpipe.nn.token_loss import token_cross_entropy
@@ -29,7 +35,7 @@ from hpcpipe.nn.token_loss import token_cross_entropy
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One GPT layer group: its parameters (HDF5 names below /layers/NNNN/) and forward cost per token."""
+    """One decoder layer group (GPT or llama): parameters (HDF5 names below /layers/NNNN/), forward cost per token."""
 
     index: int
     shapes: dict[str, tuple[int, ...]]
@@ -47,6 +53,43 @@ def gpt_shape(config: Config) -> GPTShape:
     """Return the GPTShape the [model] keys describe."""
     m = config.model
     return GPTShape(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_blocks, m.d_ff, m.tie_embeddings)
+
+
+def llama_shape(config: Config) -> LlamaShape:
+    """Return the LlamaShape the [model] keys describe."""
+    m = config.model
+    return LlamaShape(m.vocab_size, m.seq_len, m.d_model, m.n_heads, m.n_blocks, m.d_ff, m.tie_embeddings,
+                      m.n_kv_heads, m.head_dim, m.rope_theta, dict(m.rope_scaling) or None, m.norm_eps, m.qkv_bias)
+
+
+def decoder_shape(config: Config) -> GPTShape | LlamaShape:
+    """Return the shape of a decoder model (model.kind gpt or llama)."""
+    return gpt_shape(config) if config.model.kind == "gpt" else llama_shape(config)
+
+
+def llama_group_cost(shape: LlamaShape, index: int) -> int:
+    """Multiply-adds per token of a llama group's forward (as gpt_group_cost: attention over the causal prefix)."""
+    d, t, qw, kvw = shape.d_model, shape.seq_len, shape.q_width, shape.kv_width
+    if index == 0:
+        return d
+    if index <= shape.n_blocks:
+        return 2 * d * qw + 2 * d * kvw + 3 * d * shape.ff + qw * (t + 1)
+    return d * shape.vocab
+
+
+def llama_group_activations(shape: LlamaShape, index: int) -> int:
+    """Elements per window a llama group's forward caches for its backward (an upper bound, as the GPT's).
+
+    Per token, a block keeps: the two RMSNorms' inputs and outputs (4 d), q, k and v
+    (q_width + 2 kv_width), the attention weights (heads x T), the heads (q_width), the
+    gate, up, silu and product (4 ff), and the norms' 1 / rms (2).
+    """
+    d, t = shape.d_model, shape.seq_len
+    if index == 0:
+        return t
+    if index <= shape.n_blocks:
+        return t * (4 * d + 2 * shape.q_width + 2 * shape.kv_width + shape.n_heads * t + 4 * shape.ff + 2)
+    return t * (2 * d + 1)
 
 
 def gpt_group_cost(shape: GPTShape, index: int) -> int:
@@ -143,7 +186,47 @@ class MLPModel(ModelDef):
         return losses.normaliser(self.loss_name, n_samples, self.config.model.dims[-1])
 
 
-class GPTModel(ModelDef):
+class DecoderModel(ModelDef):
+    """What a GPT and a llama share: token ids in, (micro-batch, T, d) between groups, logits out, token loss."""
+
+    shape: GPTShape | LlamaShape
+
+    def boundary(self, index, batch):
+        t = self.shape.seq_len
+        if index == 0:
+            return (batch, t), "int64"
+        if index == self.n_layers:
+            return (batch, t, self.shape.vocab), None
+        return (batch, t, self.shape.d_model), None
+
+    def samples_norm(self, n_samples):
+        return n_samples * self.shape.seq_len     # mean over every target token
+
+
+class LlamaModel(DecoderModel):
+    """A Llama-family decoder: embedding, n_blocks blocks (RMSNorm, RoPE, GQA, SwiGLU), final norm and head."""
+
+    kind = "llama"
+
+    def __init__(self, config: Config):
+        try:
+            self.shape = llama_shape(config)
+        except ValueError as exc:     # a combination config_checks does not see (e.g. rope_theta in rope_scaling)
+            raise ConfigError(f"model: {exc}") from None
+        self.tied = self.shape.tied
+        self.specs: list[GroupSpec] = [
+            GroupSpec(i, dict(llama_group_params(self.shape, i)), llama_group_cost(self.shape, i),
+                      llama_group_activations(self.shape, i), kind="llama") for i in range(self.shape.n_groups)]
+        self.loss_fn = token_cross_entropy
+
+    def init_arrays(self, indices, seed, dtype):
+        return {i: llama_init_group(self.shape, i, seed, dtype) for i in indices}
+
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+        return build_llama_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb)
+
+
+class GPTModel(DecoderModel):
     """A GPT-2 style decoder: embedding, n_blocks blocks, final norm and (tied or own) head."""
 
     kind = "gpt"
@@ -162,23 +245,12 @@ class GPTModel(ModelDef):
     def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
         return build_gpt_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb)
 
-    def boundary(self, index, batch):
-        t = self.shape.seq_len
-        if index == 0:
-            return (batch, t), "int64"
-        if index == self.n_layers:
-            return (batch, t, self.shape.vocab), None
-        return (batch, t, self.shape.d_model), None
-
-    def samples_norm(self, n_samples):
-        return n_samples * self.shape.seq_len     # mean over every target token
-
 
 def model_def(config: Config) -> ModelDef:
     """Return the model definition of config.model.kind."""
-    return GPTModel(config) if config.model.kind == "gpt" else MLPModel(config)
+    return {"gpt": GPTModel, "llama": LlamaModel}.get(config.model.kind, MLPModel)(config)
 
 
 def model_specs(config: Config) -> list:
-    """Return one spec per layer group of the configured model (MLP: LayerSpec; GPT: GroupSpec)."""
+    """Return one spec per layer group of the configured model (MLP: LayerSpec; GPT, llama: GroupSpec)."""
     return model_def(config).specs

@@ -20,7 +20,7 @@ import sys
 import time
 
 from hpcpipe.cli import CommandParser, reader_left
-from hpcpipe.config import Config, load_config
+from hpcpipe.config import DECODERS, Config, load_config
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
@@ -165,7 +165,7 @@ def run(args) -> int:
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
                            args.refresh_profile, concurrent)
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
-    gpt = config.model.kind == "gpt"
+    gpt = config.model.kind in DECODERS
     if not result.feasible:
         least = min(result.predictions, key=lambda p: p.peak_bytes)
         raise ConfigError(f"no plan for {args.ranks} ranks fits {report.size_text(budget)} per rank "

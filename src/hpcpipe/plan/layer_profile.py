@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.config import Config, from_dict
+from hpcpipe.config import DECODERS, Config, from_dict
 from hpcpipe.nn.memory import cache_bytes
 from hpcpipe.nn.model import RankParameters
 from hpcpipe.nn.model_spec import model_def
@@ -54,7 +54,7 @@ def _inputs(model: Any, index: int, rows: int, rng: np.random.Generator, xp: Any
         x = xp.asarray(rng.standard_normal(shape).astype(dtype))
     out_shape, _ = model.boundary(index + 1, rows)
     if index == model.n_layers - 1:
-        if model.kind == "gpt":
+        if model.kind in DECODERS:
             target = xp.asarray(rng.integers(0, model.shape.vocab, size=(rows, model.shape.seq_len)))
         elif model.loss_name == "cross_entropy":
             target = xp.asarray(rng.integers(0, out_shape[-1], size=(rows,)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpcpipe.config import Config
+from hpcpipe.config import DECODERS, Config
 from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
 from hpcpipe.nn.model import layer_ranges
 from hpcpipe.nn.model_spec import model_def
@@ -92,7 +92,7 @@ class Predictor:
         return math.prod(shape) * (8 if dtype == "int64" else self.itemsize)
 
     def _target_bytes(self, rows: int) -> int:
-        if self.model.kind == "gpt":
+        if self.model.kind in DECODERS:
             return rows * self.config.model.seq_len * 8          # int64 next-token ids
         return self._boundary_bytes(self.model.n_layers, rows)
 
@@ -147,7 +147,7 @@ class Predictor:
             if sum(mine.values()) > sum(worst.values()):
                 worst = mine
         samples = c.dp * c.micro_batches * c.micro_batch_size
-        tokens = self.config.model.seq_len if self.model.kind == "gpt" else 0
+        tokens = self.config.model.seq_len if self.model.kind in DECODERS else 0
         # the pipeline's idle share before the step's end (which every rank spends the same way)
         phase = c.pp * (result.step_time - step_end)
         bubble = max(0.0, 1.0 - sum(result.busy) / phase) if phase > 0 else 0.0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hpcpipe.serve.sampling import SamplingParams
 
-FINISH_REASONS = ("length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclass
@@ -44,7 +44,8 @@ class Event:
 
     request_id: str
     tokens: list[int]        # new token ids (may be empty when only finishing)
-    finish: str | None       # None (more to come), "length" (max_new or context full), "cancelled", "error"
+    finish: str | None       # None (more to come), "stop" (an end-of-sequence id), "length" (max_new or context
+    #                          full), "cancelled", "error"
 
 
 class QueueFull(Exception):

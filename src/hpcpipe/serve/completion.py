@@ -61,9 +61,9 @@ class Completion:
             if ch.stream.stopped:
                 finish = "stop"
                 self._broker.cancel(ch.request.id)      # free the engine's slot now, not at max_tokens
-        if finish is None and ev.finish == "length":
+        if finish is None and ev.finish in ("length", "stop"):    # "stop": the model's end-of-sequence token
             text += ch.stream.finish()
-            finish = "length"
+            finish = ev.finish
         elif finish is None and ev.finish is not None:   # "error", or a cancel this front end did not ask for
             finish = "error"
         return text, finish

@@ -24,9 +24,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
+from hpcpipe.serve.chat_schema import parse_chat
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import ApiError, check_limits, choice, completion_body, parse_completion, usage
+from hpcpipe.serve.openai_schema import ApiError, check_limits, parse_completion, usage
+from hpcpipe.serve.responses import ChatShape, TextShape
 
 BODY_TIMEOUT_S = 30.0      # from the headers' end to the body's
 # a connection's request headers must be whole this long after it opened (or after its last answer):
@@ -40,7 +42,7 @@ API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open 
 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
              limits: dict | None = None, api_key: str = "") -> web.Application:
-    """Return the aiohttp app: POST /v1/completions, GET /v1/models, /health and /metrics.
+    """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models, /health, /metrics.
 
     With an ``api_key``, every /v1/ request must carry ``Authorization: Bearer <api_key>`` (what the
     OpenAI clients send) or is answered 401.
@@ -55,6 +57,7 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
                    "api_key": api_key.encode()}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -122,8 +125,8 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
-async def _read_spec(request: web.Request, s: dict):
-    """Read and validate the body; raise ApiError (400, 413) on any problem."""
+async def _read_spec(request: web.Request, s: dict, parse=parse_completion):
+    """Read and validate the body with ``parse``; raise ApiError (400, 413) on any problem."""
     try:
         # a client that announces more body than it sends must not hold its connection (and a slot of the
         # file-descriptor limit) for ever
@@ -143,15 +146,24 @@ async def _read_spec(request: web.Request, s: dict):
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
-    return parse_completion(body, s["tokenizer"], s["seq_len"], s["limits"])
+    return parse(body, s["tokenizer"], s["seq_len"], s["limits"])
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, TextShape())
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, ChatShape())
+
+
+async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
+    """Validate, submit to the engine, answer whole or streamed in the endpoint's shape."""
     s = request.app[_STATE]
     broker, metrics = s["broker"], s["metrics"]
     arrival = time.monotonic()
     try:
-        spec = await _read_spec(request, s)
+        spec = await _read_spec(request, s, parse)
     except ApiError as err:
         metrics.count_request(err.status)
         return _error(err)
@@ -160,7 +172,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return _error(ApiError(400, f"prompt is a list of {len(spec.prompts)} prompts but this server holds at "
                                     f"most {broker.capacity} at once (dp x serve.max_sequences + serve.max_queue): "
                                     f"send fewer per request", param="prompt"))
-    cid = f"cmpl-{uuid.uuid4().hex}"
+    cid = f"{shape.prefix}-{uuid.uuid4().hex}"
     requests = [Request(f"{cid}-{i}", ids, spec.max_tokens, spec.params, arrival)
                 for i, ids in enumerate(spec.prompts)]
     job = Completion(requests, s["tokenizer"], spec.stop, broker, metrics)
@@ -180,8 +192,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     request.app[_INFLIGHT].add(task)
     try:
         if spec.stream:
-            return await _stream(request, job, head, spec.include_usage, metrics)
-        return await _whole(job, head, metrics)
+            return await _stream(request, job, head, spec.include_usage, metrics, shape)
+        return await _whole(job, head, metrics, shape)
     except asyncio.CancelledError:
         # The client went away: aiohttp cancels the handler (handler_cancellation=True), whatever it awaits.
         metrics.count_disconnect()
@@ -193,39 +205,40 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         request.app[_INFLIGHT].discard(task)
 
 
-async def _whole(job: Completion, head: dict, metrics: Metrics) -> web.Response:
-    """Wait for every choice, then answer one JSON text_completion."""
+async def _whole(job: Completion, head: dict, metrics: Metrics, shape) -> web.Response:
+    """Wait for every choice, then answer one JSON object in the endpoint's shape."""
     while not job.done and not job.failed:
         await job.items.get()
     if job.failed:
         metrics.count_request(500)
         return _error(ApiError(500, "the engine failed while generating this completion", type="server_error"))
     metrics.count_request(200)
-    texts, reasons = job.texts(), job.finish_reasons()
-    choices = [choice(i, texts[i], reasons[i]) for i in range(len(texts))]
-    return web.json_response(completion_body(head["cid"], head["created"], head["model"], choices,
-                                             usage(job.prompt_tokens(), job.completion_tokens())))
+    return web.json_response(shape.whole(head, job.texts(), job.finish_reasons(),
+                                         usage(job.prompt_tokens(), job.completion_tokens())))
 
 
 async def _stream(request: web.Request, job: Completion, head: dict, include_usage: bool,
-                  metrics: Metrics) -> web.StreamResponse:
+                  metrics: Metrics, shape) -> web.StreamResponse:
     """Send each text delta as a server-sent event as it arrives, then data: [DONE]."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})     # proxies: pass each event on at once
     try:
         await resp.prepare(request)
         metrics.count_request(200)
-        await _send_events(resp, job, head, include_usage)
+        await _send_events(resp, job, head, include_usage, shape)
     except ConnectionResetError:     # a write found the client gone (the caller cancels its requests)
         metrics.count_disconnect()
     return resp
 
 
-async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, include_usage: bool) -> None:
-    """Write the text_completion chunks of job as they come, then the usage chunk if asked and [DONE]."""
+async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, include_usage: bool, shape) -> None:
+    """Write the chunks of job as they come, then the usage chunk if asked and [DONE]."""
     def event(obj) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
+    opening = shape.opening(head)
+    if opening:
+        await resp.write(b"".join(event(obj) for obj in opening))
     while not job.done:
         batch = [await job.items.get()]
         while not job.items.empty():           # coalesce what arrived together into one write
@@ -237,13 +250,11 @@ async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, in
                                           type="server_error").body()))
                 await resp.write(b"".join(out))
                 return                         # no [DONE]: the stream ended in an error
-            out.append(event(completion_body(head["cid"], head["created"], head["model"],
-                                             [choice(i, text, finish)], None)))
+            out.append(event(shape.chunk(head, i, text, finish)))
         await resp.write(b"".join(out))
     tail = [b"data: [DONE]\n\n"]
     if include_usage:
-        tail.insert(0, event(completion_body(head["cid"], head["created"], head["model"], [],
-                                             usage(job.prompt_tokens(), job.completion_tokens()))))
+        tail.insert(0, event(shape.usage_chunk(head, usage(job.prompt_tokens(), job.completion_tokens()))))
     await resp.write(b"".join(tail))
     await resp.write_eof()
 

@@ -82,32 +82,9 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     max_tokens = _get(body, "max_tokens", 16)
     if not _is_int(max_tokens) or max_tokens <= 0:
         raise _bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-    temperature = _get(body, "temperature", 1.0)
-    if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
-        raise _bad(f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
-    top_p = _get(body, "top_p", 1.0)
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
-    top_k = _get(body, "top_k", 0)
-    if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:
-        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 = off; the vocabulary has "
-                   f"{tokenizer.vocab_size} tokens), got {top_k!r}", "top_k")
-    seed = body.get("seed")
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED     # unseeded requests differ run to run
-    elif not _is_int(seed) or not 0 <= seed <= MAX_SEED:
-        raise _bad(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
-    stop = _stop(body.get("stop"))
-    stream = _get(body, "stream", False)
-    if not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {stream!r}", "stream")
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
-                       "stream_options")
-        include_usage = stream and options.get("include_usage", False)
+    params = parse_sampling(body, tokenizer)
+    stop = stop_strings(body.get("stop"))
+    stream, include_usage = stream_options(body)
 
     prompts = []
     for i, text in enumerate(texts):
@@ -123,8 +100,42 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
                        f"= {len(ids) + max_tokens} exceeds the model's context length of {seq_len} tokens; "
                        f"shorten the prompt or lower max_tokens", "max_tokens")
         prompts.append(ids)
-    params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
     return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage)
+
+
+def parse_sampling(body: dict, tokenizer) -> SamplingParams:
+    """Return the sampling settings of a request (temperature, top_p, top_k, seed); ApiError(400) naming a bad one."""
+    temperature = _get(body, "temperature", 1.0)
+    if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
+        raise _bad(f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
+    top_p = _get(body, "top_p", 1.0)
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    top_k = _get(body, "top_k", 0)
+    if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:
+        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 = off; the vocabulary has "
+                   f"{tokenizer.vocab_size} tokens), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED     # unseeded requests differ run to run
+    elif not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise _bad(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
+    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    """Return (stream, include_usage) of a request; ApiError(400) when either is malformed."""
+    stream = _get(body, "stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream must be true or false, got {stream!r}", "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
+                       "stream_options")
+        include_usage = stream and options.get("include_usage", False)
+    return stream, include_usage
 
 
 def _prompts(body: dict, max_prompts: int) -> list[str]:
@@ -149,7 +160,7 @@ def _prompts(body: dict, max_prompts: int) -> list[str]:
     return prompt
 
 
-def _stop(stop) -> list[str]:
+def stop_strings(stop) -> list[str]:
     """Return the stop strings: none, one string, or a list of up to 4 non-empty strings."""
     if stop is None:
         return []

@@ -57,10 +57,12 @@ class WorkItem:
 class ReplicaScheduler:
     """Slots, groups and waiting requests of one replica (runs on its first stage)."""
 
-    def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0):
+    def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0,
+                 stop_ids: tuple[int, ...] = ()):
         if slots < 1 or groups < 1:
             raise ValueError(f"a replica needs at least one slot and one group, got slots={slots} groups={groups}")
         self.seq_len, self.kv_cache = seq_len, kv_cache
+        self.stop_ids = frozenset(int(i) for i in stop_ids)    # the model's end-of-sequence ids: finish "stop"
         # prompt tokens one work item may carry (0 = no limit): long prompts are prefilled in chunks over
         # several steps, so one joining request does not stall the decode rows beside it for long
         self.prefill_tokens = prefill_tokens if kv_cache else 0
@@ -169,8 +171,9 @@ class ReplicaScheduler:
                 continue                          # a prompt chunk: nothing sampled yet
             seq.tokens.append(int(token))
             seq.generated += 1
-            done = seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len
-            if done:
+            finish = "stop" if int(token) in self.stop_ids else \
+                "length" if seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len else None
+            if finish is not None:
                 self._release(seq)
-            events.append(Event(seq.request.id, [int(token)], "length" if done else None))
+            events.append(Event(seq.request.id, [int(token)], finish))
         return events

@@ -1,28 +1,33 @@
-"""Planning a generation or serving run on every rank with no collective: model, layout, tokenizer, limits.
+"""Setting up a generation or serving run on every rank with no collective: model, layout, tokenizer, memory.
 
-The model comes from the weights' ``model`` attribute (a checkpoint's
-manifest) when present, else from ``--config``/``--set``; the config may
-restate a stored key but not contradict it. The layout comes from
-``[parallel]`` (one stage per rank), the serving limits from ``[serve]``, and
-text is encoded and decoded with the weights' ``tokenizer`` attribute.
+The model comes from the weights (a weights file's ``model`` attribute, a checkpoint's manifest, a
+Hugging Face directory's config.json) when they record one, else from ``--config``/``--set``; the
+config may restate a stored key but not contradict it, except ``model.seq_len`` of a Llama-family
+Hugging Face model, which may be set shorter than its config.json's context (the KV cache is
+allocated for ``serve.max_sequences`` sequences of ``seq_len`` tokens). The layout comes from
+``[parallel]`` (one stage per rank), the serving limits from ``[serve]``, and text is encoded and
+decoded with the tokenizer stored with the weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hpcpipe.config import Config, from_dict, load_raw, resolve_layout
+from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.memory import decode_rank_bytes
 from hpcpipe.nn.model import partition
-from hpcpipe.nn.model_spec import gpt_shape, model_specs
+from hpcpipe.nn.model_spec import decoder_shape, model_specs
 from hpcpipe.profiles.stage_cut import stage_counts
-from hpcpipe.state.kinds import GPT_KEYS, restate_stored_model
-from hpcpipe.state.sources import WeightsSource, resolve_weights
-from hpcpipe.state.tokenizer import Tokenizer
+from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.runtime.launcher import local_rank_count
+from hpcpipe.state.kinds import restate_stored_shape
+from hpcpipe.state.sources import resolve_weights
+from hpcpipe.state.stored_tokenizer import StoredTokenizer
 
-STORED_KEYS = ("kind", *GPT_KEYS, "dtype")
+GIB = 1024 ** 3
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,9 @@ class ServeSetup:
     dp: int
     pp: int
     stage_ranges: list[range]
-    weights: WeightsSource
-    shape: GPTShape
-    tokenizer: Tokenizer
+    weights: Any                 # WeightsSource | HFSource
+    shape: Any                   # GPTShape | LlamaShape
+    stored_tokenizer: StoredTokenizer
     model_name: str
 
     @property
@@ -43,42 +48,76 @@ class ServeSetup:
         """Micro-batch groups the running sequences of a replica are spread over."""
         return self.config.serve.micro_batches or self.pp
 
+    @property
+    def tokenizer(self) -> Any:
+        """The working tokenizer (Tokenizer for bytes/chars, HFTokenizer for a Hugging Face model)."""
+        return self.stored_tokenizer.load()
 
-def _tokenizer(source: WeightsSource, given: str, vocab: int) -> Tokenizer:
-    text = source.tokenizer()
-    if text is None:
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end a sequence (the model's end-of-sequence ids; none for bytes and chars)."""
+        return self.stored_tokenizer.eos_ids()
+
+
+def _tokenizer(source: Any, given: str, vocab: int) -> StoredTokenizer:
+    stored = source.tokenizer()
+    if stored is None:
         raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
                           f"tokens; train on data written by examples/text_to_hdf5.py (its tokenizer is saved "
                           f"with every checkpoint), or set the root attribute tokenizer = '{{\"kind\": \"bytes\"}}'")
-    tokenizer = Tokenizer.from_json(text)
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError(f"--weights {given!r}: its tokenizer has {tokenizer.vocab_size} tokens but the model's "
+    if stored.vocab_size > vocab:
+        raise ConfigError(f"--weights {given!r}: its tokenizer has {stored.vocab_size} tokens but the model's "
                           f"vocabulary is model.vocab_size = {vocab}")
-    return tokenizer
+    return stored
+
+
+def _model_config(source: Any, given: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Return raw with the stored model's keys restated (a Hugging Face llama's seq_len may be shortened)."""
+    if not source.model:
+        raw.setdefault("model", {}).setdefault("kind", "gpt")
+        return raw
+    if source.model_kind not in DECODERS:
+        raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
+                          f"needs a GPT or a Llama-family model; MLPs run with python -m hpcpipe.infer")
+    return restate_stored_shape(raw, source)
+
+
+def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None) -> None:
+    """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory."""
+    if cfg.run.backend == "cupy":
+        return
+    params, cache = decode_rank_bytes(cfg, ranges)
+    available = available_bytes() if available is None else available
+    ranks_here = local_rank_count(default=world_size)
+    if available > 0 and params + cache > available / ranks_here:
+        raise ConfigError(
+            f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
+            f"{cache / GIB:.3g} GiB for serve.max_sequences = {cfg.serve.max_sequences} sequences of model.seq_len = "
+            f"{cfg.model.seq_len} tokens); this node has {available / GIB:.3g} GiB available for {ranks_here} "
+            f"rank(s): lower model.seq_len or serve.max_sequences (--set model.seq_len=4096), or use more stages")
 
 
 def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,
-         overrides: list[str] | tuple[str, ...] = ()) -> ServeSetup:
-    """Check weights, model, layout and tokenizer locally; ConfigError names what is wrong."""
+            overrides: list[str] | tuple[str, ...] = ()) -> ServeSetup:
+    """Check weights, model, layout, tokenizer and memory locally; ConfigError names what is wrong."""
     given = str(weights)
     source = resolve_weights(weights, "--weights")
-    if source.model and source.model_kind != "gpt":
-        raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
-                          f"needs a GPT (model.kind = \"gpt\"); MLPs run with python -m hpcpipe.infer")
-    raw = restate_stored_model(load_raw(config, overrides), source.model, source.describe(), STORED_KEYS)
-    raw["model"].setdefault("kind", "gpt")
-    cfg = from_dict(raw)
-    if cfg.model.kind != "gpt":
-        raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT (model.kind = \"gpt\")")
+    cfg = from_dict(_model_config(source, given, load_raw(config, overrides)))
+    if cfg.model.kind not in DECODERS:
+        raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT or a Llama-family model "
+                          f"(model.kind = \"gpt\" or \"llama\")")
     if cfg.parallel.virtual_stages != 1:
         raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
+    if source.kind == "hf":
+        source.dtype = cfg.model.dtype
     dp, pp = resolve_layout(cfg, world_size)
     specs = model_specs(cfg)
     # a decode step is a forward: "profile" balances the measured forwards
     ranges = partition(specs, pp, stage_counts(cfg, pp, max(1, cfg.serve.max_sequences // pp), ("F",)))
     source.check(specs, "--weights")
-    shape = gpt_shape(cfg)
+    shape = decoder_shape(cfg)
     tokenizer = _tokenizer(source, given, shape.vocab)
+    check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, shape, tokenizer, name)

@@ -1,7 +1,9 @@
 """Generated token ids -> text deltas, one request at a time: whole characters only, cut at stop strings.
 
-A bytes tokenizer may split one UTF-8 character over several tokens, so its bytes are held back until
-they decode. Stop strings are matched on the decoded text, also across token boundaries: text that could
+A bytes tokenizer (and a Hugging Face byte-level BPE) may split one UTF-8 character over several tokens,
+so its bytes are held back until they decode; a Hugging Face tokenizer's own incremental decoder does that
+for it, and the text of a whole generation is ``tokenizer.decode(ids)`` (special tokens skipped).
+Stop strings are matched on the decoded text, also across token boundaries: text that could
 be the start of a stop string is held back until the next tokens show whether it is.
 """
 
@@ -18,6 +20,7 @@ class TextStream:
         self._bytes = getattr(tokenizer, "kind", None) == "bytes"
         # errors="replace" as Tokenizer.decode: an invalid byte becomes U+FFFD, an incomplete tail waits.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self._bytes else None
+        self._incremental = tokenizer.incremental_decoder() if hasattr(tokenizer, "incremental_decoder") else None
         self._stop = [s for s in stop if s]
         self._held = ""
         self.stopped = False           # a stop string was seen: the text ends before it
@@ -34,6 +37,8 @@ class TextStream:
             if any(i < 0 or i > 255 for i in ids):
                 raise ValueError(f"textstream: byte token ids must be in [0, 256), got {ids}")
             piece = self._utf8.decode(bytes(ids))
+        elif self._incremental is not None:
+            piece = self._incremental.decode(ids)
         else:
             piece = self._tokenizer.decode(ids)
         return self._advance(piece, final=False)
@@ -42,7 +47,8 @@ class TextStream:
         """Return the rest of the text at the end of generation (an incomplete UTF-8 tail becomes U+FFFD)."""
         if self.stopped:
             return ""
-        piece = self._utf8.decode(b"", final=True) if self._bytes else ""
+        piece = self._utf8.decode(b"", final=True) if self._bytes else \
+            self._incremental.finish() if self._incremental is not None else ""
         return self._advance(piece, final=True)
 
     def _advance(self, piece: str, final: bool) -> str:

@@ -25,7 +25,7 @@ import errno
 import hashlib
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +106,7 @@ class SaveInfo:
     samples_seen: int
     global_batch: int
     order: str          # the sample order's name: "file", or the shuffled order's (train.shuffle.ORDER)
-    attrs: dict[str, Any] = field(default_factory=dict)   # root attributes of every stage file, e.g. tokenizer
+    tokenizer: Any = None     # the run's StoredTokenizer, written into every stage file
 
 
 def _abandon(tmp: Path | None, run_dir: Path | None, made_run: bool) -> None:
@@ -191,7 +191,7 @@ def save(world: Comm, poller: Poller, root: str | Path, step: int, *, run_dir: P
             image = weights_image(params.export(), n_layers=n_layers, model_config=info.config["model"], step=step,
                                   optimizer=opt, optimizer_attrs={"name": info.config["train"]["optimizer"],
                                                                   "steps": optimizer.steps},
-                                  attrs={**info.attrs, "pp_rank": pp_rank}, after_layers=crash_point)
+                                  attrs={"pp_rank": pp_rank}, after_layers=crash_point, tokenizer=info.tokenizer)
             entry = {"name": path.name, "pp_rank": pp_rank, "layers": params.layer_indices(),
                      "bytes": len(image), "sha256": hashlib.sha256(image).hexdigest()}
     entries = gather_to_root(world, entry)

@@ -1,8 +1,8 @@
-"""Which model kind stored state holds (mlp | gpt), and the check that refuses a file of the other kind.
+"""Which model kind stored state holds (mlp | gpt | llama), and the check that refuses a file of another kind.
 
 The model attribute (JSON) of a weights file, and the config of a checkpoint's
 manifest, carry ``kind``; a missing kind means "mlp" (files written before GPT
-models existed). A model's specs carry ``.kind`` ("gpt" for GPT layer groups);
+models existed). A model's specs carry ``.kind`` ("gpt", "llama" for their layer groups);
 the MLP's LayerSpec has none and means "mlp". Every reader of stored weights
 (``model.init``, ``--resume``, ``infer --weights``) compares the two through
 :func:`check_kind` before any other check, so the answer is one message about
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcpipe.config import Config, from_dict
+from hpcpipe.config import DECODERS, KIND_KEYS, KIND_NAMES, Config, from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.model_spec import model_specs
 
-KINDS = ("mlp", "gpt")
-GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
+KINDS = tuple(KIND_KEYS)
 
 
 def stored_kind(model: dict[str, Any], label: str) -> str:
@@ -26,7 +25,7 @@ def stored_kind(model: dict[str, Any], label: str) -> str:
     kind = model.get("kind", "mlp")
     if kind not in KINDS:
         raise ConfigError(f"{label} records model.kind = {kind!r}; this hpcpipe knows "
-                          f"{' and '.join(repr(k) for k in KINDS)}")
+                          f"{', '.join(repr(k) for k in KINDS)}")
     return kind
 
 
@@ -36,8 +35,8 @@ def specs_kind(specs: list[Any]) -> str:
 
 
 def count_text(kind: str, n_layers: int) -> str:
-    """Return "6 layer groups" (GPT) or "4 layers" (MLP)."""
-    return f"{n_layers} layer groups" if kind == "gpt" else f"{n_layers} layers"
+    """Return "6 layer groups" (GPT, llama) or "4 layers" (MLP)."""
+    return f"{n_layers} layer groups" if kind in DECODERS else f"{n_layers} layers"
 
 
 def check_kind(model: dict[str, Any], n_layers: int, specs: list[Any], label: str) -> None:
@@ -48,7 +47,7 @@ def check_kind(model: dict[str, Any], n_layers: int, specs: list[Any], label: st
     """
     stored, wanted = stored_kind(model, label), specs_kind(specs)
     if stored != wanted:
-        article = "a GPT" if stored == "gpt" else "an MLP"
+        article = KIND_NAMES[stored].removesuffix(" model")
         raise ConfigError(f'{label} holds {article} model (model.kind = "{stored}", {count_text(stored, n_layers)}); '
                           f'this run has model.kind = "{wanted}"')
 
@@ -74,16 +73,39 @@ def restate_stored_model(raw: dict[str, Any], stored: dict[str, Any], label: str
     return raw
 
 
+def restate_stored_shape(raw: dict[str, Any], source: Any) -> dict[str, Any]:
+    """Return raw config sections with the stored model's kind, shape keys and dtype (restate_stored_model).
+
+    A Llama-family Hugging Face model's ``seq_len`` (its config.json's max_position_embeddings) may be set
+    shorter: RoPE has no position table, and a generation's KV cache and a training window are seq_len long.
+    """
+    kind = stored_kind(source.model, source.describe())
+    keys = ("kind", *KIND_KEYS[kind], "dtype")
+    shorter = getattr(source, "kind", "") == "hf" and kind == "llama"
+    if shorter:
+        keys = tuple(k for k in keys if k != "seq_len")
+    raw = restate_stored_model(raw, source.model, source.describe(), keys)
+    if shorter:
+        longest = source.model["seq_len"]
+        wanted = raw["model"].setdefault("seq_len", longest)
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > longest:
+            raise ConfigError(f"model.seq_len = {wanted} is longer than {source.describe()}'s context of {longest} "
+                              f"tokens (max_position_embeddings in its config.json)")
+    return raw
+
+
 def stored_config(model: dict[str, Any], label: str) -> Config:
     """Return the config of the model stored with weights (a model attribute or a manifest's [model]).
 
-    A GPT must record every key of its shape: a missing ``n_heads`` would
-    otherwise take the default and compute other attention on the same shapes.
+    A GPT or llama must record every key of its shape: a missing ``n_heads`` (or
+    ``rope_theta``) would otherwise take the default and compute another model on the same shapes.
     """
-    if stored_kind(model, label) == "gpt":
-        missing = [key for key in GPT_KEYS if key not in model]
+    kind = stored_kind(model, label)
+    if kind in DECODERS:
+        missing = [key for key in KIND_KEYS[kind] if key not in model]
         if missing:
-            raise ConfigError(f"{label} holds a GPT model without {', '.join(missing)} in its model attribute")
+            raise ConfigError(f"{label} holds {KIND_NAMES[kind].removesuffix(' model')} model without "
+                              f"{', '.join(missing)} in its model attribute")
     try:
         return from_dict({"model": model, "parallel": {"pp": 1}})
     except ConfigError as exc:
@@ -92,8 +114,9 @@ def stored_config(model: dict[str, Any], label: str) -> Config:
 
 def shape_text(model: dict[str, Any]) -> str:
     """Return a one-line description of a stored model: its kind and shape."""
-    if model.get("kind", "mlp") == "gpt":
-        return "gpt " + " ".join(f"{key}={_toml(model.get(key))}" for key in GPT_KEYS)
+    kind = model.get("kind", "mlp")
+    if kind in DECODERS:
+        return f"{kind} " + " ".join(f"{key}={_toml(model.get(key))}" for key in KIND_KEYS[kind])
     return f"mlp dims {model.get('dims')}"
 
 

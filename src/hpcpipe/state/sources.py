@@ -19,9 +19,11 @@ import h5py
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state.hf_source import HFSource, hf_source, is_hf_directory
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
 from hpcpipe.state.outputs import file_kind
+from hpcpipe.state.stored_tokenizer import StoredTokenizer, read_stored
 from hpcpipe.state.weights import (
     LayerArrays,
     OptimizerArrays,
@@ -89,7 +91,7 @@ class WeightsSource:
         if self.n_layers != len(specs):
             kind = specs_kind(specs)
             raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
-                              f"{'the model config' if kind == 'gpt' else 'model.dims'} describes {len(specs)}")
+                              f"{'model.dims' if kind == 'mlp' else 'the model config'} describes {len(specs)}")
         if self.kind == "file":
             check_weights(self.path, specs)
             return
@@ -100,27 +102,18 @@ class WeightsSource:
             with open_checked(path) as f:
                 check_layers(f, [specs[i] for i in indices], label)
 
-    def tokenizer(self, verify: bool = True) -> str | None:
-        """Return the ``tokenizer`` root attribute (JSON text) stored with the weights, None when there is none.
+    def tokenizer(self, verify: bool = True) -> StoredTokenizer | None:
+        """Return the tokenizer stored with the weights (attribute, and files for kind hf), None when there is none.
 
         For a checkpoint it is read from the file holding layer 0 (every stage file
         carries it), after that file's checks unless ``verify`` is False; an invalid
         value is a ConfigError naming the file.
         """
-        from hpcpipe.state.tokenizer import Tokenizer
         path = self.files.get(0, self.path)
         if self.kind == "checkpoint" and verify:
             self._verify(path)
         with open_checked(path) as f:
-            value = f.attrs.get("tokenizer")
-        if value is None:
-            return None
-        try:
-            Tokenizer.from_json(value)
-            return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        except ValueError as exc:
-            raise ConfigError(f"{'checkpoint' if self.kind == 'checkpoint' else 'weights'} file {str(path)!r}: "
-                              f"root attribute {exc}") from None
+            return read_stored(f, f"{'checkpoint' if self.kind == 'checkpoint' else 'weights'} file {str(path)!r}")
 
     def read(self, indices: list[int]) -> LayerArrays:
         """Return {layer: {parameter name: array}} for the given global layers; ConfigError naming a bad file."""
@@ -191,17 +184,18 @@ def resolve_step_dir(path: str | Path) -> Path:
     if p.is_dir() and ((p / cf.LATEST).exists() or (p / cf.LATEST).is_symlink()):
         return latest_dir(p)
     if p.is_dir():
-        raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}) nor a checkpoint "
-                          f"root (no '{cf.LATEST}' pointer)")
+        raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint root "
+                          f"(no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)")
     raise ConfigError(f"checkpoint {str(p)!r} does not exist")
 
 
-def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsSource:
+def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsSource | HFSource:
     """Resolve what a user gave as weights into a source that reads layers by global index.
 
     ``path`` may be a single HDF5 weights file (``/layers/NNNN/{weight,bias}``),
     a checkpoint root directory (its ``latest`` pointer is followed), a
-    ``step-NNNNNNNN`` checkpoint directory, or a ``latest`` pointer file.
+    ``step-NNNNNNNN`` checkpoint directory, a ``latest`` pointer file, or a
+    Hugging Face model directory (config.json and safetensors: :class:`HFSource`).
     Cheap checks (existence, format, manifest) happen here and raise
     ConfigError naming the path; call ``source.check(specs)`` to compare with
     a model and ``source.read(indices)`` to load (hashes are checked then).
@@ -221,6 +215,8 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
         if not h5py.is_hdf5(p):
             raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")
         return _file_source(p)
+    if is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not (p / cf.LATEST).exists():
+        return hf_source(p)
     return checkpoint_source(resolve_step_dir(p))
 
 
@@ -238,6 +234,8 @@ def protected_paths(given: str | Path, source: WeightsSource) -> tuple[Protected
     """
     if source.kind == "file":
         return ((f"the weights file {str(source.path)!r}", Path(source.path)),), ()
+    if source.kind == "hf":
+        return (), ((f"the Hugging Face model directory {str(source.path)!r}", Path(source.path)),)
     given = Path(given)
     step_dir = Path(source.path)
     dirs = [given.parent if given.is_file() else given, step_dir, step_dir.parent]   # a `latest` file: its root

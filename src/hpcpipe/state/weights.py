@@ -85,13 +85,14 @@ def members(group: h5py.Group, depth: int = MAX_DEPTH, prefix: str = "") -> dict
 def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str, Any] | None = None,
                   step: int = 0, optimizer: OptimizerArrays | None = None,
                   optimizer_attrs: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
-                  after_layers: Callable[[bytes], None] | None = None) -> bytes:
+                  after_layers: Callable[[bytes], None] | None = None, tokenizer: Any = None) -> bytes:
     """Return the bytes of a checksummed HDF5 weights file holding `arrays` (and optionally optimizer state).
 
     Built in memory (HDF5 core driver, no backing store), so HDF5 never writes to the
     target file system: a full disk is then a plain OSError from :func:`write_file_durably`.
     (HDF5 2.0 closing a file after a failed write segfaulted the process.) ``after_layers``
     (a test hook) gets the image once the parameters are in, before the optimizer state.
+    ``tokenizer`` (a :class:`hpcpipe.state.stored_tokenizer.StoredTokenizer`) is stored with it.
     """
     image_name = f"hpcpipe-image-{os.getpid()}-{next(_IMAGES)}.h5"
     with h5py.File(image_name, "w", driver="core", backing_store=False) as f:
@@ -102,6 +103,8 @@ def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str,
         f.attrs["model"] = json.dumps(model_config or {}, sort_keys=True)
         for key, value in (attrs or {}).items():
             f.attrs[key] = value
+        if tokenizer is not None:
+            tokenizer.write(f)
         for index in sorted(arrays):
             group = f.create_group(layer_group(index))
             for name, array in arrays[index].items():
@@ -140,10 +143,11 @@ def write_file_durably(path: str | Path, data: bytes) -> None:
 def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
                   model_config: dict[str, Any] | None = None, step: int = 0,
                   optimizer: OptimizerArrays | None = None, optimizer_attrs: dict[str, Any] | None = None,
-                  attrs: dict[str, Any] | None = None) -> None:
+                  attrs: dict[str, Any] | None = None, tokenizer: Any = None) -> None:
     """Write {layer: {'weight', 'bias'}} (and optionally optimizer state) as one checksummed HDF5 file, fsynced."""
     write_file_durably(path, weights_image(arrays, n_layers=n_layers, model_config=model_config, step=step,
-                                           optimizer=optimizer, optimizer_attrs=optimizer_attrs, attrs=attrs))
+                                           optimizer=optimizer, optimizer_attrs=optimizer_attrs, attrs=attrs,
+                                           tokenizer=tokenizer))
 
 
 def open_checked(path: str | Path) -> h5py.File:

@@ -17,7 +17,6 @@ import argparse
 from typing import Any
 
 from hpcpipe.cli import CommandParser
-from hpcpipe.config import load_config
 from hpcpipe.errors import EXIT_PREEMPTED
 from hpcpipe.runtime.faults import write_pid
 from hpcpipe.runtime.job import run_job
@@ -104,15 +103,14 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from mpi4py import MPI
 
-    from hpcpipe.train.setup import prepare
+    from hpcpipe.train.setup import load_run_config, prepare
     from hpcpipe.train.trainer import Trainer
 
     world = MPI.COMM_WORLD
     holder: dict[str, Any] = {}
 
     def setup():
-        config = load_config(args.config, args.overrides)
-        return prepare(config, world.Get_size())
+        return prepare(load_run_config(args.config, args.overrides), world.Get_size())
 
     def body(p) -> int:
         if p.resume is not None and p.resume.step >= p.config.train.steps:

@@ -19,14 +19,19 @@ each reads just its replica's rows, never the whole file.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import h5py
 import numpy as np
 
-from hpcpipe.config import Config
+from hpcpipe.config import DECODERS, Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, file_identity, open_hdf5
 from hpcpipe.train.shuffle import EpochPermutation
 from hpcpipe.train.tokens import check_token_file
+
+if TYPE_CHECKING:
+    from hpcpipe.state.stored_tokenizer import StoredTokenizer
 
 
 class InMemoryData:
@@ -134,7 +139,7 @@ class HDF5Data:
 def check_data_file(config: Config) -> int:
     """Validate the HDF5 data file against the model and loss; return the sample count."""
     d, dims, loss = config.data, config.model.dims, config.train.loss
-    if config.model.kind == "gpt":
+    if config.model.kind in DECODERS:
         return check_token_file(d.path, d.x, d.y, config.model.seq_len, config.model.vocab_size)
     with open_hdf5(d.path, f"data.path {d.path!r}") as f:
         for name in (d.x, d.y):
@@ -160,30 +165,25 @@ def check_data_file(config: Config) -> int:
     return n
 
 
-def data_tokenizer(path: str, vocab_size: int) -> str | None:
-    """Return a token file's ``tokenizer`` root attribute (JSON text), checked; None when it has none."""
-    from hpcpipe.state.tokenizer import Tokenizer
+def data_tokenizer(path: str, vocab_size: int) -> StoredTokenizer | None:
+    """Return a token file's tokenizer (root attribute, and files for kind hf), checked; None when it has none."""
+    from hpcpipe.state.stored_tokenizer import read_stored
 
     with open_hdf5(path, f"data.path {path!r}") as f:
-        raw = f.attrs.get("tokenizer")
-    if raw is None:
+        stored = read_stored(f, f"data.path {path!r}")
+    if stored is None:
         return None
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    try:
-        tokenizer = Tokenizer.from_json(text)
-    except ValueError as exc:
-        raise ConfigError(f"data.path {path!r} has an invalid tokenizer attribute: {exc}") from None
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"data.path {path!r} was tokenized with a vocabulary of {tokenizer.vocab_size} "
-                          f"({tokenizer.kind}); model.vocab_size = {vocab_size} is smaller")
-    return text
+    if stored.vocab_size > vocab_size:
+        raise ConfigError(f"data.path {path!r} was tokenized with a vocabulary of {stored.vocab_size} "
+                          f"({stored.kind}); model.vocab_size = {vocab_size} is smaller")
+    return stored
 
 
 def open_data(config: Config) -> SyntheticData | SyntheticTokens | HDF5Data:
     """Return the configured data source (validated)."""
     if config.data.path:
         return HDF5Data(config)
-    return SyntheticTokens(config) if config.model.kind == "gpt" else SyntheticData(config)
+    return SyntheticTokens(config) if config.model.kind in DECODERS else SyntheticData(config)
 
 
 def step_samples(step: int, global_batch: int, n: int, shuffle: bool, seed: int, offset: int = 0,
@@ -225,7 +225,7 @@ class ReplicaFeeder:
         self.n_micro, self.batch = tr.micro_batches, tr.micro_batch_size
         self.shuffle, self.seed = config.data.shuffle, config.data.seed
         self.need_x, self.need_y = need_x, need_y
-        gpt = config.model.kind == "gpt"
+        gpt = config.model.kind in DECODERS
         self.dtype = config.model.dtype
         self.x_dtype = "int64" if gpt else self.dtype     # token ids index the embedding
         self.offset = 0      # stream position shift, set when resuming at another global batch size

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcpipe.config import Config, resolve_layout
+from hpcpipe.config import DECODERS, KIND_KEYS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import model_def
@@ -22,8 +22,10 @@ from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate_programs import validate_programs
-from hpcpipe.state.kinds import check_kind
+from hpcpipe.state.hf_source import is_hf_directory
+from hpcpipe.state.kinds import check_kind, restate_stored_shape
 from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.stored_tokenizer import StoredTokenizer
 from hpcpipe.train.data import check_data_file, data_tokenizer
 from hpcpipe.train.preflight import (
     check_checkpoint_dir,
@@ -46,16 +48,12 @@ class TrainSetup:
     init: WeightsSource | None = None      # model.init, resolved and checked against the model
     resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
 
-    tokenizer: str | None = None           # a GPT's tokenizer (JSON): the data file's, else the weights'
+    tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
 
     @property
     def pp(self) -> int:
         """Pipeline ranks."""
         return self.shape.pp
-
-    def tokenizer_attrs(self) -> dict[str, str]:
-        """Root attributes saved with every checkpoint file: the tokenizer, when the run knows one."""
-        return {"tokenizer": self.tokenizer} if self.tokenizer else {}
 
     @property
     def n_stages(self) -> int:
@@ -63,9 +61,19 @@ class TrainSetup:
         return self.shape.n_stages
 
 
-RESUME_MODEL_KEYS = {"mlp": ("kind", "dims", "bias", "activation", "final_activation", "dtype"),
-                     "gpt": ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff",
-                             "tie_embeddings", "dtype")}
+RESUME_MODEL_KEYS = {kind: ("kind", *keys, "dtype") for kind, keys in KIND_KEYS.items()}
+
+
+def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Return the run's Config: the TOML file and ``--set`` keys, and, when model.init is a Hugging Face model
+    directory, its model kind and shape from config.json (the config may restate them, not contradict them)."""
+    raw = load_raw(path, overrides)
+    model = raw.get("model")
+    init = model.get("init") if isinstance(model, dict) else None
+    resume = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
+    if isinstance(init, str) and init and resume is not True and is_hf_directory(init):
+        raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
+    return from_dict(raw)
 
 
 def check_resume(config: Config, source: WeightsSource) -> None:
@@ -130,9 +138,9 @@ def prepare(config: Config, world_size: int) -> TrainSetup:
     return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
 
 
-def run_tokenizer(config: Config, source: WeightsSource | None) -> str | None:
-    """Return the tokenizer a GPT run saves: data.path's ``tokenizer`` attribute, else its weights' (checked)."""
-    if config.model.kind != "gpt":
+def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokenizer | None:
+    """Return the tokenizer a decoder's run saves: data.path's, else its weights' (checked)."""
+    if config.model.kind not in DECODERS:
         return None
     if config.data.path:
         found = data_tokenizer(config.data.path, config.model.vocab_size)

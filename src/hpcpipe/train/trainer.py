@@ -126,7 +126,7 @@ class Trainer:
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
-                                       shuffle.ORDER if cfg.data.shuffle else "file", p.tokenizer_attrs())
+                                       shuffle.ORDER if cfg.data.shuffle else "file", p.tokenizer)
         final = checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step, run_dir=self.run_dir,
                                     dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
                                     optimizer=self.optimizer, n_layers=len(self.specs), info=info,

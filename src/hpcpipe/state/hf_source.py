@@ -1,0 +1,118 @@
+"""A Hugging Face model directory as a source of layers: the same interface as a weights file or a checkpoint.
+
+``--weights HF_DIR`` (generate, serve, evaluate) and ``model.init = "HF_DIR"`` (train) resolve to an
+:class:`HFSource`: its model is the hpcpipe kind and [model] keys that config.json describes
+(:mod:`hpcpipe.hf.config`), ``read(indices)`` reads only those layer groups' tensors from the
+safetensors files (every rank asks for its own stage's groups, so no rank holds the whole model), and
+its tokenizer is the directory's tokenizer files. There is no conversion step and nothing is written
+into the directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.errors import ConfigError
+from hpcpipe.hf.config import HFModel, read_hf_config
+from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
+from hpcpipe.hf.safetensors import TensorFiles, open_tensors
+from hpcpipe.state.kinds import check_kind, count_text, specs_kind
+from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
+
+CONFIG = "config.json"
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """True when path is a directory holding a Hugging Face config.json (and no hpcpipe checkpoint)."""
+    p = Path(path)
+    return p.is_dir() and (p / CONFIG).is_file()
+
+
+@dataclass
+class HFSource:
+    """The layer groups of a Hugging Face model directory, read per group in the dtype asked for."""
+
+    path: Path
+    hf: HFModel
+    tensors: TensorFiles
+    dtype: str = "float32"
+    kind: str = field(default="hf", init=False)
+    step: int = field(default=0, init=False)
+    manifest: None = field(default=None, init=False)
+    files: dict[int, Path] = field(default_factory=dict, init=False)     # nothing of hpcpipe's own to protect
+    _tokenizer: list = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of hpcpipe layer groups: embedding, blocks, final norm (+ head)."""
+        return self.hf.n_groups
+
+    @property
+    def model(self) -> dict[str, Any]:
+        """The hpcpipe [model] keys of the directory's config.json, kind included (rope_scaling {} for none)."""
+        keys = {**self.hf.model, "kind": self.hf.kind}
+        if "rope_scaling" in keys:
+            keys["rope_scaling"] = dict(keys["rope_scaling"] or {})
+        return keys
+
+    @property
+    def model_kind(self) -> str:
+        """gpt (GPT-2) or llama (Llama, Mistral, Qwen2)."""
+        return self.hf.kind
+
+    def describe(self) -> str:
+        """Return a short human label, e.g. "Hugging Face model '/models/smollm' (llama)"."""
+        return f"Hugging Face model {str(self.path)!r} ({self.hf.model_type})"
+
+    def check(self, specs: list[Any], key: str = "") -> None:
+        """Raise ConfigError unless kind, group count and every tensor's name and shape match the model.
+
+        Reads the safetensors headers only, no tensor data.
+        """
+        check_kind(self.model, self.n_layers, specs, f"{key} {str(self.path)!r}" if key else self.describe())
+        if self.n_layers != len(specs):
+            raise ConfigError(f"{self.describe()} holds {count_text(specs_kind(specs), self.n_layers)} but the "
+                              f"model config describes {len(specs)}")
+        prefix = check_names(self.hf, self.tensors)
+        for spec in specs:
+            want = dict(spec.shapes)
+            pieces = group_pieces(self.hf.kind, self.hf.model, spec.index)
+            if sorted(want) != sorted(p.name for p in pieces):
+                raise ConfigError(f"{self.describe()}: layer group {spec.index} holds {sorted(p.name for p in pieces)}"
+                                  f", this run's model needs {sorted(want)} (a [model] key contradicts config.json)")
+            for piece in pieces:
+                name = full_name(piece.hf, prefix)
+                info = self.tensors.info(name)
+                if info.shape != piece.hf_shape:
+                    raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
+                                      f"needs {piece.hf_shape}")
+                if tuple(want[piece.name]) != tuple(piece.shape):
+                    raise ConfigError(f"tensor {name!r} in {str(info.path)!r} gives {piece.name} of shape "
+                                      f"{piece.shape}, this run's model needs {tuple(want[piece.name])} (a [model] "
+                                      f"key contradicts config.json)")
+
+    def tokenizer(self, verify: bool = True) -> StoredTokenizer | None:
+        """Return the directory's tokenizer (tokenizer.json and the files beside it)."""
+        if not self._tokenizer:
+            self._tokenizer.append(from_hf_directory(self.path))
+        return self._tokenizer[0]
+
+    def read(self, indices: list[int]) -> dict[int, dict[str, np.ndarray]]:
+        """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors."""
+        return read_groups(self.hf, self.tensors, list(indices), np.dtype(self.dtype))
+
+    def read_optimizer(self, indices: list[int]) -> tuple[dict[str, Any], dict]:
+        """A Hugging Face model holds no optimizer state: ConfigError."""
+        raise ConfigError(f"{self.describe()} holds no optimizer state (it can start a run: model.init, not "
+                          f"--resume)")
+
+
+def hf_source(path: str | Path, dtype: str = "float32") -> HFSource:
+    """Return the HFSource of a Hugging Face model directory; ConfigError of one line on anything unsupported."""
+    p = Path(path)
+    hf = read_hf_config(p)
+    return HFSource(p, hf, open_tensors(p), dtype if dtype in ("float32", "float64") else "float32")

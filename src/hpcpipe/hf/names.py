@@ -150,25 +150,27 @@ def _non_finite(value: np.ndarray, block: int = 1 << 22) -> int:
                for i in range(0, flat.size, block))
 
 
-def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.float32) -> dict[int, dict[str, Any]]:
+def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.float32,
+                skip: tuple[str, ...] = ()) -> dict[int, dict[str, Any]]:
     """Return {group: {hpcpipe name: array (in, out)}} of the given layer groups, read from only their tensors.
 
     Each tensor's shape is checked against the config (one-line ConfigError naming tensor, file, got and
-    expected shapes) and its values must be finite; arrays come back in ``dtype``, C-contiguous.
+    expected shapes) and its values must be finite; arrays come back in ``dtype``, C-contiguous. Parameters
+    named in ``skip`` are left out (read another way by the caller).
     """
     prefix = check_names(hf, tensors)
     out: dict[int, dict[str, Any]] = {}
     for index in indices:
         arrays = {}
         for piece in group_pieces(hf.kind, hf.model, index):
+            if piece.name in skip:
+                continue
             name = full_name(piece.hf, prefix)
             info = tensors.info(name)
             if info.shape != piece.hf_shape:
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
                                   f"needs {piece.hf_shape}")
-            value = tensors.read(name, dtype)
-            if piece.transpose:
-                value = np.ascontiguousarray(value.T)
+            value = tensors.read(name, dtype, transpose=piece.transpose)
             bad = _non_finite(value)
             if bad:
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s) "

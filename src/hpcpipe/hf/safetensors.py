@@ -26,6 +26,7 @@ from hpcpipe.hf.config import read_json_file
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000
+CHUNK_BYTES = 32 << 20     # stored bytes read and converted at a time
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 READABLE = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8"}
@@ -53,35 +54,79 @@ class SafetensorsFile:
         self.bytes_read = 0
         self.tensors, self.metadata = _read_header(self.path)
 
-    def read(self, name: str, dtype: Any = None) -> np.ndarray:
+    def read(self, name: str, dtype: Any = None, transpose: bool = False) -> np.ndarray:
         """Return tensor ``name`` (float16/bfloat16/float32/float64 on disk) as an array of ``dtype`` (default: as
-        stored, bfloat16 widened exactly to float32)."""
+        stored, bfloat16 widened exactly to float32); ``transpose``: a 2-D tensor comes back transposed, C-contiguous,
+        written slice by slice into its place (no second full-size copy)."""
         info = self.tensors.get(name)
         if info is None:
             raise ConfigError(f"safetensors file {str(self.path)!r} holds no tensor {name!r}")
         if info.dtype not in READABLE:
             raise ConfigError(f"safetensors file {str(self.path)!r}: tensor {name!r} has dtype {info.dtype}, which "
                               f"hpcpipe does not read (supported: {', '.join(READABLE)})")
-        raw = np.empty(info.end - info.begin, dtype=np.uint8)
-        view, got = memoryview(raw), 0
+        stored = np.dtype(READABLE[info.dtype])
+        natural = np.dtype(np.float32) if info.dtype == "BF16" else stored.newbyteorder("=")
+        if transpose and len(info.shape) != 2:
+            raise ValueError(f"safetensors: only a 2-D tensor can be read transposed, {name!r} has shape {info.shape}")
+        out_dtype = np.dtype(dtype) if dtype is not None else natural
+        out = np.empty(info.shape[::-1] if transpose else info.shape, dtype=out_dtype)
+        # transposed: each slice is whole stored rows, converted in a scratch and written into out's columns
+        scratch = np.empty(0, dtype=out_dtype)
+        flat = scratch if transpose else out.reshape(-1)
+        size = out.size
+        row = info.shape[1] if transpose else 1
+        # the stored bytes as they are: the same dtype, or a 16-bit float's bits asked for as uint16
+        raw_bits = out.dtype == np.uint16 and info.dtype in ("BF16", "F16")
+        direct = (raw_bits or (info.dtype != "BF16" and stored == out.dtype)) and not transpose
+        # read in slices converted into the result as they come: the peak is the result plus one slice, not
+        # the stored tensor, its widened copy and the result (a 128k x 2048 bfloat16 table: 1 GiB + 32 MiB)
+        step = max(row, CHUNK_BYTES // stored.itemsize // row * row)
+        buffer = None if direct else np.empty(min(step, size) * stored.itemsize, dtype=np.uint8)
+        if transpose:
+            scratch = np.empty(min(step, size), dtype=out_dtype)
+        got = 0
         try:
             with open(self.path, "rb", buffering=0) as f:
                 f.seek(info.begin)
-                while got < raw.size:   # one read(2) returns at most ~2 GiB
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
+                for start in range(0, size, step):
+                    stop = min(start + step, size)
+                    target = flat[start:stop].view(np.uint8) if direct else buffer[:(stop - start) * stored.itemsize]
+                    n = _read_into(f, memoryview(target))
                     got += n
+                    if n != target.size:
+                        break
+                    if direct:
+                        continue
+                    piece = target.view(stored)
+                    dest = scratch[:stop - start] if transpose else flat[start:stop]
+                    if info.dtype == "BF16" and dest.dtype == np.float32:
+                        wide = dest.view(np.uint32)   # bfloat16 is the high half of a float32: widen in place
+                        wide[...] = piece
+                        wide <<= 16
+                    elif info.dtype == "BF16":
+                        dest[...] = (piece.astype(np.uint32) << 16).view(np.float32)
+                    else:
+                        dest[...] = piece
+                    if transpose:
+                        out[:, start // row:stop // row] = dest.reshape(-1, row).T
         except OSError as exc:
             raise ConfigError(f"safetensors file {str(self.path)!r} cannot be read: {exc.strerror or exc}") from None
         self.bytes_read += got
-        if got != raw.size:
+        if got != info.end - info.begin:
             raise ConfigError(f"safetensors file {str(self.path)!r} is truncated: tensor {name!r} needs bytes "
                               f"{info.begin}..{info.end} but the file ended after {info.begin + got}")
-        values = raw.view(READABLE[info.dtype]).reshape(info.shape)
-        if info.dtype == "BF16":   # bfloat16 is the high half of a float32: widen exactly
-            values = (values.astype(np.uint32) << 16).view(np.float32)
-        return values.astype(np.dtype(dtype) if dtype is not None else values.dtype.newbyteorder("="), copy=False)
+        return out
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    """Fill view from f (one read(2) returns at most ~2 GiB); return the bytes read (fewer at the file's end)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -193,9 +238,9 @@ class TensorFiles:
         """Return tensor ``name``'s dtype, shape and place (reads its file's header, not its data)."""
         return self._file(name).tensors[name]
 
-    def read(self, name: str, dtype: Any = None) -> np.ndarray:
+    def read(self, name: str, dtype: Any = None, transpose: bool = False) -> np.ndarray:
         """Return tensor ``name`` as an array of ``dtype`` (see :meth:`SafetensorsFile.read`)."""
-        return self._file(name).read(name, dtype)
+        return self._file(name).read(name, dtype, transpose)
 
 
 def open_tensors(directory: str | Path) -> TensorFiles:

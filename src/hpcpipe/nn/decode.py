@@ -28,6 +28,7 @@ import numpy as np
 from hpcpipe.nn.decode_gpt import GPTSteps
 from hpcpipe.nn.decode_llama import LlamaSteps
 from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.half_table import HalfTable
 from hpcpipe.nn.llama_params import LlamaShape
 
 # decode slots spread over at most this many times their count are read in place, wider ones gathered
@@ -131,6 +132,9 @@ class DecodeStage:
             if tuple(group[name].shape) != dims:
                 raise ValueError(f"decode stage: layer group {index} array {name!r} has shape "
                                  f"{tuple(group[name].shape)}, expected {dims}")
+            if isinstance(group[name], HalfTable):    # a 16-bit embedding table, gathered from as it is
+                out[name] = HalfTable(group[name].bits, group[name].kind, self.dtype).on(self.xp)
+                continue
             out[name] = self.xp.ascontiguousarray(self.xp.asarray(group[name], dtype=self.dtype))
         return out
 
@@ -139,7 +143,8 @@ class DecodeStage:
         if not self.has_head or not self.shape.tied:
             return None
         if self.has_embedding:
-            return params[0]["tok_emb"]
+            table = params[0]["tok_emb"]
+            return table.dense() if isinstance(table, HalfTable) else table
         if tok_emb is None:
             raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
         want = (self.shape.vocab, self.shape.d_model)

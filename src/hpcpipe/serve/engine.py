@@ -39,6 +39,9 @@ def build_stage(setup: ServeSetup, pp_rank: int, backend: Any, world: Comm, poll
     holds_head = setup.shape.n_groups - 1 in mine
     needs_table = holds_head and setup.shape.tied and 0 not in mine
     indices = list(mine) + ([0] if needs_table else [])
+    if setup.weights.kind == "hf" and 0 in mine and not holds_head:
+        # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
+        setup.weights.half_embedding = True
     arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None

@@ -21,13 +21,16 @@ from hpcpipe.serve.textstream import TextStream
 from hpcpipe.state.outputs import write_json_output
 from hpcpipe.state.sources import protected_paths
 
-DESCRIPTION = """Generate text from a trained GPT with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
+DESCRIPTION = """Generate text from a GPT or Llama-family model (hpcpipe weights, a checkpoint, or a Hugging Face
+model directory) with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
 prefilled through the pipeline, then each new token is decoded with a KV cache per stage. The model and
 tokenizer are the ones stored with the weights; the layout comes from [parallel] (default pp=4, dp=world/pp)."""
 
 EPILOG = """examples:
   mpiexec -n 4 python -m hpcpipe.generate --weights gpt-text-ck --prompt "Q: What is" --max-new-tokens 60
   mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --temperature 0 --set parallel.pp=2
+  mpiexec -n 2 python -m hpcpipe.generate --weights SmolLM2-135M-Instruct --chat --prompt "What is MPI?" \\
+      --set parallel.pp=2 --set model.seq_len=2048
 
 The completion is printed to stdout as it is generated (the prompt is not repeated); --json FILE also
 writes {"prompt", "completion", "prompt_tokens", "tokens", "finish_reason", "seconds"}.
@@ -40,8 +43,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandParser(prog="python -m hpcpipe.generate", description=DESCRIPTION, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, metavar="PATH",
-                        help="GPT weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+                        help="weights file, checkpoint directory, step-NNNNNNNN directory, latest file, or a "
+                             "Hugging Face model directory")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (with --chat: the user's "
+                                                                       "message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as one user message through the model's chat template (as "
+                             "POST /v1/chat/completions does) and answer as the assistant")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="tokens to generate at most; generation also stops when the context is full (64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -72,10 +80,18 @@ def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
     if args.json is not None:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path", "generate")
-    try:
-        ids = p.tokenizer.encode(args.prompt)
-    except ValueError as exc:
-        raise ConfigError(f"--prompt cannot be encoded: {exc}") from None
+    if args.chat:
+        from hpcpipe.serve.chat_schema import chat_prompt
+        from hpcpipe.serve.openai_schema import ApiError
+        try:
+            ids = chat_prompt(p.tokenizer, [{"role": "user", "content": args.prompt}])
+        except ApiError as exc:
+            raise ConfigError(f"--chat: {exc.message}") from None
+    else:
+        try:
+            ids = p.tokenizer.encode(args.prompt)
+        except ValueError as exc:
+            raise ConfigError(f"--prompt cannot be encoded: {exc}") from None
     if len(ids) > p.shape.seq_len:
         raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
                           f"{p.shape.seq_len} tokens")

@@ -20,6 +20,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import HFModel, read_hf_config
 from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
+from hpcpipe.nn.half_table import HalfTable
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
 from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
 
@@ -44,6 +45,7 @@ class HFSource:
     step: int = field(default=0, init=False)
     manifest: None = field(default=None, init=False)
     files: dict[int, Path] = field(default_factory=dict, init=False)     # nothing of hpcpipe's own to protect
+    half_embedding: bool = False    # read tok_emb as a HalfTable when it is stored in 16 bits (forward-only use)
     _tokenizer: list = field(default_factory=list, init=False, repr=False)
 
     @property
@@ -101,9 +103,34 @@ class HFSource:
             self._tokenizer.append(from_hf_directory(self.path))
         return self._tokenizer[0]
 
-    def read(self, indices: list[int]) -> dict[int, dict[str, np.ndarray]]:
-        """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors."""
-        return read_groups(self.hf, self.tensors, list(indices), np.dtype(self.dtype))
+    def read(self, indices: list[int]) -> dict[int, dict[str, Any]]:
+        """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
+
+        With ``half_embedding``, group 0's tok_emb stored in bfloat16 or float16 comes as a
+        :class:`hpcpipe.nn.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
+        """
+        indices = list(indices)
+        half = self._half_table() if self.half_embedding and 0 in indices else None
+        rest = [i for i in indices if not (half is not None and i == 0)]
+        out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype))
+        if half is not None:
+            out[0] = {**read_groups(self.hf, self.tensors, [0], np.dtype(self.dtype), skip=("tok_emb",))[0],
+                      "tok_emb": half}
+        return dict(sorted(out.items()))
+
+    def _half_table(self) -> HalfTable | None:
+        """tok_emb as a HalfTable when the file stores it in 16 bits, else None."""
+        name = full_name(next(p.hf for p in group_pieces(self.hf.kind, self.hf.model, 0) if p.name == "tok_emb"),
+                         check_names(self.hf, self.tensors))
+        info = self.tensors.info(name)
+        if info.dtype not in ("BF16", "F16"):
+            return None
+        table = HalfTable(self.tensors.read(name, np.uint16), "bfloat16" if info.dtype == "BF16" else "float16",
+                          np.dtype(self.dtype))
+        bad = table.non_finite()
+        if bad:
+            raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s) (NaN or Inf)")
+        return table
 
     def read_optimizer(self, indices: list[int]) -> tuple[dict[str, Any], dict]:
         """A Hugging Face model holds no optimizer state: ConfigError."""

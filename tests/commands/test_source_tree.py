@@ -130,7 +130,8 @@ def test_schedules_and_models_import_no_mpi_and_no_runtime():
 
 def test_serving_front_end_reaches_no_mpi():
     # the HTTP thread of rank 0 must never make an MPI call: its modules import neither mpi4py nor the runtime
-    for name in ("broker", "completion", "http_api", "metrics", "openai_schema", "textstream"):
+    for name in ("broker", "completion", "http_api", "metrics", "openai_schema", "chat_schema", "responses",
+                 "textstream"):
         path = SRC / "serve" / f"{name}.py"
         for node in ast.walk(ast.parse(path.read_text())):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \

@@ -112,7 +112,7 @@ def _gpt_weights(tmp_path):
 CASES = {
     "GPT weights": (lambda t, w: (_gpt_weights(t), t / "in.h5", t / "out.h5", []),
                     "hpcpipe: error: --weights '{weights}' holds a GPT model (model.kind = \"gpt\", 4 layer groups): "
-                    "batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation is "
+                    "batch inference (python -m hpcpipe.infer) covers MLP models; text generation is "
                     "python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)"),
     "input width": (lambda t, w: (w, _wide_input(t), t / "out.h5", []),
                     "dataset 'x' in '{input}' has shape (8, 12); model.dims[0] = 16 needs (N, 16)"),

@@ -213,7 +213,7 @@ def test_plan_refuses_gpt_weights_pointing_at_generation(tmp_path):
     with pytest.raises(ConfigError) as exc:
         prepare(weights, data, tmp_path / "o.h5", 1, overrides=["parallel.pp=1"])
     assert str(exc.value) == (f"--weights {str(weights)!r} holds a GPT model (model.kind = \"gpt\", 3 layer groups): "
-                              f"batch inference (python -m hpcpipe.infer) covers MLP models; GPT text generation is "
+                              f"batch inference (python -m hpcpipe.infer) covers MLP models; text generation is "
                               f"python -m hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")
     assert not (tmp_path / "o.h5").exists()
 

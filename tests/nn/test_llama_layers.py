@@ -15,6 +15,7 @@ from hpcpipe.nn.rope import check_scaling, inverse_frequencies, rotate
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 torch = pytest.importorskip("torch")
+from support.llama_reference import torch_llama  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -39,67 +40,7 @@ def _model(shape, groups, dtype="float64"):
     return model
 
 
-# --- the independent reference: PyTorch autograd, straight from the contract
-
-def _torch_inv_freq(hd, theta, scaling):
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "linear":
-        return inv / scaling["factor"]
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        return torch.where(wavelen < ctx / high, inv, torch.where(wavelen > ctx / low, inv / factor, mid))
-    return inv
-
-
-def torch_llama(shape, groups, tokens, targets):
-    """(mean loss, grads by group, logits) of the contract's model in PyTorch float64 autograd."""
-    tg = [{k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in g.items()} for g in groups]
-    n_h, n_kv, hd, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.norm_eps
-    b, t = tokens.shape
-    angles = torch.arange(t, dtype=torch.float64)[:, None] * _torch_inv_freq(hd, shape.rope_theta,
-                                                                             shape.rope_scaling)[None]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-
-    def rope(x):                                     # (b, heads, t, hd), rotate_half
-        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    def rmsnorm(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-    def proj(u, p, name):
-        y = u @ p[f"attn/{name}/weight"]
-        return y + p[f"attn/{name}/bias"] if shape.qkv_bias else y
-
-    def attn(u, p):
-        q = proj(u, p, "q").reshape(b, t, n_h, hd).transpose(1, 2)
-        k = proj(u, p, "k").reshape(b, t, n_kv, hd).transpose(1, 2)
-        v = proj(u, p, "v").reshape(b, t, n_kv, hd).transpose(1, 2)
-        q, k = rope(q), rope(k)
-        k = k.repeat_interleave(n_h // n_kv, dim=1)    # query head i uses kv head i // (n_heads / n_kv_heads)
-        v = v.repeat_interleave(n_h // n_kv, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out = torch.softmax(scores, -1) @ v
-        return out.transpose(1, 2).reshape(b, t, n_h * hd) @ p["attn/o/weight"]
-
-    h = tg[0]["tok_emb"][torch.as_tensor(tokens)]
-    for p in tg[1:-1]:
-        a = h + attn(rmsnorm(h, p["attn_norm/weight"]), p)
-        u = rmsnorm(a, p["mlp_norm/weight"])
-        h = a + (torch.nn.functional.silu(u @ p["mlp/gate/weight"]) * (u @ p["mlp/up/weight"])) @ p["mlp/down/weight"]
-    u = rmsnorm(h, tg[-1]["norm/weight"])
-    logits = u @ (tg[0]["tok_emb"].T if shape.tied else tg[-1]["head/weight"])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab), torch.as_tensor(targets).reshape(-1))
-    loss.backward()
-    return loss.item(), [{k: v.grad.numpy() for k, v in g.items()} for g in tg], logits.detach().numpy()
-
+# --- the independent reference (PyTorch autograd, straight from the contract): tests/support/llama_reference.py
 
 CASES = {
     "gqa_tied_bias": LlamaShape(vocab=17, seq_len=8, d_model=16, n_heads=4, n_blocks=2, d_ff=24, tied=True,

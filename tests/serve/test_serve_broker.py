@@ -56,7 +56,7 @@ def test_reused_id_and_bad_capacity_and_bad_finish_are_refused():
             Broker(bad)
     b.take()
     with pytest.raises(ValueError, match="finish"):
-        b.deliver([Event("a", [], "stop")])
+        b.deliver([Event("a", [], "stopped")])
 
 
 def test_cancel_before_take_never_reaches_the_engine():

@@ -179,20 +179,22 @@ def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, share
 @pytest.mark.mpi(min_size=2)
 def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_tmp, monkeypatch):
     """SaveInfo.attrs (a GPT's tokenizer) lands in every stage file; verify passes, export and the source see it."""
+    import dataclasses
+
     import h5py
 
     from hpcpipe.checkpoint import export, verify
     from hpcpipe.state.sources import resolve_weights
-    from hpcpipe.train.setup import TrainSetup
+    from hpcpipe.state.stored_tokenizer import StoredTokenizer
 
     tokenizer = '{"kind": "bytes"}'
-    # what a GPT run passes (the data file's tokenizer), here on the small MLP of this file
-    monkeypatch.setattr(TrainSetup, "tokenizer_attrs", lambda self: {"tokenizer": tokenizer})
     comm = sub_world(world, 2)
     if comm is None:
         return
     ck_dir = os.path.join(shared_tmp, "ck-attrs")
     trainer = make_trainer(comm, _sections(ck_dir, 1, 2))
+    # what a GPT run carries (the data file's tokenizer), here on the small MLP of this file
+    trainer.setup = dataclasses.replace(trainer.setup, tokenizer=StoredTokenizer(tokenizer))
     trainer.train_step(0)
     final = trainer.save_checkpoint(1)
     trainer.close()
@@ -201,7 +203,7 @@ def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_t
             with h5py.File(final / f"stage-00{pp_rank}.h5") as f:
                 assert f.attrs["tokenizer"] == tokenizer and f.attrs["pp_rank"] == pp_rank
         assert verify(ck_dir).step == 1
-        assert resolve_weights(ck_dir).tokenizer() == tokenizer
+        assert resolve_weights(ck_dir).tokenizer().attr == tokenizer
         out = os.path.join(shared_tmp, "attrs-export.h5")
         export(ck_dir, out)
         with h5py.File(out) as f:

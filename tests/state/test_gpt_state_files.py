@@ -75,7 +75,7 @@ def test_gpt_weights_round_trip_with_nested_names_and_optimizer_state(tmp_path):
     assert sorted(state[1]) == ["exp_avg", "exp_avg_sq"]
     assert np.array_equal(state[1]["exp_avg"]["mlp/fc/weight"], arrays[1]["mlp/fc/weight"] + 1)
     source = resolve_weights(path)
-    assert source.model_kind == "gpt" and source.tokenizer() == TOKENIZER
+    assert source.model_kind == "gpt" and source.tokenizer().attr == TOKENIZER
     source.check(SPECS)
 
 
@@ -187,7 +187,7 @@ def test_mlp_checkpoint_where_a_gpt_is_expected_is_refused_by_kind(tmp_path):
 
 
 def test_unknown_or_incomplete_stored_models_are_named():
-    with pytest.raises(ConfigError, match=r"w\.h5 records model\.kind = 'rnn'; this hpcpipe knows 'mlp' and 'gpt'"):
+    with pytest.raises(ConfigError, match=r"w\.h5 records model\.kind = 'rnn'; this hpcpipe knows 'mlp', 'gpt', 'llam"):
         stored_kind({"kind": "rnn"}, "w.h5")
     with pytest.raises(ConfigError, match=r"w\.h5 records model.kind = 'rnn'"):
         check_kind({"kind": "rnn"}, 3, MLP_SPECS, "w.h5")

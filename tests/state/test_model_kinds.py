@@ -111,6 +111,6 @@ def test_infer_refuses_a_gpt_checkpoint(gpt_checkpoint):
                                             "--set", "parallel.pp=2"], cwd=gpt_checkpoint, timeout=60)
     line = _refused_before_any_collective(proc)
     assert line == ("hpcpipe: error: --weights 'ck' holds a GPT model (model.kind = \"gpt\", 4 layer groups): batch "
-                    "inference (python -m hpcpipe.infer) covers MLP models; GPT text generation is python -m "
+                    "inference (python -m hpcpipe.infer) covers MLP models; text generation is python -m "
                     "hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")
     assert not (gpt_checkpoint / "o.h5").exists()

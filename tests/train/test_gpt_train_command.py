@@ -92,7 +92,7 @@ def test_more_stages_than_layer_groups(tmp_path):
 
 def test_mlp_key_with_gpt(tmp_path):
     line = _refused(tmp_path, SMALL + _set("parallel.pp=2", "model.dims=[4, 4]"))
-    assert "model.dims is an MLP-only key" in line
+    assert "model.dims is a key of an MLP and cannot be set with model.kind = 'gpt'" in line
 
 
 def test_loss_other_than_token_cross_entropy(tmp_path):

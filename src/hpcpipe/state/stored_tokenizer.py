@@ -83,22 +83,23 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
             value = value.decode("utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"{label}: root attribute tokenizer is not UTF-8 text") from None
-    if not isinstance(value, str):
-        raise ConfigError(f"{label}: root attribute tokenizer must be JSON text, got {type(value).__name__}")
     try:
-        doc = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{label}: root attribute tokenizer is not valid JSON ({exc})") from None
+        doc = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        doc = None       # Tokenizer.from_json below says what is wrong
     if isinstance(doc, dict) and doc.get("kind") == HF_KIND:
         from hpcpipe.hf.tokenizer import read_tokenizer_files
         stored = StoredTokenizer(value, tuple(sorted(read_tokenizer_files(f).items())))
-    else:
-        stored = StoredTokenizer(value)
+        try:
+            stored.load()
+        except ConfigError as exc:
+            raise ConfigError(f"{label}: root attribute tokenizer: {exc}") from None
+        return stored
     try:
-        stored.load()
-    except (ValueError, ConfigError) as exc:
-        raise ConfigError(f"{label}: root attribute {str(exc).removeprefix('tokenizer: ')}") from None
-    return stored
+        Tokenizer.from_json(value)
+    except ValueError as exc:    # "tokenizer: ..." as Tokenizer.from_json words it
+        raise ConfigError(f"{label}: root attribute {exc}") from None
+    return StoredTokenizer(value)
 
 
 def read_stored(f: Any, label: str) -> StoredTokenizer | None:

@@ -9,6 +9,7 @@ collective.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -31,6 +32,7 @@ KIND_NAMES = {"mlp": "an MLP", "gpt": "a GPT", "llama": "a Llama-family model"}
 class ParallelConfig:
     pp: int | str = 4
     dp: int | str = "auto"
+    tp: int = 1                # tensor-parallel ranks per stage: world = dp x pp x tp
     schedule: str = "gpipe"
     virtual_stages: int = 1
     # explicit layers per stage; [] = balance by FLOPs; "profile" = balance by this host's measured costs
@@ -212,9 +214,24 @@ def _build(section_cls: type, name: str, values: dict[str, Any]) -> Any:
     known = {f.name for f in fields(section_cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown key {name}.{unknown[0]} (known keys in [{name}]: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown key {name}.{unknown[0]}{_did_you_mean(name, unknown[0])} "
+                          f"(known keys in [{name}]: {', '.join(sorted(known))})")
     kwargs = {key: _check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()}
     return section_cls(**kwargs)
+
+
+def _did_you_mean(section: str, key: str) -> str:
+    """': did you mean section.key?' for the known key closest to a misspelled one (this section first), or ''."""
+    hints = get_type_hints(Config)
+    mine = [f.name for f in fields(hints[section])]
+    close = difflib.get_close_matches(key, mine, n=1)
+    if close:
+        return f": did you mean {section}.{close[0]}?"
+    # a key of another section ([model] steps = 5): the same name, or one close to it, there
+    others = {f"{name}.{f.name}": f.name for name in hints for f in fields(hints[name]) if name != section}
+    close = difflib.get_close_matches(key, list(others.values()), n=1, cutoff=0.8)
+    found = [full for full, short in others.items() if close and short == close[0]]
+    return f": did you mean {found[0]}?" if found else ""
 
 
 def _parse_value(text: str) -> Any:
@@ -292,7 +309,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     hints = get_type_hints(Config)
     unknown = sorted(set(raw) - set(sections))
     if unknown:
-        raise ConfigError(f"unknown section [{unknown[0]}] (known sections: {', '.join(sections)})")
+        close = difflib.get_close_matches(unknown[0], list(sections), n=1)
+        hint = f": did you mean [{close[0]}]?" if close else ""
+        raise ConfigError(f"unknown section [{unknown[0]}]{hint} (known sections: {', '.join(sections)})")
     model, train = raw.get("model"), raw.get("train", {})
     if isinstance(model, dict) and model.get("kind") in DECODERS and isinstance(train, dict):
         # a GPT's loss is token cross-entropy: the default, so that a saved config reads back
@@ -326,20 +345,28 @@ def _check_kind_keys(raw: dict[str, Any]) -> None:
 
 
 def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
-    """Return (dp, pp) for this world size, or raise ConfigError naming the mismatch."""
-    pp, dp = config.parallel.pp, config.parallel.dp
+    """Return (dp, pp) for this world size (dp x pp x parallel.tp ranks), or raise ConfigError naming the mismatch."""
+    pp, dp, tp = config.parallel.pp, config.parallel.dp, config.parallel.tp
+    if world_size % tp:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp ({tp}): dp x pp x tp must equal "
+                          f"the world size")
+    grid = world_size // tp       # the (dp, pp) cells; each holds tp ranks
+    if tp > 1 and pp != "auto" and dp != "auto" and dp * pp * tp != world_size:
+        raise ConfigError(f"world size {world_size} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) x "
+                          f"parallel.tp ({tp}) = {dp * pp * tp}")
+    cells = f"world size {world_size}" if tp == 1 else f"world size {world_size} / parallel.tp ({tp}) = {grid}"
     if pp == "auto":
-        if world_size % dp:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp ({dp})")
-        pp = world_size // dp
+        if grid % dp:
+            raise ConfigError(f"{cells} is not divisible by parallel.dp ({dp})")
+        pp = grid // dp
     if dp == "auto":
-        if world_size % pp:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp ({pp}): run on a multiple "
-                              f"of {pp} ranks, or set parallel.pp to a divisor of {world_size} (e.g. "
+        if grid % pp:
+            raise ConfigError(f"{cells} is not divisible by parallel.pp ({pp}): run on a multiple "
+                              f"of {pp * tp} ranks, or set parallel.pp to a divisor of {grid} (e.g. "
                               f"--set parallel.pp=1)")
-        dp = world_size // pp
-    if dp * pp != world_size:
-        raise ConfigError(f"world size {world_size} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) = {dp * pp}")
+        dp = grid // pp
+    if dp * pp != grid:
+        raise ConfigError(f"{cells} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) = {dp * pp}")
     vs = config.parallel.virtual_stages
     if pp * vs > config.n_layers:
         raise ConfigError(f"parallel.pp ({pp}) x parallel.virtual_stages ({vs}) exceeds the number of layers "

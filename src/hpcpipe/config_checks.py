@@ -34,6 +34,7 @@ def validate(config: Config) -> None:
                  f"parallel.{axis} must be a positive integer or \"auto\", got {v!r}")
     _require(not (par.pp == "auto" and par.dp == "auto"),
              "parallel.pp and parallel.dp cannot both be \"auto\"")
+    _require(par.tp >= 1, f"parallel.tp must be a positive integer, got {par.tp!r}")
     _require(par.schedule in SCHEDULES,
              f"parallel.schedule {par.schedule!r} is not one of {', '.join(SCHEDULES)}")
     _require(par.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
@@ -45,6 +46,8 @@ def validate(config: Config) -> None:
         _validate_gpt(mod)
     elif mod.kind == "llama":
         _validate_llama(mod)
+    if par.tp > 1:
+        _validate_tp(mod, par.tp)
     _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
              f"model.dims needs at least two positive widths, got {mod.dims}")
     _require(mod.activation in ACTIVATIONS,
@@ -142,3 +145,29 @@ def _validate_llama(mod: ModelConfig) -> None:
             check_scaling(mod.rope_scaling)
         except ValueError as exc:
             raise ConfigError(f"model.rope_scaling: {exc}") from None
+
+
+def _validate_tp(mod: ModelConfig, tp: int) -> None:
+    """Check that the model splits over parallel.tp ranks: heads and hidden widths divisible by tp."""
+    where = f"parallel.tp = {tp}"
+    if mod.kind == "mlp":
+        # layers alternate column- and row-parallel: the even layers' outputs are cut over the ranks
+        cut = [mod.dims[i + 1] for i in range(0, len(mod.dims) - 1, 2)]
+        bad = [w for w in cut if w % tp]
+        _require(not bad, f"{where}: the MLP's column-parallel layers (0, 2, ...) have output widths {cut}, "
+                          f"which tp must divide ({bad[0] if bad else ''} is not divisible)")
+        return
+    ff = mod.d_ff or (4 * mod.d_model if mod.kind == "gpt" else _llama_ff(mod.d_model))
+    _require(mod.n_heads % tp == 0, f"{where} does not divide model.n_heads ({mod.n_heads}): attention is split by "
+                                    f"heads")
+    _require(ff % tp == 0, f"{where} does not divide the MLP width ({ff}, model.d_ff): the MLP is split by columns")
+    if mod.kind == "llama":
+        kv = mod.n_kv_heads or mod.n_heads
+        _require(kv % tp == 0 or tp % kv == 0,
+                 f"{where}: model.n_kv_heads ({kv}) must be divisible by tp or divide it (key/value heads are split "
+                 f"over the ranks, or each held by tp / n_kv_heads ranks)")
+
+
+def _llama_ff(d_model: int) -> int:
+    """Meta's MLP width for d_model (as nn.llama_params.default_ff)."""
+    return (int(8 * d_model / 3) + 255) // 256 * 256

@@ -4,7 +4,9 @@
 head h is the contiguous slice h * d_head : (h + 1) * d_head of each; scores
 ``q k^T / sqrt(d_head)`` are masked causally (a token sees itself and earlier
 tokens), softmaxed over keys, applied to v; heads are concatenated back in
-order and projected: ``y = heads @ Wproj + bproj``.
+order and projected: ``y = heads @ Wproj + bproj``. With tensor parallelism a rank holds the q, k and
+v columns of n_heads / tp heads (``attn/qkv`` column-parallel: its input gradient is summed over the
+ranks) and their rows of ``attn/proj`` (row-parallel: its partial output is summed before the bias).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from hpcpipe.nn.linear import linear, rows
 class CausalSelfAttention:
     """Attention block ``attn/{qkv,proj}/{weight,bias}`` over (micro-batch, T, d) activations."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], n_heads: int, xp: Any, prefix: str = "attn"):
-        self.qkv = linear(params, grads, f"{prefix}/qkv", xp)
-        self.proj = linear(params, grads, f"{prefix}/proj", xp)
-        d = params[f"{prefix}/proj/weight"].shape[0]
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], n_heads: int, xp: Any, prefix: str = "attn",
+                 tp: Any = None):
+        split = tp if tp is not None and tp.size > 1 else None
+        self.qkv = linear(params, grads, f"{prefix}/qkv", xp, reduce_input_grad=split)
+        self.proj = linear(params, grads, f"{prefix}/proj", xp, reduce_out=split)
+        d = params[f"{prefix}/proj/weight"].shape[0]       # this rank's heads' width
         if d % n_heads:
-            raise ValueError(f"attention width {d} is not a multiple of n_heads {n_heads}")
+            raise ValueError(f"attention width {d} is not a multiple of n_heads {n_heads} (this rank's heads)")
         self.n_heads, self.d_head = n_heads, d // n_heads
         self.xp = xp
         self._masks: dict[int, Any] = {}
@@ -48,7 +52,7 @@ class CausalSelfAttention:
         scores -= scores.max(axis=-1, keepdims=True)
         p = xp.exp(scores, out=scores)
         p /= p.sum(axis=-1, keepdims=True)
-        heads = (p @ v).transpose(0, 2, 1, 3).reshape(b * t, d)
+        heads = (p @ v).transpose(0, 2, 1, 3).reshape(b * t, self.n_heads * self.d_head)
         y, proj_cache = self.proj.forward(heads)
         return y.reshape(b, t, d), (qkv_cache, q, k, v, p, proj_cache)
 
@@ -75,7 +79,7 @@ class CausalSelfAttention:
         xp.matmul(gs.swapaxes(-1, -2), q, out=layout[1])
         g_qkv = g_qkv.reshape(b * t, 3 * h * dh)
         gu, dz_qkv = self.qkv.backward_input(qkv_cache, g_qkv)
-        return gu.reshape(b, t, h * dh), (dz_qkv, dz_proj)
+        return gu.reshape(b, t, -1), (dz_qkv, dz_proj)
 
     def backward_weight(self, cache: tuple, state: tuple[Any, Any]) -> None:
         """Accumulate the gradients of attn/qkv and attn/proj."""

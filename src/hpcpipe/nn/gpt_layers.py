@@ -6,7 +6,9 @@ mlp(u) = gelu_tanh(u @ Wfc + bfc) @ Wmp + bmp. ``OutputHead`` (group
 n_blocks + 1): logits = ln_f(h) @ tok_emb.T (tied) or ln_f(h) @ head (untied).
 Every layer has ``forward(x) -> (y, cache)``, ``backward_input(cache, g) ->
 (gx, state)``, ``backward_weight(cache, state)`` and ``backward`` (both), with
-gradients accumulated into the arrays given at construction (buffer views).
+gradients accumulated into the arrays given at construction (buffer views). With tensor parallelism
+(``tp``: the stage's group, :mod:`hpcpipe.nn.sharding` says which part of each parameter a rank holds)
+the blocks are split Megatron-style and the embedding and head by vocabulary.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.layers import GELU, Activation, Dense
 from hpcpipe.nn.linear import linear, rows
 from hpcpipe.nn.norm import LayerNorm
+from hpcpipe.nn.tensor_parallel import is_split, vocab_lookup, vocab_scatter_add
 
 
 def layer_norm(params: dict[str, Any], grads: dict[str, Any], prefix: str, xp: Any) -> LayerNorm:
@@ -29,11 +32,12 @@ def layer_norm(params: dict[str, Any], grads: dict[str, Any], prefix: str, xp: A
 class GeluMLP:
     """``gelu_tanh(u @ Wfc + bfc) @ Wmp + bmp`` (``mlp/fc``, ``mlp/proj``) over (micro-batch, T, d) blocks."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str = "mlp"):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str = "mlp", tp: Any = None):
         fc = f"{prefix}/fc"
+        split = tp if is_split(tp) else None     # fc column-parallel, proj row-parallel
         self.fc = Dense(-1, params[f"{fc}/weight"], params[f"{fc}/bias"], grads[f"{fc}/weight"],
-                        grads[f"{fc}/bias"], GELU(), xp)
-        self.proj = linear(params, grads, f"{prefix}/proj", xp)
+                        grads[f"{fc}/bias"], GELU(), xp, reduce_input_grad=split)
+        self.proj = linear(params, grads, f"{prefix}/proj", xp, reduce_out=split)
 
     def forward(self, u: Any) -> tuple[Any, tuple]:
         """Return (MLP output, cache)."""
@@ -67,11 +71,12 @@ class GeluMLP:
 class Block:
     """One pre-LN decoder block: ``a = h + attn(ln1(h)); y = a + mlp(ln2(a))``."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], n_heads: int, xp: Any):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], n_heads: int, xp: Any, tp: Any = None):
+        size = tp.size if tp is not None else 1
         self.ln1 = layer_norm(params, grads, "ln1", xp)
-        self.attn = CausalSelfAttention(params, grads, n_heads, xp)
+        self.attn = CausalSelfAttention(params, grads, n_heads // size, xp, tp=tp)
         self.ln2 = layer_norm(params, grads, "ln2", xp)
-        self.mlp = GeluMLP(params, grads, xp)
+        self.mlp = GeluMLP(params, grads, xp, tp=tp)
 
     def forward(self, h: Any) -> tuple[Any, tuple]:
         """Return (block output, cache) for a (micro-batch, T, d) block."""
@@ -116,17 +121,20 @@ class Block:
 class Embedding:
     """``tok_emb[tokens] + pos_emb[0:T]`` for integer tokens of shape (micro-batch, T)."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any = None, lo: int = 0):
         self.tok_emb, self.pos_emb = params["tok_emb"], params["pos_emb"]
         self.grad_tok_emb, self.grad_pos_emb = grads["tok_emb"], grads["pos_emb"]
         self.xp = xp
+        self.tp, self.lo = tp, lo      # this rank's rows of tok_emb are token ids [lo, lo + rows)
 
     def forward(self, tokens: Any) -> tuple[Any, Any]:
         """Return ((micro-batch, T, d) embeddings, cache = tokens)."""
         t = tokens.shape[1]
         if t > self.pos_emb.shape[0]:
             raise ValueError(f"sequence of {t} tokens is longer than the {self.pos_emb.shape[0]} positions")
-        return self.tok_emb[tokens] + self.pos_emb[:t], tokens
+        h = vocab_lookup(self.xp, self.tok_emb, tokens, self.lo, self.tp)
+        h += self.pos_emb[:t]
+        return h, tokens
 
     def forward_cache(self, tokens: Any) -> Any:
         """Return only the cache of forward(tokens): the tokens."""
@@ -140,7 +148,7 @@ class Embedding:
         """Accumulate dL/dtok_emb (a repeated token sums its rows) and dL/dpos_emb."""
         # add.at, unlike ``grad[tokens] += rows``, adds every occurrence of a repeated token (CuPy >= 12 has
         # ufunc.at for add; cupyx.scatter_add is the same operation on older CuPy)
-        self.xp.add.at(self.grad_tok_emb, cache.reshape(-1), rows(g))
+        vocab_scatter_add(self.xp, self.grad_tok_emb, cache, rows(g), self.lo, self.tp)
         self.grad_pos_emb[:g.shape[1]] += g.sum(axis=0)
 
     def backward(self, cache: Any, g: Any, need_input_grad: bool = True) -> None:
@@ -153,16 +161,18 @@ class OutputHead:
     """``ln_f(h) @ tok_emb.T`` (tied: accumulates into tok_emb's gradient) or ``ln_f(h) @ head`` (untied)."""
 
     def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                 tok_emb: Any = None, grad_tok_emb: Any = None):
+                 tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None):
         self.ln_f = layer_norm(params, grads, "ln_f", xp)
         tied = "head/weight" not in params
-        if tied and (tok_emb is None or grad_tok_emb is None):
-            raise ValueError("a tied output head needs tok_emb and its gradient")
+        if tied and tok_emb is None:
+            raise ValueError("a tied output head needs tok_emb")
+        split = tp if is_split(tp) else None    # vocabulary-parallel: its input gradient is summed over tp
         if tied:
             # transposed views: the head reads tok_emb and accumulates into its gradient in place
-            self.head = Dense(-1, tok_emb.T, None, grad_tok_emb.T, None, Activation(), xp)
+            self.head = Dense(-1, tok_emb.T, None, None if grad_tok_emb is None else grad_tok_emb.T, None,
+                              Activation(), xp, reduce_input_grad=split)
         else:
-            self.head = linear(params, grads, "head", xp, bias=False)
+            self.head = linear(params, grads, "head", xp, bias=False, reduce_input_grad=split)
         self.tied = tied
 
     def forward(self, h: Any) -> tuple[Any, tuple]:
@@ -195,10 +205,12 @@ class OutputHead:
 
 
 def build_layer(shape: GPTShape, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                tok_emb: Any = None, grad_tok_emb: Any = None) -> Embedding | Block | OutputHead:
-    """Return the layer of group ``index`` over its parameter and gradient views (tok_emb: for a tied head)."""
+                tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None,
+                lo: int = 0) -> Embedding | Block | OutputHead:
+    """Return the layer of group ``index`` over its parameter and gradient views (tok_emb: for a tied head;
+    tp: the stage's tensor-parallel group, lo: the first token id of this rank's vocabulary part)."""
     if index == 0:
-        return Embedding(params, grads, xp)
+        return Embedding(params, grads, xp, tp, lo)
     if index <= shape.n_blocks:
-        return Block(params, grads, shape.n_heads, xp)
-    return OutputHead(params, grads, xp, tok_emb, grad_tok_emb)
+        return Block(params, grads, shape.n_heads, xp, tp)
+    return OutputHead(params, grads, xp, tok_emb, grad_tok_emb, tp)

@@ -30,14 +30,16 @@ class GQAttention:
     """Attention ``attn/{q,k,v,o}/weight`` (+ ``attn/{q,k,v}/bias``) over (micro-batch, T, d) activations."""
 
     def __init__(self, params: dict[str, Any], grads: dict[str, Any], n_heads: int, n_kv_heads: int, rope: Rope,
-                 xp: Any, prefix: str = "attn"):
+                 xp: Any, prefix: str = "attn", tp: Any = None):
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"attention n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
         bias = f"{prefix}/q/bias" in params
         self.q = linear(params, grads, f"{prefix}/q", xp, bias=bias)
         self.k = linear(params, grads, f"{prefix}/k", xp, bias=bias)
         self.v = linear(params, grads, f"{prefix}/v", xp, bias=bias)
-        self.o = linear(params, grads, f"{prefix}/o", xp, bias=False)
+        # tensor parallel: this rank's heads; q, k, v column-parallel (one sum of their input gradients), o row-
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.o = linear(params, grads, f"{prefix}/o", xp, bias=False, reduce_out=self.tp)
         hd = rope.head_dim
         q_width, kv_width = self.q.weight.shape[1], self.k.weight.shape[1]
         if q_width != n_heads * hd or kv_width != n_kv_heads * hd:
@@ -133,6 +135,8 @@ class GQAttention:
         if need_input_grad:
             gu_q += gu_k
             gu_q += gu_v
+            if self.tp is not None:
+                self.tp.sum_(gu_q)
             gu = gu_q.reshape(b, t, -1)
         return gu, (dz_q, dz_k, dz_v, dz_o)
 

@@ -167,20 +167,27 @@ class Dense:
     """One global layer: ``act(x @ weight + bias)`` with parameters and gradients as buffer views.
 
     ``grad_weight`` (and ``grad_bias``) None makes a forward-only layer (KV-cached decoding).
+    With tensor parallelism (:mod:`hpcpipe.nn.tensor_parallel`), a row-parallel layer (``reduce_out``:
+    the tp group) holds rows of the weight, sums its partial products over the ranks, then adds the
+    replicated bias; a column-parallel one (``reduce_input_grad``) holds columns and sums its partial
+    input gradients, where the split began.
     """
 
     def __init__(self, index: int, weight: Any, bias: Any | None, grad_weight: Any, grad_bias: Any | None,
-                 activation: Activation, xp: Any):
+                 activation: Activation, xp: Any, reduce_out: Any = None, reduce_input_grad: Any = None):
         self.index = index
         self.weight, self.bias = weight, bias
         self.grad_weight, self.grad_bias = grad_weight, grad_bias
         self.activation = activation
         self.xp = xp
+        self.reduce_out, self.reduce_input_grad = reduce_out, reduce_input_grad
         self._gemm = _inplace_gemm(xp, grad_weight)
 
     def forward(self, x: Any) -> tuple[Any, tuple[Any, Any]]:
         """Return (output, cache) for input rows x of shape (batch, in_features)."""
         z = x @ self.weight
+        if self.reduce_out is not None:
+            self.reduce_out.sum_(z)
         if self.bias is not None:
             z += self.bias
         y, saved = self.activation.forward(self.xp, z)
@@ -188,7 +195,7 @@ class Dense:
 
     def forward_cache(self, x: Any) -> tuple[Any, Any]:
         """Return only the cache of forward(x) (recomputation): without an activation the output is not computed."""
-        if type(self.activation) is Activation:
+        if type(self.activation) is Activation:    # a row-parallel output's sum is skipped too, on every rank
             return x, None
         return self.forward(x)[1]
 
@@ -196,6 +203,8 @@ class Dense:
         """Return (dL/dx or None, dL/dz) from dL/dy; dL/dz feeds backward_weight."""
         dz = self.activation.backward(self.xp, cache[1], g)
         gx = dz @ self.weight.T if need_input_grad else None
+        if gx is not None and self.reduce_input_grad is not None:
+            self.reduce_input_grad.sum_(gx)
         return gx, dz
 
     def backward_weight(self, cache: tuple[Any, Any], dz: Any) -> None:

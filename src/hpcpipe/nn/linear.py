@@ -12,10 +12,15 @@ from typing import Any
 from hpcpipe.nn.layers import Activation, Dense
 
 
-def linear(params: dict[str, Any], grads: dict[str, Any], prefix: str, xp: Any, bias: bool = True) -> Dense:
-    """Return ``x @ params[prefix/weight] (+ params[prefix/bias])`` accumulating into the matching grads."""
+def linear(params: dict[str, Any], grads: dict[str, Any], prefix: str, xp: Any, bias: bool = True,
+           reduce_out: Any = None, reduce_input_grad: Any = None) -> Dense:
+    """Return ``x @ params[prefix/weight] (+ params[prefix/bias])`` accumulating into the matching grads.
+
+    ``reduce_out`` / ``reduce_input_grad``: the tp group of a row- / column-parallel layer (see Dense).
+    """
     return Dense(-1, params[f"{prefix}/weight"], params[f"{prefix}/bias"] if bias else None,
-                 grads[f"{prefix}/weight"], grads[f"{prefix}/bias"] if bias else None, Activation(), xp)
+                 grads[f"{prefix}/weight"], grads[f"{prefix}/bias"] if bias else None, Activation(), xp,
+                 reduce_out, reduce_input_grad)
 
 
 def rows(x: Any) -> Any:

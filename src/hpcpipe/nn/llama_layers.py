@@ -8,7 +8,9 @@
 ``OutputHead`` (group n_blocks + 1): logits = rmsnorm(h; norm) @ tok_emb.T (tied) or @ head (untied).
 Every layer has ``forward(x) -> (y, cache)``, ``forward_cache``, ``backward_input(cache, g) ->
 (gx, state)``, ``backward_weight(cache, state)`` and ``backward`` (both), with gradients
-accumulated into the arrays given at construction (buffer views; None for forward-only use).
+accumulated into the arrays given at construction (buffer views; None for forward-only use). With
+tensor parallelism (``tp``, :mod:`hpcpipe.nn.sharding`) attention is split by heads, the MLP by its
+hidden columns, the embedding and the head by vocabulary.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from hpcpipe.nn.linear import linear, rows
 from hpcpipe.nn.llama_params import LlamaShape
 from hpcpipe.nn.rmsnorm import RMSNorm
 from hpcpipe.nn.rope import Rope, shared_rope
+from hpcpipe.nn.sharding import kv_heads_of
+from hpcpipe.nn.tensor_parallel import is_split, vocab_lookup, vocab_scatter_add
 
 
 def rms_norm(params: dict[str, Any], grads: dict[str, Any], prefix: str, eps: float, xp: Any) -> RMSNorm:
@@ -40,10 +44,11 @@ class SwiGLU:
     d_up = dh act, d_gate = dh up (s + act (1 - s)).
     """
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str = "mlp"):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str = "mlp", tp: Any = None):
+        self.tp = tp if is_split(tp) else None      # gate and up column-parallel, down row-parallel
         self.gate = linear(params, grads, f"{prefix}/gate", xp, bias=False)
         self.up = linear(params, grads, f"{prefix}/up", xp, bias=False)
-        self.down = linear(params, grads, f"{prefix}/down", xp, bias=False)
+        self.down = linear(params, grads, f"{prefix}/down", xp, bias=False, reduce_out=self.tp)
         self.xp = xp
 
     def _hidden(self, u: Any) -> tuple[Any, tuple]:
@@ -85,6 +90,8 @@ class SwiGLU:
         gu_up, dz_up = self.up.backward_input(c_up, d_up, need_input_grad)
         if need_input_grad:
             gu += gu_up
+            if self.tp is not None:     # one sum of gate's and up's partial input gradients
+                self.tp.sum_(gu)
             gu = gu.reshape(g.shape)
         return gu, (dz_gate, dz_up, dz_down)
 
@@ -104,12 +111,14 @@ class SwiGLU:
 class Block:
     """One pre-RMSNorm decoder block: ``a = h + attn(norm(h)); y = a + mlp(norm(a))``."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], shape: LlamaShape, xp: Any):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], shape: LlamaShape, xp: Any, tp: Any = None):
         rope = model_rope(shape, xp, params["attn/q/weight"].dtype)
+        size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+        kv = len(kv_heads_of(shape.n_heads, shape.n_kv_heads, size, rank))    # the kv heads this rank holds
         self.attn_norm = rms_norm(params, grads, "attn_norm", shape.norm_eps, xp)
-        self.attn = GQAttention(params, grads, shape.n_heads, shape.n_kv_heads, rope, xp)
+        self.attn = GQAttention(params, grads, shape.n_heads // size, kv, rope, xp, tp=tp)
         self.mlp_norm = rms_norm(params, grads, "mlp_norm", shape.norm_eps, xp)
-        self.mlp = SwiGLU(params, grads, xp)
+        self.mlp = SwiGLU(params, grads, xp, tp=tp)
 
     def forward(self, h: Any) -> tuple[Any, tuple]:
         """Return (block output, cache) for a (micro-batch, T, d) block."""
@@ -155,16 +164,18 @@ class Block:
 class Embedding:
     """``tok_emb[tokens]`` for integer tokens of shape (micro-batch, T); positions enter through RoPE."""
 
-    def __init__(self, params: dict[str, Any], grads: dict[str, Any], seq_len: int, xp: Any):
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], seq_len: int, xp: Any, tp: Any = None,
+                 lo: int = 0):
         self.tok_emb, self.grad_tok_emb = params["tok_emb"], grads["tok_emb"]
         self.seq_len = seq_len
         self.xp = xp
+        self.tp, self.lo = tp, lo      # this rank's rows of tok_emb are token ids [lo, lo + rows)
 
     def forward(self, tokens: Any) -> tuple[Any, Any]:
         """Return ((micro-batch, T, d) embeddings, cache = tokens)."""
         if tokens.shape[1] > self.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the {self.seq_len} positions")
-        return self.tok_emb[tokens], tokens
+        return vocab_lookup(self.xp, self.tok_emb, tokens, self.lo, self.tp), tokens
 
     def forward_cache(self, tokens: Any) -> Any:
         """Return only the cache of forward(tokens): the tokens."""
@@ -177,7 +188,7 @@ class Embedding:
     def backward_weight(self, cache: Any, g: Any) -> None:
         """Accumulate dL/dtok_emb (a repeated token sums its rows)."""
         # add.at, unlike ``grad[tokens] += rows``, adds every occurrence of a repeated token
-        self.xp.add.at(self.grad_tok_emb, cache.reshape(-1), rows(g))
+        vocab_scatter_add(self.xp, self.grad_tok_emb, cache, rows(g), self.lo, self.tp)
 
     def backward(self, cache: Any, g: Any, need_input_grad: bool = True) -> None:
         """Accumulate the embedding gradient; return None (no input gradient)."""
@@ -188,17 +199,18 @@ class OutputHead:
     """``rmsnorm(h) @ tok_emb.T`` (tied: accumulates into tok_emb's gradient) or ``rmsnorm(h) @ head`` (untied)."""
 
     def __init__(self, params: dict[str, Any], grads: dict[str, Any], eps: float, xp: Any,
-                 tok_emb: Any = None, grad_tok_emb: Any = None):
+                 tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None):
         self.norm = rms_norm(params, grads, "norm", eps, xp)
         tied = "head/weight" not in params
         if tied and tok_emb is None:
             raise ValueError("a tied output head needs tok_emb (and its gradient, for training)")
+        split = tp if is_split(tp) else None    # vocabulary-parallel: its input gradient is summed over tp
         if tied:
             # transposed views: the head reads tok_emb and accumulates into its gradient in place
             self.head = Dense(-1, tok_emb.T, None, None if grad_tok_emb is None else grad_tok_emb.T, None,
-                              Activation(), xp)
+                              Activation(), xp, reduce_input_grad=split)
         else:
-            self.head = linear(params, grads, "head", xp, bias=False)
+            self.head = linear(params, grads, "head", xp, bias=False, reduce_input_grad=split)
         self.tied = tied
 
     def forward(self, h: Any) -> tuple[Any, tuple]:
@@ -231,10 +243,12 @@ class OutputHead:
 
 
 def build_layer(shape: LlamaShape, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                tok_emb: Any = None, grad_tok_emb: Any = None) -> Embedding | Block | OutputHead:
-    """Return the layer of group ``index`` over its parameter and gradient views (tok_emb: for a tied head)."""
+                tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None,
+                lo: int = 0) -> Embedding | Block | OutputHead:
+    """Return the layer of group ``index`` over its parameter and gradient views (tok_emb: for a tied head;
+    tp: the stage's tensor-parallel group, lo: the first token id of this rank's vocabulary part)."""
     if index == 0:
-        return Embedding(params, grads, shape.seq_len, xp)
+        return Embedding(params, grads, shape.seq_len, xp, tp, lo)
     if index <= shape.n_blocks:
-        return Block(params, grads, shape, xp)
-    return OutputHead(params, grads, shape.norm_eps, xp, tok_emb, grad_tok_emb)
+        return Block(params, grads, shape, xp, tp)
+    return OutputHead(params, grads, shape.norm_eps, xp, tok_emb, grad_tok_emb, tp)

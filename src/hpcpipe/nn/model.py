@@ -16,6 +16,7 @@ import numpy as np
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.protocol import Layer
+from hpcpipe.nn.sharding import assemble
 
 
 @dataclass(frozen=True)
@@ -177,18 +178,24 @@ class RankParameters:
     embedding reads its own copy of tok_emb (views key ``TIED``): it is in the flat
     buffers, so the optimizer updates it exactly as the embedding's, and the engine
     sums its gradient with the first stage's every step; it is never saved.
+
+    With tensor parallelism (``tp``: the stage's group), the buffers hold this rank's part of each
+    parameter (``model.shards``); ``load`` takes whole tensors or parts, ``export`` returns the parts.
     """
 
-    def __init__(self, model: Any, stage_ranges: dict[int, range], xp: Any, dtype: str):
+    def __init__(self, model: Any, stage_ranges: dict[int, range], xp: Any, dtype: str, tp: Any = None):
         self.xp = xp
         self.model = model
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.specs = {i: model.specs[i] for r in stage_ranges.values() for i in r}
         last = model.n_layers - 1
         self.tied_copy = bool(model.tied) and last in self.specs and 0 not in self.specs
+        held = sorted(set(self.specs) | ({0} if self.tied_copy else set()))
+        self.shards = {i: model.shards(i, self.tp.size, self.tp.rank) for i in held} if self.tp else {}
         layout: list[tuple[int, str, tuple[int, ...]]] = [
-            (i, name, tuple(shape)) for i in sorted(self.specs) for name, shape in self.specs[i].shapes.items()]
+            (i, name, self.local_shape(i, name)) for i in sorted(self.specs) for name in self.specs[i].shapes]
         if self.tied_copy:
-            layout.append((TIED, "tok_emb", tuple(model.specs[0].shapes["tok_emb"])))
+            layout.append((TIED, "tok_emb", self.local_shape(0, "tok_emb")))
         total = sum(int(np.prod(shape)) for _, _, shape in layout)
         self.flat = xp.zeros(total, dtype=dtype)
         self.grad = xp.zeros(total, dtype=dtype)
@@ -202,9 +209,49 @@ class RankParameters:
             owner = TIED if self.tied_copy else 0
             tok, grad_tok = self.param(owner, "tok_emb"), self.grad_of(owner, "tok_emb")
         self.stages = {stage: StageModule(stage, [model.build_layer(i, self._group(self.flat, i),
-                                                                    self._group(self.grad, i), xp, tok, grad_tok)
-                                                  for i in r])
+                                                                    self._group(self.grad, i), xp, tok, grad_tok,
+                                                                    tp=self.tp) for i in r])
                        for stage, r in stage_ranges.items()}
+
+    def local_shape(self, index: int, name: str) -> tuple[int, ...]:
+        """The shape of this rank's part of parameter ``name`` of group ``index`` (the whole at tp = 1)."""
+        full = tuple(self.model.specs[index].shapes[name])
+        return self.shards[index][name].shape(full) if self.tp else full
+
+    def _part(self, index: int, name: str, array: Any) -> Any:
+        """This rank's part of an array that is either the whole tensor or already the part."""
+        if not self.tp or tuple(array.shape) == self.local_shape(index, name):
+            return array
+        return self.shards[index][name].take(array)
+
+    def norm_sq(self) -> float:
+        """Squared norm of the gradient as one term of a sum over the tp ranks: every parameter counted once.
+
+        A tied head's copy of tok_emb is not counted (the embedding's gradient is the same sum); a
+        replicated parameter counts on tp rank 0, a shared part on the first rank holding it.
+        """
+        if not self.tp:
+            return float(self.xp.vdot(self.grad, self.grad)) - self.copy_norm_sq()
+        total = 0.0
+        for i in self.layer_indices():
+            for name in self.views[i]:
+                if self.shards[i][name].counts_on(self.tp.rank):
+                    g = self.grad_of(i, name)
+                    total += float(self.xp.vdot(g, g))
+        return total
+
+    def reduce_shared(self) -> None:
+        """Sum the gradients of parameter parts several tp ranks hold (a llama's key/value heads when tp >
+        n_kv_heads), so that each holder updates with the whole gradient."""
+        for i in self.layer_indices() if self.tp else ():
+            for name, shard in self.shards[i].items():
+                if shard.shared:
+                    full = self.xp.zeros(tuple(self.model.specs[i].shapes[name]), dtype=self.grad.dtype)
+                    key = [slice(None)] * full.ndim
+                    key[shard.axis] = shard.index
+                    full[tuple(key)] = self.grad_of(i, name)
+                    self.tp.sum_(full)
+                    self.grad_of(i, name)[...] = full[tuple(key)]
 
     def _group(self, buf: Any, index: int) -> dict[str, Any]:
         return {name: self._view(buf, index, name) for name in self.views[index]}
@@ -253,21 +300,39 @@ class RankParameters:
         """Copy host arrays {layer: {name: array}} into the parameter buffer (and the tied copy from group 0)."""
         for i in self.layer_indices():
             for name in self.views[i]:
-                self.param(i, name)[...] = self.xp.asarray(arrays[i][name])
+                self.param(i, name)[...] = self.xp.asarray(self._part(i, name, arrays[i][name]))
         if self.tied_copy:
-            self.param(TIED, "tok_emb")[...] = self.xp.asarray(arrays[0]["tok_emb"])
+            self.param(TIED, "tok_emb")[...] = self.xp.asarray(self._part(0, "tok_emb", arrays[0]["tok_emb"]))
 
     def load_state(self, buf: Any, arrays: dict[int, dict[str, np.ndarray]]) -> None:
         """Copy per-layer host arrays into a buffer laid out like the parameters (optimizer state)."""
         for i in self.layer_indices():
             for name in self.views[i]:
-                self.slice_of(buf, i, name)[...] = self.xp.asarray(arrays[i][name])
+                self.slice_of(buf, i, name)[...] = self.xp.asarray(self._part(i, name, arrays[i][name]))
         if self.tied_copy:
-            self.slice_of(buf, TIED, "tok_emb")[...] = self.xp.asarray(arrays[0]["tok_emb"])
+            self.slice_of(buf, TIED, "tok_emb")[...] = self.xp.asarray(self._part(0, "tok_emb", arrays[0]["tok_emb"]))
 
     def export(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's parameters by global layer index."""
         return {i: {name: self.host(self.param(i, name)) for name in self.views[i]} for i in self.layer_indices()}
+
+    def whole(self, local: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]] | None:
+        """Whole tensors from this stage's tp ranks' parts of ``local`` (export-shaped) on tp rank 0, None on the
+        others (collective over the tp ranks); ``local`` itself without tensor parallelism."""
+        if not self.tp:
+            return local
+        parts = self.tp.gather(local)
+        return None if parts is None else assemble(self.model, parts)
+
+    def whole_states(self, local: dict[int, dict[str, dict[str, np.ndarray]]]) -> dict | None:
+        """:meth:`whole` of optimizer state ({group: {state: {name: part}}}), on tp rank 0."""
+        if not self.tp:
+            return local
+        states = sorted({state for per in local.values() for state in per})
+        wholes = {state: self.whole({i: local[i][state] for i in local}) for state in states}   # collective
+        if self.tp.rank:
+            return None
+        return {i: {state: wholes[state][i] for state in states} for i in local}
 
     def export_grads(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's gradients by global layer index."""

@@ -30,6 +30,8 @@ from hpcpipe.nn.llama_params import group_params as llama_group_params
 from hpcpipe.nn.llama_params import init_group as llama_init_group
 from hpcpipe.nn.model import LayerSpec, initial_arrays, layer_specs
 from hpcpipe.nn.protocol import Layer
+from hpcpipe.nn.sharding import Shard, gpt_shards, llama_shards, mlp_shards, split_range, vocab_range
+from hpcpipe.nn.tensor_parallel import vocab_parallel_cross_entropy
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 
@@ -143,9 +145,22 @@ class ModelDef:
         raise NotImplementedError
 
     def build_layer(self, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                    tok_emb: Any = None, grad_tok_emb: Any = None) -> Layer:
-        """Return the layer of group ``index`` over its parameter and gradient views."""
+                    tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None) -> Layer:
+        """Return the layer of group ``index`` over its parameter and gradient views (``tp``: the stage's
+        tensor-parallel group, whose rank holds the parts :meth:`shards` names)."""
         raise NotImplementedError
+
+    def shards(self, index: int, tp: int, rank: int) -> dict[str, Shard]:
+        """The part of each parameter of group ``index`` tp rank ``rank`` holds (hpcpipe.nn.sharding)."""
+        raise NotImplementedError
+
+    def boundary_shared(self, index: int) -> bool:
+        """Whether the activation entering group ``index`` is the same on every tp rank (else each holds a part)."""
+        return True
+
+    def tp_loss(self, tp: Any) -> Callable:
+        """The loss function of a last stage whose tp ranks hold parts of the output (loss_fn at tp = 1)."""
+        return self.loss_fn
 
     def boundary(self, index: int, batch: int) -> tuple[tuple[int, ...], str | None]:
         """Return (shape, dtype or None for the model's dtype) of the activation entering group ``index``.
@@ -173,14 +188,41 @@ class MLPModel(ModelDef):
     def init_arrays(self, indices, seed, dtype):
         return initial_arrays(self.specs, indices, seed, dtype)
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None):
         s = self.specs[index]
+        split = tp if tp is not None and tp.size > 1 else None
+        # even layers column-parallel (their input gradient summed), odd layers row-parallel (output summed)
         return Dense(index, params["weight"], params.get("bias"), grads["weight"], grads.get("bias"),
-                     make_activation(s.activation), xp)
+                     make_activation(s.activation), xp, reduce_out=split if index % 2 else None,
+                     reduce_input_grad=None if index % 2 else split)
 
-    def boundary(self, index, batch):
+    def shards(self, index, tp, rank):
+        s = self.specs[index]
+        return mlp_shards(index, list(s.shapes), s.fan_in, s.fan_out, tp, rank)
+
+    def boundary(self, index, batch, tp=1, rank=0):
         dims = self.config.model.dims
-        return (batch, dims[index]), None
+        if self.boundary_shared(index):
+            return (batch, dims[index]), None
+        part = split_range(dims[index], tp, rank)
+        return (batch, part.stop - part.start), None
+
+    def boundary_shared(self, index):
+        return index % 2 == 0      # after a column-parallel (even) layer each rank holds its columns
+
+    def tp_loss(self, tp):
+        if tp is None or tp.size == 1 or self.boundary_shared(self.n_layers):
+            return self.loss_fn
+        part = split_range(self.config.model.dims[-1], tp.size, tp.rank)
+        if self.loss_name == "cross_entropy":
+            # a copy: the gradient is written into its argument, and y may be what the activation saved
+            return lambda xp, y, labels, scale: vocab_parallel_cross_entropy(xp, y.copy(), labels, scale, part.start,
+                                                                             tp)
+
+        def mse_part(xp, y, target, scale):      # this rank's output columns; the sum over every rank
+            total, grad = losses.mse(xp, y, target[:, part], scale)
+            return float(tp.sum_(np.array([total]))[0]), grad
+        return mse_part
 
     def samples_norm(self, n_samples):
         return losses.normaliser(self.loss_name, n_samples, self.config.model.dims[-1])
@@ -191,7 +233,17 @@ class DecoderModel(ModelDef):
 
     shape: GPTShape | LlamaShape
 
-    def boundary(self, index, batch):
+    def tp_loss(self, tp):
+        if tp is None or tp.size == 1:
+            return self.loss_fn
+        lo, _ = vocab_range(self.shape.vocab, tp.size, tp.rank)
+        return lambda xp, logits, targets, scale: vocab_parallel_cross_entropy(xp, logits, targets, scale, lo, tp)
+
+    def vocab_lo(self, tp: Any) -> int:
+        """The first token id of the vocabulary part of tp's rank (0 at tp = 1)."""
+        return 0 if tp is None else vocab_range(self.shape.vocab, tp.size, tp.rank)[0]
+
+    def boundary(self, index, batch, tp=1, rank=0):
         t = self.shape.seq_len
         if index == 0:
             return (batch, t), "int64"
@@ -222,8 +274,11 @@ class LlamaModel(DecoderModel):
     def init_arrays(self, indices, seed, dtype):
         return {i: llama_init_group(self.shape, i, seed, dtype) for i in indices}
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
-        return build_llama_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb)
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None):
+        return build_llama_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb, tp, self.vocab_lo(tp))
+
+    def shards(self, index, tp, rank):
+        return llama_shards(self.shape, index, list(self.specs[index].shapes), tp, rank)
 
 
 class GPTModel(DecoderModel):
@@ -242,8 +297,11 @@ class GPTModel(DecoderModel):
     def init_arrays(self, indices, seed, dtype):
         return {i: init_group(self.shape, i, seed, dtype) for i in indices}
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
-        return build_gpt_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb)
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None):
+        return build_gpt_layer(self.shape, index, params, grads, xp, tok_emb, grad_tok_emb, tp, self.vocab_lo(tp))
+
+    def shards(self, index, tp, rank):
+        return gpt_shards(self.shape, index, list(self.specs[index].shapes), tp, rank)
 
 
 def model_def(config: Config) -> ModelDef:

@@ -61,8 +61,10 @@ class PipeComm:
     """Activation/gradient exchange along one pipeline and gradient averaging across replicas."""
 
     def __init__(self, pp_comm: Comm, dp_comm: Comm, world: Comm, backend: Backend, poller: Poller,
-                 gpu_direct: bool | None = None):
+                 gpu_direct: bool | None = None, tp_comm: Comm | None = None):
         self.pp_comm, self.dp_comm, self.world = pp_comm, dp_comm, world
+        # tensor parallel: an activation every tp rank holds travels once per stage, a share from each rank
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.Get_size() > 1 else None
         self.backend = backend
         self.poller = poller
         self.stage_through_host = backend.on_gpu and not (cuda_aware() if gpu_direct is None else gpu_direct)
@@ -84,8 +86,22 @@ class PipeComm:
             return buf.get()
         return buf
 
-    def isend(self, buf: Any, dest: int, tag: int) -> None:
-        """Start sending buf to pipeline rank dest; the buffer is kept until the send completes."""
+    def _share(self, n: int) -> tuple[slice, list[int], list[int]]:
+        """This tp rank's share of n elements, and every rank's counts and offsets (near-equal parts)."""
+        size, rank = self.tp_comm.Get_size(), self.tp_comm.Get_rank()
+        bounds = [n * r // size for r in range(size + 1)]
+        counts = [bounds[r + 1] - bounds[r] for r in range(size)]
+        return slice(bounds[rank], bounds[rank + 1]), counts, bounds[:-1]
+
+    def isend(self, buf: Any, dest: int, tag: int, share: bool = False) -> None:
+        """Start sending buf to pipeline rank dest; the buffer is kept until the send completes.
+
+        ``share``: every tp rank of the stage holds the same buf; each sends only its share of the elements
+        (the receiving stage's ranks gather them, :meth:`recv`), so the activation crosses the link once.
+        """
+        if share and self.tp_comm is not None:
+            flat = self.backend.xp.ascontiguousarray(buf).reshape(-1)
+            buf = flat[self._share(flat.size)[0]]
         wire = self._wire(buf)
         self._sends.append((self.pp_comm.Isend(wire, dest=dest, tag=tag), wire))
         self.bytes_sent += buf.nbytes
@@ -95,8 +111,13 @@ class PipeComm:
     def _reap(self) -> None:
         self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
-    def recv(self, shape: tuple[int, ...], dtype: Any, source: int, tag: int) -> Any:
-        """Receive an array of the given shape from pipeline rank source (polling, not spinning)."""
+    def recv(self, shape: tuple[int, ...], dtype: Any, source: int, tag: int, share: bool = False) -> Any:
+        """Receive an array of the given shape from pipeline rank source (polling, not spinning).
+
+        ``share``: this tp rank receives its share of the elements, then the stage's tp ranks gather theirs.
+        """
+        if share and self.tp_comm is not None:
+            return self._recv_shared(shape, dtype, source, tag)
         xp = self.backend.xp
         if self.stage_through_host:
             host = np.empty(shape, dtype=dtype)
@@ -107,6 +128,17 @@ class PipeComm:
         self.backend.synchronize()
         self.poller.wait([self.pp_comm.Irecv(buf, source=source, tag=tag)])
         return buf
+
+    def _recv_shared(self, shape: tuple[int, ...], dtype: Any, source: int, tag: int) -> Any:
+        """Receive this rank's share of a stage-wide activation and gather the other tp ranks' into it."""
+        full = np.empty(shape, dtype=dtype)
+        flat = full.reshape(-1)
+        mine, counts, offsets = self._share(flat.size)
+        self.poller.wait([self.pp_comm.Irecv(flat[mine], source=source, tag=tag)])
+        self.poller.wait([self.tp_comm.Iallgatherv(MPI.IN_PLACE, [flat, (counts, offsets)])])
+        if self.backend.on_gpu:
+            self.host_device_bytes += full.nbytes
+        return self.backend.xp.asarray(full)
 
     def wait_sends(self) -> None:
         """Complete every outstanding send."""

@@ -176,19 +176,23 @@ def save(world: Comm, poller: Poller, root: str | Path, step: int, *, run_dir: P
     tmp = run_dir / cf.tmp_name(step)
     path = tmp / cf.stage_file(pp_rank)
 
-    # 1. every writer builds its file in memory; rank 0 checks there is room for all of them
-    image, entry = None, None
+    # 1. every writer (a stage's first replica; with tensor parallelism its tp rank 0, which gathers the whole
+    # tensors from the stage's tp ranks: a stage file holds whole tensors) builds its file in memory; rank 0
+    # checks there is room for all of them
+    image, entry, layers, opt = None, None, None, None
+    if dp_rank == 0:
+        layers = params.whole(params.export())                                  # collective over the tp ranks
+        opt = params.whole_states(optimizer_arrays(params, optimizer))
     with together(world, poller, 1, lambda e: f"cannot build checkpoint file {str(path)!r}: {type(e).__name__}: {e}",
                   abandon):
-        if dp_rank == 0:
-            opt = optimizer_arrays(params, optimizer)
+        if layers is not None:
 
             def crash_point(partial: bytes) -> None:
                 if crash_due("write", step, rank):   # leave the half-written file a killed writer would
                     path.write_bytes(partial)
                     crash_hook("write", step, rank)
 
-            image = weights_image(params.export(), n_layers=n_layers, model_config=info.config["model"], step=step,
+            image = weights_image(layers, n_layers=n_layers, model_config=info.config["model"], step=step,
                                   optimizer=opt, optimizer_attrs={"name": info.config["train"]["optimizer"],
                                                                   "steps": optimizer.steps},
                                   attrs={"pp_rank": pp_rank}, after_layers=crash_point, tokenizer=info.tokenizer)

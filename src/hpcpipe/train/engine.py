@@ -52,7 +52,7 @@ class Engine:
     def __init__(self, program: list[Action], params: RankParameters, comm: PipeComm, *,
                  shape: PipeShape, boundaries: list[tuple[tuple[int, ...], Any]],
                  loss_fn: Callable, loss_scale: float, keep_input_grads: bool = False,
-                 record_events: bool = False, recompute: bool = False):
+                 record_events: bool = False, recompute: bool = False, shared: list[bool] | None = None):
         self.program = program
         self.params = params
         self.comm = comm
@@ -60,6 +60,8 @@ class Engine:
         self.n_stages, self.n_micro = shape.n_stages, shape.n_micro
         # boundaries[s] = (shape, dtype) of stage s's input activation; [-1] = the model's output
         self.boundaries = boundaries
+        # shared[s]: stage s's input is the same on every tp rank, so it travels in shares (PipeComm)
+        self.shared = shared or [False] * len(boundaries)
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
         self.recompute = recompute
         self.keep_input_grads = keep_input_grads
@@ -203,23 +205,28 @@ class Engine:
 
     # communication -----------------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
-        self.comm.isend(self.outputs.pop((a.stage, a.mb)), a.peer, self.comm.tag(0, a.stage, a.mb, self.n_micro))
+        self.comm.isend(self.outputs.pop((a.stage, a.mb)), a.peer, self.comm.tag(0, a.stage, a.mb, self.n_micro),
+                        self.shared[a.stage + 1])
 
     def _recv_f(self, a: Action) -> None:
         shape, dtype = self.boundaries[a.stage]
         self.inputs[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
-                                                      self.comm.tag(0, a.stage - 1, a.mb, self.n_micro))
+                                                      self.comm.tag(0, a.stage - 1, a.mb, self.n_micro),
+                                                      self.shared[a.stage])
 
     def _send_b(self, a: Action) -> None:
-        self.comm.isend(self.in_grads.pop((a.stage, a.mb)), a.peer, self.comm.tag(1, a.stage, a.mb, self.n_micro))
+        self.comm.isend(self.in_grads.pop((a.stage, a.mb)), a.peer, self.comm.tag(1, a.stage, a.mb, self.n_micro),
+                        self.shared[a.stage])
 
     def _recv_b(self, a: Action) -> None:
         shape, dtype = self.boundaries[a.stage + 1]
         self.out_grads[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
-                                                         self.comm.tag(1, a.stage + 1, a.mb, self.n_micro))
+                                                         self.comm.tag(1, a.stage + 1, a.mb, self.n_micro),
+                                                         self.shared[a.stage + 1])
 
     def _allreduce(self, a: Action) -> None:
         self.comm.wait_sends()
+        self.params.reduce_shared()      # parts several tp ranks hold: their gradients summed first
         self.comm.average_over_dp(self.params.grad)
         if self.tied_peer is not None:
             # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and

@@ -23,6 +23,7 @@ from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
 from hpcpipe.runtime.faults import nan_injection
 from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
+from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.run_lock import RunLock
 from hpcpipe.train import shuffle
@@ -40,30 +41,33 @@ class Trainer:
     def __init__(self, p: TrainSetup, world: Comm, keep_input_grads: bool = False, record_events: bool = False):
         cfg = p.config
         self.setup, self.config = p, cfg
-        self.topo = make_topology(world, p.dp, p.pp)
+        self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp)
         self.backend = select_backend(cfg.run.backend)
         xp = self.backend.xp
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
-        self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller)
+        self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
+                             tp_comm=self.topo.tp_comm)
+        self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller) if self.topo.tp > 1 else None
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)
         self.specs = model.specs
-        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype)
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
         tr = cfg.train
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         self.loss_norm = model.samples_norm(self.global_batch)
         replica_norm = model.samples_norm(tr.micro_batches * tr.micro_batch_size)
         dtype = np.dtype(cfg.model.dtype)
-        boundaries = [model.boundary(i, tr.micro_batch_size) for i in [r.start for r in p.stage_ranges]
-                      + [model.n_layers]]
+        starts = [r.start for r in p.stage_ranges] + [model.n_layers]
+        boundaries = [model.boundary(i, tr.micro_batch_size, self.topo.tp, self.topo.tp_rank) for i in starts]
         boundaries = [(shape, np.dtype(kind) if kind else dtype) for shape, kind in boundaries]
+        shared = [self.topo.tp > 1 and model.boundary_shared(i) for i in starts]
         self.first = 0 in self.my_stages
         self.last = p.n_stages - 1 in self.my_stages
         self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, boundaries=boundaries,
-                             loss_fn=model.loss_fn, loss_scale=1.0 / replica_norm,
+                             loss_fn=model.tp_loss(self.tp), loss_scale=1.0 / replica_norm,
                              keep_input_grads=keep_input_grads, record_events=record_events,
-                             recompute=tr.recompute == "stage")
+                             recompute=tr.recompute == "stage", shared=shared)
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0
@@ -122,7 +126,7 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
         cfg, p = self.config, self.setup
-        layout = {"dp": p.dp, "pp": p.pp, "schedule": cfg.parallel.schedule,
+        layout = {"dp": p.dp, "pp": p.pp, "tp": cfg.parallel.tp, "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
@@ -153,15 +157,14 @@ class Trainer:
         same decision: a non-finite loss or gradient on any rank skips the update
         (parameters and optimizer state untouched) everywhere.
         """
-        xp = self.backend.xp
         poison = nan_injection(self.topo.world.Get_rank(), step)
         if poison == "grad":
             self.params.grad[...] = float("nan")
         elif poison == "loss":
             self.engine.stats.loss_sum = float("nan")
-        # a tied head's copy of tok_emb carries the same summed gradient as the embedding: count it once
-        local = float(xp.vdot(self.params.grad, self.params.grad)) - self.params.copy_norm_sq()
-        mine = local_decision(local, self.engine.stats.loss_sum, self.topo.dp_rank == 0, self.stop_requested())
+        # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated
+        local = self.params.norm_sq()
+        mine = local_decision(local, self._loss_term(), self.topo.dp_rank == 0, self.stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
         self.last_decision = decision
         self.last_grad_norm = decision.grad_norm
@@ -179,8 +182,12 @@ class Trainer:
         self.last_stats = stats
         if self.last_decision is not None:   # the step decision already summed the loss
             return self.last_decision.loss_sum / self.loss_norm
-        total = self.comm.sum_over_world(np.array([stats.loss_sum]))[0]
+        total = self.comm.sum_over_world(np.array([self._loss_term()]))[0]
         return float(total) / self.loss_norm
+
+    def _loss_term(self) -> float:
+        """This rank's term of the world's loss sum: every tp rank of a last stage knows the loss; tp rank 0 adds it."""
+        return self.engine.stats.loss_sum if self.topo.tp_rank == 0 else 0.0
 
     def train_step(self, step: int) -> float:
         """Run one optimizer step on the given step's batch; return the global loss before the update.
@@ -198,9 +205,11 @@ class Trainer:
         """Collect every layer's parameters, gradients or optimizer state by global index on world rank root."""
         if what not in ("params", "grads", "optimizer"):
             raise ValueError(f"gather: what must be params, grads or optimizer, got {what!r}")
-        local = self.params.export() if what == "params" else self.params.export_grads() if what == "grads" \
-            else checkpoint_mpi.optimizer_arrays(self.params, self.optimizer)
-        mine = local if self.topo.dp_rank == 0 else {}
+        if what == "optimizer":
+            local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, self.optimizer))
+        else:
+            local = self.params.whole(self.params.export() if what == "params" else self.params.export_grads())
+        mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp rank 0 holds the whole
         parts = gather_to_root(self.topo.world, mine, root)
         if parts is None:
             return None

@@ -1,0 +1,71 @@
+"""The tensor-parallel ranks of one stage as the layers use them: in-place sums and maxima over tp_comm.
+
+The layers (:mod:`hpcpipe.nn.tensor_parallel`) call ``sum_`` after a row-parallel product, for a
+column-parallel input gradient and in the vocabulary-parallel lookup and loss; every call is on the
+critical path of its micro-batch, so each is timed (``seconds``, reported as ``tp_comm_s``) and, with
+tracing on, recorded. MPI is reached through :mod:`hpcpipe.runtime.comm`; waiting polls, never spins.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hpcpipe.runtime.comm import MPI, Poller
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
+
+    from hpcpipe.runtime.backend import Backend
+
+
+class TPGroup:
+    """In-place reductions over the tp ranks of a stage (comm), timed."""
+
+    def __init__(self, comm: Comm, backend: Backend, poller: Poller):
+        self.comm, self.backend, self.poller = comm, backend, poller
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.seconds = 0.0       # spent in reductions since the last reset (the step's tp_comm_s)
+        self.calls = 0
+        self.events: list[tuple[float, float]] | None = None    # (start, end) of each reduction when tracing
+
+    def _reduce(self, x: Any, op: Any) -> Any:
+        if self.size == 1:
+            return x
+        start = time.perf_counter()
+        on_gpu = self.backend.on_gpu and not isinstance(x, np.ndarray)
+        if on_gpu:
+            self.backend.synchronize()
+            wire = x.get()       # staged through the host: the PyPI MPI wheels are not CUDA-aware
+        else:
+            wire = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        self.poller.wait([self.comm.Iallreduce(MPI.IN_PLACE, wire, op=op)])
+        if on_gpu:
+            x[...] = self.backend.xp.asarray(wire)
+        elif wire is not x:
+            x[...] = wire
+        end = time.perf_counter()
+        self.seconds += end - start
+        self.calls += 1
+        if self.events is not None:
+            self.events.append((start, end))
+        return x
+
+    def sum_(self, x: Any) -> Any:
+        """Replace x with its element-wise sum over the tp ranks; return x."""
+        return self._reduce(x, MPI.SUM)
+
+    def max_(self, x: Any) -> Any:
+        """Replace x with its element-wise maximum over the tp ranks; return x."""
+        return self._reduce(x, MPI.MAX)
+
+    def gather(self, obj: Any) -> list | None:
+        """Return every tp rank's obj on tp rank 0 (None elsewhere): saving assembles whole tensors from parts."""
+        return self.comm.gather(obj, root=0)
+
+    def take_seconds(self) -> float:
+        """Return the seconds spent in reductions since the last call, and start counting again."""
+        spent, self.seconds = self.seconds, 0.0
+        return spent

@@ -43,6 +43,22 @@ def test_bad_values_are_refused_with_a_message_naming_them(overrides, message):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("overrides,toml,message", [
+    (["train.setps=5"], "", "unknown key train.setps: did you mean train.steps? (known keys in [train]: "),
+    (["model.dimz=[4, 4]"], "", "unknown key model.dimz: did you mean model.dims? (known keys"),
+    (["model.steps=5"], "", "unknown key model.steps: did you mean train.steps? (known keys in [model]: "),
+    ([], "[trian]\nsteps = 5\n", "unknown section [trian]: did you mean [train]? (known sections: "),
+    (["train.xyzzy=1"], "", "unknown key train.xyzzy (known keys in [train]: "),      # nothing close: no guess
+])
+def test_a_misspelled_key_suggests_the_closest_known_one(tmp_path, overrides, toml, message):
+    """Issue #32: `--set train.setps=5` and `[trian]` name the key meant, in the same one line."""
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path if toml else None, overrides)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="config file .*nope.toml' does not exist"):
         load_config(tmp_path / "nope.toml")

@@ -270,3 +270,41 @@ def test_usage_error_and_help_are_printed_once_on_8_ranks(tmp_path, module):
     assert helped.returncode == 0, helped.stderr
     assert helped.stdout.count("usage:") == 1 and helped.stderr == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_progress_line_has_the_elapsed_time_and_an_eta(tmp_path):
+    """Issue #32: the line kept its format and gained `elapsed M:SS ETA M:SS` (this run's steps)."""
+    args = ["--set", "model.dims=[8, 8, 8, 8]", "--set", "parallel.pp=2", "--set", "train.steps=4",
+            "--set", "log.progress=true", "--set", "checkpoint.dir=\"\""]
+    proc = run_command(2, "hpcpipe.train", args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == 4 and "\r" not in proc.stdout
+    pattern = (r"\[#*\s*\] step (\d)/4 loss [-\d.e+]+ [\d.]+ ms/step \d+ samples/s elapsed \d+:\d\d "
+               r"ETA \d+:\d\d$")
+    assert [int(re.match(pattern, line).group(1)) for line in lines] == [1, 2, 3, 4], lines
+    assert lines[-1].endswith("ETA 0:00")
+
+
+def _alone_env() -> dict:
+    """This environment without what a launcher sets: the process is a singleton, as without mpiexec."""
+    import os
+
+    launched = ("PMI_", "OMPI_", "PMIX_", "SLURM_", "MPI_LOCAL", "HYDRA_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launched)}
+
+
+@pytest.mark.parametrize("args,hint", [
+    ([], "run it under mpiexec -n 4 python -m hpcpipe.train"),
+    (["--set", "parallel.dp=2", "--set", "train.steps=3"],
+     "run it under mpiexec -n 8 python -m hpcpipe.train --set parallel.dp=2 --set train.steps=3"),
+])
+def test_started_without_mpiexec_the_error_says_how_to_launch(tmp_path, args, hint):
+    """Issue #32: `python -m hpcpipe.train` alone on a layout of several ranks hints at mpiexec, in one line."""
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.train", *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env=_alone_env())
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcpipe: error: this process runs alone (started without "
+                                                   "mpiexec, world size 1)") and lines[0].endswith(hint), lines
+    assert list(tmp_path.iterdir()) == []

@@ -19,10 +19,11 @@ import signal
 import sys
 import time
 
-from hpcpipe.cli import CommandParser, reader_left
+from hpcpipe.cli import CommandParser, add_print_config, print_config, reader_left
 from hpcpipe.config import DECODERS, Config, load_config
+from hpcpipe.config_toml import to_toml
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
-from hpcpipe.plan import report
+from hpcpipe.plan import memory_floor, report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
 from hpcpipe.profiles.profile import default_cache_dir
@@ -37,12 +38,15 @@ UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2
 
 def parse_bytes(text: str) -> int:
     """Parse a memory size: 8GiB, 8G (binary, as Slurm's --mem), 512MiB, 8GB (decimal), or plain bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
+    match = re.fullmatch(r"\s*([-+]?)\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(3).lower() if match else None
     if match is None or unit not in UNITS:
         raise ConfigError(f"--memory-per-rank {text!r} is not a size: give a number with a unit such as "
                           f"8GiB, 8G, 512MiB or 8GB")
-    value = int(float(match.group(1)) * UNITS[unit])
+    if match.group(1) == "-" and float(match.group(2)) > 0:
+        raise ConfigError(f"--memory-per-rank {text!r} is a negative budget: give the memory one rank may use, "
+                          f"e.g. 8GiB")
+    value = int(float(match.group(2)) * UNITS[unit])
     if value <= 0:
         raise ConfigError(f"--memory-per-rank {text!r} must be more than 0 bytes")
     return value
@@ -73,8 +77,8 @@ def _parser() -> CommandParser:
                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config (default: the embedded default job)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    p.add_argument("--ranks", type=int, required=True, help="MPI ranks of the job to plan")
-    p.add_argument("--memory-per-rank", metavar="SIZE",
+    p.add_argument("--ranks", type=int, help="MPI ranks of the job to plan (required)")
+    p.add_argument("--memory-per-rank", metavar="SIZE", dash_value=True,
                    help="budget per rank, e.g. 8GiB (default: this node's available memory over its ranks)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--write", metavar="TOML", help="write the best plan as a config file (must not exist)")
@@ -85,6 +89,7 @@ def _parser() -> CommandParser:
     p.add_argument("--max-micro-batches", type=int, default=64, help="largest micro-batch count tried (default 64)")
     p.add_argument("--profile-dir", help=f"profile cache (default $HPCPIPE_PROFILE_DIR or {default_cache_dir()})")
     p.add_argument("--refresh-profile", action="store_true", help="measure again even when a profile is cached")
+    add_print_config(p)
     return p
 
 
@@ -146,24 +151,30 @@ def plan_threads(ranks: int, cores: int | None, here: int) -> int:
 def run(args) -> int:
     """Plan and report; returns the exit status."""
     start = time.perf_counter()
+    if args.print_config:
+        return print_config(load_config(args.config, args.set).to_dict(), "python -m hpcpipe.plan")
     _check_args(args)
+    budget = parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None
     config = load_config(args.config, args.set)
     here = host_cores()
     global_batch = args.global_batch or configured_global_batch(config, args.ranks)
     local_ranks = args.ranks if args.cores is not None else min(args.ranks, here)
-    if args.memory_per_rank:
-        budget = parse_bytes(args.memory_per_rank)
+    if budget is not None:
         budget_how = "--memory-per-rank"
     else:
         budget = available_bytes() // local_ranks or None
         budget_how = f"this node's available memory over {local_ranks} rank(s)"
+    # before anything is allocated: a model no plan can hold is refused from arithmetic alone
+    memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
     rows = micro_batch_rows(global_batch, args.ranks, config.n_layers, args.max_micro_batches)
     threads = plan_threads(args.ranks, args.cores, here)
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
     concurrent = max(1, min(args.ranks if args.cores is None else args.cores, here) // threads)
     sizes = profile_sizes(rows, largest=largest_profiled_rows(config))
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
-                           args.refresh_profile, concurrent)
+                           args.refresh_profile, concurrent,
+                           before_measuring=lambda: memory_floor.check_profiling(config, sizes, concurrent,
+                                                                                 available_bytes()))
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
     gpt = config.model.kind in DECODERS
     if not result.feasible:
@@ -193,7 +204,7 @@ def run(args) -> int:
         header = (f"written by {planner_command(args.argv)}\n{report.describe(p)}\n"
                   f"predicted step {p.step_time_s:.4f} s, peak {report.size_text(p.peak_bytes)} per rank\n"
                   f"run: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
-        write_new(args.write, "--write", report.to_toml(report.planned_config(config, p), header))
+        write_new(args.write, "--write", to_toml(report.planned_config(config, p), header))
         print(f"\nwrote {args.write}: mpiexec -n {args.ranks} python -m hpcpipe.train --config {args.write}")
     if args.json:
         doc = {"ranks": args.ranks, "global_batch": global_batch, "budget_bytes": budget,
@@ -214,7 +225,10 @@ def planner_command(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.plan``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.ranks is None and not args.print_config:
+        parser.error("the following arguments are required: --ranks")
     args.argv = argv
     # SIGTERM unwinds like Ctrl-C, so that profiling and calibration children are killed and their
     # temporary directories removed (the default action ended the planner alone and orphaned them)

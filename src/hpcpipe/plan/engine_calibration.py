@@ -32,6 +32,7 @@ import os
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from hpcpipe.config import Config
@@ -121,7 +122,7 @@ def _factor(measured: float, predicted: float) -> float:
 def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows: int,
                 timeout_s: float, schedule: str = "1f1b") -> dict[str, Any]:
     """Run one traced calibration layout for real; return :func:`summarize_trace` of it."""
-    from hpcpipe.plan.report import to_toml
+    from hpcpipe.config_toml import to_toml
 
     pp = len(cut)
     with tempfile.TemporaryDirectory(prefix="hpcpipe-calibrate-") as folder:
@@ -150,11 +151,13 @@ def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict]) -> dict[
 
 
 def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
-              launcher: str | list[str] | None = None) -> dict[str, Any]:
+              launcher: str | list[str] | None = None,
+              on_run: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors.
 
     The runs take turns (replicas, 1F1B, replicas, ZB-H1): a slow spell of the
     machine then falls on every layout instead of tilting one's plans against another's.
+    ``on_run(done, total)`` is told before each run and after the last (the progress line).
     """
     from hpcpipe.profiles.stage_cut import measured_cut
 
@@ -170,9 +173,13 @@ def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
     # the replicas twice, each pipeline schedule once, in turns: four launches, as many as before the ZB-H1
     # run (six took the first plan of the MLP benchmark to 56 s of its 60 s)
     order = ["replicas", "pipeline", "replicas", "pipeline_zb"] if pp > 1 else ["replicas"] * TURNS
-    for name in order:
+    for done, name in enumerate(order):
+        if on_run is not None:
+            on_run(done, len(order))
         dp, cut, schedule = layouts[name]
         runs[name].append(_traced_run(config, words, dp, cut, rows, timeout_s, schedule))
+    if on_run is not None:
+        on_run(len(order), len(order))
     out: dict[str, Any] = {"rows": rows, "ranks": ranks}
     for name, (_, cut, _) in layouts.items():
         out[name] = _factors(profile, cut, rows, runs[name])

@@ -194,13 +194,56 @@ def _bytes(bench: _StageBench, x: Any, target: Any, rows: int, rng: np.random.Ge
     return {i: tuple(v) for i, v in out.items()}
 
 
-def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s: float = 1.5, first: int = 0) -> dict:
+class _Share:
+    """How far the bench has got, as a share of its estimated time, written to a file the planner polls.
+
+    The bench runs a warm-up pass, then timed passes until 2 are done and the
+    time budget is spent (at most ``repeats``), then one pass measuring bytes:
+    one pass's time, from the warm-up, says how long the whole takes.
+    """
+
+    def __init__(self, path: str | None, n_sizes: int, repeats: int, budget_s: float):
+        self.path, self.n_sizes, self.repeats, self.budget_s = path, n_sizes, repeats, budget_s
+        self.start = time.perf_counter()
+        self.pass_s = 0.0
+
+    def warm(self, done: int) -> None:
+        """``done`` sizes of the warm-up pass ran."""
+        self.pass_s = (time.perf_counter() - self.start) * self.n_sizes / done
+        self.write()
+
+    def write(self, share: float | None = None) -> None:
+        """Write the share done (estimated from the elapsed time unless given)."""
+        if self.path is None:
+            return
+        if share is None:
+            timed = min(max(self.budget_s * self.n_sizes, 2 * self.pass_s), self.repeats * self.pass_s)
+            share = min(0.99, (time.perf_counter() - self.start) / max(2 * self.pass_s + timed, 1e-9))
+        part = self.path + ".part"
+        with open(part, "w") as f:
+            f.write(f"{share:.4f}\n")
+        os.replace(part, self.path)
+
+
+def read_share(path: str) -> float:
+    """The share a bench process wrote to ``path`` (0 while it wrote none)."""
+    try:
+        with open(path) as f:
+            return min(1.0, max(0.0, float(f.read())))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s: float = 1.5, first: int = 0,
+                   progress_path: str | None = None) -> dict:
     """Measure every distinct layer group at each micro-batch size; return the profile's layer part (JSON-able).
 
     Each pass runs the sizes in turn starting with ``sizes[first]``: copies side by side
     start apart, so a group is timed while its siblings run the rest of the model (as
-    the other ranks of a pipeline do), not the same group at the same moment.
+    the other ranks of a pipeline do), not the same group at the same moment. The share
+    done is written to ``progress_path`` as the bench goes (the planner's progress line).
     """
+    share = _Share(progress_path, len(sizes), repeats, budget_s)
     from hpcpipe.runtime.backend import select_backend
 
     backend = select_backend(config.run.backend)
@@ -222,8 +265,9 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     inputs = {rows: (_inputs(model, indices[0], rows, rng, xp, dtype)[0],
                      _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)[1]) for rows in order}
     times = {rows: {op: {i: [] for i in indices} for op in OPS} for rows in sizes}
-    for rows, (x, target) in inputs.items():                                   # warm-up
+    for done, (rows, (x, target)) in enumerate(inputs.items(), 1):             # warm-up
         bench.step(x, target, rows, rng, {op: {i: [] for i in indices} for op in OPS})
+        share.warm(done)
     # The sizes take turns, pass by pass: a slower or faster spell of the machine
     # then touches every size alike instead of tilting the line through them.
     start, passes = time.perf_counter(), 0
@@ -231,16 +275,19 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
         for rows, (x, target) in inputs.items():
             bench.step(x, target, rows, rng, times[rows])
             backend.synchronize()
+            share.write()
         passes += 1
     bench.held = []
     for rows, (x, target) in inputs.items():
         sizes_bytes = _bytes(bench, x, target, rows, rng)
+        share.write()
         for key, entry in groups.items():
             mine = [i for i in indices if signatures[i] == key]
             for op in OPS:
                 entry[op][str(rows)] = statistics.median([t for i in mine for t in times[rows][op][i]])
             entry["stash_bytes"][str(rows)] = max(sizes_bytes[i][0] for i in mine)
             entry["work_bytes"][str(rows)] = max(sizes_bytes[i][1] for i in mine)
+    share.write(1.0)
     return {"groups": groups, "signatures": signatures, "stage": indices,
             "optimizer": _optimizer_costs(config, xp, dtype), "blas_rss_bytes": blas_bytes,
             "backend": backend.name}
@@ -280,13 +327,17 @@ def _optimizer_cost(train: Any, xp: Any, dtype: str, size: int = 1 << 22) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the profiling subprocess: REQUEST.json (config dict, sizes, repeats) OUT.json [FIRST]."""
+    """Entry point of the profiling subprocess: REQUEST.json (config dict, sizes, repeats) OUT.json [FIRST].
+
+    The share done is written to OUT.json.progress as the bench goes.
+    """
     args = sys.argv[1:] if argv is None else argv
     with open(args[0]) as f:
         request = json.load(f)
     config = from_dict(request["config"])
     result = profile_layers(config, [int(s) for s in request["sizes"]], int(request.get("repeats", 7)),
-                            float(request.get("budget_s", 1.5)), int(args[2]) if len(args) > 2 else 0)
+                            float(request.get("budget_s", 1.5)), int(args[2]) if len(args) > 2 else 0,
+                            args[1] + ".progress")
     with open(args[1], "w") as f:
         json.dump(result, f)
     return 0

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,12 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan import engine_calibration
 from hpcpipe.plan.launch import measure_comm, measure_rank_baseline
+from hpcpipe.plan.layer_profile import read_share
 from hpcpipe.profiles import cache as profile_cache
 from hpcpipe.profiles.comm_model import CommModel
+from hpcpipe.profiles.load import busier, busy_warning, machine_load
 from hpcpipe.profiles.profile import Profile
+from hpcpipe.runtime.progress import Progress
 
 PROFILE_ARRAY_BYTES = 128 << 20    # the widest activation a profiled micro-batch may have
 
@@ -57,12 +61,15 @@ def profile_sizes(wanted: list[int], limit: int = 10, largest: int | None = None
 
 
 def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str, refresh: bool = False,
-                 concurrent: int = 1, log: Any = None) -> Profile:
+                 concurrent: int = 1, log: Any = None, before_measuring: Callable[[], None] | None = None) -> Profile:
     """Return the profile of the configured model on this host: from the cache, measuring what it lacks.
 
     ``concurrent`` ranks of the planned job compute at once on a node: the layers are
     measured with as many copies side by side (a cached profile taken with another
-    count is measured again).
+    count is measured again). ``before_measuring`` runs before anything is measured
+    (the planner's memory check: it raises to refuse). The machine's load is stored
+    with what is measured, and a profile measured on a busy machine, or measured
+    now on one, is warned about.
     """
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     key = profile_cache.layer_key(config, threads)
@@ -74,8 +81,18 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
     have = set(Profile(cached, CommModel.from_dict(cached["comm"])).sizes) if cached and "comm" in cached else set()
     missing = [s for s in sizes if s not in have]
     comm_dict = cached.get("comm") if cached else None
+    used = (cached or {}).get("load")
     if cached and not missing and "engine" in cached:
+        warning = busy_warning(used, None, measuring=False)
+        if warning:
+            log(warning)
         return Profile(cached, CommModel.from_dict(comm_dict), from_cache=True)
+    if before_measuring is not None:
+        before_measuring()
+    now = machine_load()
+    warning = busy_warning(used, now, measuring=True)
+    if warning:
+        log(warning)
     start = time.perf_counter()
     if comm_dict is None:
         comm_dict = profile_cache.read_comm(cache_dir) if not refresh else None
@@ -94,7 +111,7 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
         layers = measured if not cached else profile_cache.merge_layers(cached["layers"], measured)
     else:
         layers = cached["layers"]
-    data = {"key": key, "layers": layers, "comm": comm_dict}
+    data = {"key": key, "layers": layers, "comm": comm_dict, "load": busier(used, now) if cached else now}
     data["engine"] = (cached or {}).get("engine") or _engine_factors(config, Profile(data, CommModel.from_dict(
         comm_dict)), concurrent, log)
     data["seconds"] = round(time.perf_counter() - start, 2) + (cached or {}).get("seconds", 0.0)
@@ -106,12 +123,25 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
 def _engine_factors(config: Config, profile: Profile, ranks: int, log: Any) -> dict:
     """The engine calibration of the profile, or none (said so) when its runs cannot be made here."""
     log(f"hpcpipe.plan: calibrating against real training runs on {ranks} rank(s) ...")
+    progress = Progress()
+    runs = {"done": 0, "total": 1}
+
+    def started(done: int, total: int) -> None:
+        runs.update(done=done, total=total)
+
     try:
-        engine = engine_calibration.calibrate(config, profile, ranks)
+        with progress.ticking(lambda: f"hpcpipe.plan: calibration run {min(runs['done'] + 1, runs['total'])} of "
+                                      f"{runs['total']}", lambda: runs["done"] / runs["total"]):
+            engine = engine_calibration.calibrate(config, profile, ranks, on_run=started)
+        progress.close(f"hpcpipe.plan: calibration runs done ({runs['total']})")
     except ConfigError as exc:
         first = str(exc).splitlines()[0]
+        progress.close()
         log(f"hpcpipe.plan: warning: a calibration run failed, predicting from the layer bench alone: {first}")
         return {"failed": first}
+    finally:
+        progress.close()          # a redrawn line ends before whatever is printed next (Ctrl-C's line too)
+
     def factors(values: list[float]) -> str:
         return ", ".join(f"{f:.2f}" for f in values)
 
@@ -165,14 +195,23 @@ def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent
         procs = [subprocess.Popen(cmd, env=thread_env(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True) for cmd in cmds]
         failures = []
+        progress = Progress()
+
+        def share() -> float:
+            return min(read_share(out + ".progress") for out in outs)
+
         try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=timeout_s)
-                if proc.returncode != 0:
-                    failures.append((proc.returncode, err))
+            with progress.ticking(lambda: f"hpcpipe.plan: profiling layers {share():.0%}", share):
+                for proc in procs:
+                    _, err = proc.communicate(timeout=timeout_s)
+                    if proc.returncode != 0:
+                        failures.append((proc.returncode, err))
+            if not failures:
+                progress.close("hpcpipe.plan: profiling layers done")
         except subprocess.TimeoutExpired:
             raise ConfigError(f"profiling the layers took more than {timeout_s:.0f} s ({' '.join(cmds[0])})") from None
         finally:
+            progress.close()
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hpcpipe.config import Config
+from hpcpipe.config_toml import to_toml  # noqa: F401 - the planner's writers take it from here
 from hpcpipe.plan.predict import Prediction
 
 MIB = 1024 ** 2
@@ -104,25 +104,3 @@ def planned_config(config: Config, p: Prediction) -> dict[str, dict[str, Any]]:
                            stage_layers=list(c.stage_layers) if c.pp * c.virtual_stages > 1 else [])
     out["train"].update(micro_batches=c.micro_batches, micro_batch_size=c.micro_batch_size)
     return out
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-def to_toml(config: dict[str, dict[str, Any]], header: str) -> str:
-    """A config as TOML text, with a comment header."""
-    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
-    for section, values in config.items():
-        lines.append("")
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-    return "\n".join(lines) + "\n"

@@ -14,13 +14,16 @@ run stops after step 0 with a checkpoint and exit status 75.
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from typing import Any
 
-from hpcpipe.cli import CommandParser
-from hpcpipe.errors import EXIT_PREEMPTED
+from hpcpipe.cli import CommandParser, add_print_config, print_config
+from hpcpipe.config import resolve_layout
+from hpcpipe.errors import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError
 from hpcpipe.runtime.faults import write_pid
 from hpcpipe.runtime.job import run_job
-from hpcpipe.runtime.launcher import launcher_rank
+from hpcpipe.runtime.launcher import launcher_rank, launcher_size
 from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.runtime.stop_marker import write_stop_marker
 from hpcpipe.runtime.watchdog import Watchdog
@@ -53,12 +56,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override one config key (TOML value syntax); repeatable")
     parser.add_argument("--resume", action="store_true",
                         help="continue from checkpoint.dir/latest, the newest checkpoint any run saved there, in "
-                             "that run's directory (same as --set checkpoint.resume=true); without it a run saves "
-                             "into a new checkpoint.dir/run-NNNN")
+                             "that run's directory (same as --set checkpoint.resume=true), under that run's saved "
+                             "config with --config's and --set's keys on top; without it a run saves into a new "
+                             "checkpoint.dir/run-NNNN")
+    add_print_config(parser)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.resume:
         args.overrides.append("checkpoint.resume=true")
     return args
+
+
+def ranks_needed(config: Any) -> int:
+    """The fewest ranks the configured layout runs on (dp x pp x tp, an "auto" axis counted as 1)."""
+    par = config.parallel
+    dp = par.dp if isinstance(par.dp, int) else 1
+    pp = par.pp if isinstance(par.pp, int) else 1
+    return dp * pp * par.tp
+
+
+def launcher_hint(config: Any, world_size: int, argv: list[str]) -> None:
+    """Raise ConfigError, one line, when a process started without mpiexec cannot run the layout alone."""
+    needed = ranks_needed(config)
+    if world_size != 1 or launcher_size() or needed <= 1:
+        return
+    command = shlex.join(["mpiexec", "-n", str(needed), "python", "-m", "hpcpipe.train", *argv])
+    par = config.parallel
+    layout = f"parallel.dp = {par.dp!r}, parallel.pp = {par.pp!r}" + (f", parallel.tp = {par.tp}" if par.tp > 1 else "")
+    raise ConfigError(f"this process runs alone (started without mpiexec, world size 1), and the layout "
+                      f"({layout}) needs {needed} ranks or a multiple: run it under {command}")
 
 
 def rss_text(by_rank: list[int] | None) -> str:
@@ -95,9 +121,34 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
     stop = stop or StopSignals().install()
     try:
         write_pid(launcher_rank())
-        return _main(parse_args(argv), stop)
+        args = parse_args(argv)
+        if args.print_config:
+            return _print_config(args)
+        return _main(args, stop)
     finally:
         stop.ignore()   # not restored: a second signal while the ranks shut down must not kill one
+
+
+def saved_layout_hint(config: Any, world_size: int) -> None:
+    """Raise ConfigError, one line, when a resumed run's layout does not fit the world, saying where it came from."""
+    try:
+        resolve_layout(config, world_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (resuming: the layout is the run's saved one where the command line does not give "
+                          f"it; --set parallel.pp=N on the command line reshards the checkpoint)") from None
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    """``--print-config``: the effective configuration (a resumed run's too) as TOML, without starting MPI."""
+    from hpcpipe.train.setup import load_run_config
+
+    try:
+        config = load_run_config(args.config, args.overrides)
+    except ConfigError as exc:
+        if launcher_rank() == 0:
+            print(f"hpcpipe: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return print_config(config.to_dict(), "python -m hpcpipe.train")
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
@@ -108,11 +159,19 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     world = MPI.COMM_WORLD
     holder: dict[str, Any] = {}
+    notes: list[str] = []
 
     def setup():
-        return prepare(load_run_config(args.config, args.overrides), world.Get_size())
+        config = load_run_config(args.config, args.overrides, notes)
+        launcher_hint(config, world.Get_size(), args.argv)
+        if notes:
+            saved_layout_hint(config, world.Get_size())
+        return prepare(config, world.Get_size())
 
     def body(p) -> int:
+        if world.Get_rank() == 0:
+            for note in notes:       # which config a resumed run continues under
+                print(note, file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:
             # a finished run: nothing to train, nothing to save (every rank decides the same from the setup)
             if world.Get_rank() == 0:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import EXIT_DIVERGED, AgreedError, HpcpipeError
 from hpcpipe.runtime.faults import fault_injection, stall_injection, step_sleep
+from hpcpipe.runtime.progress import Progress as LineProgress
 from hpcpipe.runtime.rss import peak_rss_bytes
-from hpcpipe.runtime.runenv import stdout_is_terminal
 from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.trace import rank_events, training_trace, write_json
@@ -27,16 +27,20 @@ def logged_step(step: int, every: int, total: int) -> bool:
 class Progress:
     """Rank-0 progress line (stdout, redrawn in place on a terminal) and JSON-lines metrics.
 
-    Redrawing with '\\r' only where a person watches a terminal: under Open MPI
-    every rank's stdout is a pty even when mpirun writes to a file, so
-    runenv.stdout_is_terminal asks mpirun's own stdout instead.
+    The line is :class:`hpcpipe.runtime.progress.Progress`'s, written every
+    ``log.every`` steps, with the elapsed time and the ETA of this run's steps
+    (a resumed run's from its first step). Redrawing with '\\r' only where a
+    person watches a terminal: under Open MPI every rank's stdout is a pty even
+    when mpirun writes to a file, so runenv.stdout_is_terminal asks mpirun's
+    own stdout instead.
     """
 
     def __init__(self, config: Any, trainer: Any):
         self.cfg = config
         self.trainer = trainer
         self.total = config.train.steps
-        self.tty = stdout_is_terminal()
+        self.first = trainer.start_step
+        self.line = LineProgress(sys.stdout, every_s=0, enabled=True)
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
@@ -72,13 +76,11 @@ class Progress:
                     f"{seconds * 1e3:.1f} ms/step {record['samples_per_s']:.0f} samples/s")
             if skipped:
                 line += f" SKIPPED (non-finite loss or gradient on {decision.bad_ranks} rank(s))"
-            if self.tty:
-                print("\r" + line, end="" if done < self.total else "\n", flush=True)
-            else:
-                print(line, flush=True)
+            self.line.show(line, (done - self.first) / max(self.total - self.first, 1), force=True)
 
     def close(self) -> None:
-        """Close the metrics file."""
+        """Close the metrics file; end a line redrawn on a terminal."""
+        self.line.close()
         if self.metrics:
             self.metrics.close()
 

@@ -34,6 +34,7 @@ from hpcpipe.train.preflight import (
     check_memory,
     check_nothing_newer,
 )
+from hpcpipe.train.resume_config import resumed
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,21 @@ class TrainSetup:
 RESUME_MODEL_KEYS = {kind: ("kind", *keys, "dtype") for kind, keys in KIND_KEYS.items()}
 
 
-def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (),
+                    notes: list[str] | None = None) -> Config:
     """Return the run's Config: the TOML file and ``--set`` keys, and, when model.init is a Hugging Face model
-    directory, its model kind and shape from config.json (the config may restate them, not contradict them)."""
+    directory, its model kind and shape from config.json (the config may restate them, not contradict them).
+
+    When resuming, the base is the run's own config saved in the checkpoint, the file's and ``--set``'s keys on
+    top (:mod:`hpcpipe.train.resume_config`); the line saying what differs from it is appended to ``notes``.
+    """
     raw = load_raw(path, overrides)
     model = raw.get("model")
     init = model.get("init") if isinstance(model, dict) else None
     resume = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
-    if isinstance(init, str) and init and resume is not True and is_hf_directory(init):
+    if resume is True:
+        return resumed(raw, notes)
+    if isinstance(init, str) and init and is_hf_directory(init):
         raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
     return from_dict(raw)
 

@@ -41,14 +41,14 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidd
 PROMPT_TOKENS, NEW_TOKENS, PREFILL = 32, 64, 512
 
 
-def write_model(directory: Path) -> None:
-    """A random float32 model of the shape above and a byte-level BPE tokenizer (made once)."""
+def write_model(directory: Path, shape: dict | None = None) -> None:
+    """A random float32 model of the shape above (or ``shape``) and a byte-level BPE tokenizer (made once)."""
     import torch
     import transformers as T
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**SHAPE, bos_token_id=0, eos_token_id=1)).eval()
+    model = T.LlamaForCausalLM(T.LlamaConfig(**(shape or SHAPE), bos_token_id=0, eos_token_id=1)).eval()
     model.generation_config.eos_token_id = None      # every request generates its max_tokens
     model.save_pretrained(str(directory))
     tok = Tokenizer(models.BPE())

@@ -5,6 +5,12 @@
     python -m hpcpipe.simulate --schedule 1f1b --pp 2 --micro-batches 16 --calibrate trace.json
     python -m hpcpipe.simulate --schedule zb-h1 --pp 4 --micro-batches 16 --calibrate trace.json --cores 2
     python -m hpcpipe.simulate --measured trace.json --plot measured.png
+    python -m hpcpipe.simulate --schedule 1f1b --pp 2 --micro-batches 8 --calibrate trace.json --tp 2 \
+        --tp-comm 0.004,0.004
+
+``--tp N`` predicts the same stages split over N tensor-parallel ranks: every compute action costs 1/N,
+plus ``--tp-comm F,B`` seconds of tp collectives per forward and per backward (input) action of a stage
+(a trace of a tp run already holds them: calibrate from it without --tp).
 
 The simulator itself is :mod:`hpcpipe.schedule.simulate` (per action) and
 :mod:`hpcpipe.schedule.sweep` (vectorised over a timeline); the pictures are
@@ -40,6 +46,18 @@ def _parse_costs(text: str) -> Costs:
     return Costs(f, b, w, comm)
 
 
+def _parse_tp(tp: int, text: str) -> tuple[int, float, float]:
+    if tp < 1:
+        raise ScheduleError(f"--tp must be >= 1, got {tp}")
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ScheduleError(f"--tp-comm expects two numbers F,B (seconds), got {text!r}") from None
+    if len(values) != 2 or min(values) < 0:
+        raise ScheduleError(f"--tp-comm expects two non-negative numbers F,B (seconds), got {text!r}")
+    return tp, values[0], values[1]
+
+
 def _listing(items: list[str], edge: int = 8) -> str:
     """Join per-rank entries; for hundreds of ranks show the first and last `edge` (a line per rank is unreadable)."""
     if len(items) <= 3 * edge:
@@ -64,6 +82,10 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--costs", default="1,2,1,0", help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
     parser.add_argument("--calibrate", metavar="TRACE",
                         help="take costs from a training trace (log.trace) of the same model, any layout")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks per stage: compute per action / tp, plus --tp-comm (default 1)")
+    parser.add_argument("--tp-comm", default="0,0", metavar="F,B",
+                        help="seconds of tp collectives per forward and per backward action of a stage (with --tp)")
     parser.add_argument("--cores", type=int, default=None,
                         help="cores shared by the ranks (default: one per rank)")
     parser.add_argument("--measured", metavar="TRACE", help="draw/print a measured trace instead of simulating")
@@ -95,6 +117,8 @@ def _main(argv: list[str] | None) -> int:
             costs = calibrated_costs(args.calibrate, args.pp, args.virtual_stages)
         else:
             costs = _parse_costs(args.costs)
+        if args.tp != 1 or args.tp_comm != "0,0":
+            costs = costs.tensor_parallel(*_parse_tp(args.tp, args.tp_comm))
         result = simulate_schedule(args.schedule, args.pp, args.micro_batches, args.virtual_stages,
                                    costs, check=not args.no_validate, cores=args.cores,
                                    per_rank_costs=not args.calibrate,
@@ -103,7 +127,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 2
     print(f"schedule {args.schedule}  pp={args.pp}  micro-batches={args.micro_batches}  "
-          f"virtual stages={args.virtual_stages}")
+          f"virtual stages={args.virtual_stages}" + (f"  tp={args.tp}" if args.tp != 1 else ""))
     print(f"step time        {result.step_time:.6g}")
     print(f"bubble           {result.bubble:.4f} of rank time ({result.bubble_over_compute:.4f} of compute)")
     print("peak stashed     " + _listing([f"r{r}:{n}" for r, n in enumerate(result.peak_stashed)])

@@ -32,6 +32,10 @@ def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
     out = []
     for step, events in events_by_step:
         for action, start, end, *cpu in events:
+            if isinstance(action, str):     # a named span inside actions (tensor-parallel collectives)
+                out.append({"name": action, "cat": action.split()[0], "ph": "X", "ts": start * 1e6,
+                            "dur": (end - start) * 1e6, "pid": 0, "tid": tid, "args": {"step": step}})
+                continue
             args = {"stage": action.stage, "mb": action.mb, "step": step}
             if cpu:
                 args["cpu_us"] = cpu[0] * 1e6

@@ -169,3 +169,21 @@ def test_interleaved_peak_activations_formula():
             for m in (p, 2 * p, 4 * p):
                 peaks = simulate_schedule("interleaved-1f1b", p, m, v).peak_stashed
                 assert peaks == [min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) for r in range(p)], (p, m, v)
+
+def test_tensor_parallel_costs_split_compute_and_add_the_collectives():
+    """tp ranks divide every action's compute and add their collectives to F, B and I (not W); the step follows."""
+    from hpcpipe.schedule.costs import Costs
+    from hpcpipe.schedule.simulate import simulate_schedule
+
+    base = Costs(forward=2.0, backward=4.0, weight=2.0, per_stage={("F", 1): 4.0})
+    split = base.tensor_parallel(2, forward_comm=0.25, backward_comm=0.5)
+    assert (split.forward, split.backward, split.weight) == (1.25, 2.5, 1.0)
+    assert split.of("I", 0) == 1.5 and split.of("W", 0) == 1.0 and split.of("F", 1) == 2.25
+    one = simulate_schedule("1f1b", 2, 8, costs=Costs(2.0, 4.0, 2.0), events=False).step_time
+    two = simulate_schedule("1f1b", 2, 8, costs=Costs(2.0, 4.0, 2.0).tensor_parallel(2), events=False).step_time
+    assert two == pytest.approx(one / 2)
+    slow = simulate_schedule("1f1b", 2, 8, costs=Costs(2.0, 4.0, 2.0).tensor_parallel(2, 1.0, 1.0),
+                             events=False).step_time
+    assert slow == pytest.approx(one / 2 + 2.0 * (8 + 1))   # (F + B) comm per micro-batch on the critical path
+    with pytest.raises(ValueError):
+        base.tensor_parallel(0)

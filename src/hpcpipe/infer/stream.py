@@ -36,8 +36,8 @@ import numpy as np
 
 from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
 from hpcpipe.nn.layers import Activation
-from hpcpipe.runtime.comm import StreamLink
 from hpcpipe.runtime.stop_notice import StreamStopped, cancel_receive
+from hpcpipe.runtime.stream_link import StreamLink
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm

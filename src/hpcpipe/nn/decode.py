@@ -81,24 +81,27 @@ def _all(rows: Any) -> Any:
     return slice(None) if rows is None else rows
 
 
-def kind_steps(shape: GPTShape | LlamaShape, xp: Any) -> GPTSteps | LlamaSteps:
-    """Return the per-kind steps (embedding, block, head) for a model's shape."""
+def kind_steps(shape: GPTShape | LlamaShape, xp: Any, tp: Any = None) -> GPTSteps | LlamaSteps:
+    """Return the per-kind steps (embedding, block, head) for a model's shape (``tp``: the stage's tp group)."""
     if isinstance(shape, LlamaShape):
-        return LlamaSteps(shape, xp)
+        return LlamaSteps(shape, xp, tp)
     if isinstance(shape, GPTShape):
-        return GPTSteps(shape, xp)
+        return GPTSteps(shape, xp, tp)
     raise ValueError(f"decode stage: no KV-cached decoding for a model shape of type {type(shape).__name__}")
 
 
 class DecodeStage:
     """Layer groups ``groups`` (a range of group indices, e.g. range(0, 3)) of a decoder, with a KV cache per block.
 
-    The kind follows the shape: a ``GPTShape`` (GPT) or a ``LlamaShape`` (Llama).
+    The kind follows the shape: a ``GPTShape`` (GPT) or a ``LlamaShape`` (Llama). With a tensor-parallel
+    group ``tp`` (hpcpipe.nn.tensor_parallel.Group) ``arrays`` hold the rank's parts of each parameter
+    (hpcpipe.nn.sharding), the cache the rank's key/value heads, and the head stage returns the logits of
+    the rank's token ids only; every tp rank of the stage calls ``forward`` with the same tokens and rows.
     """
 
     def __init__(self, shape: GPTShape | LlamaShape, groups: range, arrays: dict[int, dict[str, np.ndarray]],
-                 xp: Any, dtype: str, slots: int, tok_emb: Any = None):
-        self.steps = kind_steps(shape, xp)
+                 xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None):
+        self.steps = kind_steps(shape, xp, tp)
         if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
                 or groups.start < 0 or groups.stop > shape.n_groups:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
@@ -110,7 +113,7 @@ class DecodeStage:
         self.has_embedding = 0 in groups
         self.has_head = shape.n_blocks + 1 in groups
         self.steps.build(params, self._head_table(params, tok_emb))
-        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, self.steps.n_kv_heads, self.steps.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = self.steps.n_heads, self.steps.n_kv_heads, self.steps.head_dim
         self.group = self.n_heads // self.n_kv_heads
         kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
         # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
@@ -139,7 +142,8 @@ class DecodeStage:
         return out
 
     def _head_table(self, params: dict[int, dict[str, Any]], tok_emb: Any) -> Any:
-        """The table a tied head multiplies by (transposed): group 0's tok_emb or ``tok_emb``; None when not needed."""
+        """The table a tied head multiplies by (transposed): group 0's tok_emb or ``tok_emb`` (the rank's vocabulary
+        rows under tensor parallelism); None when not needed."""
         if not self.has_head or not self.shape.tied:
             return None
         if self.has_embedding:
@@ -147,7 +151,7 @@ class DecodeStage:
             return table.dense() if isinstance(table, HalfTable) else table
         if tok_emb is None:
             raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
-        want = (self.shape.vocab, self.shape.d_model)
+        want = dict(self.steps.group_params(0))["tok_emb"]
         if tuple(tok_emb.shape) != want:
             raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
         return self.xp.ascontiguousarray(self.xp.asarray(tok_emb, dtype=self.dtype))
@@ -156,6 +160,14 @@ class DecodeStage:
     def cache_bytes(self) -> int:
         """Bytes of this stage's KV cache: 2 x local blocks x slots x n_kv_heads x seq_len x head_dim x itemsize."""
         return int(self._cache.nbytes)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero the keys and values of one slot in every local block.
+
+        Positions past a sequence's length are masked with a weight of exactly 0, but 0 x NaN is NaN: a
+        sequence whose forward overflowed leaves values that would poison the next sequence in its slot.
+        """
+        self._cache[:, :, slot] = 0
 
     def _plan(self, segments: list[Segment]) -> _Plan:
         """Check the segments and build the row and cache indices one forward call needs."""

@@ -16,6 +16,8 @@ from hpcpipe.nn.gpt_layers import Block, layer_norm
 from hpcpipe.nn.gpt_params import GPTShape, group_params
 from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
+from hpcpipe.nn.sharding import gpt_shards, vocab_range
+from hpcpipe.nn.tensor_parallel import is_split, vocab_lookup
 
 
 def forward_only(params: dict[str, Any]) -> dict[str, None]:
@@ -23,24 +25,45 @@ def forward_only(params: dict[str, Any]) -> dict[str, None]:
     return dict.fromkeys(params)
 
 
-class GPTSteps:
-    """GPT layers of one decode stage; keys and values have n_heads heads of d_head."""
+def local_params(full: list[tuple[str, tuple[int, ...]]], shards: Callable[[list[str]], dict], tp: Any
+                 ) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the part of a group a tp rank holds (``shards(names)``: hpcpipe.nn.sharding's cut)."""
+    if not is_split(tp):
+        return full
+    cut = shards([name for name, _ in full])
+    return [(name, cut[name].shape(dims)) for name, dims in full]
 
-    def __init__(self, shape: GPTShape, xp: Any):
+
+class GPTSteps:
+    """GPT layers of one decode stage; keys and values have n_heads heads of d_head.
+
+    With a tensor-parallel group ``tp`` the stage holds the rank's heads (n_heads / tp of them), MLP
+    columns and vocabulary rows (hpcpipe.nn.sharding): the blocks sum their row-parallel outputs over
+    tp, the embedding sums its vocabulary-parallel lookup, and the head returns the logits of the
+    rank's token ids [lo, hi) only.
+    """
+
+    def __init__(self, shape: GPTShape, xp: Any, tp: Any = None):
         self.shape, self.xp = shape, xp
-        self.n_kv_heads, self.head_dim = shape.n_heads, shape.d_head
+        self.tp = tp if is_split(tp) else None
+        size, rank = (tp.size, tp.rank) if self.tp else (1, 0)
+        self.n_heads = self.n_kv_heads = shape.n_heads // size
+        self.head_dim = shape.d_head
+        self.lo = vocab_range(shape.vocab, size, rank)[0]
         self.blocks: list[Block] = []
 
     def group_params(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Names and shapes of group ``index``'s arrays."""
-        return group_params(self.shape, index)
+        """Names and shapes of group ``index``'s arrays (this rank's parts under tensor parallelism)."""
+        tp = self.tp
+        return local_params(group_params(self.shape, index),
+                            lambda names: gpt_shards(self.shape, index, names, tp.size, tp.rank), tp)
 
     def build(self, params: dict[int, dict[str, Any]], table: Any) -> None:
         """Build the stage's layers from its groups' xp arrays; ``table``: tok_emb for a tied head, else None."""
         shape, xp = self.shape, self.xp
         if 0 in params:
             self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0]["pos_emb"]
-        self.blocks = [Block(p, forward_only(p), shape.n_heads, xp) for i, p in sorted(params.items())
+        self.blocks = [Block(p, forward_only(p), shape.n_heads, xp, self.tp) for i, p in sorted(params.items())
                        if 1 <= i <= shape.n_blocks]
         final = params.get(shape.n_blocks + 1)
         if final is not None:
@@ -50,7 +73,9 @@ class GPTSteps:
 
     def embed(self, tokens: Any, positions: Callable[[], Any]) -> Any:
         """Return the (rows, d) embeddings of checked token ids; ``positions()``: their positions on xp."""
-        return self.tok_emb[tokens] + self.pos_emb[positions()]
+        h = vocab_lookup(self.xp, self.tok_emb, tokens, self.lo, self.tp)
+        h += self.pos_emb[positions()]
+        return h
 
     def prepare(self, positions: Callable[[], Any]) -> None:
         """Per-call state of the blocks: none (positions entered with the embedding)."""
@@ -59,7 +84,7 @@ class GPTSteps:
     def block(self, index: int, h: Any, context: Any, attend: Callable[[Any, Any, Any], Any]) -> Any:
         """Local block ``index`` over the rows ``h``: a = h + attn(ln1(h)); return a + mlp(ln2(a))."""
         block = self.blocks[index]
-        n, heads, dh = h.shape[0], self.shape.n_heads, self.head_dim
+        n, heads, dh = h.shape[0], self.n_heads, self.head_dim
         u, _ = block.ln1.forward(h)
         qkv, _ = block.attn.qkv.forward(u)
         qkv = qkv.reshape(n, 3, heads, dh)
@@ -71,6 +96,6 @@ class GPTSteps:
         return y
 
     def head_logits(self, h: Any) -> Any:
-        """Return the logits of the rows ``h``: ln_f, then the head."""
+        """Return the logits of the rows ``h`` (of the rank's token ids under tensor parallelism): ln_f, the head."""
         u, _ = self.ln_f.forward(h)
         return self.head.forward(u)[0]

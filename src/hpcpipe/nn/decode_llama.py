@@ -13,32 +13,46 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hpcpipe.nn.decode_gpt import forward_only
+from hpcpipe.nn.decode_gpt import forward_only, local_params
 from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
 from hpcpipe.nn.llama_layers import Block, model_rope, rms_norm
 from hpcpipe.nn.llama_params import LlamaShape, group_params
 from hpcpipe.nn.rope import rotate
+from hpcpipe.nn.sharding import kv_heads_of, llama_shards, vocab_range
+from hpcpipe.nn.tensor_parallel import is_split, vocab_lookup
 
 
 class LlamaSteps:
-    """Llama layers of one decode stage; keys and values have n_kv_heads heads of head_dim."""
+    """Llama layers of one decode stage; keys and values have n_kv_heads heads of head_dim.
 
-    def __init__(self, shape: LlamaShape, xp: Any):
+    With a tensor-parallel group ``tp`` the stage holds the rank's query heads, the key/value heads
+    they use (``sharding.kv_heads_of``: the cache holds only those), MLP columns and vocabulary rows,
+    as GPTSteps does.
+    """
+
+    def __init__(self, shape: LlamaShape, xp: Any, tp: Any = None):
         self.shape, self.xp = shape, xp
-        self.n_kv_heads, self.head_dim = shape.n_kv_heads, shape.head_dim
+        self.tp = tp if is_split(tp) else None
+        size, rank = (tp.size, tp.rank) if self.tp else (1, 0)
+        self.n_heads = shape.n_heads // size
+        self.n_kv_heads = len(kv_heads_of(shape.n_heads, shape.n_kv_heads, size, rank))
+        self.head_dim = shape.head_dim
+        self.lo = vocab_range(shape.vocab, size, rank)[0]
         self.blocks: list[Block] = []
 
     def group_params(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Names and shapes of group ``index``'s arrays."""
-        return group_params(self.shape, index)
+        """Names and shapes of group ``index``'s arrays (this rank's parts under tensor parallelism)."""
+        tp = self.tp
+        return local_params(group_params(self.shape, index),
+                            lambda names: llama_shards(self.shape, index, names, tp.size, tp.rank), tp)
 
     def build(self, params: dict[int, dict[str, Any]], table: Any) -> None:
         """Build the stage's layers from its groups' xp arrays; ``table``: tok_emb for a tied head, else None."""
         shape, xp = self.shape, self.xp
         if 0 in params:
             self.tok_emb = params[0]["tok_emb"]
-        self.blocks = [Block(p, forward_only(p), shape, xp) for i, p in sorted(params.items())
+        self.blocks = [Block(p, forward_only(p), shape, xp, self.tp) for i, p in sorted(params.items())
                        if 1 <= i <= shape.n_blocks]
         if self.blocks:
             self.rope = model_rope(shape, xp, self.blocks[0].attn.q.weight.dtype)
@@ -50,7 +64,7 @@ class LlamaSteps:
 
     def embed(self, tokens: Any, positions: Callable[[], Any]) -> Any:
         """Return the (rows, d) embeddings of checked token ids (positions enter through RoPE)."""
-        return self.tok_emb[tokens]
+        return vocab_lookup(self.xp, self.tok_emb, tokens, self.lo, self.tp)
 
     def prepare(self, positions: Callable[[], Any]) -> Any:
         """Per-call state of the blocks: the RoPE (cos, sin) of every row's position, (rows, 1, head_dim / 2)."""

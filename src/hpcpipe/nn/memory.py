@@ -65,14 +65,17 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
 
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
-    per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens.
+    per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens. With
+    tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
+    (at least one) and its part of every matrix (norms are replicated but small).
     """
     from hpcpipe.nn.model_spec import decoder_shape
 
     specs = model_specs(config)
     shape = decoder_shape(config)
     itemsize = ITEMSIZE[config.model.dtype]
-    kv_heads = getattr(shape, "n_kv_heads", shape.n_heads)
+    tp = config.parallel.tp
+    kv_heads = -(-getattr(shape, "n_kv_heads", shape.n_heads) // tp)
     head_dim = getattr(shape, "head_dim", shape.d_model // shape.n_heads)
     per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
     worst = (0, 0)
@@ -81,7 +84,7 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
         if shape.tied and len(specs) - 1 in groups and 0 not in groups:
             params += specs[0].n_params
         blocks = sum(1 for i in groups if 1 <= i <= shape.n_blocks)
-        mine = (params * itemsize, blocks * per_block)
+        mine = (-(-params // tp) * itemsize, blocks * per_block)
         worst = max(worst, mine, key=sum)
     return worst
 

@@ -8,6 +8,7 @@ when the MPI library is not CUDA-aware, device buffers are staged through host c
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,11 +42,21 @@ class Poller:
         self.max_s = max_us * 1e-6
         self.waited_s = 0.0   # total time spent waiting (for traces and metrics)
 
-    def wait(self, requests: list) -> None:
-        """Return once every request has completed, sleeping between polls."""
+    def wait(self, requests: list, yield_s: float = 0.0) -> None:
+        """Return once every request has completed, sleeping between polls.
+
+        ``yield_s``: first poll for that long giving the core away between polls (sched_yield) instead of
+        sleeping, for collectives on a critical path whose partners are about to arrive: a sleep costs at
+        least the timer's slack (60 us idle, 1 ms on a loaded machine), a yield only what other ranks use.
+        """
         if not requests or MPI.Request.Testall(requests):
             return
         start = time.perf_counter()
+        while time.perf_counter() - start < yield_s:
+            os.sched_yield()
+            if MPI.Request.Testall(requests):
+                self.waited_s += time.perf_counter() - start
+                return
         delay = self.min_s
         while not MPI.Request.Testall(requests):
             self.between_polls()
@@ -183,69 +194,6 @@ class PipeComm:
         out = np.array(values, dtype=np.float64)
         self._allreduce_inplace(out, self.world)
         return out
-
-
-class StreamLink:
-    """Persistent requests streaming micro-batches through fixed slot buffers to or from one pipeline neighbour.
-
-    Inference moves every micro-batch through the same few buffers, so each
-    slot gets one persistent request (``Send_init`` / ``Recv_init``) made
-    once; :meth:`start` restarts it and :meth:`wait` completes it, with no
-    allocation per micro-batch. Messages between one pair of ranks on one tag
-    are non-overtaking, so slot k carries micro-batches k, k+S, k+2S, ...
-    Buffers must be host (NumPy) arrays.
-
-    Roughly, a sender::
-
-        wait(slot)            # the send of micro-batch i - S has left this slot
-        compute into buffers[slot]
-        start(slot)           # Isend of micro-batch i overlaps the compute of i + 1
-    """
-
-    def __init__(self, comm: Comm, peer: int, buffers: list[np.ndarray], tag: int, send: bool, poller: Poller):
-        for buf in buffers:
-            if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
-                raise TypeError("StreamLink buffers must be C-contiguous NumPy arrays")
-        self.buffers = buffers
-        self.poller = poller
-        init = comm.Send_init if send else comm.Recv_init
-        self.requests = [init(buf, peer, tag) for buf in buffers]
-        self._one = [[r] for r in self.requests]      # preallocated argument lists for Poller.wait
-        self.active = [False] * len(buffers)
-        self.waited_s = 0.0
-
-    def start(self, slot: int) -> None:
-        """Start the transfer of buffers[slot] (a send, or a receive into it)."""
-        self.requests[slot].Start()
-        self.active[slot] = True
-
-    def wait(self, slot: int) -> float:
-        """Complete the transfer on slot (no-op when none is active); return the seconds spent waiting."""
-        if not self.active[slot]:
-            return 0.0
-        before = self.poller.waited_s
-        self.poller.wait(self._one[slot])
-        self.active[slot] = False
-        waited = self.poller.waited_s - before
-        self.waited_s += waited
-        return waited
-
-    def progress(self) -> None:
-        """Let MPI move data of active transfers (call between compute kernels; never blocks)."""
-        MPI.Request.Testall(self.requests)
-        # Testall completes all or none; a completed persistent request is inactive and waits instantly
-
-    def wait_all(self) -> None:
-        """Complete every active transfer."""
-        for slot in range(len(self.requests)):
-            self.wait(slot)
-
-    def free(self) -> None:
-        """Complete, then release the persistent requests."""
-        self.wait_all()
-        for r in self.requests:
-            r.Free()
-        self.requests = []
 
 
 class Mailbox:

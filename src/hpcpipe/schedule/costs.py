@@ -37,6 +37,21 @@ class Costs:
             return self.weight
         return self.backward - self.weight   # I
 
+    def tensor_parallel(self, tp: int, forward_comm: float = 0.0, backward_comm: float = 0.0) -> Costs:
+        """Return the costs of the same stages split over tp tensor-parallel ranks.
+
+        Each rank computes 1/tp of every action, and the tp collectives sit on the action's critical path:
+        ``forward_comm`` seconds per F (a block's two allreduces of its output), ``backward_comm`` per full
+        backward B and per input half I (the mirrored sums of the input gradients); W needs none.
+        """
+        if tp < 1:
+            raise ValueError(f"tensor-parallel ranks must be >= 1, got {tp}")
+        add = {"F": forward_comm, "B": backward_comm, "I": backward_comm, "W": 0.0}
+        per_stage = {(op, stage): cost / tp + add[op] for (op, stage), cost in self.per_stage.items()}
+        # I = B - W: keep W's share of B unchanged relative to the split compute
+        return Costs(self.forward / tp + forward_comm, self.backward / tp + backward_comm, self.weight / tp,
+                     self.comm, self.step, per_stage)
+
     def scaled(self, factor: float) -> Costs:
         """Return the uniform compute costs multiplied by factor (a stage cut into virtual chunks)."""
         return Costs(self.forward * factor, self.backward * factor, self.weight * factor, self.comm,

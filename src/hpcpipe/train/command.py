@@ -29,15 +29,17 @@ from hpcpipe.runtime.stop_marker import write_stop_marker
 from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.train.loop import train
 
-DESCRIPTION = """Train an MLP or a GPT (model.kind) with pipeline (pp) x data (dp) parallelism over MPI.
-Run under mpiexec/srun; world size must equal dp x pp. Without --config the
-embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
+DESCRIPTION = """Train an MLP, a GPT or a Llama-family model (model.kind) with pipeline (pp) x data (dp) x tensor
+(tp) parallelism over MPI. Run under mpiexec/srun; world size must equal dp x pp x tp (parallel.tp, default 1,
+splits every stage's layers over tp ranks: attention by heads, the MLP by columns, the vocabulary).
+Without --config the embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
 
 
 EPILOG = """examples:
   mpiexec -n 8 python -m hpcpipe.train
   mpiexec -n 4 python -m hpcpipe.train --config configs/example6.toml
   mpiexec -n 8 python -m hpcpipe.train --set train.steps=50 --set parallel.pp=2
+  mpiexec -n 8 python -m hpcpipe.train --config configs/gpt-text.toml --set parallel.pp=2 --set parallel.tp=2
   mpiexec -n 8 python -m hpcpipe.train --set checkpoint.every=10 --resume   # continue the newest run in checkpoints/
 
 exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuration or input,
@@ -98,7 +100,7 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
     print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
           f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
-          f"(dp={p.dp} pp={p.pp} schedule={c.parallel.schedule} "
+          f"(dp={p.dp} pp={p.pp}{f' tp={c.parallel.tp}' if c.parallel.tp > 1 else ''} schedule={c.parallel.schedule} "
           f"stage_layers={[len(r) for r in p.stage_ranges]} "
           f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
           f"{summary['elapsed_s']:.2f} s){rss_text(summary.get('peak_rss_bytes_by_rank'))}", flush=True)

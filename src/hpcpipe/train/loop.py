@@ -45,7 +45,7 @@ class Progress:
         self.metrics = open(path, "a") if path else None
 
     def log(self, step: int, loss: float, seconds: float, peaks: list | None = None,
-            rss_by_rank: list[int] | None = None) -> None:
+            rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None) -> None:
         """Record one step: metrics line always, console line every log.every steps."""
         tr = self.trainer
         stats = tr.last_stats
@@ -62,6 +62,8 @@ class Progress:
             # measured on every rank: per stage, the most micro-batches (and bytes) held at once
             record["peak_stashed_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[0].items())}
             record["peak_stash_bytes_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[1].items())}
+        if tp_comm_s is not None:    # the slowest rank's seconds in tp collectives (on its critical path)
+            record["tp_comm_s"] = tp_comm_s
         if rss_by_rank is not None:
             record["peak_rss_bytes"] = max(rss_by_rank)
             record["peak_rss_bytes_by_rank"] = rss_by_rank
@@ -116,6 +118,11 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             return stop.requested
         trainer.stop_requested = requested
     traced: list[tuple[int, list]] = []
+    tp = trainer.tp
+    if tp is not None:
+        tp.take_seconds()      # the steps' own collectives only, not those of setting up
+        if cfg.log.trace:
+            tp.events = []
     dp0 = trainer.topo.dp_rank == 0
     start = time.perf_counter()
     try:
@@ -129,19 +136,21 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             seconds = time.perf_counter() - t0
             decision = trainer.last_decision
             losses.append(loss)
+            tp_s = tp.take_seconds() if tp is not None else None
             if cfg.log.trace:
-                traced.append((step, trainer.last_stats.events))
-            peaks = rss_by_rank = None
+                traced.append((step, trainer.last_stats.events + tp_trace_events(tp)))
+            peaks = rss_by_rank = tp_comm_s = None
             if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 stats = trainer.last_stats
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = gather_to_root(world, (mine, peak_rss_bytes()), 0)
+                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s), 0)
                 if gathered:
                     peaks = [g[0] for g in gathered if g[0] is not None]
                     rss_by_rank = [g[1] for g in gathered]
+                    tp_comm_s = None if tp_s is None else max(g[2] for g in gathered)
             if progress:
-                progress.log(step, loss, seconds, peaks, rss_by_rank)
+                progress.log(step, loss, seconds, peaks, rss_by_rank, tp_comm_s)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
@@ -182,6 +191,14 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s, "skipped": skipped,
             "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss}
+
+
+def tp_trace_events(tp: Any) -> list[tuple[str, float, float]]:
+    """The tp collectives of the last step as trace events ("tp allreduce", start, end); [] without tp or tracing."""
+    if tp is None or tp.events is None:
+        return []
+    events, tp.events = [("tp allreduce", start, end) for start, end in tp.events], []
+    return events
 
 
 def write_trace(path: str, world: Comm, events_by_step: list[tuple[int, list]], label: str = "") -> None:

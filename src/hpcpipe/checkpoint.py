@@ -26,11 +26,13 @@ import h5py
 
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import member
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.outputs import check_writable, commit_output
+from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.sources import (
     WeightsSource,
     checkpoint_source,
@@ -41,6 +43,7 @@ from hpcpipe.state.sources import (
 )
 from hpcpipe.state.weights import (
     check_weights,
+    layer_group,
     members,
     open_checked,
     read_layers,
@@ -79,7 +82,7 @@ def _verify_weights_file(path: Path) -> WeightsSource:
     source.tokenizer()                                   # valid when present
     read_layers(path, list(range(source.n_layers)))      # every dataset through its fletcher32 check
     with open_checked(path) as f:
-        has_optimizer = "optimizer" in f
+        has_optimizer = member(f, "optimizer", label) is not None
     if has_optimizer:
         read_optimizer(path, list(range(source.n_layers)))
     return source
@@ -128,6 +131,9 @@ def _describe_dir(p: Path) -> list[str]:
     """Lines about a root or run directory: where latest points, runs, committed steps, leftovers."""
     kind = "run directory" if cf.is_run_dir(p) else "checkpoint root"
     lines = [f"{kind} {str(p)!r}: latest -> {cf.read_latest(p)}"]
+    lag = lagging_root(p)
+    if lag is not None:   # a save that could not move the root's pointer: readers take the run's newer one
+        lines[0] += f" (behind its run's own latest: {lag.newer} is read instead)"
     for d in [p] + cf.run_dirs(p):
         steps = cf.committed_steps(d)
         if d is p and not steps:
@@ -155,14 +161,16 @@ def _describe_weights_file(source: WeightsSource) -> list[str]:
     model, tokenizer = _model_lines(source)
     lines = [f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, {model}",
              *tokenizer]
+    label = source.describe()
     with open_checked(source.path) as f:
         for i in stored_layers(f):
-            group = f[f"layers/{i:04d}"]
-            found = members(group) if isinstance(group, h5py.Group) else {}
+            group = member(f, layer_group(i), label)
+            found = members(group, label=label) if isinstance(group, h5py.Group) else {}
             shapes = ", ".join(f"{name} {tuple(getattr(found[name], 'shape', ()) or ())}" for name in sorted(found))
             lines.append(f"  layer {i}: {shapes}")
-        if "optimizer" in f:
-            attrs = dict(f["optimizer"].attrs)
+        optimizer = member(f, "optimizer", label)
+        if optimizer is not None:
+            attrs = dict(optimizer.attrs)
             lines.append(f"  optimizer state of {attrs.get('name')} (update count {attrs.get('steps')})")
     return lines
 

@@ -30,13 +30,14 @@ import numpy as np
 from hpcpipe.cli import CommandParser
 from hpcpipe.config import DECODERS
 from hpcpipe.errors import ConfigError
-from hpcpipe.h5files import open_hdf5
+from hpcpipe.h5files import member, open_hdf5
 from hpcpipe.nn.gpt import GPT
 from hpcpipe.nn.gpt_params import GPTShape
 from hpcpipe.nn.layers import make_activation
 from hpcpipe.nn.llama import Llama
 from hpcpipe.nn.model_spec import decoder_shape, model_specs
 from hpcpipe.runtime.host_memory import keep_freed_memory
+from hpcpipe.runtime.progress import Progress
 from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.train.tokens import check_token_file
@@ -66,10 +67,10 @@ def _first_bad_row(ok: np.ndarray) -> int:
 
 def check_eval_data(f: h5py.File, label: str, x_name: str, y_name: str, in_dim: int, out_dim: int) -> bool:
     """Check datasets, shapes and dtypes against the weights; return True for integer labels, False for targets."""
-    for name in (x_name, y_name):
-        if name not in f or not isinstance(f[name], h5py.Dataset):
+    x, y = (member(f, name, label) for name in (x_name, y_name))
+    for name, obj in ((x_name, x), (y_name, y)):
+        if not isinstance(obj, h5py.Dataset):
             raise ConfigError(f"{label} has no dataset {name!r} (it has: {sorted(f.keys())})")
-    x, y = f[x_name], f[y_name]
     if x.ndim != 2 or x.shape[1] != in_dim:
         raise ConfigError(f"dataset {x_name!r} in {label} has shape {x.shape}; the weights take {in_dim} features: "
                           f"(N, {in_dim}) is needed")
@@ -128,6 +129,7 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
         x, y = f[x_name], f[y_name]
         n = x.shape[0]
         correct, total = 0, 0.0
+        progress = Progress()
         for a in range(0, n, CHUNK_ROWS):
             b = min(a + CHUNK_ROWS, n)
             xs, ys = read_rows(x, a, b, label), read_rows(y, a, b, label)
@@ -151,6 +153,8 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
                 total += float(np.sum(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(ys)), ys]))
             else:
                 total += float(np.sum((out - ys) ** 2))
+            progress.show(f"hpcpipe.evaluate: {b:,}/{n:,} rows", b / n)
+        progress.close(f"hpcpipe.evaluate: {n:,} rows")
     result: dict[str, Any] = {"n": int(n)}
     if labels:
         result.update(accuracy=correct / n, cross_entropy=total / n)
@@ -198,8 +202,9 @@ def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def _window(data: str | Path, x_name: str, longest: int) -> int:
     """Return the token file's window length when it is at most ``longest`` (else ``longest``: refused later)."""
-    with open_hdf5(data, f"token file {str(data)!r}") as f:
-        x = f.get(x_name)
+    where = f"token file {str(data)!r}"
+    with open_hdf5(data, where) as f:
+        x = member(f, x_name, where)
         t = x.shape[1] if isinstance(x, h5py.Dataset) and x.ndim == 2 else 0
     return t if 0 < t <= longest else longest
 
@@ -227,6 +232,7 @@ def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: st
     model = load_decoder(source, model_specs(config), shape, dtype)
     where = f"token file {str(data)!r}"
     total, step = 0.0, slab_rows(shape)
+    progress = Progress()
     with open_hdf5(data, where) as f:
         x, y = f[x_name], f[y_name]
         for a in range(0, n, step):
@@ -240,6 +246,8 @@ def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: st
                 raise ConfigError(f"the loss of {label} on row {row} of {where} is not finite "
                                   f"(non-finite weights, or values beyond {dtype})")
             total += float(losses.sum(dtype=np.float64))
+            progress.show(f"hpcpipe.evaluate: {b:,}/{n:,} windows", b / n)
+    progress.close(f"hpcpipe.evaluate: {n:,} windows")
     tokens = n * shape.seq_len
     nats = total / tokens
     return {"n": int(n), "tokens": int(tokens), "loss_nats": nats, "loss_bits": nats / math.log(2),

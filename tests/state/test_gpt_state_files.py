@@ -123,7 +123,7 @@ def _edit(path, edit):
      r"layer 1 \(layers/0001\) lacks \['ln2/bias', 'ln2/weight'\] and holds \['ln2'\]"),
     (lambda f: (f.__delitem__("layers/0001/mlp/fc/bias"),
                 f.__setitem__("layers/0001/mlp/fc/bias", h5py.SoftLink("/nowhere"))),
-     r"layers/0001/mlp/fc/bias is a link to nothing, not a dataset"),
+     r"layers/0001/mlp/fc/bias is a soft link to '/nowhere', which names nothing in the file \(a dangling link\)"),
     (lambda f: (f.__delitem__("layers/0003"), f.create_dataset("layers/0003", data=np.zeros(3, "f4"))),
      r"layers/0003 is a dataset, not a group holding its parameters"),
 ])

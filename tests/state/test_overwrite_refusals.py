@@ -46,9 +46,11 @@ def test_resume_never_overwrites_a_later_step_of_its_run(tmp_path):
     assert _train(root).returncode == 0                                             # steps 2, 4
     assert _train(root / "run-0001", "--resume", train={"steps": 6}).returncode == 0
     assert cf.read_latest(root) == "run-0001/step-00000006"                        # the root follows
-    (root / cf.LATEST).write_text("run-0001/step-00000004\n")                       # a pointer left behind
+    (root / cf.LATEST).write_text("run-0001/step-00000004\n")                       # pointers left behind
+    (root / "run-0001" / cf.LATEST).write_text("step-00000004\n")   # the root's alone is followed (test_root_pointers)
     before = file_tree(root / "run-0001")
-    one_error(_train(root, "--resume", train={"steps": 8}), "already holds step-00000006", "would overwrite")
+    one_error(_train(root, "--resume", train={"steps": 8}), "already holds step-00000006", "would overwrite",
+              "names step-00000004 (moved back by hand?): to continue step-00000006, write that name into it")
     assert file_tree(root / "run-0001") == before
 
 

@@ -34,7 +34,7 @@ import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.h5files import WatchedFile, open_hdf5
+from hpcpipe.h5files import WatchedFile, member, open_hdf5
 from hpcpipe.state.outputs import check_replaceable, check_writable, commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 
@@ -58,11 +58,12 @@ def micro_batch_rows(m: int, n_rows: int, batch: int) -> tuple[int, int]:
 def check_input(path: str | Path, dataset: str, width: int) -> int:
     """Return the row count of the input dataset, or raise ConfigError naming the file and values."""
     p = Path(path)
-    with open_hdf5(p, f"input file {str(p)!r}") as f:
-        if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+    label = f"input file {str(p)!r}"
+    with open_hdf5(p, label) as f:
+        x = member(f, dataset, label)
+        if not isinstance(x, h5py.Dataset):
             raise ConfigError(f"input file {str(p)!r} has no dataset {dataset!r} (it has: {sorted(f.keys())}); "
                               f"set infer.x to choose another")
-        x = f[dataset]
         if x.ndim != 2 or x.shape[1] != width:
             raise ConfigError(f"dataset {dataset!r} in {str(p)!r} has shape {x.shape}; model.dims[0] = {width} "
                               f"needs (N, {width})")

@@ -15,6 +15,7 @@ from typing import Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
+from hpcpipe.infer.memory import check_memory
 from hpcpipe.infer.rows import (
     check_input,
     check_output,
@@ -99,4 +100,5 @@ def prepare(weights: str | Path, input: str | Path, output: str | Path, world_si
         written += ((f"the trace file {str(trace)!r}", Path(trace)),)
     if report:
         check_output(report, input, files + written, dirs, "report path", "report")
+    check_memory(cfg, ranges, n_rows, world_size)   # e.g. infer.buffers = 1e8: refused before a byte is allocated
     return InferSetup(cfg, dp, pp, ranges, source, str(input), str(output), n_rows, trace)

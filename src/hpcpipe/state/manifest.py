@@ -18,9 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import broken_symlink, member
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.kinds import config_specs, count_text, specs_kind
-from hpcpipe.state.weights import check_group, check_layers, open_checked, optimizer_group, param_shapes, stored_layers
+from hpcpipe.state.weights import (
+    check_group,
+    check_layers,
+    open_checked,
+    optimizer_group,
+    param_shapes,
+    state_names,
+    stored_layers,
+    version_problem,
+)
 
 _STAGE_RE = re.compile(r"^stage-(\d{3,})\.h5$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -89,9 +99,9 @@ def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[Any]:
     """
     if not isinstance(manifest, dict) or manifest.get("format") != cf.MANIFEST_FORMAT:
         raise ConfigError(f"{label} is not an hpcpipe checkpoint manifest")
-    if manifest.get("format_version") != cf.MANIFEST_VERSION:
-        raise ConfigError(f"{label} has format_version {manifest.get('format_version')!r}; "
-                          f"this hpcpipe reads {cf.MANIFEST_VERSION}")
+    problem = version_problem(manifest.get("format_version"), current=cf.MANIFEST_VERSION)
+    if problem:
+        raise ConfigError(f"{label} {problem}")
     try:
         step = _int(manifest.get("step"), "step")
         n_layers = _int(manifest.get("n_layers"), "n_layers", 1)
@@ -127,7 +137,8 @@ def validate_manifest(manifest: Any, step_dir: Path, label: str) -> list[Any]:
     listed = {e["name"] for e in manifest["files"]}
     for name in sorted(listed):
         if not (step_dir / name).is_file():
-            raise ConfigError(f"checkpoint file {str(step_dir / name)!r} is missing")
+            why = broken_symlink(step_dir / name) or "is missing"
+            raise ConfigError(f"checkpoint file {str(step_dir / name)!r} {why}")
     extra = sorted(c.name for c in step_dir.iterdir() if _STAGE_RE.match(c.name) and c.name not in listed)
     if extra:
         raise ConfigError(f"checkpoint directory {str(step_dir)!r} holds {extra[:5]}, which its manifest does "
@@ -164,10 +175,11 @@ def check_stage_file(step_dir: Path, entry: dict[str, Any], manifest: dict[str, 
         check_layers(f, [specs[i] for i in layers], label)
         for i in layers:
             group = optimizer_group(i)
-            found = sorted(f[group].keys()) if group in f else []
+            found = state_names(f, group, label)
             if found != states:
                 raise ConfigError(f"{label}: layer {i} has optimizer state {found}, the manifest says {states}")
             for state in states:   # each state mirrors the parameters: same (nested) names and shapes
                 name = f"{group}/{state}"
-                check_group(f[name], name, i, param_shapes(specs[i]), label, what=f"the {state} state of layer")
+                check_group(member(f, name, label), name, i, param_shapes(specs[i]), label,
+                            what=f"the {state} state of layer")
     return path

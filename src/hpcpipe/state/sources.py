@@ -18,11 +18,13 @@ from typing import Any
 import h5py
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import broken_symlink
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.hf_source import HFSource, hf_source, is_hf_directory
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
 from hpcpipe.state.outputs import file_kind
+from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.stored_tokenizer import StoredTokenizer, read_stored
 from hpcpipe.state.weights import (
     LayerArrays,
@@ -162,11 +164,18 @@ def checkpoint_source(step_dir: str | Path) -> WeightsSource:
 
 
 def latest_dir(root: str | Path) -> Path:
-    """Return the step directory a checkpoint root's `latest` names; ConfigError when there is none."""
+    """Return the step directory a checkpoint root's `latest` names; ConfigError when there is none.
+
+    When the root's pointer lags behind the run it names (a save that could not move it:
+    :func:`hpcpipe.state.root_latest.lagging_root`), the run's newer checkpoint is taken.
+    """
     root = Path(root)
     name = cf.read_latest(root)
     if name is None:
         raise ConfigError(f"checkpoint directory {str(root)!r} has no 'latest' pointer (no complete checkpoint)")
+    lag = lagging_root(root)
+    if lag is not None and lag.named == name:
+        name = lag.newer
     step_dir = root / name
     if not step_dir.is_dir():
         raise ConfigError(f"{str(root / cf.LATEST)!r} names {name!r}, which does not exist")
@@ -183,6 +192,9 @@ def resolve_step_dir(path: str | Path) -> Path:
         return p
     if p.is_dir() and ((p / cf.LATEST).exists() or (p / cf.LATEST).is_symlink()):
         return latest_dir(p)
+    broken = broken_symlink(p)
+    if broken:
+        raise ConfigError(f"checkpoint {str(p)!r} {broken}")
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint root "
                           f"(no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)")
@@ -206,6 +218,9 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
     p = Path(path)
     if not str(path):
         raise ConfigError("no weights path given")
+    broken = broken_symlink(p) if p.name != cf.LATEST else None   # a broken `latest` is named as the pointer
+    if broken:   # it would read as a path that does not exist
+        raise ConfigError(f"{key or 'weights path'} {str(p)!r} {broken}")
     if key and not os.path.lexists(p):
         hint = hint or " (give a weights file or a checkpoint directory)"
         raise ConfigError(f"{key} {str(p)!r} does not exist{hint}")

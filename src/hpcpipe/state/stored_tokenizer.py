@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h5py
+
 from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import check_links, member
 from hpcpipe.state.tokenizer import Tokenizer
 
 HF_KIND = "hf"
@@ -88,7 +91,10 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
     except json.JSONDecodeError:
         doc = None       # Tokenizer.from_json below says what is wrong
     if isinstance(doc, dict) and doc.get("kind") == HF_KIND:
-        from hpcpipe.hf.tokenizer import read_tokenizer_files
+        from hpcpipe.hf.tokenizer import GROUP, read_tokenizer_files
+        files = member(f, GROUP, label)   # a link that leads nowhere is named here, before the files are read
+        if isinstance(files, h5py.Group):
+            check_links(files, label, depth=1)
         stored = StoredTokenizer(value, tuple(sorted(read_tokenizer_files(f).items())))
         try:
             stored.load()

@@ -18,7 +18,10 @@ any others a writer adds (``tokenizer`` of a GPT, ``pp_rank`` of a stage file).
 
 Every dataset is written with the fletcher32 checksum filter, so a flipped
 bit is an error on read, never a silently wrong number. Reading errors are
-turned into ConfigError naming the file.
+turned into ConfigError naming the file, and so is a soft or external link
+that leads nowhere (:func:`hpcpipe.h5files.member`). A file whose
+``format_version`` is newer than :data:`FORMAT_VERSION` is refused: it was
+written by a newer hpcpipe, whose layout this one cannot know.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcpipe import __version__
 from hpcpipe.errors import ConfigError
-from hpcpipe.h5files import open_hdf5
+from hpcpipe.h5files import member, open_hdf5
 from hpcpipe.state.kinds import count_text, specs_kind
 
 FORMAT = "hpcpipe"
@@ -61,22 +65,21 @@ def param_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
     return dict(spec.shapes)
 
 
-def members(group: h5py.Group, depth: int = MAX_DEPTH, prefix: str = "") -> dict[str, Any]:
+def members(group: h5py.Group, depth: int = MAX_DEPTH, prefix: str = "", label: str = "") -> dict[str, Any]:
     """Return {nested name: object} of everything below a group that is not a group.
 
     Groups nested deeper than any parameter name (``depth`` levels) are returned
-    as they are, so a cycle of hard links cannot recurse forever; a soft link to
-    nothing is returned as None.
+    as they are, so a cycle of hard links cannot recurse forever; a soft or
+    external link that leads nowhere is a ConfigError naming the file (``label``,
+    default the file's name) and the link.
     """
+    label = label or f"file {str(group.file.filename)!r}"
     out: dict[str, Any] = {}
     for name in group:
-        try:
-            obj = group[name]
-        except (KeyError, OSError):   # a dangling soft or external link
-            obj = None
+        obj = member(group, name, label)
         path = f"{prefix}{name}"
         if isinstance(obj, h5py.Group) and depth > 1:
-            out.update(members(obj, depth - 1, f"{path}/"))
+            out.update(members(obj, depth - 1, f"{path}/", label))
         else:
             out[path] = obj
     return out
@@ -151,22 +154,41 @@ def write_weights(path: str | Path, arrays: LayerArrays, *, n_layers: int,
 
 
 def open_checked(path: str | Path) -> h5py.File:
-    """Open an hpcpipe HDF5 file for reading, or raise ConfigError naming it."""
+    """Open an hpcpipe HDF5 file of a format_version this hpcpipe reads, or raise ConfigError naming it."""
     p = Path(path)
     f = open_hdf5(p, f"weights file {str(p)!r}", " (truncated or foreign?)")
     fmt = f.attrs.get("format")
     if fmt != FORMAT:
         f.close()
         raise ConfigError(f"weights file {str(p)!r} is not an hpcpipe file (root attribute format = {fmt!r})")
+    problem = version_problem(f.attrs.get("format_version", FORMAT_VERSION))
+    if problem:
+        f.close()
+        raise ConfigError(f"weights file {str(p)!r} {problem}")
     return f
+
+
+def version_problem(version: Any, what: str = "format_version", current: int = FORMAT_VERSION) -> str | None:
+    """Say why a file's format version cannot be read here (newer than ``current``, or not a version), else None.
+
+    Files written before the attribute existed have none and read as version ``current``.
+    """
+    if isinstance(version, np.generic):
+        version = version.item()
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        return f"has {what} {version!r}, not a format version (1, 2, ...): not written by hpcpipe"
+    if version > current:
+        return (f"has {what} {version}, written by a newer hpcpipe: this hpcpipe ({__version__}) reads "
+                f"{what} {current} and older; read it with the hpcpipe version that wrote it (or a later one)")
+    return None
 
 
 def stored_layers(f: h5py.File) -> list[int]:
     """Return the global layer indices a file holds, ascending; ConfigError if /layers is malformed."""
-    if "layers" not in f:
-        return []
     label = f"weights file {str(f.filename)!r}"
-    layers = f["layers"]
+    layers = member(f, "layers", label)
+    if layers is None:
+        return []
     if not isinstance(layers, h5py.Group):
         raise ConfigError(f"{label}: layers is a {_kind(layers)}, not a group of layers")
     names = list(layers.keys())
@@ -210,14 +232,11 @@ def check_group(group: Any, name: str, index: int, shapes: dict[str, tuple[int, 
     if not isinstance(group, h5py.Group):
         held = "weight and bias" if set(shapes) <= {"weight", "bias"} else "its parameters"
         raise ConfigError(f"{label}: {name} is a {_kind(group)}, not a group holding {held}")
-    found = members(group)
+    found = members(group, label=label)
     if sorted(found) != sorted(shapes):
         for param in shapes:   # a parameter stored as a group says so by name
             if param not in found:
-                try:
-                    obj = group.get(param)
-                except (KeyError, OSError, ValueError):
-                    obj = None
+                obj = member(group, param, label)
                 if obj is not None and not isinstance(obj, h5py.Dataset):
                     raise ConfigError(f"{label}: {name}/{param} is a {_kind(obj)}, not a dataset")
         if len(shapes) <= 2:
@@ -236,9 +255,10 @@ def check_layers(f: h5py.File, specs: list[Any], label: str) -> None:
     """Raise ConfigError unless the file holds each given layer with the model's names, types and shapes."""
     for s in specs:
         name = layer_group(s.index)
-        if name not in f:
+        group = member(f, name, label)
+        if group is None:
             raise ConfigError(f"{label}: layer {s.index} ({name}) is missing")
-        check_group(f[name], name, s.index, param_shapes(s), label)
+        check_group(group, name, s.index, param_shapes(s), label)
 
 
 def check_weights(path: str | Path, specs: list[Any]) -> None:
@@ -256,11 +276,13 @@ def check_weights(path: str | Path, specs: list[Any]) -> None:
 def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
     """Read every dataset of a group; ConfigError naming file and dataset if one is corrupt, malformed or not finite."""
     out = {}
+    holder = member(f, group, label)
+    if holder is None:
+        raise ConfigError(f"{label}: cannot read {group} (it is missing)")
     try:
-        holder = f[group]
         if not isinstance(holder, h5py.Group):
             raise ConfigError(f"{label}: {group} is a {_kind(holder)}, not a group of datasets")
-        for name, obj in members(holder).items():
+        for name, obj in members(holder, label=label).items():
             problem = dataset_problem(obj, obj.shape if isinstance(obj, h5py.Dataset) else ())
             if problem:
                 raise ConfigError(f"{label}: {group}/{name} {problem}")
@@ -286,12 +308,23 @@ def read_optimizer(path: str | Path, indices: list[int]) -> tuple[dict[str, Any]
     """Read optimizer attributes and the given layers' optimizer state; ConfigError naming the file."""
     label = f"checkpoint file {str(path)!r}"
     with open_checked(path) as f:
-        if "optimizer" not in f:
+        root = member(f, "optimizer", label)
+        if root is None:
             raise ConfigError(f"{label} holds no optimizer state")
-        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f["optimizer"].attrs.items()}
+        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in root.attrs.items()}
         out: OptimizerArrays = {}
         for i in indices:
             group = optimizer_group(i)
-            states = sorted(f[group].keys()) if group in f else []
+            states = state_names(f, group, label)
             out[i] = {state: _read(f, f"{group}/{state}", label) for state in states}
         return attrs, out
+
+
+def state_names(f: h5py.File, group: str, label: str) -> list[str]:
+    """Return the optimizer states stored for one layer (``optimizer/layers/NNNN``'s members), sorted."""
+    holder = member(f, group, label)
+    if holder is None:
+        return []
+    if not isinstance(holder, h5py.Group):
+        raise ConfigError(f"{label}: {group} is a {_kind(holder)}, not a group of optimizer states")
+    return sorted(holder.keys())

@@ -26,7 +26,7 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.h5files import WatchedFile, file_identity, open_hdf5
+from hpcpipe.h5files import WatchedFile, file_identity, member, open_hdf5
 from hpcpipe.train.shuffle import EpochPermutation
 from hpcpipe.train.tokens import check_token_file
 
@@ -141,11 +141,12 @@ def check_data_file(config: Config) -> int:
     d, dims, loss = config.data, config.model.dims, config.train.loss
     if config.model.kind in DECODERS:
         return check_token_file(d.path, d.x, d.y, config.model.seq_len, config.model.vocab_size)
-    with open_hdf5(d.path, f"data.path {d.path!r}") as f:
-        for name in (d.x, d.y):
-            if name not in f or not isinstance(f[name], h5py.Dataset):
+    label = f"data.path {d.path!r}"
+    with open_hdf5(d.path, label) as f:
+        x, y = (member(f, name, label) for name in (d.x, d.y))
+        for name, obj in ((d.x, x), (d.y, y)):
+            if not isinstance(obj, h5py.Dataset):
                 raise ConfigError(f"data.path {d.path!r} has no dataset {name!r} (it has: {sorted(f.keys())})")
-        x, y = f[d.x], f[d.y]
         if x.ndim != 2 or x.shape[1] != dims[0]:
             raise ConfigError(f"dataset {d.x!r} in {d.path!r} has shape {x.shape}; model.dims[0] = {dims[0]} "
                               f"needs (N, {dims[0]})")

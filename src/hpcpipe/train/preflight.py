@@ -11,18 +11,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import broken_symlink
 from hpcpipe.nn.memory import ITEMSIZE, MemoryEstimate, estimate_rank_bytes
 from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
-from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
 from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state.outputs import check_replaceable, check_writable
+from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder
 from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite, same_file
 
@@ -34,28 +37,31 @@ def _gib(n: float) -> str:
 
 
 def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: str, world_size: int,
-                 available: int | None = None, ranks_here: int | None = None) -> MemoryEstimate:
+                 available: int | None = None, ranks_here: int | None = None,
+                 headroom: int | None = None) -> MemoryEstimate:
     """Raise ConfigError when one rank's estimated need exceeds its share of this node's memory.
 
     The share is the available memory over the ranks on this node (from the
-    launcher's environment; all world_size ranks when it does not say).
-    Skipped when the arrays may live on a GPU (run.backend cupy, or auto with
-    CuPy installed) or when the memory cannot be read.
+    launcher's environment; all world_size ranks when it does not say), or less
+    when the process's address-space limit (``ulimit -v``) leaves less
+    (:func:`hpcpipe.runtime.host_memory.rank_share`; ``available`` and
+    ``headroom`` decide instead of measuring). Skipped when the arrays may live
+    on a GPU (run.backend cupy, or auto with CuPy installed) or when the memory
+    cannot be read.
     """
     need = estimate_rank_bytes(config, stage_ranges, pp, placement)
     backend = config.run.backend
     if backend == "cupy" or (backend == "auto" and importlib.util.find_spec("cupy") is not None):
         return need
-    available = available_bytes() if available is None else available
     ranks_here = ranks_here or local_rank_count(default=world_size)
-    if available > 0 and need.total > available / ranks_here:
+    share, where = rank_share(ranks_here, available, headroom)
+    if share is not None and need.total > share:
         raise ConfigError(
             f"the model needs about {_gib(need.total)} per rank (parameters and gradients "
             f"{_gib(need.parameters)}, optimizer {_gib(need.optimizer)}, activations {_gib(need.activations)}, "
             f"data {_gib(need.data)}) with {config.layers_text()}, parallel.pp = {pp}, "
             f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
-            f"{config.train.micro_batch_size}; this node has {_gib(available)} available for {ranks_here} "
-            f"rank(s) ({_gib(available / ranks_here)} each): use more pipeline stages or nodes, or a smaller model "
+            f"{config.train.micro_batch_size}; {where}: use more pipeline stages or nodes, or a smaller model "
             f"or micro-batch")
     return need
 
@@ -68,6 +74,9 @@ def check_checkpoint_dir(directory: str, resume: bool) -> None:
     permission bits are checked only when not root (root passes os.access anyway).
     """
     path = Path(directory)
+    broken = broken_symlink(path)
+    if broken:   # it would read as missing, and no directory can be made through it
+        raise ConfigError(f"checkpoint.dir {directory!r} {broken}")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"checkpoint.dir {directory!r} is a file, not a directory (set checkpoint.dir to a "
                           f"directory, or \"\" to save no checkpoints)")
@@ -145,6 +154,25 @@ def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
     if (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
         raise ConfigError(f"checkpoint.dir {directory!r}: {str(pointer)!r} is not a file (the root's checkpoint "
                           f"pointer); move it away or set another checkpoint.dir")
+    if not resume:
+        _refuse_old_layout(path, directory)
+
+
+def _refuse_old_layout(path: Path, directory: str) -> None:
+    """A fresh run must not take the pointer of a root written before run directories (its steps in the root).
+
+    Its first save would point ROOT/latest at the fresh run's checkpoint, and nothing
+    would name the old run's any more: --resume could never continue it.
+    """
+    try:
+        name = cf.read_latest(path)
+    except ConfigError:
+        return
+    if name is not None and "/" not in name:
+        raise ConfigError(f"checkpoint.dir {directory!r} holds a run saved before run directories existed (its "
+                          f"latest names {name}, in the root itself): a fresh run would point that latest at its own "
+                          f"checkpoints and --resume could no longer continue the old run; continue it with --resume, "
+                          f"or set checkpoint.dir to another directory for a fresh run")
 
 
 def check_nothing_newer(source: WeightsSource) -> None:
@@ -154,7 +182,8 @@ def check_nothing_newer(source: WeightsSource) -> None:
     writes, the newest step, ``latest`` and the pruned steps change under
     this job's feet, and any other message (such as "continue the newest")
     would be wrong advice. The trainer takes the lock itself later; this only
-    probes it, on every rank.
+    probes it, on every rank. A root ``latest`` that lagged behind the resumed
+    run's own (and was therefore passed over) is said in one warning line (rank 0).
     """
     run_dir = Path(source.path).parent
     holder = live_holder(run_dir)
@@ -164,7 +193,28 @@ def check_nothing_newer(source: WeightsSource) -> None:
     if newer:
         raise ConfigError(f"cannot resume from {source.describe()}: its run directory {str(run_dir)!r} already "
                           f"holds {cf.step_name(max(newer))}, which resuming from step {source.step} would "
-                          f"overwrite; continue the newest with --resume --set checkpoint.dir={str(run_dir)!r}")
+                          f"overwrite; {_how_to_continue(run_dir, max(newer))}")
+    lag = lagging_root(run_dir.parent) if cf.is_run_dir(run_dir) else None
+    if lag is not None and lag.newer == f"{run_dir.name}/{Path(source.path).name}" and launcher_rank() == 0:
+        pointer = str(lag.root / cf.LATEST)
+        print(f"hpcpipe: warning: {pointer!r} names {lag.named}, behind {run_dir.name}'s own latest (a save "
+              f"committed {lag.newer} but could not move the root's pointer); resuming {lag.newer}, whose run's "
+              f"next save moves {pointer!r} forward", file=sys.stderr, flush=True)
+
+
+def _how_to_continue(run_dir: Path, newest: int) -> str:
+    """The advice that ends the refusal above: the exact --set when the run's pointer names its newest step."""
+    try:
+        own = cf.read_latest(run_dir)
+    except ConfigError:
+        own = None
+    if own == cf.step_name(newest):   # the root's pointer lags (and another run is newer): name the run itself
+        value = shlex.quote(f"checkpoint.dir={json.dumps(str(run_dir))}")
+        return f"to continue {cf.step_name(newest)}, run the same command with --resume --set {value}"
+    pointer = run_dir / cf.LATEST
+    named = f"names {own} (moved back by hand?)" if own else "names no checkpoint"
+    return (f"{str(pointer)!r} {named}: to continue {cf.step_name(newest)}, write that name into it and --resume "
+            f"again; to continue the older step, first move the later steps out of {str(run_dir)!r}")
 
 
 def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsSource | None) -> None:

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.h5files import open_hdf5
+from hpcpipe.h5files import member, open_hdf5
 
 SLAB_ELEMENTS = 1 << 20     # ids read per slab and dataset (8 MiB of int64)
 
@@ -41,7 +41,7 @@ def check_token_file(path: str | Path, x_name: str, y_name: str, seq_len: int, v
 
 def _dataset(f: h5py.File, where: str, name: str) -> h5py.Dataset:
     """Return dataset name of f, or raise ConfigError listing what the file holds."""
-    obj = f.get(name)
+    obj = member(f, name, where)
     if not isinstance(obj, h5py.Dataset):
         missing = "has no dataset" if obj is None else "has a group, not a dataset, at"
         raise ConfigError(f"{where} {missing} {name!r} (it has: {sorted(f.keys())})")

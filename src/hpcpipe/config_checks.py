@@ -168,6 +168,15 @@ def _validate_tp(mod: ModelConfig, tp: int) -> None:
                  f"over the ranks, or each held by tp / n_kv_heads ranks)")
 
 
+def tp_splits(mod: ModelConfig, tp: int) -> bool:
+    """Whether the model splits over tp tensor-parallel ranks (the planner's filter; parallel.tp's checks)."""
+    try:
+        _validate_tp(mod, tp)
+    except ConfigError:
+        return False
+    return True
+
+
 def _llama_ff(d_model: int) -> int:
     """Meta's MLP width for d_model (as nn.llama_params.default_ff)."""
     return (int(8 * d_model / 3) + 255) // 256 * 256

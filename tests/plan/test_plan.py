@@ -103,7 +103,8 @@ def test_a_plan_file_is_new_whole_and_never_over_a_file_that_appeared(tmp_path):
 
 def test_micro_batch_rows_cover_every_candidate():
     # 2 ranks, batch 64, 4 layers: dp=1 (replica 64) and dp=2 (replica 32), counts up to 8
-    rows = micro_batch_rows(64, 2, 4, 8)
+    config = from_dict({"model": {"dims": [8, 12, 8, 12, 4]}})     # 4 layers; tp 2 splits (12 and 12 even)
+    rows = micro_batch_rows(config, 64, 2, 8)
     assert rows == sorted({64 // m for m in (1, 2, 4, 8)} | {32 // m for m in (1, 2, 4, 8)})
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
 
@@ -222,3 +223,29 @@ def test_stage_layers_takes_counts_or_profile(value, ok):
     else:
         with pytest.raises(ConfigError, match="stage_layers"):
             from_dict(raw)
+
+
+def test_tensor_parallel_plans_split_compute_and_memory_and_pay_their_collectives():
+    """A tp = 2 candidate: every action at half its measured cost plus the tp allreduces of its layers (an MLP's
+    row-parallel outputs, column-parallel input gradients), parameters per rank halved; the search offers tp
+    layouts only where the model splits (its column-parallel widths, 12 and 12, over 2 and 4 ranks)."""
+    config = mlp_config([8, 12, 8, 12, 4], micro_batches=4, micro_batch_size=8)
+    profile = synthetic_profile(config, {i: 0.01 for i in range(4)})
+    predictor = Predictor(config, profile)
+    one = predictor.predict(Candidate(1, 1, "gpipe", 1, 4, 8, (4,)))
+    two = predictor.predict(Candidate(1, 1, "gpipe", 1, 4, 8, (4,), "profile", 2))
+    allreduce = profile.comm.allreduce
+    # forward: layers 1 and 3 sum their (8, 8) and (8, 4) outputs; backward: layer 2 sums its (8, 8) input gradient
+    assert predictor.tp_seconds(1, 8, 2) == (allreduce(8 * 8 * 8, 2), 0.0)
+    assert predictor.tp_seconds(2, 8, 2) == (0.0, allreduce(8 * 8 * 8, 2))
+    assert predictor.tp_seconds(0, 8, 2) == (0.0, 0.0) and predictor.tp_seconds(1, 8, 1) == (0.0, 0.0)
+    fwd = allreduce(8 * 8 * 8, 2) + allreduce(8 * 4 * 8, 2)
+    bwd = allreduce(8 * 8 * 8, 2)
+    compute = one.busy_max_s / 2
+    assert two.busy_max_s == pytest.approx(compute + 4 * (fwd + bwd))
+    assert two.memory["parameters"] == pytest.approx(one.memory["parameters"] / 2, abs=16)
+    result = search(config, profile, ranks=4, global_batch=32, budget=None, max_micro=4)
+    tps = {p.candidate.tp for p in result.predictions}
+    assert tps == {1, 2, 4} and all(p.candidate.dp * p.candidate.pp * p.candidate.tp == 4 for p in result.predictions)
+    assert "tp" in report.plan_dict(two) and report.planned_config(config, two)["parallel"]["tp"] == 2
+    assert "dp=1 x pp=1 x tp=2" in report.describe(two)

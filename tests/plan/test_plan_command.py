@@ -85,7 +85,7 @@ def test_plan_measures_prints_and_writes_the_best(planned):
     assert times == sorted(times) and all(t > 0 for t in times)
     assert all(p["dp"] * p["micro_batches"] * p["micro_batch_size"] == doc["global_batch"] for p in plans)
     assert all(p["peak_bytes_per_rank"] <= doc["budget_bytes"] for p in plans)
-    assert {(p["dp"], p["pp"]) for p in plans} == {(1, 2), (2, 1)}
+    assert {(p["dp"], p["pp"], p["tp"]) for p in plans} == {(1, 2, 1), (2, 1, 1), (1, 1, 2)}
     assert list((tmp / "profiles").glob("layers-*.json")) and list((tmp / "profiles").glob("comm-*.json"))
 
 
@@ -132,7 +132,8 @@ def test_written_config_trains_as_planned(planned):
     best = json.loads((tmp / "plans.json").read_text())["plans"][0]
     proc = run_command(2, "hpcpipe.train", ["--config", "best.toml"], cwd=tmp)
     assert proc.returncode == 0, proc.stderr
-    assert f"dp={best['dp']} pp={best['pp']} schedule={best['schedule']}" in proc.stdout
+    tp = f" tp={best['tp']}" if best["tp"] > 1 else ""
+    assert f"dp={best['dp']} pp={best['pp']}{tp} schedule={best['schedule']}" in proc.stdout
     assert f"micro_batches={best['micro_batches']}x{best['micro_batch_size']}" in proc.stdout
 
 
@@ -248,7 +249,7 @@ def test_ranks_beyond_this_machine_are_called_predictions(planned):
     assert "PREDICTION: 64 ranks are more than this machine's" in proc.stdout
     doc = json.loads((tmp / "wide.json").read_text())
     assert doc["prediction_only"] is True
-    assert all(p["dp"] * p["pp"] == 64 and p["pp"] <= 4 for p in doc["plans"])
+    assert all(p["dp"] * p["pp"] * p["tp"] == 64 and p["pp"] <= 4 for p in doc["plans"])
     assert all(p["dp"] * p["micro_batches"] * p["micro_batch_size"] == doc["global_batch"] for p in doc["plans"])
 
 

@@ -62,8 +62,8 @@ def configured_global_batch(config: Config, ranks: int) -> int:
     par, tr = config.parallel, config.train
     if isinstance(par.dp, int):
         dp = par.dp
-    elif isinstance(par.pp, int) and ranks % par.pp == 0:
-        dp = ranks // par.pp
+    elif isinstance(par.pp, int) and ranks % (par.pp * par.tp) == 0:
+        dp = ranks // (par.pp * par.tp)
     else:
         dp = 1
     return dp * tr.micro_batches * tr.micro_batch_size
@@ -166,7 +166,7 @@ def run(args) -> int:
         budget_how = f"this node's available memory over {local_ranks} rank(s)"
     # before anything is allocated: a model no plan can hold is refused from arithmetic alone
     memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
-    rows = micro_batch_rows(global_batch, args.ranks, config.n_layers, args.max_micro_batches)
+    rows = micro_batch_rows(config, global_batch, args.ranks, args.max_micro_batches)
     threads = plan_threads(args.ranks, args.cores, here)
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
     concurrent = max(1, min(args.ranks if args.cores is None else args.cores, here) // threads)

@@ -1,6 +1,6 @@
 """Predict one candidate plan from the profile: step time by the simulator, peak memory per rank by parts.
 
-A candidate is a layout (dp, pp), a schedule with its virtual stages, the
+A candidate is a layout (dp, pp, tp), a schedule with its virtual stages, the
 micro-batch count and size, and a stage cut. Its per-stage costs are the sums
 of its layer groups' measured F, I, W and B at that micro-batch size; a
 message costs the measured point-to-point time of the largest activation
@@ -8,6 +8,15 @@ crossing a cut; the step's end (gradient allreduce over dp, the tied
 embedding's sum, the agreed norm and the optimizer update) is added to every
 rank. The simulator (:func:`hpcpipe.schedule.simulate.simulate_schedule`)
 runs the schedule's own action lists on those costs.
+
+Tensor parallelism (tp > 1) divides every measured action by tp and adds the
+tp collectives on its critical path (:meth:`Predictor.tp_seconds`: a block's
+two output sums forward and two input-gradient sums backward of its
+(rows, T, d) activation, the embedding's lookup, the loss's reductions; an
+MLP's row-parallel outputs and column-parallel input gradients), each at the
+ring-allreduce time of the probe's fit over tp ranks. Parameters, gradients,
+optimizer state and layer caches count 1/tp per rank (the replicated norms,
+biases and residual streams are small beside them and not counted twice).
 
 Memory per rank counts what the engine holds at its peak: the process's
 baseline (interpreter, libraries, MPI, BLAS), parameters and gradients,
@@ -49,6 +58,7 @@ class Candidate:
     micro_batch_size: int
     stage_layers: tuple[int, ...]
     cut: str = "profile"        # how the cut was chosen: "profile" (measured costs) or "flops"
+    tp: int = 1                 # tensor-parallel ranks per stage
 
 
 @dataclass
@@ -113,6 +123,38 @@ class Predictor:
             per[("B", s)] = seconds("B", r) + extra
         return per
 
+    def tp_seconds(self, index: int, rows: int, tp: int) -> tuple[float, float]:
+        """Seconds of layer group ``index``'s tp collectives per forward and per backward at ``rows`` (0 at tp 1)."""
+        if tp == 1:
+            return 0.0, 0.0
+        allreduce = self.profile.comm.allreduce
+        if self.model.kind in DECODERS:
+            cfg = self.config.model
+            act = allreduce(rows * cfg.seq_len * cfg.d_model * self.itemsize, tp)
+            if index == 0:
+                return act, 0.0                        # the vocabulary-parallel lookup's sum
+            if index == self.model.n_layers - 1:       # the loss's max and sums; the head's input gradient
+                return 3 * allreduce(rows * cfg.seq_len * 8, tp), act
+            return 2 * act, 2 * act
+        dims = self.config.model.dims
+        if index % 2:                                  # row-parallel: the output is summed
+            return allreduce(rows * dims[index + 1] * self.itemsize, tp), 0.0
+        # column-parallel: the input gradient is summed (none for the model's input)
+        return 0.0, (allreduce(rows * dims[index] * self.itemsize, tp) if index else 0.0)
+
+    def _split(self, per: dict[tuple[str, int], float], ranges: list[range], rows: int, tp: int
+               ) -> dict[tuple[str, int], float]:
+        """Per-stage costs at tp ranks: each action's compute / tp plus its stage's tp collectives."""
+        if tp == 1:
+            return per
+        out = {}
+        for s, r in enumerate(ranges):
+            fwd = sum(self.tp_seconds(i, rows, tp)[0] for i in r)
+            bwd = sum(self.tp_seconds(i, rows, tp)[1] for i in r) + (fwd if self.recompute else 0.0)
+            for op, extra in (("F", fwd), ("I", bwd), ("B", bwd), ("W", 0.0)):
+                out[(op, s)] = per[(op, s)] / tp + extra
+        return out
+
     def _rank_params(self, layers: list[int]) -> int:
         n = sum(self.profile.params(i) for i in layers)
         if self.tok_emb and self.model.n_layers - 1 in layers and 0 not in layers:
@@ -125,17 +167,17 @@ class Predictor:
         rows = c.micro_batch_size
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages
-        per = self.stage_costs(ranges, rows, c.schedule)
+        per = self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp)
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
         comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
-        params = [self._rank_params(layers) for layers in rank_layers]
+        params = [-(-self._rank_params(layers) // c.tp) for layers in rank_layers]
         opt = self.profile.optimizer(self.config.train)
         tied_apart = bool(self.tok_emb) and not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
         step_end = max(self.profile.comm.allreduce(n * self.itemsize, c.dp)
                        + (self.profile.comm.p2p(self.tok_emb * self.itemsize) if tied_apart else 0.0)
                        + opt["seconds_per_param"] * n for n in params)
-        step_end += self.profile.comm.allreduce(32, c.dp * c.pp)      # the agreed step decision
+        step_end += self.profile.comm.allreduce(32, c.dp * c.pp * c.tp)      # the agreed step decision
         costs = Costs(comm=comm, step=step_end, per_stage=per)
         shared, costs = self._shared_cores(c, costs)
         result = simulate_schedule(c.schedule, c.pp, c.micro_batches, c.virtual_stages, costs, check=False,
@@ -159,13 +201,15 @@ class Predictor:
     def _shared_cores(self, c: Candidate, costs: Costs) -> tuple[float | None, Costs]:
         """The cores one replica's pipeline computes on (None: one per rank), and its costs slowed to match.
 
-        ``--cores`` is shared by all dp x pp ranks; the replicas run alike, so each
-        pipeline has cores / dp of them. Below one core a replica's every action runs
-        that much slower (the simulator shares whole cores among its ranks).
+        ``--cores`` is shared by all dp x pp x tp ranks; the replicas run alike, so each
+        pipeline has cores / dp of them, and a stage of tp ranks needs tp cores to compute
+        at its split speed: counted in stages, a pipeline has cores / (dp x tp). Below one
+        a replica's every action runs that much slower (the simulator shares whole cores
+        among its ranks).
         """
         if self.cores is None:
             return None, costs
-        per_replica = self.cores / c.dp
+        per_replica = self.cores / (c.dp * c.tp)
         if per_replica < 1:
             slow = 1.0 / per_replica
             costs = Costs(comm=costs.comm, step=costs.step * slow,
@@ -180,12 +224,13 @@ class Predictor:
         layers = [i for s in stages for i in ranges[s]]
         if self.recompute:   # each held micro-batch keeps its stage input; one stage's caches are rebuilt at a time
             inputs = sum(peak_stage.get(s, 0) * self._boundary_bytes(ranges[s].start, rows) for s in stages)
-            rebuilt = max(sum(prof.stash_bytes(i, rows) for i in ranges[s]) for s in stages)
+            rebuilt = max(sum(prof.stash_bytes(i, rows) for i in ranges[s]) for s in stages) / c.tp
             stash = inputs + rebuilt
         else:
-            stash = sum(peak_stage.get(s, 0) * sum(prof.stash_bytes(i, rows) for i in ranges[s]) for s in stages)
+            stash = sum(peak_stage.get(s, 0) * sum(prof.stash_bytes(i, rows) for i in ranges[s])
+                        for s in stages) / c.tp
         sends = min(2 * c.virtual_stages * c.micro_batches, MAX_SENDS_KEPT) * cut_bytes if c.pp > 1 else 0
-        work = max(max(prof.work_bytes(i, rows) for i in layers), opt["work_bytes_per_param"] * n_params * 1.0)
+        work = max(max(prof.work_bytes(i, rows) for i in layers) / c.tp, opt["work_bytes_per_param"] * n_params * 1.0)
         if len(ranges) - 1 in stages:
             # the loss gradient (the model output's size) waits from each forward of the last stage to its backward
             stash += peak_stage.get(len(ranges) - 1, 0) * self._boundary_bytes(self.model.n_layers, rows)

@@ -38,13 +38,18 @@ def describe(p: Prediction) -> str:
     """One plan in a few words: layout, schedule, micro-batches."""
     c = p.candidate
     v = f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""
-    return f"dp={c.dp} x pp={c.pp} {c.schedule}{v} {c.micro_batches} x {c.micro_batch_size}"
+    return f"{layout(c)} {c.schedule}{v} {c.micro_batches} x {c.micro_batch_size}"
+
+
+def layout(c: Any) -> str:
+    """A candidate's grid: 'dp=2 x pp=4', with ' x tp=2' under tensor parallelism."""
+    return f"dp={c.dp} x pp={c.pp}" + (f" x tp={c.tp}" if c.tp > 1 else "")
 
 
 def table(best: list[Prediction], gpt: bool) -> str:
     """The best plans as a text table."""
     rate = "tokens/s" if gpt else "samples/s"
-    head = (f"{'#':>2}  {'dp':>3} {'pp':>3}  {'schedule':<22} {'micro-batches':>13}  {'stage cut':<16} "
+    head = (f"{'#':>2}  {'dp':>3} {'pp':>3} {'tp':>3}  {'schedule':<22} {'micro-batches':>13}  {'stage cut':<16} "
             f"{'step s':>8} {rate:>10} {'bubble':>7} {'peak/rank':>10}")
     lines = [head, "-" * len(head)]
     for n, p in enumerate(best, 1):
@@ -53,7 +58,8 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = ",".join(str(k) for k in c.stage_layers) if len(c.stage_layers) > 1 else "-"
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
-        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3}  {sched:<22} {f'{c.micro_batches} x {c.micro_batch_size}':>13}  "
+        micro = f"{c.micro_batches} x {c.micro_batch_size}"
+        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3} {c.tp:>3}  {sched:<22} {micro:>13}  "
                      f"{cut:<16} {step_column(p.step_time_s):>8} {value:>10,.0f} {p.bubble:>6.1%} "
                      f"{size_text(p.peak_bytes):>10}")
     return "\n".join(lines)
@@ -68,17 +74,17 @@ def reason(best: Prediction, feasible: list[Prediction], over_budget: int) -> st
     """Why the best plan wins: against the runner-up and the fastest plan of every other layout."""
     lines = [f"best: {describe(best)}, stage cut {list(best.candidate.stage_layers)} "
              f"({best.candidate.cut}): {_parts(best)}."]
-    others: dict[tuple[int, int], Prediction] = {}
+    others: dict[tuple[int, int, int], Prediction] = {}
     for p in feasible[1:]:
-        key = (p.candidate.dp, p.candidate.pp)
-        if key != (best.candidate.dp, best.candidate.pp):
+        key = (p.candidate.dp, p.candidate.pp, p.candidate.tp)
+        if key != (best.candidate.dp, best.candidate.pp, best.candidate.tp):
             others.setdefault(key, p)
     if len(feasible) > 1:
         runner = feasible[1]
         lines.append(f"runner-up: {describe(runner)} is {runner.step_time_s / best.step_time_s - 1:+.1%} "
                      f"slower: {_parts(runner)}.")
     for p in others.values():
-        lines.append(f"best with dp={p.candidate.dp} x pp={p.candidate.pp}: {describe(p)} is "
+        lines.append(f"best with {layout(p.candidate)}: {describe(p)} is "
                      f"{p.step_time_s / best.step_time_s - 1:+.1%} slower: {_parts(p)}.")
     if over_budget:
         lines.append(f"{over_budget} plan(s) were discarded for needing more memory per rank than the budget.")
@@ -88,7 +94,7 @@ def reason(best: Prediction, feasible: list[Prediction], over_budget: int) -> st
 def plan_dict(p: Prediction) -> dict[str, Any]:
     """A plan as JSON: what to run and what it is predicted to do."""
     c = p.candidate
-    return {"dp": c.dp, "pp": c.pp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+    return {"dp": c.dp, "pp": c.pp, "tp": c.tp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
             "micro_batches": c.micro_batches, "micro_batch_size": c.micro_batch_size,
             "stage_layers": list(c.stage_layers), "cut": c.cut, "step_time_s": p.step_time_s,
             "samples_per_s": p.samples_per_s, "tokens_per_s": p.tokens_per_s, "bubble": p.bubble,
@@ -100,7 +106,7 @@ def planned_config(config: Config, p: Prediction) -> dict[str, dict[str, Any]]:
     """The config with the plan's layout, schedule, micro-batching and stage cut in place."""
     c = p.candidate
     out = config.to_dict()
-    out["parallel"].update(pp=c.pp, dp=c.dp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+    out["parallel"].update(pp=c.pp, dp=c.dp, tp=c.tp, schedule=c.schedule, virtual_stages=c.virtual_stages,
                            stage_layers=list(c.stage_layers) if c.pp * c.virtual_stages > 1 else [])
     out["train"].update(micro_batches=c.micro_batches, micro_batch_size=c.micro_batch_size)
     return out

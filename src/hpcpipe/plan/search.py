@@ -1,6 +1,7 @@
 """Search the plans for a global batch on N ranks: layouts, schedules, micro-batching and stage cuts.
 
-Every (dp, pp) with dp x pp = N and pp no more than the layer groups; every
+Every (dp, pp, tp) with dp x pp x tp = N, pp no more than the layer groups and a tp the model splits
+over (parallel.tp's checks: heads, key/value heads, MLP widths); every
 schedule with the virtual stages it can take (interleaved 1F1B: 2 to 4 layer
 groups' worth, ZB-V: 2); every micro-batch count that divides the replica's
 batch (up to ``max_micro``); and two stage cuts: balanced on the measured F + B
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from hpcpipe.config import Config
+from hpcpipe.config_checks import tp_splits
 from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import model_specs
@@ -41,12 +43,23 @@ def schedule_variants(pp: int, n_layers: int) -> list[tuple[str, int]]:
     return variants
 
 
-def micro_batch_rows(global_batch: int, ranks: int, n_layers: int, max_micro: int) -> list[int]:
+def layouts(config: Config, ranks: int, global_batch: int) -> list[tuple[int, int, int]]:
+    """Every (dp, pp, tp) on ``ranks`` ranks: dp divides the batch, pp <= the layer groups, the model splits over tp."""
+    out = []
+    for tp in divisors(ranks):
+        if not tp_splits(config.model, tp):
+            continue
+        for dp in divisors(ranks // tp):
+            pp = ranks // (tp * dp)
+            if pp <= config.n_layers and global_batch % dp == 0:
+                out.append((dp, pp, tp))
+    return out
+
+
+def micro_batch_rows(config: Config, global_batch: int, ranks: int, max_micro: int) -> list[int]:
     """Every micro-batch size some candidate uses (what the profile must measure)."""
     rows = set()
-    for dp in divisors(ranks):
-        if ranks // dp > n_layers or global_batch % dp:
-            continue
+    for dp, _, _ in layouts(config, ranks, global_batch):
         replica = global_batch // dp
         rows.update(replica // m for m in divisors(replica) if m <= max_micro)
     return sorted(rows)
@@ -71,10 +84,7 @@ def search(config: Config, profile: Profile, ranks: int, global_batch: int, budg
     specs = model_specs(config)
     predictions: list[Prediction] = []
     skipped = 0
-    for dp in divisors(ranks):
-        pp = ranks // dp
-        if pp > n_layers or global_batch % dp:
-            continue
+    for dp, pp, tp in layouts(config, ranks, global_batch):
         replica = global_batch // dp
         for schedule, virtual in schedule_variants(pp, n_layers):
             n_stages = pp * virtual
@@ -87,7 +97,7 @@ def search(config: Config, profile: Profile, ranks: int, global_batch: int, budg
                 cuts = {measured_cut(profile, n_stages, rows): "profile"}
                 cuts.setdefault(flops_cache[n_stages], "flops")
                 for counts, how in cuts.items():
-                    candidate = Candidate(dp, pp, schedule, virtual, m, rows, counts, how)
+                    candidate = Candidate(dp, pp, schedule, virtual, m, rows, counts, how, tp)
                     try:
                         predictions.append(predictor.predict(candidate))
                     except ScheduleError:

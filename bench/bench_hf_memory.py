@@ -118,9 +118,10 @@ def serve_and_measure(directory: Path, cut: str | None, log: Path) -> dict:
             url = _wait_url(log, proc, 600)
             from openai import OpenAI
             client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+            model = client.models.list().data[0].id      # a model the server does not serve is a 404
             started = time.perf_counter()
             threads = [threading.Thread(target=client.completions.create,
-                                        kwargs={"model": "x", "prompt": f"pipeline stage {i}", "max_tokens": 32,
+                                        kwargs={"model": model, "prompt": f"pipeline stage {i}", "max_tokens": 32,
                                                 "temperature": 0}) for i in range(4)]
             for t in threads:
                 t.start()

@@ -128,7 +128,7 @@ async def _client(session, url: str, body: dict, texts: list[str], index: int, r
 
 async def _load(base: str, texts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
     import aiohttp
-    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0}
+    body = {"max_tokens": max_tokens, "temperature": 0}    # no "model": each server serves one
     url = base + "/v1/completions"
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -158,8 +158,9 @@ def test_chat_without_a_template_is_a_400_naming_it(tmp_path):
     hf = _hf_dir(tmp_path)
     with Server(1, hf, "--set", "parallel.pp=1") as server:
         import openai
+        model = server.client().models.list().data[0].id
         with pytest.raises(openai.BadRequestError) as caught:
-            server.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+            server.client().chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
         assert "no chat template" in str(caught.value)
-        ok = server.client().completions.create(model="x", prompt="the", max_tokens=2, temperature=0)
+        ok = server.client().completions.create(model=model, prompt="the", max_tokens=2, temperature=0)
         assert ok.choices[0].finish_reason in ("stop", "length")

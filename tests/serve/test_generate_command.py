@@ -71,7 +71,7 @@ def test_no_kv_cache_baseline_gives_the_same_tokens(weights, tmp_path):
     (["--json", ""], "--json path is empty: name the file to write"),          # was: exit 0, nothing written
     (["--prompt", "a" * 33], "33 tokens long but the model's context is model.seq_len = 32"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--set", "parallel.pp=3"], "world size 2 is not divisible by parallel.pp (3)"),
     (["--set", "model.n_heads=4"], "model.n_heads = 4 in the configuration does not match"),
@@ -150,3 +150,66 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(weights, tmp_path):
     assert proc.returncode == 0, proc.stderr
     params = SamplingParams(temperature=0.9, seed=4)
     assert out["tokens"] == reference_generate(model, encode(PROMPT), 12, params)
+
+
+# ---- issue 32 ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_temperature_that_is_not_a_finite_number_is_one_line_and_exit_2(weights, tmp_path, value):
+    path, _ = weights["tied"]
+    proc, out = _run_bad(tmp_path, path, ["--temperature", value])        # was: a traceback and exit 1
+    assert f"--temperature must be a finite number >= 0 (0 = greedy), got {value}" in one_error(proc)
+    assert out is None
+
+
+def test_a_tiny_temperature_is_greedy(weights, tmp_path):
+    path, model = weights["tied"]
+    proc, out = generate(tmp_path, 2, path, PROMPT, "--max-new-tokens", "8", "--temperature", "1e-308",
+                         "--set", "parallel.pp=2")                         # was: a traceback and exit 1
+    assert proc.returncode == 0, proc.stderr
+    assert out["tokens"] == reference_generate(model, encode(PROMPT), 8, SamplingParams(temperature=0.0))
+
+
+def test_stdout_holds_the_completion_alone(weights, tmp_path):
+    path, _ = weights["tied"]
+    proc, out = generate(tmp_path, 2, path, PROMPT, "--max-new-tokens", "10", "--temperature", "0",
+                         "--set", "parallel.pp=2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == out["completion"] + "\n", proc.stdout          # was: the "hpcpipe: MPI:" banner first
+    assert "hpcpipe: MPI:" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["TERM to mpiexec", "USR1 to mpiexec"])
+def test_a_stop_signal_ends_generate_with_75_and_writes_nothing(weights, tmp_path, how):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from support import ROOT
+    from support.launch import command, wait_until_gone
+    path, _ = weights["tied"]
+    out = tmp_path / "out.json"
+    argv = command(2, "hpcpipe.generate", ["--weights", str(path), "--prompt", "ab", "--max-new-tokens", "29",
+                                           "--json", str(out), "--set", "parallel.pp=2"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, HPCPIPE_STEP_SLEEP="0.3", PYTHONUNBUFFERED="1",
+                                     HPCPIPE_TEST_MARK=str(tmp_path)))
+    try:
+        first = proc.stdout.read(1)                  # the first token's text: generating
+        assert first, proc.stderr.read()
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM if how.startswith("TERM") else signal.SIGUSR1)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, err                # was: ignored, all 29 tokens and exit 0
+    assert time.time() - t0 < 5, err
+    name = "SIGTERM" if how.startswith("TERM") else "SIGUSR1"
+    stops = [line for line in err.splitlines() if line.startswith("hpcpipe: stopped")]
+    assert len(stops) == 1 and name in stops[0] and "nothing written" in stops[0], err
+    assert "Traceback" not in err and not out.exists()
+    assert len(first + rest) < 20
+    assert wait_until_gone(str(tmp_path), 10) == []

@@ -124,7 +124,7 @@ def test_bad_requests_get_openai_error_bodies(server, body, status, words):
 @pytest.mark.parametrize("n,pp", [(1, 1), (2, 2), (4, 4)])
 def test_greedy_through_serve_equals_the_reference_at_pp_1_2_4(model, n, pp):
     with Server(n, model[0], "--set", f"parallel.pp={pp}") as s:
-        done = s.client().completions.create(model="x", prompt="once upon", max_tokens=15, temperature=0)
+        done = s.client().completions.create(model="gpt.h5", prompt="once upon", max_tokens=15, temperature=0)
         assert done.choices[0].text == text_of(reference_generate(model[1], encode("once upon"), 15, GREEDY))
         s.signal()
         assert s.stopped_cleanly(), s.output()
@@ -140,9 +140,9 @@ def slow_server(model):
 
 def test_full_queue_is_429_and_a_disconnect_frees_the_slot(slow_server):
     client = slow_server.client()
-    first = client.completions.create(model="x", prompt="abc", max_tokens=25, temperature=0, stream=True)
+    first = client.completions.create(model="gpt.h5", prompt="abc", max_tokens=25, temperature=0, stream=True)
     next(iter(first))                                          # running: the only slot
-    second = client.completions.create(model="x", prompt="abc", max_tokens=25, temperature=0, stream=True)
+    second = client.completions.create(model="gpt.h5", prompt="abc", max_tokens=25, temperature=0, stream=True)
     code, reply = post(slow_server.url, {"prompt": "abc", "max_tokens": 3})
     assert code == 429, reply
     first.close()                                              # the client goes away mid-stream
@@ -152,12 +152,12 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(slow_server):
         time.sleep(0.05)
     assert metric(slow_server.url, "hpcpipe_running_sequences") == 0
     assert metric(slow_server.url, "hpcpipe_client_disconnects_total") >= 1
-    done = client.completions.create(model="x", prompt="abc", max_tokens=3, temperature=0)
+    done = client.completions.create(model="gpt.h5", prompt="abc", max_tokens=3, temperature=0)
     assert done.choices[0].finish_reason == "length"
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(slow_server, model):
-    stream = slow_server.client().completions.create(model="x", prompt="abc", max_tokens=20, temperature=0,
+    stream = slow_server.client().completions.create(model="gpt.h5", prompt="abc", max_tokens=20, temperature=0,
                                                      stream=True)
     chunks = [next(iter(stream))]
     slow_server.signal(signal.SIGTERM)
@@ -187,7 +187,7 @@ def test_a_failing_rank_ends_the_job_and_the_client_sees_a_closed_connection(mod
                                                             "HPCPIPE_STEP_SLEEP": "0.02"}) as s:
         t0 = time.time()
         with pytest.raises((openai.APIError, openai.APIConnectionError)):
-            list(s.client(timeout=30).completions.create(model="x", prompt="abc", max_tokens=20, stream=True))
+            list(s.client(timeout=30).completions.create(model="gpt.h5", prompt="abc", max_tokens=20, stream=True))
         assert s.wait(30) == 1
         assert time.time() - t0 < 15
         assert "injected fault" in s.output()
@@ -217,10 +217,10 @@ def test_hpcpipe_api_key_from_the_environment_guards_the_real_server(model):
     with Server(2, model[0], "--set", "parallel.pp=2", env={"HPCPIPE_API_KEY": "k-3f9a"}) as s:
         assert "API key required (HPCPIPE_API_KEY)" in s.output()
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="k-3f9a", max_retries=0, timeout=30)
-        r = ok.completions.create(model="x", prompt="abc", max_tokens=4, temperature=0)
+        r = ok.completions.create(model="gpt.h5", prompt="abc", max_tokens=4, temperature=0)
         assert r.choices[0].text == text_of(reference_generate(model[1], encode("abc"), 4, GREEDY))
         with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
-            s.client(timeout=30).completions.create(model="x", prompt="abc", max_tokens=4)
+            s.client(timeout=30).completions.create(model="gpt.h5", prompt="abc", max_tokens=4)
         assert urllib.request.urlopen(s.url + "/health", timeout=10).status == 200
 
 

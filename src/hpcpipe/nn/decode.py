@@ -232,15 +232,18 @@ class DecodeStage:
     def _input(self, x: Any, plan: _Plan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
         xp, d = self.xp, self.shape.d_model
-        x = xp.asarray(x)
         if self.has_embedding:
+            x = x if isinstance(x, np.ndarray) else xp.asarray(x)
             if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
                 raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
+            # checked where the ids are (host ids: no device round trip), then copied to the device once
             low, high = int(x.min()), int(x.max())
+            x = xp.asarray(x)
             if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
                 raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
                                  f"0..{self.shape.vocab - 1}")
             return self.steps.embed(x, lambda: self._positions(plan))
+        x = xp.asarray(x)
         if x.shape != (plan.n_rows, d):
             raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
         return x.astype(self.dtype, copy=False)

@@ -6,6 +6,18 @@ around long operations (checkpoint saves); if no beat comes for
 neighbour), the thread dumps every thread's stack (faulthandler), each line
 prefixed with the rank name, then calls the ``abort(code)`` it was given
 (comm.abort on the world) with EXIT_STALLED. Nothing here touches MPI.
+
+A server waits for work as well as for progress: ``idle(phase)`` says that
+nothing is pending, and the watchdog then never fires, however long the wait
+(or a SIGSTOP of the whole rank) lasts; ``progressed(phase, at)`` says that
+work is pending and last moved at ``at`` (time.monotonic()), which may lie
+before the call (the oldest of several pending pieces of work).
+
+Time the whole process spent stopped (SIGSTOP, Slurm's ``scontrol suspend``,
+a frozen VM) is not a stall of its work: when the watching thread wakes far
+later than it asked to, the clock restarts then, so a rank resumed after a
+long stop is given a full run.stall_timeout before its watchdog may fire
+(its neighbours' watchdogs, which kept running, see the stall meanwhile).
 """
 
 from __future__ import annotations
@@ -36,14 +48,28 @@ class Watchdog:
         self.interval = max(0.05, min(1.0, self.timeout / 10))
         self.phase = "startup"
         self._last = time.monotonic()
+        self._idle = False       # True: nothing pending, the clock does not run
+        self._resumed = 0.0      # when this process last woke from a stop (see _run)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired = False
 
     def beat(self, phase: str) -> None:
-        """Record progress: the main thread has reached `phase` (cheap: two assignments)."""
+        """Record progress: the main thread has reached `phase` (cheap: three assignments)."""
         self.phase = phase
         self._last = time.monotonic()
+        self._idle = False
+
+    def progressed(self, phase: str, at: float) -> None:
+        """Record that work is pending in `phase` and last progressed at time.monotonic() value `at`."""
+        self.phase = phase
+        self._last = at          # set before _idle: the watching thread never sees a pending state with a stale time
+        self._idle = False
+
+    def idle(self, phase: str = "idle") -> None:
+        """Record that nothing is pending: the rank waits for work, and the watchdog does not fire until work comes."""
+        self.phase = phase
+        self._idle = True
 
     def start(self) -> Watchdog:
         """Start watching (no-op when timeout is 0)."""
@@ -61,9 +87,16 @@ class Watchdog:
             self._thread = None
 
     def _run(self) -> None:
+        tick = time.monotonic()
         while not self._stop.wait(self.interval):
-            idle = time.monotonic() - self._last
-            if idle > self.timeout:
+            now = time.monotonic()
+            if now - tick > self.interval + max(1.0, self.interval):
+                self._resumed = now      # the whole process was stopped: the lost time is not its work's stall
+            tick = now
+            if self._idle:
+                continue
+            idle = now - max(self._last, self._resumed)
+            if idle > self.timeout and not self._idle:    # the work may have ended while we looked
                 self.fire(idle)
                 return
 

@@ -13,12 +13,16 @@ Contract for the engine, which polls without blocking between decode steps:
   and that was not cancelled must end with exactly one final event.
 - ``set_running(n)`` reports how many sequences the engine has admitted (the rest of the outstanding
   requests are waiting: the queue depth shown by /metrics).
+- ``progressed(at)`` records when the engine's pending work last moved (time.monotonic(); the engine
+  calls it every loop round, with the current time while nothing is pending there). ``stalled_for()``
+  is how long ago that was while requests are outstanding (0 when none are): /health turns 503 on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +85,7 @@ class Broker:
         self._cancelled: list[str] = []
         self._running = 0
         self._closed: str | None = None
+        self._progress_at = time.monotonic()
 
     # ---- HTTP side -------------------------------------------------------------------------------------
 
@@ -163,6 +168,11 @@ class Broker:
         with self._lock:
             self._running = int(n)
 
+    def progressed(self, at: float | None = None) -> None:
+        """Record that the engine's pending work last moved at ``at`` (time.monotonic(); default now)."""
+        with self._lock:
+            self._progress_at = time.monotonic() if at is None else float(at)
+
     def close(self, reason: str) -> None:
         """Stop accepting: later submits raise Closed(reason); requests already outstanding carry on."""
         with self._lock:
@@ -188,6 +198,13 @@ class Broker:
         """Outstanding requests the engine has not admitted yet."""
         with self._lock:
             return max(0, len(self._entries) - self._running)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine's pending work last moved while requests are outstanding; 0 when none are."""
+        with self._lock:
+            if not self._entries:
+                return 0.0
+            return max(0.0, time.monotonic() - self._progress_at)
 
     @property
     def closed(self) -> str | None:

@@ -16,6 +16,8 @@ from hpcpipe.serve.openai_schema import (
     CompletionSpec,
     check_limits,
     parse_sampling,
+    refuse_unknown,
+    refuse_unsupported,
     stop_strings,
     stream_options,
 )
@@ -55,13 +57,8 @@ def parse_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     check_limits(limits)
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise _bad(f"unknown field {unknown[0]!r} (known: {', '.join(sorted(KNOWN_FIELDS))})", unknown[0])
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and value not in neutral:
-            raise _bad(f"{key} is not supported by hpcpipe; got {key} = {value!r}", key)
+    refuse_unknown(body, KNOWN_FIELDS)
+    refuse_unsupported(body, _NEUTRAL)
     if body.get("tool_choice") not in (None, "none"):
         raise _bad(f"tool_choice is not supported by hpcpipe; got {body['tool_choice']!r}", "tool_choice")
     if "messages" not in body:

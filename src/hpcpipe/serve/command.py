@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
+import sys
 
 from hpcpipe.cli import CommandParser
 from hpcpipe.errors import ConfigError
@@ -17,9 +20,10 @@ from hpcpipe.serve.setup import ServeSetup, prepare
 
 API_KEY_ENV = "HPCPIPE_API_KEY"
 
-DESCRIPTION = """Serve a trained GPT over HTTP (the OpenAI completions API) with pipeline (pp) x data (dp)
-parallelism over MPI. World rank 0 runs the HTTP front end; every dp replica is one pipeline decoding its
-running sequences with continuous batching and a KV cache per stage. The model and tokenizer are the ones
+DESCRIPTION = """Serve a GPT or Llama-family model over HTTP (the OpenAI completions and chat APIs) with pipeline
+(pp) x data (dp) x tensor (tp) parallelism over MPI. World rank 0 runs the HTTP front end; every dp replica is
+one pipeline decoding its running sequences with continuous batching and a KV cache per stage, each stage
+split over parallel.tp ranks by heads (its KV cache too). The model and tokenizer are the ones
 stored with the weights; the layout comes from [parallel], the limits from [serve]."""
 
 EPILOG = """endpoints: POST /v1/completions (stream too), GET /v1/models, GET /health, GET /metrics (Prometheus)
@@ -27,11 +31,16 @@ EPILOG = """endpoints: POST /v1/completions (stream too), GET /v1/models, GET /h
 examples:
   mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000
   mpiexec -n 8 python -m hpcpipe.serve --weights model.h5 --set parallel.pp=4 --set serve.max_sequences=64
+  mpiexec -n 2 python -m hpcpipe.serve --weights SmolLM2-135M --set parallel.pp=1 --set parallel.tp=2
 
 With HPCPIPE_API_KEY set in the environment, every /v1/ request must send "Authorization: Bearer <key>"
 (the openai client's api_key) or is answered 401; /health and /metrics stay open.
 SIGTERM (or SIGUSR1) stops accepting requests (503), finishes those in flight and exits 0.
-exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input."""
+A --host other than loopback without HPCPIPE_API_KEY is served, with a warning; an empty HPCPIPE_API_KEY
+is refused. With work pending and no decode step for run.stall_timeout seconds (a stopped or hung rank),
+every thread's stack is dumped and the job aborted (exit 76); /health answers 503 after a quarter of that.
+exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input,
+  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,10 +58,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     args.api_key = os.environ.get(API_KEY_ENV, "")
+    if API_KEY_ENV in os.environ and not args.api_key:    # "set" must never quietly mean "no key at all"
+        parser.error(f"{API_KEY_ENV} is set but empty: export a key (e.g. $(openssl rand -hex 16)) or unset "
+                     f"{API_KEY_ENV} to serve without one")
     if args.api_key and not all(33 <= ord(c) <= 126 for c in args.api_key):
         # an HTTP header cannot carry it intact: no client could ever send it
         parser.error(f"{API_KEY_ENV} must be printable ASCII without spaces ({len(args.api_key)} characters given)")
     return args
+
+
+def reachable_from_outside(host: str) -> bool:
+    """Whether listening on host may accept connections from other machines (any address that is not loopback)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return True          # the bind fails later and says why; no reason to keep quiet here
+    return any(not ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 class Frontend:
@@ -70,7 +91,7 @@ class Frontend:
         srv = self.setup.config.serve
         broker = Broker(self.setup.dp * srv.max_sequences + srv.max_queue)
         app = make_app(broker, Metrics(), self.setup.tokenizer, self.setup.model_name, self.setup.shape.seq_len,
-                       api_key=self.api_key)
+                       api_key=self.api_key, stall_timeout=self.setup.config.run.stall_timeout)
         self.server = HttpServer(app, self.host, self.port)
         try:
             self.host, self.port = self.server.start()
@@ -82,7 +103,12 @@ class Frontend:
         """Say where the server listens (every rank has loaded its stage)."""
         p = self.setup
         guard = f"API key required ({API_KEY_ENV})" if self.api_key else f"no API key ({API_KEY_ENV} unset)"
-        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}, "
+        if not self.api_key and reachable_from_outside(self.host):
+            print(f"hpcpipe: warning: serving on {self.host}:{self.port}, which other machines can reach, without "
+                  f"an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
+                  f"(docs/serve.md)", file=sys.stderr, flush=True)
+        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}"
+              f"{f' x tp={p.tp}' if p.tp > 1 else ''}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
 
     def close(self) -> None:
@@ -92,9 +118,9 @@ class Frontend:
             self.server = None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hpcpipe.serve``; returns the exit status."""
-    stop = StopSignals().install()
+def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.serve`` (``stop``: its early handlers); returns the exit status."""
+    stop = stop or StopSignals().install()
     args = parse_args(argv)
     from mpi4py import MPI
 

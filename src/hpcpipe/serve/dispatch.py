@@ -37,18 +37,21 @@ class Source(Protocol):
     def deliver(self, events: list[Event]) -> None: ...
     def set_running(self, n: int) -> None: ...
     def close(self, reason: str) -> None: ...
+    def progressed(self, at: float) -> None: ...
 
 
 class Dispatcher:
     """Routes requests to replicas and events back to the source (world rank 0 only)."""
 
-    def __init__(self, source: Source, box: Any, dp: int, pp: int, local: ReplicaScheduler):
+    def __init__(self, source: Source, box: Any, dp: int, pp: int, local: ReplicaScheduler, tp: int = 1):
         self.source, self.box, self.dp, self.pp, self.local = source, box, dp, pp, local
+        self.head_stride = pp * tp      # world rank of replica r's head (its first stage's tp rank 0): r * pp * tp
         self.owner: dict[str, int] = {}
         self.load = [0] * dp
         self.running = [0] * dp
         self.draining = ""          # why the source was closed ("" while open)
         self.drains = 0             # drain requests received from other ranks
+        self.moved = [time.monotonic()] * dp    # per replica: its last tokens, or when it last became busy
 
     def drain(self, reason: str) -> None:
         """Stop accepting requests; the loop ends once those in flight have finished."""
@@ -61,18 +64,20 @@ class Dispatcher:
         new, cancels = self.source.take()
         for request in new:
             replica = min(range(self.dp), key=lambda d: self.load[d])
+            if not self.load[replica]:
+                self.moved[replica] = time.monotonic()     # its clock starts with its work
             self.load[replica] += 1
             self.owner[request.id] = replica
             if replica == 0:
                 self.local.submit(request)
             else:
-                self.box.post(replica * self.pp, TAG_CTRL, ("submit", request))
+                self.box.post(replica * self.head_stride, TAG_CTRL, ("submit", request))
         for request_id in cancels:
             replica = self.owner.get(request_id)
             if replica == 0:
                 self.deliver(0, self.local.cancel(request_id), self.local.running)
             elif replica is not None:
-                self.box.post(replica * self.pp, TAG_CTRL, ("cancel", request_id))
+                self.box.post(replica * self.head_stride, TAG_CTRL, ("cancel", request_id))
         busy = bool(new or cancels)
         while (message := self.box.poll(ANY, TAG_EVENTS)) is not None:
             _, replica, events, running = message[0]
@@ -100,8 +105,19 @@ class Dispatcher:
                 self.load[replica] -= 1
         self.running[replica] = running
         if events:
+            self.moved[replica] = time.monotonic()
             self.source.deliver(events)
         self.source.set_running(sum(self.running))
+
+    @property
+    def pending(self) -> bool:
+        """Whether any replica holds requests of the source."""
+        return any(self.load)
+
+    def moved_at(self, local: float) -> float:
+        """When the least recently moving busy replica last moved (replica 0's head here moved at ``local``)."""
+        busy = [max(self.moved[d], local) if d == 0 else self.moved[d] for d in range(self.dp) if self.load[d]]
+        return min(busy) if busy else time.monotonic()
 
     @property
     def finished(self) -> bool:
@@ -111,7 +127,7 @@ class Dispatcher:
     def stop(self) -> None:
         """Tell every other replica's head to stop (after :attr:`finished`)."""
         for replica in range(1, self.dp):
-            self.box.post(replica * self.pp, TAG_CTRL, ("stop",))
+            self.box.post(replica * self.head_stride, TAG_CTRL, ("stop",))
 
 
 class Controller:

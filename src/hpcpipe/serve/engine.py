@@ -4,9 +4,14 @@ Roughly, on every rank::
 
     front end opened on rank 0 (HTTP bind / the one prompt)    agreed: a taken port is one message, exit 2
     load this stage's groups (+ tok_emb for a tied head)       agreed: a bad file is one message, exit 2
-    build the KV-cached stage
-    loop: each role's non-blocking step; sleep (20 us doubling to 1 ms) only when none did anything
+    build the KV-cached stage (with parallel.tp: this tp rank's part of it)
+    probe forward through each replica                         agreed: weights that overflow, one message, exit 2
+    loop: each role's non-blocking step; sleep (20 us doubling to 1 ms) only when none did anything;
+          the watchdog fires when pending work has not moved for run.stall_timeout s (hpcpipe.serve.stall)
     stop: rank 0 drains, stops every replica's head, heads stop their followers; final barrier
+
+With tensor parallelism the roles run on each stage's tp rank 0, whose stage hands every call to the
+stage's other tp ranks (hpcpipe.serve.tp_stage); those only follow their tp rank 0 until it stops them.
 
 Any exception inside the loop ends the whole job (the command's abort path),
 so a failing rank never leaves the others or an HTTP client hanging.
@@ -14,40 +19,54 @@ so a failing rank never leaves the others or an HTTP client hanging.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpcpipe.errors import ConfigError
 from hpcpipe.nn.decode import DecodeStage
+from hpcpipe.nn.sharding import decoder_shards
 from hpcpipe.runtime.backend import select_backend
-from hpcpipe.runtime.comm import Mailbox, Poller, barrier, gather_to_root, together
+from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
 from hpcpipe.runtime.faults import fault_step
-from hpcpipe.runtime.topology import make_topology
+from hpcpipe.runtime.topology import Topology, make_topology
+from hpcpipe.runtime.tp_group import TPGroup
+from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.serve.dispatch import TAG_DRAIN, Controller, Dispatcher, Source
+from hpcpipe.serve.probe import check_forward
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
 from hpcpipe.serve.scheduler import ReplicaScheduler
 from hpcpipe.serve.setup import ServeSetup
+from hpcpipe.serve.stall import Heartbeat
+from hpcpipe.serve.tp_stage import TPDriver, TPWorker
 from hpcpipe.state import collective as checkpoint_mpi
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
 
+STOP_GRACE_S = 20.0
 
-def build_stage(setup: ServeSetup, pp_rank: int, backend: Any, world: Comm, poller: Poller) -> DecodeStage:
-    """Load this rank's layer groups (collective, agreed) and return its KV-cached stage."""
+
+def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, poller: Poller,
+                tp: TPGroup | None = None) -> DecodeStage:
+    """Load this rank's layer groups (collective, agreed) and return its KV-cached stage (its tp part)."""
+    pp_rank = topo.pp_rank
     mine = setup.stage_ranges[pp_rank]
     holds_head = setup.shape.n_groups - 1 in mine
     needs_table = holds_head and setup.shape.tied and 0 not in mine
     indices = list(mine) + ([0] if needs_table else [])
-    if setup.weights.kind == "hf" and 0 in mine and not holds_head:
+    if setup.weights.kind == "hf" and 0 in mine and not holds_head and tp is None:
         # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
         setup.weights.half_embedding = True
-    arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False).arrays
+    # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
+    shards = (lambda i, names: decoder_shards(setup.shape, i, names, tp.size, tp.rank)) if tp is not None else None
+    arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False, shards=shards).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
         stage = DecodeStage(setup.shape, mine, arrays, backend.xp, setup.config.model.dtype,
-                            setup.config.serve.max_sequences, tok_emb=table)
+                            setup.config.serve.max_sequences, tok_emb=table, tp=tp)
     return stage
 
 
@@ -77,31 +96,52 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     """
     cfg = setup.config
     poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
-    topo = make_topology(world, setup.dp, setup.pp)
+    topo = make_topology(world, setup.dp, setup.pp, setup.tp)
     rank = world.Get_rank()
     source = None
     with together(world, poller, 2):
         if rank == 0:
             source = open_source()
-    backend = select_backend(cfg.run.backend)
-    stage = build_stage(setup, topo.pp_rank, backend, world, poller)
+    backend = select_backend(cfg.run.backend, tf32=cfg.run.tf32)
+    if rank == 0:
+        for note in backend.notes:
+            print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
+    tp = TPGroup(topo.tp_comm, backend, poller) if setup.tp > 1 else None
+    stage = build_stage(setup, topo, backend, world, poller, tp)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
     samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size)
+    # the tp ranks of a stage compute together only inside their serving loop: no probe there (yet)
+    problem = None if tp is not None else check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp,
+                                                        backend.to_host, samplers.vocab, poller.min_s)
+    with together(world, poller, 2):
+        if problem is not None:
+            raise ConfigError(f"--weights {str(setup.weights.path)!r}: {problem}")
     barrier(world, poller)
     if rank == 0 and ready is not None:
         ready()
+    watchdog = Watchdog(cfg.run.stall_timeout, lambda: topo.name, lambda code: abort(world, code)).start()
+    watchdog.idle("serving: idle")
     t0 = time.perf_counter()
     tokens, reason = 0, ""
     relay = SignalRelay(stop, world_box)
-    if topo.pp_rank > 0:
+    driver = None
+    if tp is not None and topo.tp_rank == 0:
+        stage = driver = TPDriver(stage, Mailbox(topo.tp_comm, backend, poller), tp, backend.xp)
+    if tp is not None and topo.tp_rank > 0:
+        worker = TPWorker(stage, Mailbox(topo.tp_comm, backend, poller), tp)
+        worker.fault_at = fault_step(rank)
+        loop([worker.step, relay], lambda: worker.done, poller)      # its tp rank 0 watches for both
+    elif topo.pp_rank > 0:
         follower = Follower(stage, pp_box, topo.pp_rank, setup.pp, samplers)
         follower.fault_at = fault_step(rank)
-        loop([follower.step, relay], lambda: follower.done, poller)
+        beat = Heartbeat(watchdog, lambda: follower.pending, lambda: follower.progress_at,
+                         f"serving: stage {topo.pp_rank} waits for its pipeline's work")
+        loop([follower.step, relay, beat], lambda: follower.done, poller)
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
                                      cfg.serve.prefill_tokens, setup.stop_ids)
         if rank == 0:
-            dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, scheduler)
+            dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, scheduler, setup.tp)
             head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers,
                         lambda events: dispatcher.deliver(0, events, scheduler.running))
             head.fault_at = fault_step(rank)
@@ -110,7 +150,10 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
                 if stop.requested:
                     dispatcher.drain(stop.name)
                 return False
-            loop([dispatcher.step, head.step, watch], lambda: dispatcher.finished, poller)
+            beat = Heartbeat(watchdog, lambda: dispatcher.pending or head.pending,
+                             lambda: dispatcher.moved_at(head.progress_at),
+                             "serving: waiting for the replicas' tokens", source.progressed)
+            loop([dispatcher.step, head.step, watch, beat], lambda: dispatcher.finished, poller)
             dispatcher.stop()
             reason = dispatcher.draining or "done"
             if closing is not None:
@@ -119,12 +162,19 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
             control = Controller(world_box, scheduler, topo.dp_rank)
             head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, control.report)
             head.fault_at = fault_step(rank)
-            loop([control.step, head.step, control.flush, relay],
+            beat = Heartbeat(watchdog, lambda: head.pending, lambda: head.progress_at,
+                             f"serving: replica {topo.dp_rank} waits for its pipeline")
+            loop([control.step, head.step, control.flush, relay, beat],
                  lambda: control.finished, poller)
         head.stop()
         tokens = head.tokens_out
+    # leaving includes rank 0's HTTP shutdown (HttpServer.stop: up to 15 s): allowed for on top of the timeout
+    watchdog.progressed("stopping: the final barrier (every rank leaves together)", time.monotonic() + STOP_GRACE_S)
+    if driver is not None:
+        driver.stop()
     world_box.flush()
     barrier(world, poller)
+    watchdog.stop()
     elapsed = time.perf_counter() - t0
     topo.free()
     counts = gather_to_root(world, (tokens, stage.cache_bytes, relay.sent))

@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
 import time
 
 from hpcpipe.cli import CommandParser
-from hpcpipe.errors import ConfigError, HpcpipeError
+from hpcpipe.errors import EXIT_PREEMPTED, ConfigError, HpcpipeError
 from hpcpipe.infer.rows import check_output
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
@@ -22,20 +24,25 @@ from hpcpipe.state.outputs import write_json_output
 from hpcpipe.state.sources import protected_paths
 
 DESCRIPTION = """Generate text from a GPT or Llama-family model (hpcpipe weights, a checkpoint, or a Hugging Face
-model directory) with pipeline (pp) x data (dp) parallelism over MPI: the prompt is
-prefilled through the pipeline, then each new token is decoded with a KV cache per stage. The model and
-tokenizer are the ones stored with the weights; the layout comes from [parallel] (default pp=4, dp=world/pp)."""
+model directory) with pipeline (pp) x data (dp) x tensor (tp) parallelism over MPI: the prompt is
+prefilled through the pipeline, then each new token is decoded with a KV cache per stage (split over
+parallel.tp ranks by heads). The model and tokenizer are the ones stored with the weights; the layout comes
+from [parallel] (default pp=4, tp=1, dp=world/(pp x tp))."""
 
 EPILOG = """examples:
   mpiexec -n 4 python -m hpcpipe.generate --weights gpt-text-ck --prompt "Q: What is" --max-new-tokens 60
   mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --temperature 0 --set parallel.pp=2
   mpiexec -n 2 python -m hpcpipe.generate --weights SmolLM2-135M-Instruct --chat --prompt "What is MPI?" \\
       --set parallel.pp=2 --set model.seq_len=2048
+  mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --set parallel.pp=1 --set parallel.tp=2
 
-The completion is printed to stdout as it is generated (the prompt is not repeated); --json FILE also
-writes {"prompt", "completion", "prompt_tokens", "tokens", "finish_reason", "seconds"}.
+The completion is printed to stdout as it is generated (the prompt is not repeated), and nothing else is:
+the MPI line and the summary go to stderr. --json FILE also writes {"prompt", "completion", "prompt_tokens",
+"tokens", "finish_reason", "seconds"}. A temperature below 1e-4 is greedy, as 0.
 
-exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input."""
+exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input, 75 stopped by
+  SIGTERM/SIGUSR1 before the completion was whole (nothing written; run it again), 76 the watchdog saw
+  no progress for run.stall_timeout seconds (stacks dumped, job aborted), 130 interrupted (SIGINT)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "POST /v1/chat/completions does) and answer as the assistant")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="tokens to generate at most; generation also stops when the context is full (64)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="0 = greedy, as is anything below 1e-4 (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
@@ -67,8 +75,8 @@ def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
     """Return the request the arguments describe; ConfigError names a bad value."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or args.temperature != args.temperature:
-        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
@@ -125,9 +133,13 @@ class OneShot:
         self.outstanding = 1
         self.closed = False
         self._given = False
+        self._cancel = False
 
     def take(self) -> tuple[list[Request], list[str]]:
-        """Return the prompt's request the first time, nothing after."""
+        """Return the prompt's request the first time; after a stop signal, its cancellation once."""
+        if self._cancel:
+            self._cancel = False
+            return [], [self.request.id]
         if self._given:
             return [], []
         self._given = True
@@ -140,27 +152,44 @@ class OneShot:
             self.out.write(self.text.feed(event.tokens))
             if event.finish is not None:
                 self.finish = event.finish
-                self.out.write(self.text.finish() + "\n")
+                self.out.write(("" if event.finish == "cancelled" else self.text.finish()) + "\n")
                 self.outstanding, self.closed = 0, True
         self.out.flush()
 
     def set_running(self, n: int) -> None:
         """Nothing to show."""
 
+    def progressed(self, at: float) -> None:
+        """Nothing to show (no /health here)."""
+
     def close(self, reason: str) -> None:
-        """A stop signal: the prompt in flight still finishes."""
+        """A stop signal: cancel the prompt, so that generation stops after the step in flight (exit 75)."""
+        if self.finish is not None:
+            return                      # whole already: the run ends as if no signal had come
         self.closed = True
+        if self._given:
+            self._cancel = True
+        else:
+            self._given, self.outstanding, self.finish = True, 0, "cancelled"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hpcpipe.generate``; returns the exit status."""
-    stop = StopSignals().install()
+def stopped_line(reason: str, source: OneShot, request: Request) -> str:
+    """rank 0's line when a stop signal cancelled the prompt before its completion was whole."""
+    return (f"hpcpipe: stopped ({reason}) after {len(source.tokens)} of up to {request.max_new} new tokens: the "
+            f"completion is not whole, nothing written; exit status {EXIT_PREEMPTED} (run the command again)")
+
+
+def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
+    """Entry point of ``python -m hpcpipe.generate`` (``stop``: its early handlers); returns the exit status."""
+    stop = stop or StopSignals().install()
     args = parse_args(argv)
     from mpi4py import MPI
 
+    from hpcpipe.runtime.comm import broadcast
     from hpcpipe.serve.engine import run
     world = MPI.COMM_WORLD
     state: dict = {}
+    completion_out = sys.stdout     # stdout holds the completion alone: everything else goes to stderr
 
     def setup() -> tuple[ServeSetup, Request]:
         p = prepare(args.weights, world.Get_size(), args.config, args.overrides)
@@ -170,9 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         p, request = prepared
 
         def open_source() -> OneShot:
-            state["source"] = OneShot(request, TextStream(p.tokenizer))
+            state["source"] = OneShot(request, TextStream(p.tokenizer), completion_out)
             return state["source"]
         counts = run(p, world, open_source, stop)
+        stopped = world.Get_rank() == 0 and state["source"].finish == "cancelled"
+        if broadcast(world, stopped):          # every rank exits 75, as rank 0 decides
+            if stopped:
+                print(stopped_line(counts["reason"], state["source"], request), file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
         if world.Get_rank() == 0:
             source = state["source"]
             rate = counts["tokens"] / counts["seconds"] if counts["seconds"] > 0 else 0.0
@@ -186,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        return run_job(world, setup, body, lambda: f"rank {world.Get_rank()}")
+        # run_job prints the MPI line to stdout, as every command does; here it goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            return run_job(world, setup, body, lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one

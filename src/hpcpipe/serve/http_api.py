@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import numbers
@@ -21,13 +22,14 @@ import traceback
 import uuid
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.chat_schema import parse_chat
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
 from hpcpipe.serve.openai_schema import ApiError, check_limits, parse_completion, usage
+from hpcpipe.serve.quiet_log import RateLimitedLog
+from hpcpipe.serve.request_body import ClientGone, read_spec
 from hpcpipe.serve.responses import ChatShape, TextShape
 
 BODY_TIMEOUT_S = 30.0      # from the headers' end to the body's
@@ -41,20 +43,23 @@ API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open 
 
 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
-             limits: dict | None = None, api_key: str = "") -> web.Application:
+             limits: dict | None = None, api_key: str = "", stall_timeout: float = 0.0) -> web.Application:
     """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models, /health, /metrics.
 
     With an ``api_key``, every /v1/ request must carry ``Authorization: Bearer <api_key>`` (what the
-    OpenAI clients send) or is answered 401.
+    OpenAI clients send) or is answered 401. With a ``stall_timeout`` (run.stall_timeout, s), /health
+    answers 503 once requests are outstanding and the engine's work has not moved for a quarter of it.
     """
     limits = check_limits(limits)
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
         raise ValueError(f"serve: seq_len must be an integer >= 2, got {seq_len!r}")
+    if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, numbers.Real) or not stall_timeout >= 0:
+        raise ValueError(f"serve: stall_timeout must be a number of seconds >= 0, got {stall_timeout!r}")
     app = web.Application(client_max_size=int(limits["max_body_bytes"]),
                           middlewares=[_json_errors, _require_api_key])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
-                   "api_key": api_key.encode()}
+                   "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog()}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -113,8 +118,15 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    if request.app[_STATE]["broker"].closed is not None:
+    s = request.app[_STATE]
+    broker, limit = s["broker"], s["stall_timeout"]
+    if broker.closed is not None:
         return web.json_response({"status": "draining"}, status=503)
+    stalled = broker.stalled_for()
+    if limit > 0 and stalled > limit / 4:     # a probe sees it long before the watchdog aborts the job
+        return web.json_response({"status": "stalled", "reason": (
+            f"no decode step for {stalled:.1f} s with {broker.outstanding} request(s) pending (run.stall_timeout = "
+            f"{limit:g} s: the watchdog aborts the job at {limit:g} s)")}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -123,30 +135,6 @@ async def _metrics(request: web.Request) -> web.Response:
     broker, metrics = s["broker"], s["metrics"]
     metrics.set_gauges(queue_depth=broker.queue_depth, running=broker.running)
     return web.Response(body=metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
-
-
-async def _read_spec(request: web.Request, s: dict, parse=parse_completion):
-    """Read and validate the body with ``parse``; raise ApiError (400, 413) on any problem."""
-    try:
-        # a client that announces more body than it sends must not hold its connection (and a slot of the
-        # file-descriptor limit) for ever
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the request body is larger than {s['limits']['max_body_bytes']} bytes") from None
-    except RequestPayloadError as exc:      # e.g. a Content-Encoding the body is not in
-        raise ApiError(400, f"the request body cannot be read: {str(exc).strip()}") from None
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        if "int_max_str_digits" in str(exc):     # Python's hint is for the server's author, not the client
-            raise ApiError(400, f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
-                                f"digits") from None
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
-    return parse(body, s["tokenizer"], s["seq_len"], s["limits"])
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -163,10 +151,16 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
     broker, metrics = s["broker"], s["metrics"]
     arrival = time.monotonic()
     try:
-        spec = await _read_spec(request, s, parse)
+        spec = await read_spec(request, s, parse, BODY_TIMEOUT_S)
     except ApiError as err:
         metrics.count_request(err.status)
         return _error(err)
+    except ClientGone:                          # nobody is left to answer; a client can do this at will
+        metrics.count_disconnect()
+        metrics.count_request(499)
+        s["resets"](f"hpcpipe: [http] a client reset its connection before its body arrived ({request.method} "
+                    f"{request.path}): counted as 499")
+        return web.Response(status=499)
     if len(spec.prompts) > broker.capacity:      # never admitted whole: "retry later" would be a lie
         metrics.count_request(400)
         return _error(ApiError(400, f"prompt is a list of {len(spec.prompts)} prompts but this server holds at "
@@ -228,6 +222,15 @@ async def _stream(request: web.Request, job: Completion, head: dict, include_usa
         await _send_events(resp, job, head, include_usage, shape)
     except ConnectionResetError:     # a write found the client gone (the caller cancels its requests)
         metrics.count_disconnect()
+    except Exception as exc:  # noqa: BLE001 - a bug of ours mid-stream: this stream ends in an error, no other
+        print(f"hpcpipe: [http] error: {request.method} {request.path} failed: {type(exc).__name__}: {exc}\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if resp.prepared:
+            err = ApiError(500, f"the server failed on this stream ({type(exc).__name__})", type="server_error")
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(f"data: {json.dumps(err.body())}\n\n".encode())
+        else:
+            raise
     return resp
 
 

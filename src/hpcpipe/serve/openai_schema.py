@@ -1,8 +1,15 @@
 """The OpenAI completions API at the boundary: request validation (one clear message per mistake),
-error bodies and response shapes."""
+error bodies and response shapes.
+
+Nothing a client sends is silently ignored or misread: a field this endpoint does not know is a 400 naming
+it (with the closest known name: ``max_token`` -> ``max_tokens``), a field hpcpipe does not implement is
+accepted only at its neutral value, and a ``model`` other than the one served is OpenAI's 404
+``model_not_found`` (``check_model``; no ``model`` at all is fine, as curl users send none).
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 
@@ -14,6 +21,11 @@ DEFAULT_LIMITS = {
 }
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
+# what a completions request may carry: the fields of OpenAI's API (the openai client sends only those it is
+# given) and hpcpipe's top_k (the client's extra_body)
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                     "stream_options", "n", "user", "logprobs", "echo", "best_of", "suffix", "presence_penalty",
+                     "frequency_penalty", "logit_bias"}
 
 
 class ApiError(Exception):
@@ -76,7 +88,8 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     limits = check_limits(limits)
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
-    _refuse_unsupported(body)
+    refuse_unknown(body, COMPLETION_FIELDS)
+    refuse_unsupported(body, _NEUTRAL)
     texts = _prompts(body, limits["max_prompts"])
 
     max_tokens = _get(body, "max_tokens", 16)
@@ -175,21 +188,45 @@ def stop_strings(stop) -> list[str]:
 
 
 # Fields of the OpenAI API that hpcpipe does not implement: accepted only at their neutral value, so that
-# a client never silently gets something other than what it asked for.
+# a client never silently gets something other than what it asked for. logprobs = 0 is not neutral: it asks
+# for the sampled token's log-probability (only null, or false, asks for none).
 _NEUTRAL = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0, False), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
 }
 
 
-def _refuse_unsupported(body: dict) -> None:
+def refuse_unknown(body: dict, known: set[str]) -> None:
+    """Raise ApiError(400) naming the first field of body that is not in known (and the closest known name)."""
+    unknown = sorted(set(body) - known)
+    if not unknown:
+        return
+    key = unknown[0]
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f": did you mean {close[0]!r}?" if close else ""
+    raise _bad(f"unknown field {key!r}{hint} (this endpoint takes {', '.join(sorted(known))})", key)
+
+
+def refuse_unsupported(body: dict, neutral_values: dict[str, tuple]) -> None:
     """Raise ApiError(400) when an unsupported OpenAI field asks for anything but its neutral value."""
-    for key, neutral in _NEUTRAL.items():
+    for key, neutral in neutral_values.items():
         value = body.get(key)
         if value is None or any(_same(value, n) for n in neutral):
             continue
         what = "only n = 1 is supported" if key == "n" else f"{key} is not supported by hpcpipe"
         raise _bad(f"{what}; got {key} = {value!r}", key)
+
+
+def check_model(body, served: str) -> None:
+    """Raise OpenAI's 404 model_not_found when body names a model other than the served one (none is fine)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _bad(f"model must be a string (the served model is {served!r}), got {type(model).__name__}", "model")
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it; this server "
+                            f"serves `{served}` (GET /v1/models)", code="model_not_found")
 
 
 def _same(a, b) -> bool:

@@ -10,13 +10,22 @@ serve MPI, the scheduler and, on world rank 0, the front end on one thread.
 Messages (headers are small tuples; activations follow as one array)::
 
     head -> stage 1 -> ... -> last     ("work", group, [(slot, start, length)], [(slot, SamplingParams)],
-                                        [sample this segment?]) + x
-    last -> head                       ("result", group, [token per segment, -1 where not sampled])
+                                        [sample this segment?], [slot to clear first]) + x
+    last -> head                       ("result", group, [token per segment, -1 where not sampled,
+                                        FAILED where sampling failed])
+    head -> stage 1 -> ... -> last     ("idle",)   the head has nothing left in flight or waiting
     head -> stage 1 -> ... -> last     ("stop",)
+
+Each role notes when it last made progress (``progress_at``) and whether work
+is pending: the head knows from its scheduler, a following stage from the
+head's messages (pending from a "work" until an "idle"). The watchdog of
+serve and generate (hpcpipe.serve.stall) fires on a rank whose pending work
+has not moved for run.stall_timeout seconds, never on an idle one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +34,9 @@ import numpy as np
 from hpcpipe.nn.decode import DecodeStage, Segment
 from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
+from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.sampling import Sampler, SamplingParams
-from hpcpipe.serve.scheduler import ReplicaScheduler
+from hpcpipe.serve.scheduler import FAILED, ReplicaScheduler
 
 TAG_WORK = 21      # (+1 carries the activations)
 TAG_RESULT = 23
@@ -39,6 +49,7 @@ class SamplerTable:
         self.to_host = to_host
         self.vocab = vocab        # sample only ids the tokenizer can decode (a model may have more)
         self.samplers: dict[int, Sampler] = {}
+        self.log = RateLimitedLog()
 
     def start(self, new: list[tuple[int, SamplingParams]]) -> None:
         """Give each newly started sequence's slot a fresh sampler."""
@@ -49,11 +60,20 @@ class SamplerTable:
         """Return the next token of each flagged segment's sequence from its logits row, -1 for the others.
 
         A prompt chunk that does not reach the end of its prompt is not sampled: its sequence's
-        generator draws nothing, so the text never depends on how the prompt was chunked.
+        generator draws nothing, so the text never depends on how the prompt was chunked. A sequence
+        whose token cannot be drawn (its logits are NaN) gets FAILED: it alone ends, with an error.
         """
         host = np.asarray(self.to_host(logits), dtype=np.float64)[:, :self.vocab]
-        return [self.samplers[seg.slot].next_token(host[i]) if flag else -1
+        return [self._one(seg.slot, host[i]) if flag else -1
                 for i, (seg, flag) in enumerate(zip(segments, flags, strict=True))]
+
+    def _one(self, slot: int, logits: np.ndarray) -> int:
+        try:
+            return self.samplers[slot].next_token(logits)
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, it went wrong for this sequence only
+            self.log(f"hpcpipe: warning: slot {slot}: cannot sample the next token ({type(exc).__name__}: {exc}); "
+                     f"that request alone ends with an error")
+            return FAILED
 
 
 def _segments(rows: list[tuple[int, int, int]]) -> list[Segment]:
@@ -82,6 +102,8 @@ class Head:
         self.tokens_out = 0
         self.items = 0
         self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
+        self.progress_at = time.monotonic()    # the last work item launched or result taken
+        self.announced = False   # the following stages were sent work since the last "idle"
 
     def step(self) -> bool:
         """Take returned tokens, then launch the next group's work; return True if anything happened."""
@@ -93,16 +115,30 @@ class Head:
                 busy = True
         item = self.scheduler.next_item()
         if item is None:
+            if busy:
+                self.progress_at = time.monotonic()
+            if self.announced and self.scheduler.idle:
+                self.link.post(1, TAG_WORK, ("idle",))     # the following stages' watchdogs rest
+                self.announced = False
             return busy
         _count(self)
-        out = self.stage.forward(self.xp.asarray(item.tokens), item.segments)
+        for slot in item.clear:
+            self.stage.clear_slot(slot)
+        out = self.stage.forward(item.tokens, item.segments)     # host ids: the stage checks them before copying
         if self.pp == 1:
             self.samplers.start(item.new)
             self._finish(item.group, self.samplers.sample(out, item.segments, item.sample))
         else:
             rows = [(s.slot, s.start, s.length) for s in item.segments]
-            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new, item.sample), out)
+            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new, item.sample, item.clear), out)
+            self.announced = True
+        self.progress_at = time.monotonic()
         return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether sequences run, wait or are in flight here."""
+        return not self.scheduler.idle
 
     def _finish(self, group: int, tokens: list[int]) -> None:
         self.tokens_out += sum(t >= 0 for t in tokens)
@@ -123,6 +159,8 @@ class Follower:
         self.done = False
         self.items = 0
         self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
+        self.pending = False     # the head has work in flight or waiting (from a "work" until an "idle")
+        self.progress_at = time.monotonic()    # the last message handled
 
     @property
     def last(self) -> bool:
@@ -135,15 +173,21 @@ class Follower:
         if message is None:
             return False
         header, x, _ = message
-        if header[0] == "stop":
+        self.progress_at = time.monotonic()
+        if header[0] in ("stop", "idle"):
             if not self.last:
                 self.link.post(self.k + 1, TAG_WORK, header)
-            self.link.flush()
-            self.done = True
+            self.pending = False
+            if header[0] == "stop":
+                self.link.flush()
+                self.done = True
             return True
-        _, group, rows, new, flags = header
+        self.pending = True
+        _, group, rows, new, flags, clear = header
         _count(self)
         segments = _segments(rows)
+        for slot in clear:
+            self.stage.clear_slot(slot)
         out = self.stage.forward(x, segments)
         if self.last:
             self.samplers.start(new)

@@ -4,6 +4,12 @@ Each sequence owns a ``Sampler`` with its own PCG64 generator seeded from its
 ``SamplingParams``, and every sampled token takes exactly one uniform draw (a
 greedy token takes none), so the tokens depend only on the parameters and the
 sequence's own logits: never on the other sequences, the batch or the layout.
+A temperature below ``TEMPERATURE_FLOOR`` is greedy (as 0): below it the
+distribution is argmax anyway to within exp(-1/floor) for any logit gap it
+could matter for, and logits / temperature overflow float64 well before 1e-308.
+Logits whose division by the temperature still overflows (|logits| near
+float64's limit) are greedy too; a NaN logit is an error (ValueError), whatever
+the temperature, so that a broken forward is never read as a token.
 All arithmetic is float64 on the host: z = logits / temperature; top-k keeps
 the k largest (ties: lower index first); softmax; top-p keeps the smallest
 prefix of the probabilities sorted descending (stable) whose sum reaches top_p;
@@ -20,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+TEMPERATURE_FLOOR = 1e-4     # a smaller positive temperature samples greedily (documented in docs/serve.md)
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
@@ -33,7 +41,7 @@ def _is_real(value: Any) -> bool:
 class SamplingParams:
     """How one sequence picks its tokens."""
 
-    temperature: float = 1.0   # 0 = greedy (argmax, first index on ties)
+    temperature: float = 1.0   # 0 (or below TEMPERATURE_FLOOR) = greedy (argmax, first index on ties)
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # nucleus; 1 = off
     seed: int = 0
@@ -72,12 +80,19 @@ class Sampler:
         """Return the next token id for this sequence's latest logits (1-D, any float dtype, host or xp)."""
         z = _host_float64(logits)
         p = self.params
-        if p.temperature == 0:
+        if np.isnan(z).any():
+            raise ValueError(f"sampling needs finite logits: {int(np.isnan(z).sum())} of {z.size} are NaN (the "
+                             f"model's forward overflowed?)")
+        if p.temperature < TEMPERATURE_FLOOR:
             return int(np.argmax(z))
-        z = z / p.temperature
+        raw = z
+        with np.errstate(over="ignore"):
+            z = z / p.temperature
         top = z.max()
+        if top == np.inf:         # logits / temperature overflowed (or a logit is +inf): the limit is greedy
+            return int(np.argmax(raw))
         if not np.isfinite(top):
-            raise ValueError(f"sampling needs finite logits, the largest is {top}")
+            raise ValueError(f"sampling needs at least one finite logit, the largest is {top}")
         if p.top_k == 0 and p.top_p == 1:
             # no filter: the whole vocabulary in index order, without an O(V log V) sort per token
             probs = np.exp(z - top)

@@ -16,6 +16,12 @@ prompt is prefilled the next time that group runs, beside the others' decode
 rows); a finished or cancelled
 sequence frees its slot when its group comes back. Which tokens a sequence
 gets never depends on its group or neighbours: sampling is per sequence.
+
+A sequence whose token could not be sampled (``FAILED``: its logits were not
+finite) ends alone with an "error" event. Its slot's cache may hold NaN, which
+a masked attention weight of 0 still turns into NaN for a later sequence that
+reads past its own length in a batched decode, so the next sequence to take
+that slot has it cleared first (``WorkItem.clear``, on every stage).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import numpy as np
 from hpcpipe.nn.decode import Segment
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.sampling import SamplingParams
+
+FAILED = -2        # the last stage's token for a sequence it could not sample (-1: nothing sampled, a prompt chunk)
 
 
 @dataclass(eq=False)      # identity: a sequence is one object wherever it is listed
@@ -52,6 +60,7 @@ class WorkItem:
     tokens: np.ndarray                       # int64 (sum of segment lengths,), in segment order
     new: list[tuple[int, SamplingParams]] = field(default_factory=list)   # slots whose sampler starts now
     sample: list[bool] = field(default_factory=list)   # per segment: it ends the sequence's tokens, sample one
+    clear: list[int] = field(default_factory=list)     # slots to zero before the forward (a failed sequence's)
 
 
 class ReplicaScheduler:
@@ -74,6 +83,7 @@ class ReplicaScheduler:
         self.reach: list[list[int]] = [[] for _ in range(groups)]   # cached length each member reaches
         self.waiting: deque[Request] = deque()
         self.by_id: dict[str, Sequence] = {}
+        self.dirty: set[int] = set()    # slots a failed sequence left, cleared when the next sequence starts there
         self._turn = 0
 
     @property
@@ -134,7 +144,7 @@ class ReplicaScheduler:
 
     def _build(self, g: int) -> WorkItem:
         members, budget = [], self.prefill_tokens or self.seq_len
-        segments, rows, new, sample, reach = [], [], [], [], []
+        segments, rows, new, sample, reach, clear = [], [], [], [], [], []
         for seq in self.groups[g]:
             start = seq.cached if self.kv_cache else 0
             length = len(seq.tokens) - start
@@ -145,13 +155,16 @@ class ReplicaScheduler:
                 budget -= length
             if seq.cached == 0:
                 new.append((seq.slot, seq.request.params))
+                if seq.slot in self.dirty:
+                    self.dirty.discard(seq.slot)
+                    clear.append(seq.slot)
             members.append(seq)
             segments.append(Segment(seq.slot, start, length))
             rows.extend(seq.tokens[start:start + length])
             reach.append(start + length)
             sample.append(start + length == len(seq.tokens))
         self.in_flight[g], self.reach[g] = members, reach
-        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample)
+        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear)
 
     def complete(self, group: int, tokens: list[int]) -> list[Event]:
         """Take the group's sampled tokens (one per segment, -1 where none was sampled); return the events."""
@@ -162,9 +175,12 @@ class ReplicaScheduler:
         self.in_flight[group] = None
         events = []
         for seq, token, reach in zip(members, tokens, self.reach[group], strict=True):
-            if seq.cancelled:
+            failed = int(token) == FAILED
+            if failed:
+                self.dirty.add(seq.slot)
+            if seq.cancelled or failed:
                 self._release(seq)
-                events.append(Event(seq.request.id, [], "cancelled"))
+                events.append(Event(seq.request.id, [], "cancelled" if seq.cancelled else "error"))
                 continue
             seq.cached = reach
             if reach < len(seq.tokens):

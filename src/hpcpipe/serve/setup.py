@@ -42,6 +42,7 @@ class ServeSetup:
     shape: Any                   # GPTShape | LlamaShape
     stored_tokenizer: StoredTokenizer
     model_name: str
+    tp: int = 1                  # tensor-parallel ranks per stage (parallel.tp)
 
     @property
     def groups(self) -> int:
@@ -88,7 +89,7 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
         return
     params, cache = decode_rank_bytes(cfg, ranges)
     available = available_bytes() if available is None else available
-    ranks_here = local_rank_count(default=world_size)
+    ranks_here = local_rank_count(default=world_size)   # a tp rank holds about 1/tp of its stage (counted)
     if available > 0 and params + cache > available / ranks_here:
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
@@ -120,4 +121,4 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     tokenizer = _tokenizer(source, given, shape.vocab)
     check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServeSetup(cfg, dp, pp, ranges, source, shape, tokenizer, name)
+    return ServeSetup(cfg, dp, pp, ranges, source, shape, tokenizer, name, cfg.parallel.tp)

@@ -1,0 +1,99 @@
+"""A serving stage split over tensor-parallel ranks: tp rank 0 drives, the other tp ranks follow its calls.
+
+The roles (``Head``, ``Follower``) and the links between stages run on each stage's tp rank 0 only, so the
+front end, the broker, the scheduler and the pipeline messages are those of tp = 1. Every ``forward`` of
+tp rank 0's stage (``TPDriver``) first hands the call to the stage's other tp ranks (``TPWorker``): the
+rows and the stage's input (token ids, or the activation the previous stage's tp rank 0 sent; the next
+stage's tp rank 0 thus hands it on, the "root sends, the stage broadcasts" way of the tensor-parallel
+contract). Then every tp rank runs its part of the stage (hpcpipe.nn.decode with the TPGroup: the rank's
+heads and KV cache, MLP columns and vocabulary rows, two allreduces per block), and on the head stage
+tp rank 0 gathers the vocabulary-parallel logits to sample from.
+
+Messages on the tp communicator (tag TAG_TP)::
+
+    tp rank 0 -> tp rank r      ("forward", [(slot, start, length)]) + x    ("clear", slot)    ("stop",)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.nn.decode import DecodeStage, Segment
+from hpcpipe.nn.sharding import vocab_range
+
+TAG_TP = 31      # (+1 carries the input)
+
+
+def _widths(stage: DecodeStage, size: int) -> list[int]:
+    """Logit columns each tp rank holds (its vocabulary part)."""
+    vocab = stage.shape.vocab
+    return [vocab_range(vocab, size, r)[1] - vocab_range(vocab, size, r)[0] for r in range(size)]
+
+
+class TPDriver:
+    """Tp rank 0's view of its stage: forward hands the call to the other tp ranks, then runs its own part."""
+
+    def __init__(self, stage: DecodeStage, box: Any, group: Any, xp: Any):
+        self.stage, self.box, self.group, self.xp = stage, box, group, xp
+        self.widths = _widths(stage, group.size)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's part of the KV cache."""
+        return self.stage.cache_bytes
+
+    def forward(self, x: Any, segments: list[Segment]) -> Any:
+        """Run the whole stage over the segments; the head stage returns every token id's logits (gathered)."""
+        rows = [(s.slot, s.start, s.length) for s in segments]
+        x = x if isinstance(x, np.ndarray) else self.xp.ascontiguousarray(x)
+        for peer in range(1, self.group.size):
+            self.box.post(peer, TAG_TP, ("forward", rows), x)
+        out = self.stage.forward(x, segments)
+        if self.stage.has_head:
+            out = self.xp.asarray(self.group.gather_columns(out, self.widths))
+        return out
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a KV-cache slot on every tp rank of the stage (a failed request's slot, before its next user)."""
+        for peer in range(1, self.group.size):
+            self.box.post(peer, TAG_TP, ("clear", slot))
+        self.stage.clear_slot(slot)
+
+    def stop(self) -> None:
+        """Tell the other tp ranks to leave their loops; complete every send."""
+        for peer in range(1, self.group.size):
+            self.box.post(peer, TAG_TP, ("stop",))
+        self.box.flush()
+
+
+class TPWorker:
+    """A tp rank > 0 of a stage: runs each call its tp rank 0 hands over, in order, until told to stop."""
+
+    def __init__(self, stage: DecodeStage, box: Any, group: Any):
+        self.stage, self.box, self.group = stage, box, group
+        self.widths = _widths(stage, group.size)
+        self.done = False
+        self.items = 0
+        self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
+
+    def step(self) -> bool:
+        """Run the next handed-over call, if one has arrived; return True if one came."""
+        message = self.box.poll(0, TAG_TP)
+        if message is None:
+            return False
+        header, x, _ = message
+        if header[0] == "stop":
+            self.done = True
+            return True
+        if header[0] == "clear":
+            self.stage.clear_slot(header[1])
+            return True
+        if self.items == self.fault_at:
+            raise RuntimeError(f"injected fault (HPCPIPE_FAULT) before work item {self.items}")
+        self.items += 1
+        out = self.stage.forward(x, [Segment(slot, start, length) for slot, start, length in header[1]])
+        if self.stage.has_head:
+            self.group.gather_columns(out, self.widths)
+        return True

@@ -18,6 +18,7 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import DEFAULT_RMS_NORM_EPS, GPT_LAYER_NORM_EPS, HFModel
 from hpcpipe.hf.safetensors import TensorFiles
+from hpcpipe.hf.safetensors_part import read_part
 
 HEAD = "lm_head.weight"
 PREFIX = {"gpt": "transformer.", "llama": "model."}
@@ -151,18 +152,22 @@ def _non_finite(value: np.ndarray, block: int = 1 << 22) -> int:
 
 
 def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.float32,
-                skip: tuple[str, ...] = ()) -> dict[int, dict[str, Any]]:
+                skip: tuple[str, ...] = (), shards: Any = None) -> dict[int, dict[str, Any]]:
     """Return {group: {hpcpipe name: array (in, out)}} of the given layer groups, read from only their tensors.
 
     Each tensor's shape is checked against the config (one-line ConfigError naming tensor, file, got and
     expected shapes) and its values must be finite; arrays come back in ``dtype``, C-contiguous. Parameters
-    named in ``skip`` are left out (read another way by the caller).
+    named in ``skip`` are left out (read another way by the caller). ``shards(index, names)`` (tensor
+    parallelism: {name: hpcpipe.nn.sharding.Shard}) makes each tensor come back as the rank's part only,
+    read without the rest.
     """
     prefix = check_names(hf, tensors)
     out: dict[int, dict[str, Any]] = {}
     for index in indices:
         arrays = {}
-        for piece in group_pieces(hf.kind, hf.model, index):
+        pieces = group_pieces(hf.kind, hf.model, index)
+        cut = shards(index, [p.name for p in pieces]) if shards is not None else {}
+        for piece in pieces:
             if piece.name in skip:
                 continue
             name = full_name(piece.hf, prefix)
@@ -170,7 +175,11 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
             if info.shape != piece.hf_shape:
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
                                   f"needs {piece.hf_shape}")
-            value = tensors.read(name, dtype, transpose=piece.transpose)
+            part = cut.get(piece.name)
+            if part is not None and part.axis is not None:
+                value = read_part(tensors.holder(name), name, dtype, piece.transpose, part.axis, part.index)
+            else:
+                value = tensors.read(name, dtype, transpose=piece.transpose)
             bad = _non_finite(value)
             if bad:
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s) "

@@ -242,6 +242,10 @@ class TensorFiles:
         """Return tensor ``name`` as an array of ``dtype`` (see :meth:`SafetensorsFile.read`)."""
         return self._file(name).read(name, dtype, transpose)
 
+    def holder(self, name: str) -> SafetensorsFile:
+        """Return the open file that holds tensor ``name`` (its header read; for partial reads)."""
+        return self._file(name)
+
 
 def open_tensors(directory: str | Path) -> TensorFiles:
     """Return the :class:`TensorFiles` of a model directory: ``model.safetensors`` or the sharded index's files."""

@@ -142,15 +142,6 @@ def decoder_shards(shape: Any, index: int, names: list[str], tp: int, rank: int)
     return gpt_shards(shape, index, names, tp, rank)
 
 
-def take_shards(shape: Any, arrays: dict[int, dict[str, Any]], tp: int, rank: int) -> dict[int, dict[str, Any]]:
-    """This rank's parts of whole decoder groups {index: {name: array}}, as copies (the whole tensors can go)."""
-    out = {}
-    for index, group in arrays.items():
-        cut = decoder_shards(shape, index, list(group), tp, rank)
-        out[index] = {name: np.array(cut[name].take(a)) for name, a in group.items()}
-    return out
-
-
 def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     """The token ids [lo, hi) whose embedding rows and logits a rank holds."""
     part = split_range(vocab, tp, rank)

@@ -239,16 +239,18 @@ class LoadedState:
 
 
 def load(world: Comm, poller: Poller, source: WeightsSource, indices: list[int], with_optimizer: bool,
-         clean_root: str | Path | None = None) -> LoadedState:
+         clean_root: str | Path | None = None, shards: Any = None) -> LoadedState:
     """Read this rank's layers (and optimizer state) from source; all ranks agree before returning.
 
     Raises AgreedError(code=2) naming the bad file on every rank if any rank failed. With
-    clean_root, world rank 0 then removes leftovers of interrupted saves there.
+    clean_root, world rank 0 then removes leftovers of interrupted saves there. ``shards(index, names)``
+    (tensor parallelism): each rank reads only its part of every tensor.
     """
     state = None
     with together(world, poller, 2, lambda e: f"cannot load {source.describe()}: {type(e).__name__}: {e}"):
-        arrays = source.read(indices)
-        attrs, opt = source.read_optimizer(indices) if with_optimizer else ({}, None)
+        arrays = source.read(indices, shards) if shards is not None else source.read(indices)
+        attrs, opt = ({}, None) if not with_optimizer else (
+            source.read_optimizer(indices, shards) if shards is not None else source.read_optimizer(indices))
         state = LoadedState(arrays, attrs, opt)
     if clean_root is not None and world.Get_rank() == 0:
         cf.clean_leftovers(clean_root)

@@ -103,16 +103,17 @@ class HFSource:
             self._tokenizer.append(from_hf_directory(self.path))
         return self._tokenizer[0]
 
-    def read(self, indices: list[int]) -> dict[int, dict[str, Any]]:
+    def read(self, indices: list[int], shards: Any = None) -> dict[int, dict[str, Any]]:
         """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
 
         With ``half_embedding``, group 0's tok_emb stored in bfloat16 or float16 comes as a
         :class:`hpcpipe.nn.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
+        ``shards(index, names)``: read only this tensor-parallel rank's part of each tensor.
         """
         indices = list(indices)
-        half = self._half_table() if self.half_embedding and 0 in indices else None
+        half = self._half_table() if self.half_embedding and 0 in indices and shards is None else None
         rest = [i for i in indices if not (half is not None and i == 0)]
-        out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype))
+        out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype), shards=shards)
         if half is not None:
             out[0] = {**read_groups(self.hf, self.tensors, [0], np.dtype(self.dtype), skip=("tok_emb",))[0],
                       "tok_emb": half}

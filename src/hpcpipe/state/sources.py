@@ -117,15 +117,18 @@ class WeightsSource:
         with open_checked(path) as f:
             return read_stored(f, f"{'checkpoint' if self.kind == 'checkpoint' else 'weights'} file {str(path)!r}")
 
-    def read(self, indices: list[int]) -> LayerArrays:
-        """Return {layer: {parameter name: array}} for the given global layers; ConfigError naming a bad file."""
+    def read(self, indices: list[int], shards: Any = None) -> LayerArrays:
+        """Return {layer: {parameter name: array}} for the given global layers; ConfigError naming a bad file.
+
+        ``shards(index, names)``: only this tensor-parallel rank's part of each tensor (hyperslab reads).
+        """
         out: LayerArrays = {}
         for path, mine in self._by_file(indices).items():
             self._verify(path)
-            out.update(read_layers(path, mine))
+            out.update(read_layers(path, mine, shards))
         return out
 
-    def read_optimizer(self, indices: list[int]) -> tuple[dict[str, Any], OptimizerArrays]:
+    def read_optimizer(self, indices: list[int], shards: Any = None) -> tuple[dict[str, Any], OptimizerArrays]:
         """Return (optimizer attributes, per-layer optimizer state) for the given layers (checkpoints only)."""
         if self.kind != "checkpoint":
             raise ConfigError(f"{self.describe()} is a weights file and holds no optimizer state")
@@ -133,7 +136,7 @@ class WeightsSource:
         out: OptimizerArrays = {}
         for path, mine in self._by_file(indices).items():
             self._verify(path)
-            attrs, part = read_optimizer(path, mine)
+            attrs, part = read_optimizer(path, mine, shards)
             out.update(part)
         return attrs, out
 

@@ -273,8 +273,18 @@ def check_weights(path: str | Path, specs: list[Any]) -> None:
         check_layers(f, specs, label)
 
 
-def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
-    """Read every dataset of a group; ConfigError naming file and dataset if one is corrupt, malformed or not finite."""
+def _hyperslab(obj: h5py.Dataset, part: Any) -> np.ndarray:
+    """Read ``part`` (a Shard: positions along one axis) of a dataset, or all of it when part is None or whole."""
+    if part is None or part.axis is None:
+        return obj[...]
+    key: list[Any] = [slice(None)] * obj.ndim
+    key[part.axis] = part.index if isinstance(part.index, slice) else np.asarray(part.index).tolist()
+    return obj[tuple(key)]
+
+
+def _read(f: h5py.File, group: str, label: str, cut: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Read every dataset of a group (only ``cut``'s parts of them, hyperslabs, when given); ConfigError naming file
+    and dataset if one is corrupt, malformed or not finite."""
     out = {}
     holder = member(f, group, label)
     if holder is None:
@@ -286,7 +296,7 @@ def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
             problem = dataset_problem(obj, obj.shape if isinstance(obj, h5py.Dataset) else ())
             if problem:
                 raise ConfigError(f"{label}: {group}/{name} {problem}")
-            out[name] = obj[...]
+            out[name] = _hyperslab(obj, (cut or {}).get(name))
     except (OSError, KeyError) as exc:   # fletcher32 mismatch, truncated chunk, missing object
         raise ConfigError(f"{label}: cannot read {group} (corrupt: {exc})") from None
     for name, array in out.items():
@@ -297,15 +307,29 @@ def _read(f: h5py.File, group: str, label: str) -> dict[str, np.ndarray]:
     return out
 
 
-def read_layers(path: str | Path, indices: list[int]) -> LayerArrays:
-    """Read the given global layers from an hpcpipe file; ConfigError naming the file on any corruption."""
+def _cut(f: h5py.File, group: str, label: str, index: int, shards: Any) -> dict[str, Any] | None:
+    """The parts ``shards(index, names)`` gives for the datasets of one group, or None (read them whole)."""
+    if shards is None:
+        return None
+    holder = member(f, group, label)
+    return shards(index, list(members(holder, label=label))) if isinstance(holder, h5py.Group) else None
+
+
+def read_layers(path: str | Path, indices: list[int], shards: Any = None) -> LayerArrays:
+    """Read the given global layers from an hpcpipe file; ConfigError naming the file on any corruption.
+
+    ``shards(index, names)`` ({name: hpcpipe.nn.sharding.Shard}, tensor parallelism): read only this rank's
+    part of each dataset, as hyperslabs.
+    """
     label = f"weights file {str(path)!r}"
     with open_checked(path) as f:
-        return {i: _read(f, layer_group(i), label) for i in indices}
+        return {i: _read(f, layer_group(i), label, _cut(f, layer_group(i), label, i, shards)) for i in indices}
 
 
-def read_optimizer(path: str | Path, indices: list[int]) -> tuple[dict[str, Any], OptimizerArrays]:
-    """Read optimizer attributes and the given layers' optimizer state; ConfigError naming the file."""
+def read_optimizer(path: str | Path, indices: list[int], shards: Any = None
+                   ) -> tuple[dict[str, Any], OptimizerArrays]:
+    """Read optimizer attributes and the given layers' optimizer state (``shards``: parts only, as
+    :func:`read_layers`); ConfigError naming the file."""
     label = f"checkpoint file {str(path)!r}"
     with open_checked(path) as f:
         root = member(f, "optimizer", label)
@@ -316,7 +340,8 @@ def read_optimizer(path: str | Path, indices: list[int]) -> tuple[dict[str, Any]
         for i in indices:
             group = optimizer_group(i)
             states = state_names(f, group, label)
-            out[i] = {state: _read(f, f"{group}/{state}", label) for state in states}
+            out[i] = {state: _read(f, f"{group}/{state}", label, _cut(f, f"{group}/{state}", label, i, shards))
+                      for state in states}
         return attrs, out
 
 

@@ -132,6 +132,7 @@ class RunConfig:
     poll_min_us: float = 20.0   # first sleep of a waiting rank; doubles up to poll_max_us
     poll_max_us: float = 1000.0
     stall_timeout: float = 600.0   # seconds without a finished step (or save) before the watchdog aborts; 0 = off
+    tf32: bool = False             # CuPy: float32 matrix products may use TF32 matrix units; ignored on NumPy
 
 
 @dataclass(frozen=True)

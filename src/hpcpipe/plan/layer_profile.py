@@ -246,7 +246,7 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     share = _Share(progress_path, len(sizes), repeats, budget_s)
     from hpcpipe.runtime.backend import select_backend
 
-    backend = select_backend(config.run.backend)
+    backend = select_backend(config.run.backend, tf32=config.run.tf32)
     xp, dtype = backend.xp, config.model.dtype
     model = model_def(config)
     rng = np.random.default_rng(0)

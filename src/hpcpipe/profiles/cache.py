@@ -39,8 +39,9 @@ def layer_key(config: Config, threads: int) -> dict[str, Any]:
     model = {k: v for k, v in config.to_dict()["model"].items() if k not in ("init", "seed")}
     if config.model.kind == "mlp":     # the last layer's forward includes the loss (a GPT's is always token CE)
         model["loss"] = config.train.loss
+    # TF32 changes the measured costs; the key of a full-float32 profile stays what it always was
     return {"version": PROFILE_VERSION, "model": model, "backend": _backend_name(config.run.backend),
-            "host": socket.gethostname(), "threads": threads}
+            "host": socket.gethostname(), "threads": threads, **({"tf32": True} if config.run.tf32 else {})}
 
 
 def _name(key: dict[str, Any]) -> str:

@@ -1,4 +1,13 @@
-"""Array backend: xp = numpy or cupy, chosen once per process; one GPU per node-local rank."""
+"""Array backend: xp = numpy or cupy, chosen once per process; one GPU per node-local rank; TF32 on request.
+
+``run.tf32`` (CuPy only) lets float32 matrix products use the TF32 matrix units. CuPy 14 reaches cuBLAS
+two ways, so :func:`set_tf32` sets both: 2-D products (``x @ W``, cublasGemmEx) follow CuPy's compute
+type for float32 (``cupy._core.set_compute_type``; the environment variable ``CUPY_TF32=1`` sets the same
+thing, but only if it is set before the process's first float32 product), and batched products (ndim > 2:
+attention's scores and mix, cublasGemmStridedBatchedEx with a legacy compute type) follow the math mode
+of the device's cuBLAS handle (``CUBLAS_TF32_TENSOR_OP_MATH``). NumPy has no such mode: the switch is
+ignored there with a note. ``NVIDIA_TF32_OVERRIDE=0`` in the environment still forbids TF32 everywhere.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ class Backend:
     name: str          # "numpy" | "cupy"
     xp: Any
     device: int = -1   # CUDA device id, -1 on the CPU
+    tf32: bool = False                 # float32 matrix products may use TF32 matrix units (run.tf32, CuPy only)
+    notes: tuple[str, ...] = ()        # what the caller should tell the user once (e.g. run.tf32 ignored)
 
     @property
     def on_gpu(self) -> bool:
@@ -45,8 +56,48 @@ def _gpu_count() -> int:
         return 0
 
 
-def select_backend(choice: str, node_rank: int | None = None) -> Backend:
-    """Return the backend for run.backend = auto | numpy | cupy; auto picks CuPy when a GPU is visible."""
+# cuBLAS's cublasMath_t values (CuPy 14 names only the first two)
+CUBLAS_DEFAULT_MATH = 0
+CUBLAS_TF32_TENSOR_OP_MATH = 3
+TF32_IGNORED = "run.tf32 = true is ignored on the NumPy backend (TF32 is a mode of NVIDIA's matrix units; CuPy only)"
+
+
+def set_tf32(xp: Any, enabled: bool) -> str:
+    """Let (or stop) float32 matrix products of ``xp`` use TF32 matrix units; return a note, "" when applied.
+
+    On NumPy nothing changes and the note says so. On CuPy both paths to cuBLAS are set (module docstring):
+    the float32 compute type of 2-D products and the math mode of the current device's cuBLAS handle. A GPU
+    older than compute capability 8.0 keeps full float32 (CuPy warns).
+    """
+    if getattr(xp, "__name__", "") != "cupy":
+        return TF32_IGNORED if enabled else ""
+    import numpy
+    linalg = xp._core._routines_linalg
+    xp._core.set_compute_type(numpy.float32, linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT)
+    xp.cuda.cublas.setMathMode(xp.cuda.get_cublas_handle(),
+                               CUBLAS_TF32_TENSOR_OP_MATH if enabled else CUBLAS_DEFAULT_MATH)
+    return ""
+
+
+def tf32_state(xp: Any) -> dict[str, Any]:
+    """What a CuPy process's float32 products use now: CuPy's compute type name and the handle's math mode."""
+    if getattr(xp, "__name__", "") != "cupy":
+        return {"backend": getattr(xp, "__name__", "?"), "tf32": False}
+    import numpy
+    linalg = xp._core._routines_linalg
+    kind = xp._core.get_compute_type(numpy.float32)
+    mode = int(xp.cuda.cublas.getMathMode(xp.cuda.get_cublas_handle()))
+    batched = (mode & CUBLAS_TF32_TENSOR_OP_MATH) == CUBLAS_TF32_TENSOR_OP_MATH
+    return {"backend": "cupy", "compute_type": linalg.compute_type_to_str(kind), "math_mode": mode,
+            "tf32": kind == linalg.COMPUTE_TYPE_TF32 and batched}
+
+
+def select_backend(choice: str, node_rank: int | None = None, tf32: bool = False) -> Backend:
+    """Return the backend for run.backend = auto | numpy | cupy; auto picks CuPy when a GPU is visible.
+
+    ``tf32`` (run.tf32): on CuPy, float32 matrix products may use TF32 (:func:`set_tf32`); on NumPy it is
+    ignored and the returned backend's ``notes`` say so.
+    """
     if choice not in ("auto", "numpy", "cupy"):
         raise ConfigError(f"run.backend {choice!r} is not one of auto, numpy, cupy")
     keep_freed_memory()
@@ -56,8 +107,10 @@ def select_backend(choice: str, node_rank: int | None = None) -> Backend:
                           "(install hpcpipe[gpu] on a GPU node, or use run.backend = \"numpy\")")
     if gpus == 0:
         import numpy
-        return Backend("numpy", numpy)
+        note = set_tf32(numpy, tf32)
+        return Backend("numpy", numpy, notes=(note,) if note else ())
     import cupy
     device = (local_rank() if node_rank is None else node_rank) % gpus
     cupy.cuda.Device(device).use()
-    return Backend("cupy", cupy, device)
+    set_tf32(cupy, tf32)      # also when off: a process that switched it on earlier gets full float32 back
+    return Backend("cupy", cupy, device, tf32=tf32)

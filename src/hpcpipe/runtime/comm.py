@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 def cuda_aware() -> bool:
     """Return True when the MPI library reports CUDA support (mpi4py's query; False when unknown)."""
     query = getattr(MPI, "Query_cuda_support", None)
+    if query is None:      # mpi4py without the binding: ask the MPI library that is loaded
+        from hpcpipe.runtime.mpix import library_cuda_support
+        return bool(library_cuda_support())
     try:
-        return bool(query()) if query else False
+        return bool(query())
     except Exception:  # libraries without the MPIX extension
         return False
 
@@ -187,6 +190,8 @@ class PipeComm:
         self.poller.wait([self.pp_comm.Isend(mine, dest=peer, tag=tag),
                           self.pp_comm.Irecv(theirs, source=peer, tag=tag)])
         self.bytes_sent += buf.nbytes
+        if self.stage_through_host:
+            self.host_device_bytes += buf.nbytes      # their copy back to the device
         buf += xp.asarray(theirs)
 
     def sum_over_world(self, values: np.ndarray) -> np.ndarray:

@@ -33,6 +33,7 @@ class TPGroup:
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.seconds = 0.0       # spent in reductions since the last reset (the step's tp_comm_s)
         self.calls = 0
+        self.host_device_bytes = 0   # on the GPU: arrays staged through host memory (both ways)
         self.events: list[tuple[float, float]] | None = None    # (start, end) of each reduction when tracing
 
     def _reduce(self, x: Any, op: Any) -> Any:
@@ -48,6 +49,7 @@ class TPGroup:
         self.poller.wait([self.comm.Iallreduce(MPI.IN_PLACE, wire, op=op)], YIELD_S)
         if on_gpu:
             x[...] = self.backend.xp.asarray(wire)
+            self.host_device_bytes += 2 * x.nbytes
         elif wire is not x:
             x[...] = wire
         end = time.perf_counter()
@@ -71,6 +73,8 @@ class TPGroup:
         A vocabulary-parallel head's logits: rank r holds the columns of token ids [lo_r, hi_r), in rank order.
         """
         host = np.ascontiguousarray(self.backend.to_host(x))
+        if self.backend.on_gpu:
+            self.host_device_bytes += host.nbytes
         if self.size == 1:
             return host
         start = time.perf_counter()

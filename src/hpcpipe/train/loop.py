@@ -52,7 +52,8 @@ class Progress:
         record = {"step": step, "loss": loss, "step_time_s": seconds,
                   "samples_per_s": tr.global_batch / seconds if seconds > 0 else 0.0,
                   "grad_norm": tr.last_grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
-                  "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s}
+                  "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s,
+                  "host_device_bytes": tr.last_host_device_bytes}
         decision = tr.last_decision
         skipped = bool(decision and decision.skip)
         if skipped:   # strict JSON has no NaN: a skipped step's non-finite loss is null

@@ -42,7 +42,10 @@ class Trainer:
         cfg = p.config
         self.setup, self.config = p, cfg
         self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp)
-        self.backend = select_backend(cfg.run.backend)
+        self.backend = select_backend(cfg.run.backend, tf32=cfg.run.tf32)
+        if world.Get_rank() == 0:
+            for note in self.backend.notes:
+                print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
         xp = self.backend.xp
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
@@ -72,6 +75,7 @@ class Trainer:
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         self.last_grad_norm = 0.0
         self.last_stats = None
+        self.last_host_device_bytes = 0   # arrays copied between host and GPU in the last step (0 on NumPy)
         self.last_decision: StepDecision | None = None
         self.stop_requested = lambda: False   # set by the training loop (a signal flag)
         self.start_step = 0
@@ -102,8 +106,11 @@ class Trainer:
             return
         resuming = source is self.setup.resume
         try:
+            # tensor parallelism: each rank reads only its parts of the tensors (hyperslabs)
+            tp = self.tp
+            shards = (lambda i, names: self.model.shards(i, tp.size, tp.rank)) if tp is not None else None
             state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
-                                        clean_root=self.run_dir if resuming else None)
+                                        clean_root=self.run_dir if resuming else None, shards=shards)
         except AgreedError as exc:
             if resuming:
                 raise
@@ -144,10 +151,16 @@ class Trainer:
         self.run_dir = final.parent
         return final
 
-    def _feed(self, step: int) -> StepFeed:
+    def _feed(self, step: int) -> tuple[StepFeed, int]:
+        """The step's micro-batches on this rank's device, and the bytes that copying them there moved."""
         xs, ys = self.feeder.step(step)
         asarray = self.backend.xp.asarray
-        return StepFeed([asarray(x) for x in xs], [asarray(y) for y in ys])
+        moved = sum(a.nbytes for a in (*xs, *ys)) if self.backend.on_gpu else 0
+        return StepFeed([asarray(x) for x in xs], [asarray(y) for y in ys]), moved
+
+    def _staged_bytes(self) -> int:
+        """Bytes staged between GPU and host by the pipeline and tensor-parallel exchanges so far (0 on NumPy)."""
+        return self.comm.host_device_bytes + int(getattr(self.tp, "host_device_bytes", 0))
 
     def _update(self, step: int) -> None:
         """Agree on the step (one world allreduce), then clip by the global gradient norm and step, or skip.
@@ -178,8 +191,12 @@ class Trainer:
     def _run(self, step: int, update: bool) -> float:
         self.last_decision = None
         self.engine.optimizer_step = (lambda: self._update(step)) if update else None
-        stats = self.engine.run(self._feed(step))
+        before = self._staged_bytes()
+        feed, fed = self._feed(step)
+        stats = self.engine.run(feed)
         self.last_stats = stats
+        # arrays only: the loss and norm scalars that come back each micro-batch / step (8 bytes each) are not counted
+        self.last_host_device_bytes = fed + self._staged_bytes() - before
         if self.last_decision is not None:   # the step decision already summed the loss
             return self.last_decision.loss_sum / self.loss_norm
         total = self.comm.sum_over_world(np.array([self._loss_term()]))[0]

@@ -14,6 +14,7 @@ from typing import Any
 
 from hpcpipe.nn.gpt_layers import Block, layer_norm
 from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.nn.half_table import ColumnTable
 from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
 from hpcpipe.nn.sharding import gpt_shards, vocab_range
@@ -23,6 +24,14 @@ from hpcpipe.nn.tensor_parallel import is_split, vocab_lookup
 def forward_only(params: dict[str, Any]) -> dict[str, None]:
     """Gradient slots for a forward-only layer: every name maps to None."""
     return dict.fromkeys(params)
+
+
+def tied_head(steps: Any, table: Any, xp: Any) -> Dense:
+    """The head multiplying by a tied table kept transposed (ColumnTable), which the embedding then gathers from."""
+    table_t = xp.ascontiguousarray(table.T)
+    if getattr(steps, "tok_emb", None) is table:    # this stage embeds too: one copy, the transposed one
+        steps.tok_emb = ColumnTable(table_t)
+    return Dense(-1, table_t, None, None, None, Activation(), xp)
 
 
 def local_params(full: list[tuple[str, tuple[int, ...]]], shards: Callable[[list[str]], dict], tp: Any
@@ -68,7 +77,7 @@ class GPTSteps:
         final = params.get(shape.n_blocks + 1)
         if final is not None:
             self.ln_f = layer_norm(final, forward_only(final), "ln_f", xp)
-            self.head = Dense(-1, table.T, None, None, None, Activation(), xp) if table is not None \
+            self.head = tied_head(self, table, xp) if table is not None \
                 else linear(final, forward_only(final), "head", xp, bias=False)
 
     def embed(self, tokens: Any, positions: Callable[[], Any]) -> Any:

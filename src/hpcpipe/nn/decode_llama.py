@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hpcpipe.nn.decode_gpt import forward_only, local_params
+from hpcpipe.nn.decode_gpt import forward_only, local_params, tied_head
 from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
 from hpcpipe.nn.llama_layers import Block, model_rope, rms_norm
@@ -59,7 +59,7 @@ class LlamaSteps:
         final = params.get(shape.n_blocks + 1)
         if final is not None:
             self.norm = rms_norm(final, forward_only(final), "norm", shape.norm_eps, xp)
-            self.head = Dense(-1, table.T, None, None, None, Activation(), xp) if table is not None \
+            self.head = tied_head(self, table, xp) if table is not None \
                 else linear(final, forward_only(final), "head", xp, bias=False)
 
     def embed(self, tokens: Any, positions: Callable[[], Any]) -> Any:

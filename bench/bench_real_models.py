@@ -211,7 +211,7 @@ def llama_cpp_rates(server: Path, gguf: Path, texts: list[str], long: str, quick
     for threads, slots in ((1, 1), (2, 1), (2, 32)):
         argv = [str(server), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
                 "-np", str(slots), "-c", str(1024 * slots), "--no-warmup"]
-        with Server(argv, r"server is listening", None, f"/tmp/bench-llama-{threads}-{slots}.log"):
+        with Server(argv, r"listening on http", None, f"/tmp/bench-llama-{threads}-{slots}.log"):
             clients = 1 if slots == 1 else (32 if not quick else 4)
             out[f"threads{threads}_clients{clients}"] = load(base, texts, clients, (2 if quick else 4)
                                                              if clients == 1 else (1 if quick else 2))

@@ -92,7 +92,7 @@ def decode(directory: Path, quick: bool, port: int, llama_server: str, converter
         for threads in (1, 2):
             argv = [llama_server, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
                     "-np", "1", "-c", "1024", "--no-warmup"]
-            with Server(argv, r"server is listening", None, f"/tmp/bench-tp-llama-{threads}.log"):
+            with Server(argv, r"listening on http", None, f"/tmp/bench-tp-llama-{threads}.log"):
                 out[f"llama_cpp_threads{threads}"] = _per_token(base, text, new)
             print(f"llama.cpp {threads} thread(s): {json.dumps(out[f'llama_cpp_threads{threads}'])}", flush=True)
     if "hpcpipe_tp1" in out and "hpcpipe_tp2" in out:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcpipe.nn.decode_gpt import forward_only, local_params, tied_head
-from hpcpipe.nn.layers import Activation, Dense
 from hpcpipe.nn.linear import linear
 from hpcpipe.nn.llama_layers import Block, model_rope, rms_norm
 from hpcpipe.nn.llama_params import LlamaShape, group_params

@@ -19,6 +19,7 @@ so a failing rank never leaves the others or an HTTP client hanging.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -70,15 +71,27 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     return stage
 
 
-def loop(steps: list[Callable[[], bool]], done: Callable[[], bool], poller: Poller) -> None:
-    """Run the steps round after round until done(); sleep with a doubling pause while none does anything."""
+TP_YIELD_S = 0.005      # a tp worker polls by yielding this long after its last call before it sleeps
+
+
+def loop(steps: list[Callable[[], bool]], done: Callable[[], bool], poller: Poller, yield_s: float = 0.0) -> None:
+    """Run the steps round after round until done(); sleep with a doubling pause while none does anything.
+
+    ``yield_s``: for that long after the last work, give the core away between rounds (sched_yield) instead
+    of sleeping: a tp rank's next call follows its last within a token's time, and a sleep would make the
+    stage's first collective wait for the timer's slack.
+    """
     delay = poller.min_s
+    last = time.perf_counter()
     while not done():
         busy = False
         for step in steps:
             busy = step() or busy
         if busy:
             delay = poller.min_s
+            last = time.perf_counter()
+        elif time.perf_counter() - last < yield_s:
+            os.sched_yield()
         else:
             time.sleep(delay)
             delay = min(delay * 2.0, poller.max_s)
@@ -130,7 +143,8 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     if tp is not None and topo.tp_rank > 0:
         worker = TPWorker(stage, Mailbox(topo.tp_comm, backend, poller), tp)
         worker.fault_at = fault_step(rank)
-        loop([worker.step, relay], lambda: worker.done, poller)      # its tp rank 0 watches for both
+        # its tp rank 0 watches for both; between a request's tokens the next call comes within milliseconds
+        loop([worker.step, relay], lambda: worker.done, poller, yield_s=TP_YIELD_S)
     elif topo.pp_rank > 0:
         follower = Follower(stage, pp_box, topo.pp_rank, setup.pp, samplers)
         follower.fault_at = fault_step(rank)

@@ -143,10 +143,13 @@ def test_a_failing_rank_ends_the_job_with_exit_1(weights, tmp_path):
     assert "injected fault" in proc.stderr and out is None
 
 
-def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(weights, tmp_path):
+@pytest.mark.parametrize("pp,chunk", [(2, 3), (4, 1)])
+def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(weights, tmp_path, pp, chunk):
+    # the chunks of one prompt travel the stages back to back (up to pp of them in flight): at pp = 4 and
+    # one-token chunks every stage holds one while the next is sent
     path, model = weights["tied"]
-    proc, out = generate(tmp_path, 2, path, PROMPT, "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "4",
-                         "--set", "parallel.pp=2", "--set", "serve.prefill_tokens=3")
+    proc, out = generate(tmp_path, pp, path, PROMPT, "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "4",
+                         "--set", f"parallel.pp={pp}", "--set", f"serve.prefill_tokens={chunk}")
     assert proc.returncode == 0, proc.stderr
     params = SamplingParams(temperature=0.9, seed=4)
     assert out["tokens"] == reference_generate(model, encode(PROMPT), 12, params)

@@ -152,3 +152,53 @@ def test_decode_rows_never_wait_for_the_prefill_budget():
     item = s.next_item()
     assert [(seg.start, seg.length) for seg in item.segments] == [(1, 1), (0, 2)]
     assert item.sample == [True, False]
+
+
+def test_a_long_prompt_sends_its_next_chunk_while_the_last_is_in_flight():
+    # at pp = 2 the head sends chunk 2 while stage 1 runs chunk 1: up to depth prompt-only items per group
+    s = ReplicaScheduler(slots=2, groups=1, seq_len=64, prefill_tokens=4, depth=2)
+    s.submit(request(0, prompt=range(1, 11)))           # 10 prompt tokens: chunks (0,4) (4,4) (8,2)
+    first, second = s.next_item(), s.next_item()
+    assert [(seg.start, seg.length) for seg in first.segments + second.segments] == [(0, 4), (4, 4)]
+    assert second.tokens.tolist() == [5, 6, 7, 8] and second.new == [] and second.sample == [False]
+    assert s.next_item() is None                         # depth items in flight
+    assert s.complete(0, [-1]) == [] and s.by_id["r0"].cached == 4
+    last = s.next_item()
+    assert [(seg.start, seg.length) for seg in last.segments] == [(8, 2)] and last.sample == [True]
+    assert s.next_item() is None                         # a sampled item in flight: the group waits for its token
+    s.complete(0, [-1])
+    assert [(e.request_id, e.tokens) for e in s.complete(0, [9])] == [("r0", [9])]
+    item = s.next_item()
+    assert [(seg.start, seg.length) for seg in item.segments] == [(10, 1)] and item.tokens.tolist() == [9]
+
+
+def test_decode_rows_in_flight_hold_the_group_back():
+    s = ReplicaScheduler(slots=2, groups=1, seq_len=64, prefill_tokens=2, depth=4)
+    s.submit(request(0, prompt=(1,)))
+    run_item(s)                                          # r0 decodes from now on
+    s.submit(request(1, prompt=range(1, 9)))
+    s.next_item()                                        # r0's token and r1's first chunk
+    assert s.next_item() is None                         # r0's token must come back first
+
+
+def test_a_request_cancelled_between_its_chunks_keeps_its_slot_until_the_last_is_back():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=64, prefill_tokens=2, depth=3)
+    s.submit(request(0, prompt=range(1, 9)))
+    s.next_item(), s.next_item()
+    assert s.cancel("r0") == []                          # chunks in flight: reported when the last returns
+    s.submit(request(1, prompt=(4, 5)))
+    assert s.next_item() is None                         # r0 sends no more chunks; r1 waits for the slot
+    assert s.complete(0, [-1]) == []
+    assert [(e.request_id, e.finish) for e in s.complete(0, [-1])] == [("r0", "cancelled")]
+    item = s.next_item()                                 # the slot is free only now
+    assert item.segments[0].start == 0 and item.tokens.tolist() == [4, 5]
+    assert s.running == 1 and not s.waiting
+
+
+def test_depth_one_waits_for_each_chunk():
+    s = ReplicaScheduler(slots=1, groups=1, seq_len=64, prefill_tokens=2)
+    s.submit(request(0, prompt=range(1, 9)))
+    s.next_item()
+    assert s.next_item() is None
+    with pytest.raises(ValueError, match="depth=0"):
+        ReplicaScheduler(1, 1, 8, depth=0)

@@ -153,7 +153,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
         loop([follower.step, relay, beat], lambda: follower.done, poller)
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
-                                     cfg.serve.prefill_tokens, setup.stop_ids)
+                                     cfg.serve.prefill_tokens, setup.stop_ids, depth=setup.pp)
         if rank == 0:
             dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, scheduler, setup.tp)
             head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers,

@@ -17,6 +17,14 @@ rows); a finished or cancelled
 sequence frees its slot when its group comes back. Which tokens a sequence
 gets never depends on its group or neighbours: sampling is per sequence.
 
+A long prompt is prefilled in chunks of ``prefill_tokens``. While every item
+a group has in flight carries only prompt chunks that sample nothing, the
+group's next chunks go out at once (up to ``depth`` items, the replica's
+stages): each stage runs a slot's chunks in the order they were sent, so a
+chunk's keys and values are cached before the next chunk reads them, and the
+chunks of one prompt flow through the stages like micro-batches instead of
+each waiting for the last stage (time to first token at pp > 1).
+
 A sequence whose token could not be sampled (``FAILED``: its logits were not
 finite) ends alone with an "error" event. Its slot's cache may hold NaN, which
 a masked attention weight of 0 still turns into NaN for a later sequence that
@@ -47,6 +55,7 @@ class Sequence:
     group: int
     tokens: list[int]
     cached: int = 0            # tokens whose keys and values are in the slot's cache
+    sent: int = 0              # tokens sent into the pipeline (cached once their items come back)
     generated: int = 0
     cancelled: bool = False
 
@@ -63,24 +72,34 @@ class WorkItem:
     clear: list[int] = field(default_factory=list)     # slots to zero before the forward (a failed sequence's)
 
 
+@dataclass(frozen=True)
+class Flight:
+    """A work item on its way: its sequences, the cached length each reaches, whether any is sampled."""
+
+    members: list[Sequence]
+    reach: list[int]
+    samples: bool
+
+
 class ReplicaScheduler:
     """Slots, groups and waiting requests of one replica (runs on its first stage)."""
 
     def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0,
-                 stop_ids: tuple[int, ...] = ()):
-        if slots < 1 or groups < 1:
-            raise ValueError(f"a replica needs at least one slot and one group, got slots={slots} groups={groups}")
+                 stop_ids: tuple[int, ...] = (), depth: int = 1):
+        if slots < 1 or groups < 1 or depth < 1:
+            raise ValueError(f"a replica needs at least one slot, group and stage, got slots={slots} groups={groups} "
+                             f"depth={depth}")
         self.seq_len, self.kv_cache = seq_len, kv_cache
         self.stop_ids = frozenset(int(i) for i in stop_ids)    # the model's end-of-sequence ids: finish "stop"
         # prompt tokens one work item may carry (0 = no limit): long prompts are prefilled in chunks over
         # several steps, so one joining request does not stall the decode rows beside it for long
         self.prefill_tokens = prefill_tokens if kv_cache else 0
+        self.depth = depth          # prompt-only items a group may have in flight (the replica's stages)
         # each group owns a contiguous block of slots, so a decode step reads its group's KV cache in
         # place instead of gathering rows spread over the whole cache; pop() hands out the lowest first
         self.free = [list(range((g + 1) * slots // groups - 1, g * slots // groups - 1, -1)) for g in range(groups)]
         self.groups: list[list[Sequence]] = [[] for _ in range(groups)]
-        self.in_flight: list[list[Sequence] | None] = [None] * groups
-        self.reach: list[list[int]] = [[] for _ in range(groups)]   # cached length each member reaches
+        self.flights: list[deque[Flight]] = [deque() for _ in range(groups)]   # oldest first: results come in order
         self.waiting: deque[Request] = deque()
         self.by_id: dict[str, Sequence] = {}
         self.dirty: set[int] = set()    # slots a failed sequence left, cleared when the next sequence starts there
@@ -94,7 +113,7 @@ class ReplicaScheduler:
     @property
     def idle(self) -> bool:
         """True when nothing runs, waits or is in flight."""
-        return not self.by_id and not self.waiting and all(f is None for f in self.in_flight)
+        return not self.by_id and not self.waiting and not any(self.flights)
 
     def submit(self, request: Request) -> None:
         """Queue a request; it starts when a slot is free."""
@@ -110,11 +129,13 @@ class ReplicaScheduler:
         if seq is None or seq.cancelled:
             return []
         seq.cancelled = True
-        flying = self.in_flight[seq.group]
-        if flying is None or seq not in flying:
+        if not self._flying(seq):
             self._release(seq)
             return [Event(request_id, [], "cancelled")]
         return []
+
+    def _flying(self, seq: Sequence) -> bool:
+        return any(seq in flight.members for flight in self.flights[seq.group])
 
     def _release(self, seq: Sequence) -> None:
         self.groups[seq.group].remove(seq)
@@ -132,28 +153,39 @@ class ReplicaScheduler:
             self.by_id[request.id] = seq
 
     def next_item(self) -> WorkItem | None:
-        """Return the next group's work (round robin over idle groups with sequences), or None."""
+        """Return the next group's work (round robin over groups that may send), or None."""
         self._admit()
         n = len(self.groups)
         for k in range(n):
             g = (self._turn + k) % n
-            if self.in_flight[g] is None and self.groups[g]:
-                self._turn = (g + 1) % n
-                return self._build(g)
+            if self.groups[g] and self._may_send(g):
+                item = self._build(g)
+                if item is not None:
+                    self._turn = (g + 1) % n
+                    return item
         return None
 
-    def _build(self, g: int) -> WorkItem:
+    def _may_send(self, g: int) -> bool:
+        """A group sends when nothing of it is in flight, or only prompt chunks (fewer than depth of them)."""
+        flights = self.flights[g]
+        return not flights or (len(flights) < self.depth and not any(f.samples for f in flights))
+
+    def _build(self, g: int) -> WorkItem | None:
         members, budget = [], self.prefill_tokens or self.seq_len
         segments, rows, new, sample, reach, clear = [], [], [], [], [], []
         for seq in self.groups[g]:
-            start = seq.cached if self.kv_cache else 0
+            if seq.cancelled:
+                continue                          # released once its chunks in flight are back
+            start = seq.sent if self.kv_cache else 0
             length = len(seq.tokens) - start
+            if length <= 0:
+                continue                          # its last chunk is on its way
             if length > 1 and self.prefill_tokens:
                 if budget <= 0:
                     continue                      # its prompt waits for the next step of the group
                 length = min(length, budget)
                 budget -= length
-            if seq.cached == 0:
+            if seq.sent == 0:
                 new.append((seq.slot, seq.request.params))
                 if seq.slot in self.dirty:
                     self.dirty.discard(seq.slot)
@@ -163,24 +195,33 @@ class ReplicaScheduler:
             rows.extend(seq.tokens[start:start + length])
             reach.append(start + length)
             sample.append(start + length == len(seq.tokens))
-        self.in_flight[g], self.reach[g] = members, reach
+            seq.sent = start + length
+        if not members:
+            return None
+        self.flights[g].append(Flight(members, reach, any(sample)))
         return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear)
 
     def complete(self, group: int, tokens: list[int]) -> list[Event]:
-        """Take the group's sampled tokens (one per segment, -1 where none was sampled); return the events."""
-        members = self.in_flight[group]
-        if members is None or len(members) != len(tokens):
+        """Take the group's oldest item's tokens (one per segment, -1 where none was sampled); return the events."""
+        flights = self.flights[group]
+        if not flights or len(flights[0].members) != len(tokens):
             raise RuntimeError(f"result for group {group} does not match the work in flight "
-                               f"({0 if members is None else len(members)} sequences, {len(tokens)} tokens)")
-        self.in_flight[group] = None
+                               f"({len(flights[0].members) if flights else 0} sequences, {len(tokens)} tokens)")
+        flight = flights.popleft()
         events = []
-        for seq, token, reach in zip(members, tokens, self.reach[group], strict=True):
+        for seq, token, reach in zip(flight.members, tokens, flight.reach, strict=True):
+            if self.by_id.get(seq.request.id) is not seq:
+                continue                          # ended with an earlier chunk's result
             failed = int(token) == FAILED
             if failed:
                 self.dirty.add(seq.slot)
-            if seq.cancelled or failed:
+            if failed or (seq.cancelled and not self._flying(seq)):
+                # a cancelled sequence keeps its slot until its last chunk is back: the slot's next
+                # sequence must not be sent while chunks of this one still run
                 self._release(seq)
                 events.append(Event(seq.request.id, [], "cancelled" if seq.cancelled else "error"))
+                continue
+            if seq.cancelled:
                 continue
             seq.cached = reach
             if reach < len(seq.tokens):

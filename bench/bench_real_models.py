@@ -297,9 +297,10 @@ def report(res: dict) -> None:
     rows += [(f"llama.cpp, {k}", v["tokens_per_s"]) for k, v in lc.items() if isinstance(v, dict)]
     for name, rate in rows:
         print(f"  {name:<40} {rate:8.1f} tokens/s")
+    llama_prefill = f", llama.cpp (2 threads) {lc['threads2_prefill_512_s']:.3f} s" \
+        if "threads2_prefill_512_s" in lc else ""
     print(f"  prefill 512: transformers {tf['prefill_512_s']:.3f} s, hpcpipe pp=1 {hp['pp1_prefill_512_s']:.3f} s, "
-          f"pp=2 {hp['pp2_prefill_512_s']:.3f} s (tuned: {hp['pp2_tuned_prefill_512_s']:.3f} s)" + (f", llama.cpp (2 threads) {lc['threads2_prefill_512_s']:.3f} s"
-                                                      if "threads2_prefill_512_s" in lc else ""))
+          f"pp=2 {hp['pp2_prefill_512_s']:.3f} s (tuned: {hp['pp2_tuned_prefill_512_s']:.3f} s){llama_prefill}")
     goals = [("batch 1 at pp=1 >= 2x transformers", hp["pp1_batch1"]["tokens_per_s"] / tf["batch1_tokens_per_s"], 2.0),
              ("prefill 512 no slower than transformers (best layout)",
               tf["prefill_512_s"] / min(hp["pp1_prefill_512_s"], hp["pp2_prefill_512_s"],

@@ -21,7 +21,7 @@ from hpcpipe.nn.memory import decode_rank_bytes
 from hpcpipe.nn.model import partition
 from hpcpipe.nn.model_spec import decoder_shape, model_specs
 from hpcpipe.profiles.stage_cut import stage_counts
-from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
@@ -83,19 +83,24 @@ def _model_config(source: Any, given: str, raw: dict[str, Any]) -> dict[str, Any
     return restate_stored_shape(raw, source)
 
 
-def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None) -> None:
-    """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory."""
+def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
+                        headroom: int | None = None) -> None:
+    """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
+
+    The share is the smaller of the node's available memory over its ranks and this process's address-space
+    headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests).
+    """
     if cfg.run.backend == "cupy":
         return
     params, cache = decode_rank_bytes(cfg, ranges)
-    available = available_bytes() if available is None else available
     ranks_here = local_rank_count(default=world_size)   # a tp rank holds about 1/tp of its stage (counted)
-    if available > 0 and params + cache > available / ranks_here:
+    share, how = rank_share(ranks_here) if available is None else rank_share(ranks_here, available, headroom)
+    if share is not None and params + cache > share:
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
             f"{cache / GIB:.3g} GiB for serve.max_sequences = {cfg.serve.max_sequences} sequences of model.seq_len = "
-            f"{cfg.model.seq_len} tokens); this node has {available / GIB:.3g} GiB available for {ranks_here} "
-            f"rank(s): lower model.seq_len or serve.max_sequences (--set model.seq_len=4096), or use more stages")
+            f"{cfg.model.seq_len} tokens); {how}: lower model.seq_len or serve.max_sequences "
+            f"(--set model.seq_len=4096), or use more stages")
 
 
 def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,

@@ -64,6 +64,16 @@ def test_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
+def test_a_config_path_that_is_a_symlink_loop_or_dangling_says_so(tmp_path):
+    # was: "does not exist" for both, which sends the user looking for a missing file
+    (tmp_path / "loop.toml").symlink_to(tmp_path / "loop.toml")
+    with pytest.raises(ConfigError, match=r"loop.toml' is a symbolic link loop \(ELOOP"):
+        load_config(tmp_path / "loop.toml")
+    (tmp_path / "gone.toml").symlink_to(tmp_path / "moved.toml")
+    with pytest.raises(ConfigError, match=r"gone.toml' is a symbolic link to '.*moved.toml', which does not exist"):
+        load_config(tmp_path / "gone.toml")
+
+
 def test_world_size_mismatch_names_the_sizes():
     config = load_config(None, ["parallel.dp=2"])
     with pytest.raises(ConfigError, match=r"world size 6 does not equal parallel.dp \(2\) x parallel.pp \(4\) = 8"):

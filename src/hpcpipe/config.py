@@ -286,7 +286,7 @@ def _read_toml(p: Path) -> dict[str, Any]:
     if p.is_dir():
         raise ConfigError(f"{label} is a directory, not a TOML file")
     if not p.exists():
-        from hpcpipe.h5files import broken_symlink      # (h5py only on this error path)
+        from hpcpipe.h5files import broken_symlink  # h5py is imported only on this error path
         raise ConfigError(f"{label} {broken_symlink(p) or 'does not exist'}")
     if not p.is_file():      # a FIFO would block start-up forever, /dev/zero would fill the memory
         raise ConfigError(f"{label} is not a regular file")

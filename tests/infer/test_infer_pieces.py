@@ -84,7 +84,7 @@ def test_forward_chain_matches_the_evaluate_reference(activation, n_layers):
         assert np.all(outs[slot][tail:] == -1)
 
 
-def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activation="gelu"):
+def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activation="gelu", slots=2):
     dims = [width] * (n_layers + 1)
     layers, arrays = _layers(dims, [activation] * n_layers, bias=True)
     data = tmp_path / f"in-{n_rows}.h5"
@@ -94,7 +94,7 @@ def _single_rank_stage(tmp_path, n_rows, batch=32, width=64, n_layers=3, activat
     out = tmp_path / f"out-{n_rows}.h5"
     offset = create_output(out, n_rows, width, "float32", "y", {})
     stage = StreamStage(layers=layers, micro_batches=list(range(n_micro_batches(n_rows, batch))), n_rows=n_rows,
-                        batch=batch, slots=2, dtype=np.float32, in_width=width, out_width=width,
+                        batch=batch, slots=slots, dtype=np.float32, in_width=width, out_width=width,
                         reader=RowReader(data, "x", batch, np.float32), writer=RowWriter(out, offset, width * 4),
                         pp_comm=None, prev=-1, next=-1, poller=None)
     return stage, arrays, x, out
@@ -110,6 +110,16 @@ def test_streaming_stage_writes_every_row_in_order(tmp_path):
         y = f["y"][...]
     np.testing.assert_allclose(y, reference_forward(arrays, {"activation": "gelu"}, x), rtol=1e-5, atol=1e-6)
     assert events.shape == (4, 5) and np.all(np.diff(events, axis=1) >= 0)
+
+
+def test_a_stage_holds_no_more_buffer_slots_than_micro_batches(tmp_path):
+    stage, arrays, x, out = _single_rank_stage(tmp_path, 40, slots=64)     # 2 micro-batches of 32 rows
+    assert stage.slots == 2 and len(stage.in_bufs) == len(stage.out_bufs) == 2
+    stage.run()
+    stage.close()
+    with h5py.File(out, "r") as f:
+        np.testing.assert_allclose(f["y"][...], reference_forward(arrays, {"activation": "gelu"}, x), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_steady_state_allocates_nothing_per_micro_batch(tmp_path):

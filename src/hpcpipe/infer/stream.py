@@ -105,7 +105,9 @@ class StreamStage:
                  poller: Any):
         self.mbs = micro_batches
         self.n_rows, self.batch = n_rows, batch
-        self.slots = slots
+        # no more slots than micro-batches: each stage of a replica has the same list, so both ends of a
+        # link agree, and 1e8 buffers over a 300-row input allocate one (the memory check counts infer.buffers)
+        self.slots = slots = max(1, min(slots, len(micro_batches)))
         self.reader, self.writer = reader, writer
         self.rows = [micro_batch_rows(m, n_rows, batch) for m in micro_batches]
         # buffers as large as this replica's largest micro-batch, not infer.micro_batch_size:

@@ -212,3 +212,37 @@ def test_a_client_gone_in_the_middle_of_a_chunked_prompt_frees_its_slot_for_a_fr
             assert done.choices[0].text == text_of(reference_generate(gpt, encode(prompt), 6, GREEDY))
         s.signal()
         assert s.stopped_cleanly(), s.output()
+
+
+def test_a_long_prefill_on_another_replica_is_progress_not_a_stall(model):
+    # at dp = 2 rank 0 judges replica 1 by its messages; a prompt's chunks yield no token for seconds.
+    # Was: /health 503 after a quarter of run.stall_timeout and the job aborted with 76 after all of it.
+    path, gpt = model
+    prompts = long_prompts(2, seed=7)
+    answers, errors, health = {}, [], []
+    with Server(4, path, "--set", "parallel.pp=2", "--set", "serve.prefill_tokens=4", "--set", "run.stall_timeout=2",
+                env={"HPCPIPE_STEP_SLEEP": "0.05"}) as s:      # ~70 chunks of 50+ ms per prompt: 3.5 s, no token
+        def ask(i):
+            try:
+                done = s.client(timeout=60).completions.create(model="long.h5", prompt=prompts[i], max_tokens=3,
+                                                               temperature=0)
+                answers[i] = done.choices[0].text
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append((i, repr(exc)))
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]    # one per replica
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            try:
+                health.append(urllib.request.urlopen(s.url + "/health", timeout=5).status)
+            except Exception as exc:  # noqa: BLE001 - a 503 raises HTTPError
+                health.append(getattr(exc, "code", repr(exc)))
+            time.sleep(0.2)
+        for t in threads:
+            t.join(60)
+        assert not errors, (errors, s.output())
+        assert set(health) == {200}, health
+        for i, text in answers.items():
+            assert text == text_of(reference_generate(gpt, encode(prompts[i]), 3, GREEDY)), i
+        s.signal()
+        assert s.stopped_cleanly(), s.output()

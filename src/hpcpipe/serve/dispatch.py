@@ -8,6 +8,11 @@ fewest outstanding requests, and passes the replicas' token events back::
     source (HTTP thread) --take--> Dispatcher (rank 0) --("submit"|"cancel"|"stop")--> head of replica d
     source <--deliver-- Dispatcher <--("events", d, [Event], running)-- head of replica d
 
+A replica's head that has moved (a chunk of a long prompt sent or taken back)
+without producing tokens tells rank 0 so with an empty "events" message, at
+most every ``beat_s``: rank 0's watchdog and /health judge every replica by its
+last message, and a prefill that yields no token for a while is not a stall.
+
 Replica 0's head lives on rank 0 itself and is called directly. A stop
 signal on any rank reaches rank 0 as ("drain", name): the source stops
 accepting, the requests in flight finish, then every replica is stopped.
@@ -16,6 +21,7 @@ accepting, the requests in flight finish, then every replica is stopped.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from hpcpipe.serve.broker import Event, Request
@@ -81,7 +87,7 @@ class Dispatcher:
         busy = bool(new or cancels)
         while (message := self.box.poll(ANY, TAG_EVENTS)) is not None:
             _, replica, events, running = message[0]
-            self.deliver(replica, events, running)
+            self.deliver(replica, events, running, moved=True)     # an empty one: its head moved
             busy = True
         while (message := self.box.poll(ANY, TAG_DRAIN)) is not None:
             self.drains += 1
@@ -98,14 +104,15 @@ class Dispatcher:
                 continue
             self.drains += 1
 
-    def deliver(self, replica: int, events: list[Event], running: int) -> None:
-        """Pass a replica's events to the source and keep the load counts."""
+    def deliver(self, replica: int, events: list[Event], running: int, moved: bool = False) -> None:
+        """Pass a replica's events to the source and keep the load counts (``moved``: it progressed anyway)."""
         for event in events:
             if event.finish is not None and self.owner.pop(event.request_id, None) is not None:
                 self.load[replica] -= 1
         self.running[replica] = running
-        if events:
+        if events or moved:
             self.moved[replica] = time.monotonic()
+        if events:
             self.source.deliver(events)
         self.source.set_running(sum(self.running))
 
@@ -133,10 +140,13 @@ class Dispatcher:
 class Controller:
     """The control inbox of a replica head that is not world rank 0: requests in, events out."""
 
-    def __init__(self, box: Any, scheduler: ReplicaScheduler, replica: int):
+    def __init__(self, box: Any, scheduler: ReplicaScheduler, replica: int,
+                 moved_at: Callable[[], float] | None = None, beat_s: float = 1.0):
         self.box, self.scheduler, self.replica = box, scheduler, replica
+        self.moved_at, self.beat_s = moved_at, beat_s      # when the replica's head last moved
         self.pending: list[Event] = []
         self.stopping = False
+        self.sent_at = time.monotonic()
 
     def report(self, events: list[Event]) -> None:
         """Queue events for rank 0 (sent by :meth:`flush`)."""
@@ -157,11 +167,16 @@ class Controller:
         return busy
 
     def flush(self) -> bool:
-        """Send the queued events to rank 0; return True if there were any."""
+        """Send the queued events to rank 0, or an empty message when the head moved unseen; True if events went."""
+        now = time.monotonic()
         if not self.pending:
-            return False
+            if self.moved_at is not None and self.moved_at() > self.sent_at and now - self.sent_at >= self.beat_s:
+                self.box.post(0, TAG_EVENTS, ("events", self.replica, [], self.scheduler.running))
+                self.sent_at = now
+            return False             # a heartbeat is not work: the loop's sleeping is unchanged
         self.box.post(0, TAG_EVENTS, ("events", self.replica, self.pending, self.scheduler.running))
         self.pending = []
+        self.sent_at = now
         return True
 
     @property

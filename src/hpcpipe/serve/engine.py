@@ -173,8 +173,10 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
             if closing is not None:
                 closing()
         else:
-            control = Controller(world_box, scheduler, topo.dp_rank)
-            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, control.report)
+            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events))
+            # rank 0 judges this replica by its messages: one at least every sixteenth of the stall timeout
+            beat_s = min(1.0, max(0.05, cfg.run.stall_timeout / 16)) if cfg.run.stall_timeout > 0 else 1.0
+            control = Controller(world_box, scheduler, topo.dp_rank, lambda: head.progress_at, beat_s)
             head.fault_at = fault_step(rank)
             beat = Heartbeat(watchdog, lambda: head.pending, lambda: head.progress_at,
                              f"serving: replica {topo.dp_rank} waits for its pipeline")

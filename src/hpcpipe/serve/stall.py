@@ -13,8 +13,9 @@ What "pending" and "progress" mean per role (hpcpipe.serve.roles):
 
     head of a replica     its scheduler holds sequences      a work item launched or a result taken
     following stage       the head sent work, not "idle"     a message handled
-    world rank 0          any replica holds requests         that replica's tokens arriving (the oldest
-                                                              such time over the busy replicas)
+    world rank 0          any replica holds requests         that replica's messages arriving: tokens, or
+                                                              a heartbeat when its head moved without any
+                                                              (the oldest such time over the busy replicas)
 
 World rank 0 also publishes its time to the broker, from which the HTTP
 thread's /health answers 503 once pending work has not moved for a quarter of

@@ -43,10 +43,20 @@ def test_a_model_no_plan_can_hold_is_refused_before_anything_is_measured(nothing
 
 
 def test_without_a_budget_the_machine_is_the_budget(nothing_measured, capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(command, "available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(command, "node_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(command, "address_space_headroom", lambda: None)
     code, lines = _plan([*HUGE, "--ranks", "2"], capsys, tmp_path)
     assert code == 2 and len(lines) == 1, lines
-    assert "fits 12.00 GiB per rank (this node's available memory over 2 rank(s))" in lines[0]
+    assert "fits 12.00 GiB per rank (this node has 24 GiB available for 2 rank(s) (12 GiB each))" in lines[0]
+
+
+def test_under_an_address_space_limit_each_rank_has_its_headroom(nothing_measured, capsys, tmp_path, monkeypatch):
+    # was: the node's memory, already capped by the limit, divided by the ranks again (3 GiB -> 1.5 GiB)
+    monkeypatch.setattr(command, "node_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(command, "address_space_headroom", lambda: 3 << 30)
+    code, lines = _plan([*HUGE, "--ranks", "2"], capsys, tmp_path)
+    assert code == 2 and len(lines) == 1, lines
+    assert "fits 3.00 GiB per rank (each rank has 3 GiB left under its address-space limit (ulimit -v, " in lines[0]
 
 
 def test_a_model_whose_profiling_would_not_fit_the_machine_is_refused(nothing_measured, capsys, tmp_path,

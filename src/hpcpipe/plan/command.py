@@ -27,7 +27,7 @@ from hpcpipe.plan import memory_floor, report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
 from hpcpipe.profiles.profile import default_cache_dir
-from hpcpipe.runtime.host_memory import available_bytes
+from hpcpipe.runtime.host_memory import address_space_headroom, available_bytes, node_available_bytes, rank_share
 from hpcpipe.state.outputs import check_writable, write_new
 from hpcpipe.state.sources import refuse_overwrite
 
@@ -79,7 +79,8 @@ def _parser() -> CommandParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--ranks", type=int, help="MPI ranks of the job to plan (required)")
     p.add_argument("--memory-per-rank", metavar="SIZE", dash_value=True,
-                   help="budget per rank, e.g. 8GiB (default: this node's available memory over its ranks)")
+                   help="budget per rank, e.g. 8GiB (default: this node's available memory over its ranks, "
+                        "or less under ulimit -v)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--write", metavar="TOML", help="write the best plan as a config file (must not exist)")
     p.add_argument("--json", metavar="PATH", help="write every feasible plan as JSON (must not exist)")
@@ -162,8 +163,8 @@ def run(args) -> int:
     if budget is not None:
         budget_how = "--memory-per-rank"
     else:
-        budget = available_bytes() // local_ranks or None
-        budget_how = f"this node's available memory over {local_ranks} rank(s)"
+        # the node's memory is shared by its ranks, an address-space limit (ulimit -v) holds for each one
+        budget, budget_how = rank_share(local_ranks, node_available_bytes(), address_space_headroom())
     # before anything is allocated: a model no plan can hold is refused from arithmetic alone
     memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
     rows = micro_batch_rows(config, global_batch, args.ranks, args.max_micro_batches)

@@ -11,6 +11,7 @@ import pytest
 
 from hpcpipe.config import load_config
 from hpcpipe.plan import command, profiling
+from hpcpipe.runtime import host_memory
 
 HUGE = ["--set", "model.dims=[16,50000,50000,16]", "--set", "parallel.pp=2"]
 
@@ -43,8 +44,8 @@ def test_a_model_no_plan_can_hold_is_refused_before_anything_is_measured(nothing
 
 
 def test_without_a_budget_the_machine_is_the_budget(nothing_measured, capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(command, "node_available_bytes", lambda: 24 << 30)
-    monkeypatch.setattr(command, "address_space_headroom", lambda: None)
+    monkeypatch.setattr(host_memory, "node_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(host_memory, "address_space_headroom", lambda: None)
     code, lines = _plan([*HUGE, "--ranks", "2"], capsys, tmp_path)
     assert code == 2 and len(lines) == 1, lines
     assert "fits 12.00 GiB per rank (this node has 24 GiB available for 2 rank(s) (12 GiB each))" in lines[0]
@@ -52,8 +53,8 @@ def test_without_a_budget_the_machine_is_the_budget(nothing_measured, capsys, tm
 
 def test_under_an_address_space_limit_each_rank_has_its_headroom(nothing_measured, capsys, tmp_path, monkeypatch):
     # was: the node's memory, already capped by the limit, divided by the ranks again (3 GiB -> 1.5 GiB)
-    monkeypatch.setattr(command, "node_available_bytes", lambda: 24 << 30)
-    monkeypatch.setattr(command, "address_space_headroom", lambda: 3 << 30)
+    monkeypatch.setattr(host_memory, "node_available_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(host_memory, "address_space_headroom", lambda: 3 << 30)
     code, lines = _plan([*HUGE, "--ranks", "2"], capsys, tmp_path)
     assert code == 2 and len(lines) == 1, lines
     assert "fits 3.00 GiB per rank (each rank has 3 GiB left under its address-space limit (ulimit -v, " in lines[0]

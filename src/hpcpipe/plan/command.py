@@ -27,7 +27,7 @@ from hpcpipe.plan import memory_floor, report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
 from hpcpipe.profiles.profile import default_cache_dir
-from hpcpipe.runtime.host_memory import address_space_headroom, available_bytes, node_available_bytes, rank_share
+from hpcpipe.runtime.host_memory import available_bytes, rank_share
 from hpcpipe.state.outputs import check_writable, write_new
 from hpcpipe.state.sources import refuse_overwrite
 
@@ -164,7 +164,7 @@ def run(args) -> int:
         budget_how = "--memory-per-rank"
     else:
         # the node's memory is shared by its ranks, an address-space limit (ulimit -v) holds for each one
-        budget, budget_how = rank_share(local_ranks, node_available_bytes(), address_space_headroom())
+        budget, budget_how = rank_share(local_ranks)
     # before anything is allocated: a model no plan can hold is refused from arithmetic alone
     memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
     rows = micro_batch_rows(config, global_batch, args.ranks, args.max_micro_batches)

@@ -94,7 +94,7 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
         return
     params, cache = decode_rank_bytes(cfg, ranges)
     ranks_here = local_rank_count(default=world_size)   # a tp rank holds about 1/tp of its stage (counted)
-    share, how = rank_share(ranks_here) if available is None else rank_share(ranks_here, available, headroom)
+    share, how = rank_share(ranks_here, available, headroom)
     if share is not None and params + cache > share:
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "

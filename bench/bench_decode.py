@@ -1,4 +1,4 @@
-"""One decode step of many sequences through hpcpipe.nn.decode.DecodeStage: KV cache against full recompute.
+"""One decode step of many sequences through hpcpipe.nn.core.decode.DecodeStage: KV cache against full recompute.
 
     python bench/bench_decode.py                     # d_model 256, 8 blocks, seq_len 128, 32 sequences, float32
     python bench/bench_decode.py --dtype float64 --sequences 8 --repeats 20
@@ -27,9 +27,10 @@ os.environ.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "
 
 import numpy as np  # noqa: E402  (after the thread caps)
 
-from hpcpipe.nn.decode import DecodeStage, Segment  # noqa: E402
-from hpcpipe.nn.gpt import GPT  # noqa: E402
-from hpcpipe.nn.gpt_params import GPTShape  # noqa: E402
+from hpcpipe.nn.core.decode import DecodeStage, Segment  # noqa: E402
+from hpcpipe.nn.core.decoder_model import Decoder  # noqa: E402
+from hpcpipe.nn.gpt.model import GPTModel  # noqa: E402
+from hpcpipe.nn.gpt.shape import GPTShape  # noqa: E402
 
 
 def main() -> None:
@@ -47,9 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     shape = GPTShape(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads,
                      n_blocks=args.blocks)
-    model = GPT(shape, dtype=args.dtype, seed=0)
+    model = Decoder(GPTModel(shape), dtype=args.dtype, seed=0)
     arrays = {i: {name: np.array(v) for name, v in group.items()} for i, group in enumerate(model.params)}
-    stage = DecodeStage(shape, range(shape.n_groups), arrays, np, args.dtype, slots=args.sequences)
+    stage = DecodeStage(GPTModel(shape), range(shape.n_groups), arrays, np, args.dtype, slots=args.sequences)
     rng = np.random.default_rng(0)
     cached = np.clip(rng.integers(args.cached - 8, args.cached + 9, args.sequences), 1, args.seq_len - 1)
     seqs = [rng.integers(0, args.vocab, n + 1) for n in cached]

@@ -5,7 +5,7 @@
 
 One run, one model in both frameworks: hpcpipe's GPT contract with an untied head
 (torch cannot tie across stages), float32, Adam, the same initial weights
-(hpcpipe.nn.gpt_params.init_group, seed 0) and the same synthetic token batch (one
+(hpcpipe.nn.gpt.model.GPTModel.init_group, seed 0) and the same synthetic token batch (one
 HDF5 file of random ids, read by both), cut after the same block (stage 0 =
 embedding + the first half of the blocks). hpcpipe runs its real training command
 (``mpiexec -n 2 python -m hpcpipe.train --set ...``; step time and peak stash bytes
@@ -37,7 +37,7 @@ import gpt_cost
 import numpy as np
 from bench_schedules import ENV, MPIEXEC, ROOT, dated_out, load, matmul_rate, run_job, wait_quiet, write_results
 
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.gpt.shape import GPTShape
 
 FULL = {"vocab": 512, "seq_len": 128, "d_model": 384, "n_heads": 6, "n_blocks": 4, "d_ff": 0,
         "micro_batches": 8, "micro_batch_size": 2}
@@ -60,14 +60,15 @@ def reference_loss(path: str, size: dict, rows: int) -> float:
     """Mean cross-entropy of hpcpipe's sequential GPT (initial weights) on the token file's first rows."""
     import h5py
 
-    from hpcpipe.nn.gpt import GPT
-    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.core.decoder_model import Decoder
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     from hpcpipe.nn.token_loss import token_cross_entropy
     shape = GPTShape(vocab=size["vocab"], seq_len=size["seq_len"], d_model=size["d_model"],
                      n_heads=size["n_heads"], n_blocks=size["n_blocks"], d_ff=size["d_ff"], tied=False)
     with h5py.File(path, "r") as f:
         x, y = f["x"][:rows].astype(np.int64), f["y"][:rows].astype(np.int64)
-    logits, _ = GPT(shape).forward(x)
+    logits, _ = Decoder(GPTModel(shape)).forward(x)
     total, _ = token_cross_entropy(np, logits, y, 1.0)
     return float(total) / y.size
 

@@ -66,7 +66,7 @@ from bench_gpt import FULL, MODEL_KEYS, QUICK, hpcpipe_overrides, run_hpcpipe, t
 from bench_schedules import ROOT, load, run_job, wait_quiet  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from hpcpipe.nn.gpt_params import GPTShape, group_params  # noqa: E402
+from hpcpipe.nn.gpt.shape import GPTShape, group_params  # noqa: E402
 
 
 def model_shape(size: dict) -> GPTShape:

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"writing the random Llama-3.2-1B-shaped model to {directory} ...", flush=True)
         write_model(directory)
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model_spec import model_specs
+    from hpcpipe.nn.registry import model_specs
     n_params = sum(s.n_params for s in model_specs(from_dict({"model": {"kind": "llama", **SHAPE},
                                                                 "parallel": {"pp": 1}})))
     whole = n_params * 4

@@ -38,7 +38,7 @@ import h5py  # noqa: E402  (after the thread caps)
 import numpy as np  # noqa: E402
 
 from hpcpipe.config import from_dict  # noqa: E402
-from hpcpipe.nn.model import initial_arrays, layer_specs  # noqa: E402
+from hpcpipe.nn.mlp.model import initial_arrays, layer_specs  # noqa: E402
 from hpcpipe.state.weights import write_weights  # noqa: E402
 
 

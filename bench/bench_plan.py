@@ -77,8 +77,8 @@ def check_config(path: str, ranks: int, overrides: list[str]) -> tuple[dict | No
     """Resolve a configuration without MPI: (its values with the stage cut, '') or (None, why it cannot run)."""
     from hpcpipe.config import load_config, resolve_layout
     from hpcpipe.errors import ConfigError, ScheduleError
-    from hpcpipe.nn.model import partition
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.partition import partition
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.schedule.lower import lower
     from hpcpipe.schedule.registry import build_schedule, shape_of
     from hpcpipe.schedule.validate_programs import validate_programs

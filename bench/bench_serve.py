@@ -71,12 +71,13 @@ WORDS = ("the pipeline keeps every stage busy while tokens stream to many users 
 
 def write_model(path: str, size: dict, seed: int = 0) -> dict:
     """Write the benchmark GPT (float32, tied head, random weights, chars tokenizer); return its config."""
-    from hpcpipe.nn.gpt import GPT
-    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.core.decoder_model import Decoder
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     from hpcpipe.state.weights import write_weights
     shape = GPTShape(vocab=len(CHARS), seq_len=size["seq_len"], d_model=size["d_model"], n_heads=size["n_heads"],
                      n_blocks=size["n_blocks"], tied=True)
-    model = GPT(shape, np, "float32", seed=seed)
+    model = Decoder(GPTModel(shape), np, "float32", seed=seed)
     groups = {i: {name: np.array(view) for name, view in model.params[i].items()} for i in range(shape.n_groups)}
     config = {"kind": "gpt", "vocab_size": shape.vocab, "seq_len": shape.seq_len, "d_model": shape.d_model,
               "n_heads": shape.n_heads, "n_blocks": shape.n_blocks, "d_ff": 0, "tie_embeddings": True,
@@ -117,14 +118,15 @@ def library_line() -> str:
 
 def time_steps(size: dict, rows: list[int], reps: int = 15) -> dict[int, float]:
     """Least CPU time (ms) of one KV-cached decode step of the whole model over each count of sequences."""
-    from hpcpipe.nn.decode import DecodeStage, Segment
-    from hpcpipe.nn.gpt import GPT
-    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.core.decode import DecodeStage, Segment
+    from hpcpipe.nn.core.decoder_model import Decoder
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     shape = GPTShape(vocab=len(CHARS), seq_len=size["seq_len"], d_model=size["d_model"], n_heads=size["n_heads"],
                      n_blocks=size["n_blocks"], tied=True)
-    model = GPT(shape, np, "float32", seed=0)
+    model = Decoder(GPTModel(shape), np, "float32", seed=0)
     arrays = {i: {k: np.array(v) for k, v in model.params[i].items()} for i in range(shape.n_groups)}
-    stage = DecodeStage(shape, range(shape.n_groups), arrays, np, "float32", max(rows))
+    stage = DecodeStage(GPTModel(shape), range(shape.n_groups), arrays, np, "float32", max(rows))
     # the cache filled to the middle of a request (prompt + half of max_tokens), where a step's keys sit on average
     pos = size["prompt_chars"] + size["max_tokens"] // 2
     stage.forward(np.zeros(max(rows) * pos, dtype=np.int64), [Segment(s, 0, pos) for s in range(max(rows))])

@@ -5,7 +5,7 @@
     python bench/bench_serve_ceiling.py --quick          # a tiny model, 2 s a layout (the smoke test runs this)
 
 Each rank of a layout is one process (one BLAS thread) that holds the stage the
-server would give it (``hpcpipe.nn.model.partition``, the serve plan's cut) as
+server would give it (``hpcpipe.nn.partition.partition``, the serve plan's cut) as
 a real ``DecodeStage`` with a KV cache, filled for its replica's sequences at
 the positions a steady stream of requests occupies (prompt + 0 .. max_tokens - 1,
 spread evenly). A round is what one token of every sequence costs that rank:
@@ -50,8 +50,8 @@ LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 2), "dp2xpp4": (2, 4, 4), "pp8": (1, 
 def stage_ranges(size: dict, pp: int) -> list[range]:
     """The layer groups of each of pp stages, cut as the serve plan cuts them (FLOP-balanced)."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import partition
-    from hpcpipe.nn.model_spec import model_specs
+    from hpcpipe.nn.partition import partition
+    from hpcpipe.nn.registry import model_specs
     cfg = from_dict({"model": {"kind": "gpt", "vocab_size": len(CHARS), "seq_len": size["seq_len"],
                                "d_model": size["d_model"], "n_heads": size["n_heads"], "n_blocks": size["n_blocks"]}})
     return partition(model_specs(cfg), pp)
@@ -66,16 +66,17 @@ class Rank:
     """One rank's stage and the decode steps of its replica's groups."""
 
     def __init__(self, size: dict, groups: range, n_seq: int, n_groups: int, gemm_only: bool, prefill: bool = True):
-        from hpcpipe.nn.decode import DecodeStage, Segment
-        from hpcpipe.nn.gpt import GPT
-        from hpcpipe.nn.gpt_params import GPTShape
+        from hpcpipe.nn.core.decode import DecodeStage, Segment
+        from hpcpipe.nn.core.decoder_model import Decoder
+        from hpcpipe.nn.gpt.model import GPTModel
+        from hpcpipe.nn.gpt.shape import GPTShape
         shape = GPTShape(vocab=len(CHARS), seq_len=size["seq_len"], d_model=size["d_model"],
                          n_heads=size["n_heads"], n_blocks=size["n_blocks"], tied=True)
-        model = GPT(shape, np, "float32", seed=0)
+        model = Decoder(GPTModel(shape), np, "float32", seed=0)
         arrays = {i: {k: np.array(v) for k, v in model.params[i].items()} for i in (*groups, 0)}
         table = arrays[0]["tok_emb"] if 0 not in groups else None
         # one slot more than the sequences: the new requests' prompts are prefilled there
-        self.stage = DecodeStage(shape, groups, arrays, np, "float32", n_seq + 1, tok_emb=table)
+        self.stage = DecodeStage(GPTModel(shape), groups, arrays, np, "float32", n_seq + 1, tok_emb=table)
         pos = positions(size, n_seq)
         rng = np.random.default_rng(0)
         first = 0 in groups

@@ -28,7 +28,7 @@ a backward B are transient (not stashed).
 
 from __future__ import annotations
 
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.gpt.shape import GPTShape
 
 
 def block_params(m: GPTShape) -> int:

@@ -4,7 +4,7 @@ Needs torch, which is not an hpcpipe dependency:  pip install torch==2.13.0
     mpiexec -n 2 python bench/torch_gpt_worker.py --data tokens.h5 --schedule 1f1b --d-model 384 ...
 The model is hpcpipe's GPT contract (GPT-2 style, pre-LayerNorm, no dropout, GELU tanh, causal
 multi-head attention with one fused qkv Linear, LayerNorm eps 1e-5, untied head) with hpcpipe's own
-initial weights (``hpcpipe.nn.gpt_params.init_group``, same seed), cut in two stages at the same
+initial weights (``hpcpipe.nn.gpt.model.GPTModel.init_group``, same seed), cut in two stages at the same
 layer group as the hpcpipe run: stage 0 = embedding + the first ``--split`` blocks, stage 1 = the
 rest + ln_f + head. Float32, one thread per rank, Adam. Rank and world size come from MPICH's
 PMI_RANK / PMI_SIZE (or OMPI_COMM_WORLD_*), as in torch_worker.py; no torchrun.
@@ -27,7 +27,8 @@ def build_stages(args, rank: int):
     from torch import nn
     from torch.nn import functional as F
 
-    from hpcpipe.nn.gpt_params import GPTShape, init_group
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
 
     shape = GPTShape(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.n_heads,
                      n_blocks=args.n_blocks, d_ff=args.d_ff, tied=False)
@@ -99,7 +100,7 @@ def build_stages(args, rank: int):
             return self.head(self.ln_f(h))
 
     def group(i: int) -> dict:
-        return init_group(shape, i, args.seed, "float32")
+        return GPTModel(shape).init_group(i, args.seed, "float32")
 
     if rank == 0:
         return First(group(0), [Block(group(i)) for i in range(1, args.split + 1)])

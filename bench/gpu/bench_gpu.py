@@ -54,7 +54,7 @@ def flops_per_token(size: str) -> float:
     sys.path[:0] = [os.path.dirname(HERE), os.path.join(ROOT, "src")]
     import gpt_cost
 
-    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.gpt.shape import GPTShape
     g = SIZES[size]["gpt"]
     return float(gpt_cost.flops_per_token(GPTShape(vocab=g["vocab"], seq_len=g["seq_len"], d_model=g["d_model"],
                                                    n_heads=g["n_heads"], n_blocks=g["n_blocks"], d_ff=g["d_ff"],

@@ -33,7 +33,7 @@ WORDS = ("the pipeline keeps every stage busy while tokens stream to many users 
 def write_model(path: str, kind: str, shape: dict, seed: int = 0) -> dict:
     """Write a float32 GPT (tied) or Llama (untied) with random weights and the chars tokenizer; return its config."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.state.weights import write_weights
     config = {"kind": kind, "vocab_size": len(CHARS), "seq_len": shape["seq_len"], "d_model": shape["d_model"],
               "n_heads": shape["n_heads"], "n_blocks": shape["n_blocks"], "d_ff": shape.get("d_ff", 0),

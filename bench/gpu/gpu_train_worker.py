@@ -25,7 +25,7 @@ from gpu_common import SIZES
 
 def _fast_init(model, indices, seed, dtype):
     """Normal(0, 0.02) matrices, zero biases, unit norms, drawn in float32 per (seed, group)."""
-    from hpcpipe.nn.gpt_params import group_params
+    from hpcpipe.nn.gpt.shape import group_params
     out = {}
     for i in indices:
         rng = np.random.default_rng([seed, i])
@@ -69,7 +69,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from hpcpipe.config import from_dict
-    from hpcpipe.nn import model_spec
+    from hpcpipe.nn.gpt.model import GPTModel
     from hpcpipe.runtime.backend import set_tf32, tf32_state
     from hpcpipe.train.setup import prepare
     from hpcpipe.train.trainer import Trainer
@@ -77,7 +77,7 @@ def main() -> None:
     world = MPI.COMM_WORLD
     pp = world.Get_size()
     per_phase = size["warmup_steps"] + size["steps"]
-    model_spec.GPTModel.init_arrays = _fast_init
+    GPTModel.init_arrays = _fast_init
     t0 = time.perf_counter()
     trainer = Trainer(prepare(from_dict(config(size, pp, args.backend, per_phase * len(phases))), pp), world)
     setup_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -16,16 +17,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from hpcpipe.config_checks import KINDS, validate
+from hpcpipe.config_checks import validate
 from hpcpipe.errors import ConfigError
+from hpcpipe.nn.registry import KINDS as _KINDS
+from hpcpipe.nn.registry import decoders, model_keys
 
-# the [model] keys each kind reads: setting a key another kind reads is an error
-MLP_KEYS = ("dims", "bias", "activation", "final_activation")
-GPT_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings")
-LLAMA_KEYS = GPT_KEYS + ("n_kv_heads", "head_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias")
-KIND_KEYS = {"mlp": MLP_KEYS, "gpt": GPT_KEYS, "llama": LLAMA_KEYS}
-DECODERS = ("gpt", "llama")    # language models: token data, a tokenizer, cross-entropy over tokens, generate/serve
-KIND_NAMES = {"mlp": "an MLP", "gpt": "a GPT", "llama": "a Llama-family model"}
+# the [model] keys each kind reads (its folder declares them): setting a key another kind reads is an error
+KINDS = tuple(_KINDS)
+KIND_KEYS = {name: kind.key_names for name, kind in _KINDS.items()}
+DECODERS = decoders()    # language models: token data, a tokenizer, cross-entropy over tokens, generate/serve
+KIND_NAMES = {name: kind.title for name, kind in _KINDS.items()}
 
 
 @dataclass(frozen=True)
@@ -39,29 +40,21 @@ class ParallelConfig:
     stage_layers: list[int] | str = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    kind: str = "mlp"
-    dims: list[int] = field(default_factory=lambda: [16, 16, 16, 16, 16])
-    bias: bool = True
-    activation: str = "relu"
-    final_activation: bool = True
-    vocab_size: int = 256
-    seq_len: int = 64          # context length T
-    d_model: int = 64
-    n_heads: int = 4
-    n_blocks: int = 4
-    d_ff: int = 0              # 0 = 4 x d_model (gpt), Meta's 8/3 x d_model rounded up to 256 (llama)
-    tie_embeddings: bool = True
-    n_kv_heads: int = 0        # llama: key/value heads (grouped-query attention); 0 = n_heads
-    head_dim: int = 0          # llama: width of one head; 0 = d_model / n_heads
-    rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)   # llama: {} or Hugging Face's, e.g. {rope_type = "llama3", ...}
-    norm_eps: float = 1e-5     # llama: RMSNorm epsilon
-    qkv_bias: bool = False     # llama: biases on q, k and v (Qwen2)
-    init: str = ""
-    seed: int = 0
-    dtype: str = "float32"
+def _model_field(key: Any) -> tuple[str, Any, Any]:
+    """A dataclass field (name, type, field) of a kind's [model] key; lists and dicts get a fresh copy each."""
+    if isinstance(key.default, list | dict):
+        return key.name, key.type, field(default_factory=lambda default=key.default: copy.deepcopy(default))
+    return key.name, key.type, field(default=key.default)
+
+
+# [model]: kind, every kind's own keys (hpcpipe.nn.<kind>.keys: the kinds are the one place that names them), and
+# what every kind has: init (weights to start from), seed (initial weights depend on it and the layer only), dtype
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [("kind", str, field(default="mlp")), *(_model_field(key) for key in model_keys()),
+     ("init", str, field(default="")), ("seed", int, field(default=0)), ("dtype", str, field(default="float32"))],
+    frozen=True)
+ModelConfig.__module__ = __name__
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.nn.registry import KINDS as _KINDS
 
 if TYPE_CHECKING:
     from hpcpipe.config import Config, ModelConfig
 
-ACTIVATIONS = ("relu", "gelu", "tanh", "identity")
 LOSSES = ("mse", "cross_entropy")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("float32", "float64")
-KINDS = ("mlp", "gpt", "llama")
 RECOMPUTE = ("none", "stage")
 
 
@@ -41,17 +40,11 @@ def validate(config: Config) -> None:
     _require(par.schedule != "zb-v" or par.virtual_stages == 2,
              f"parallel.schedule = \"zb-v\" places two model chunks per rank in a V and needs "
              f"parallel.virtual_stages = 2, got {par.virtual_stages}")
-    _require(mod.kind in KINDS, f"model.kind {mod.kind!r} is not one of {', '.join(KINDS)}")
-    if mod.kind == "gpt":
-        _validate_gpt(mod)
-    elif mod.kind == "llama":
-        _validate_llama(mod)
+    _require(mod.kind in _KINDS, f"model.kind {mod.kind!r} is not one of {', '.join(_KINDS)}")
+    kind = _KINDS[mod.kind]
+    kind.validate(mod)
     if par.tp > 1:
-        _validate_tp(mod, par.tp)
-    _require(len(mod.dims) >= 2 and all(d >= 1 for d in mod.dims),
-             f"model.dims needs at least two positive widths, got {mod.dims}")
-    _require(mod.activation in ACTIVATIONS,
-             f"model.activation {mod.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        kind.validate_tp(mod, par.tp)
     _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
     n_layers = config.n_layers
     if isinstance(par.pp, int):
@@ -109,74 +102,10 @@ def validate(config: Config) -> None:
              f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
 
 
-def _validate_gpt(mod: ModelConfig) -> None:
-    """Check the GPT shape keys."""
-    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks"):
-        _require(getattr(mod, key) >= 1, f"model.{key} must be >= 1, got {getattr(mod, key)}")
-    _require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
-    _require(mod.d_ff >= 0, f"model.d_ff must be >= 0 (0 = 4 x model.d_model), got {mod.d_ff}")
-    _require(mod.d_model % mod.n_heads == 0,
-             f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}): attention heads "
-             f"are d_model / n_heads wide")
-
-
-def _validate_llama(mod: ModelConfig) -> None:
-    """Check the llama shape keys (the numerics' own checks name the rest: rope_scaling, head_dim parity)."""
-    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_blocks"):
-        _require(getattr(mod, key) >= 1, f"model.{key} must be >= 1, got {getattr(mod, key)}")
-    _require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
-    for key, zero in (("d_ff", "Meta's 8/3 x d_model, rounded up to 256"), ("n_kv_heads", "model.n_heads"),
-                      ("head_dim", "model.d_model / model.n_heads")):
-        _require(getattr(mod, key) >= 0, f"model.{key} must be >= 0 (0 = {zero}), got {getattr(mod, key)}")
-    kv = mod.n_kv_heads or mod.n_heads
-    _require(mod.n_heads % kv == 0,
-             f"model.n_kv_heads ({kv}) does not divide model.n_heads ({mod.n_heads}): each key/value head serves "
-             f"n_heads / n_kv_heads query heads")
-    _require(mod.head_dim > 0 or mod.d_model % mod.n_heads == 0,
-             f"model.n_heads ({mod.n_heads}) does not divide model.d_model ({mod.d_model}); give model.head_dim")
-    _require((mod.head_dim or mod.d_model // mod.n_heads) % 2 == 0,
-             f"model.head_dim ({mod.head_dim or mod.d_model // mod.n_heads}) must be even: RoPE rotates the two "
-             f"halves of each head")
-    _require(mod.rope_theta > 0, f"model.rope_theta must be > 0, got {mod.rope_theta}")
-    _require(mod.norm_eps > 0, f"model.norm_eps must be > 0, got {mod.norm_eps}")
-    if mod.rope_scaling:
-        from hpcpipe.nn.rope import check_scaling
-        try:
-            check_scaling(mod.rope_scaling)
-        except ValueError as exc:
-            raise ConfigError(f"model.rope_scaling: {exc}") from None
-
-
-def _validate_tp(mod: ModelConfig, tp: int) -> None:
-    """Check that the model splits over parallel.tp ranks: heads and hidden widths divisible by tp."""
-    where = f"parallel.tp = {tp}"
-    if mod.kind == "mlp":
-        # layers alternate column- and row-parallel: the even layers' outputs are cut over the ranks
-        cut = [mod.dims[i + 1] for i in range(0, len(mod.dims) - 1, 2)]
-        bad = [w for w in cut if w % tp]
-        _require(not bad, f"{where}: the MLP's column-parallel layers (0, 2, ...) have output widths {cut}, "
-                          f"which tp must divide ({bad[0] if bad else ''} is not divisible)")
-        return
-    ff = mod.d_ff or (4 * mod.d_model if mod.kind == "gpt" else _llama_ff(mod.d_model))
-    _require(mod.n_heads % tp == 0, f"{where} does not divide model.n_heads ({mod.n_heads}): attention is split by "
-                                    f"heads")
-    _require(ff % tp == 0, f"{where} does not divide the MLP width ({ff}, model.d_ff): the MLP is split by columns")
-    if mod.kind == "llama":
-        kv = mod.n_kv_heads or mod.n_heads
-        _require(kv % tp == 0 or tp % kv == 0,
-                 f"{where}: model.n_kv_heads ({kv}) must be divisible by tp or divide it (key/value heads are split "
-                 f"over the ranks, or each held by tp / n_kv_heads ranks)")
-
-
 def tp_splits(mod: ModelConfig, tp: int) -> bool:
     """Whether the model splits over tp tensor-parallel ranks (the planner's filter; parallel.tp's checks)."""
     try:
-        _validate_tp(mod, tp)
+        _KINDS[mod.kind].validate_tp(mod, tp)
     except ConfigError:
         return False
     return True
-
-
-def _llama_ff(d_model: int) -> int:
-    """Meta's MLP width for d_model (as nn.llama_params.default_ff)."""
-    return (int(8 * d_model / 3) + 255) // 256 * 256

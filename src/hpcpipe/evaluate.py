@@ -31,11 +31,9 @@ from hpcpipe.cli import CommandParser
 from hpcpipe.config import DECODERS
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member, open_hdf5
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
-from hpcpipe.nn.layers import make_activation
-from hpcpipe.nn.llama import Llama
-from hpcpipe.nn.model_spec import decoder_shape, model_specs
+from hpcpipe.nn.core.activations import make_activation
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.registry import KINDS, model_def
 from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.runtime.progress import Progress
 from hpcpipe.state.kinds import stored_config
@@ -175,17 +173,17 @@ def slab_rows(shape: Any) -> int:
     return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
 
 
-def load_decoder(source: Any, specs: list[Any], shape: Any, dtype: str) -> GPT | Llama:
-    """Return the whole model (GPT or Llama) holding the stored weights (every group checked, then read)."""
-    source.check(specs)
-    model = GPT(shape, np, dtype) if isinstance(shape, GPTShape) else Llama(shape, np, dtype)
-    arrays = source.read(list(range(shape.n_groups)))
-    for index in range(shape.n_groups):
+def load_decoder(source: Any, definition: Any, dtype: str) -> Decoder:
+    """Return the whole decoder (any kind) holding the stored weights (every group checked, then read)."""
+    source.check(definition.specs)
+    model = Decoder(definition, np, dtype)
+    arrays = source.read(list(range(definition.n_layers)))
+    for index in range(definition.n_layers):
         model.load_group(index, arrays[index])
     return model
 
 
-def logits_of(model: GPT | Llama, tokens: np.ndarray) -> np.ndarray:
+def logits_of(model: Decoder, tokens: np.ndarray) -> np.ndarray:
     """Return the (rows, T, vocab) logits, keeping no layer's cache beyond its own step."""
     x: Any = tokens
     for layer in model.layers:
@@ -214,7 +212,7 @@ def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: st
 
     The token file is checked first (integer ``x`` and ``y`` of shape (N, seq_len),
     every id inside the vocabulary: the first bad one is named by row); then the
-    windows run through :class:`hpcpipe.nn.gpt.GPT` or :class:`hpcpipe.nn.llama.Llama`
+    windows run through :class:`hpcpipe.nn.core.decoder_model.Decoder`
     (the layers the pipeline trains) in the model's dtype, in slabs whose largest activation holds about
     ``SLAB_ELEMENTS`` numbers, so memory stays bounded whatever the file's size.
 
@@ -224,12 +222,14 @@ def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: st
     """
     label = source.describe()
     stored = dict(source.model)
-    if stored.get("kind") == "llama":     # RoPE has no position table: windows up to the context length work
+    kind = KINDS.get(stored.get("kind", "mlp"))
+    if kind is not None and kind.seq_len_free:    # RoPE has no position table: windows up to the context length work
         stored["seq_len"] = _window(data, x_name, stored["seq_len"])
     config = stored_config(stored, label)
-    shape, dtype = decoder_shape(config), config.model.dtype
+    definition, dtype = model_def(config), config.model.dtype
+    shape = definition.shape
     n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
-    model = load_decoder(source, model_specs(config), shape, dtype)
+    model = load_decoder(source, definition, dtype)
     where = f"token file {str(data)!r}"
     total, step = 0.0, slab_rows(shape)
     progress = Progress()

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from support import ROOT
 
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape, group_params
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape, group_params
 from hpcpipe.nn.memory import cache_bytes
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -20,7 +21,7 @@ import gpt_cost  # noqa: E402  (bench/ is not a package)
 def test_stash_formula_counts_what_each_layer_keeps():
     shape = size = GPTShape(vocab=50, seq_len=12, d_model=24, n_heads=3, n_blocks=2, d_ff=40, tied=False)
     tokens = np.random.default_rng(0).integers(0, 50, (3, 12))
-    _, caches = GPT(shape).forward(tokens)
+    _, caches = Decoder(GPTModel(shape)).forward(tokens)
     for group, cache in enumerate(caches):
         measured = cache_bytes(cache)          # what the engine counts
         assert measured == gpt_cost.stage_stash_bytes(size, 3, range(group, group + 1)), group

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from support import ROOT
 
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.schedule.costs import Costs
 from hpcpipe.schedule.simulate import simulate_schedule
 

@@ -85,7 +85,7 @@ def test_quick_ceiling_bounds_each_layout_by_its_ranks_cpu_time(tmp_path):
 def test_ceiling_rounds_are_the_decode_steps_the_server_runs():
     from bench_serve_ceiling import LAYOUTS, QUICK, Rank, positions, stage_ranges
 
-    from hpcpipe.nn.decode import Segment
+    from hpcpipe.nn.core.decode import Segment
     assert LAYOUTS["dp2xpp4"] == (2, 4, 4) and LAYOUTS["dp2xpp4-mb1"] == (2, 4, 1)
     pos = positions(QUICK, 32)
     assert pos.min() == QUICK["prompt_chars"] and pos.max() == QUICK["prompt_chars"] + QUICK["max_tokens"] - 1

@@ -4,7 +4,8 @@ import pytest
 
 from hpcpipe.config import Config, load_config, resolve_layout
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model import init_layer, layer_specs, partition
+from hpcpipe.nn.mlp.model import init_layer, layer_specs
+from hpcpipe.nn.partition import partition
 
 
 def test_embedded_default_is_dp2_by_pp4_on_8_ranks():

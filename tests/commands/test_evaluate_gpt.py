@@ -12,8 +12,9 @@ from support.launch import one_error, run_module
 
 from hpcpipe import evaluate as evaluate_module
 from hpcpipe.evaluate import evaluate
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.state.weights import write_weights
 
 SHAPE = GPTShape(vocab=11, seq_len=5, d_model=8, n_heads=2, n_blocks=2, d_ff=0, tied=True)
@@ -27,7 +28,7 @@ def _model(shape: GPTShape, dtype: str) -> dict:
 
 def _weights(path, shape=SHAPE, dtype="float64", seed=3, step=0):
     """Write a GPT's groups (weights drawn larger than at init, so the loss is far from uniform); return them."""
-    model = GPT(shape, np, dtype, seed=seed)
+    model = Decoder(GPTModel(shape), np, dtype, seed=seed)
     rng = np.random.default_rng(seed)
     model.flat[...] += 0.3 * rng.standard_normal(model.flat.shape).astype(dtype)
     groups = {i: {name: np.array(view) for name, view in model.params[i].items()} for i in range(shape.n_groups)}

@@ -17,7 +17,8 @@ from hpcpipe.cli import CommandParser
 from hpcpipe.config import from_dict, load_config
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.memory import estimate_rank_bytes
-from hpcpipe.nn.model import initial_arrays, layer_specs, partition
+from hpcpipe.nn.mlp.model import initial_arrays, layer_specs
+from hpcpipe.nn.partition import partition
 from hpcpipe.runtime.launcher import launcher_rank
 from hpcpipe.state.outputs import check_writable
 from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights

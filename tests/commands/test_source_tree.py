@@ -120,7 +120,7 @@ def test_top_level_holds_only_shared_modules_and_commands():
 def test_schedules_and_models_import_no_mpi_and_no_runtime():
     # schedules are pure data and layers pure compute: neither may reach MPI, even indirectly through runtime/
     for package in ("schedule", "nn"):
-        for path in (SRC / package).glob("*.py"):
+        for path in (SRC / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module:
                     assert not node.module.startswith(("mpi4py", "hpcpipe.runtime", "hpcpipe.train",
@@ -138,3 +138,21 @@ def test_serving_front_end_reaches_no_mpi():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for m in modules:
                 assert not m.startswith(("mpi4py", "hpcpipe.runtime")), f"serve/{name}.py imports {m}"
+
+
+KIND_PACKAGES = sorted(p.parent.name for p in (SRC / "nn").glob("*/__init__.py") if p.parent.name != "core")
+
+
+def test_model_kinds_are_folders_reached_only_through_the_registry():
+    # adding a kind is its folder and one registry line: nothing else imports a kind's package, kinds import no
+    # other kind, and neither a kind nor the shared core imports the config (the config is built from the kinds)
+    assert {"mlp", "gpt", "llama"} <= set(KIND_PACKAGES)
+    graph = _import_graph()
+    kinds = tuple(f"hpcpipe.nn.{k}" for k in KIND_PACKAGES)
+    for name, targets in graph.items():
+        mine = next((k for k in kinds if name == k or name.startswith(k + ".")), None)
+        foreign = {t for t in targets if t.startswith(kinds) and not (mine and (t == mine or t.startswith(mine + ".")))}
+        if name != "hpcpipe.nn.registry":
+            assert not foreign, f"{name} imports {sorted(foreign)}: only hpcpipe.nn.registry reaches the kinds"
+        if mine or name.startswith("hpcpipe.nn.core"):
+            assert not {t for t in targets if t.startswith(("hpcpipe.config", "hpcpipe.config_checks"))}, name

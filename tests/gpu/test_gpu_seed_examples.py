@@ -94,8 +94,8 @@ def _device_forward(backend: str, arrays: dict, x: np.ndarray) -> np.ndarray:
     """The seed-8 model through hpcpipe's own stage modules (pp = 4, one process) on the backend, micro-batch by
     micro-batch; host copy of the output rows."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import RankParameters
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.rank_parameters import RankParameters
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.runtime.backend import select_backend
     be = select_backend(backend, node_rank=0)
     model = model_def(from_dict({"model": SEED8_MODEL, "parallel": {"pp": 4}}))

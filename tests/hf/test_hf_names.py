@@ -236,11 +236,11 @@ def test_the_groups_are_the_nn_kinds_groups(tmp_path, models, case):
     hf = read_hf_config(d)
     m = hf.model
     if hf.kind == "gpt":
-        params = pytest.importorskip("hpcpipe.nn.gpt_params")
+        params = pytest.importorskip("hpcpipe.nn.gpt.shape")
         shape = params.GPTShape(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"],
                                 n_heads=m["n_heads"], n_blocks=m["n_blocks"], d_ff=m["d_ff"], tied=m["tie_embeddings"])
     else:
-        params = pytest.importorskip("hpcpipe.nn.llama_params")
+        params = pytest.importorskip("hpcpipe.nn.llama.shape")
         shape = params.LlamaShape(vocab=m["vocab_size"], seq_len=m["seq_len"], d_model=m["d_model"],
                                   n_heads=m["n_heads"], n_blocks=m["n_blocks"], d_ff=m["d_ff"],
                                   tied=m["tie_embeddings"], n_kv_heads=m["n_kv_heads"], head_dim=m["head_dim"],
@@ -252,11 +252,9 @@ def test_the_groups_are_the_nn_kinds_groups(tmp_path, models, case):
 
 
 def test_llama_ff_default_is_the_nn_kinds():
-    params = pytest.importorskip("hpcpipe.nn.llama_params")
-    from hpcpipe.hf.names import llama_ff
-    assert all(llama_ff(d) == params.default_ff(d) for d in (32, 64, 100, 4096, 5120, 8192))
-    keys = {"vocab_size": 10, "seq_len": 8, "d_model": 64, "n_heads": 4, "n_blocks": 1, "d_ff": 0,
-            "tie_embeddings": True, "rope_theta": 1e4, "rope_scaling": None, "norm_eps": 1e-5, "qkv_bias": False,
-            "head_dim": 0, "n_kv_heads": 0}
-    config = hf_config_dict("llama", keys)
-    assert (config["intermediate_size"], config["head_dim"], config["num_key_value_heads"]) == (256, 16, 4)
+    # d_ff 0 written out as config.json's intermediate_size is the width the llama kind computes with
+    from hpcpipe.nn.llama.hf import dims_of
+    from hpcpipe.nn.llama.shape import LlamaShape
+    for d in (32, 64, 100, 4096, 5120, 8192):
+        keys = {"d_ff": 0, "d_model": d, "n_heads": 4}
+        assert dims_of(keys)[0] == LlamaShape(16, 8, d, 4, 1, head_dim=2).ff

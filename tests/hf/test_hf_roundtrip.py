@@ -36,11 +36,11 @@ def _tokens(path: Path, vocab: int, seq_len: int, n: int = 32) -> Path:
 def _hpcpipe_logits(weights: Path, tokens: np.ndarray) -> np.ndarray:
     from hpcpipe.config import from_dict
     from hpcpipe.evaluate import load_decoder, logits_of
-    from hpcpipe.nn.model_spec import decoder_shape, model_specs
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.state.sources import resolve_weights
     source = resolve_weights(weights)
     config = from_dict({"model": source.model, "parallel": {"pp": 1}})
-    return logits_of(load_decoder(source, model_specs(config), decoder_shape(config), "float32"), tokens)
+    return logits_of(load_decoder(source, model_def(config), "float32"), tokens)
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_model_from_hf_init_trains_without_restating_the_model(tmp_path):
 
 def test_a_bytes_gpt_trained_here_exports_a_tokenizer_that_encodes_alike(tmp_path):
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.state.stored_tokenizer import StoredTokenizer
     from hpcpipe.state.tokenizer import Tokenizer
     from hpcpipe.state.weights import write_weights

@@ -10,7 +10,7 @@ import pytest
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf import safetensors_part
 from hpcpipe.hf.safetensors import SafetensorsFile, bfloat16_bits, write_safetensors
-from hpcpipe.nn.sharding import Shard
+from hpcpipe.nn.core.sharding import Shard
 from hpcpipe.state.weights import read_layers, read_optimizer, write_weights
 
 PARTS = [(0, slice(2, 5)), (1, slice(0, 3)), (1, np.array([0, 1, 4, 5])), (0, np.array([1, 3, 4]))]

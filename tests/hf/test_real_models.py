@@ -89,13 +89,13 @@ def _logits(source_dir, tokens, dtype="float64"):
     """hpcpipe's logits of the model it reads from a Hugging Face directory (the sequential reference)."""
     from hpcpipe.config import from_dict
     from hpcpipe.evaluate import load_decoder, logits_of
-    from hpcpipe.nn.model_spec import decoder_shape, model_specs
+    from hpcpipe.nn.registry import model_def
     from hpcpipe.state.sources import resolve_weights
 
     source = resolve_weights(source_dir)
     source.dtype = dtype
     config = from_dict({"model": {**source.model, "dtype": dtype}, "parallel": {"pp": 1}})
-    model = load_decoder(source, model_specs(config), decoder_shape(config), dtype)
+    model = load_decoder(source, model_def(config), dtype)
     return logits_of(model, tokens)
 
 

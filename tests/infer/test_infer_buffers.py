@@ -22,7 +22,8 @@ from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.infer.memory import SLOT_BYTES, SLOT_LAYER_BYTES, SLOT_LINK_BYTES, check_memory, stage_bytes
 from hpcpipe.infer.setup import prepare
-from hpcpipe.nn.model import layer_specs, partition
+from hpcpipe.nn.mlp.model import layer_specs
+from hpcpipe.nn.partition import partition
 from hpcpipe.state.weights import write_weights
 
 GIB = 1 << 30

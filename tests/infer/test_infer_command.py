@@ -100,12 +100,13 @@ def _bare_weights(tmp_path):
 
 def _gpt_weights(tmp_path):
     """A GPT's weights file (model.kind = "gpt"): batch inference refuses it."""
-    from hpcpipe.nn.gpt_params import GPTShape, init_group
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     shape = GPTShape(vocab=16, seq_len=16, d_model=8, n_heads=2, n_blocks=2)
     model = {"kind": "gpt", "vocab_size": 16, "seq_len": 16, "d_model": 8, "n_heads": 2, "n_blocks": 2, "d_ff": 0,
              "tie_embeddings": True, "dtype": "float32"}
     path = tmp_path / "gpt.h5"
-    write_weights(path, {i: init_group(shape, i, 0) for i in range(4)}, n_layers=4, model_config=model)
+    write_weights(path, {i: GPTModel(shape).init_group(i, 0) for i in range(4)}, n_layers=4, model_config=model)
     return path
 
 

@@ -19,7 +19,7 @@ from hpcpipe.infer.rows import (
 )
 from hpcpipe.infer.setup import model_from_weights, prepare
 from hpcpipe.infer.stream import ForwardChain, StreamStage
-from hpcpipe.nn.layers import make_activation
+from hpcpipe.nn.core.activations import make_activation
 from hpcpipe.state.weights import write_weights
 
 
@@ -207,11 +207,12 @@ def test_plan_refuses_interleaved_stages_and_layouts_the_model_cannot_fill(tmp_p
 
 
 def _gpt_weights(path):
-    from hpcpipe.nn.gpt_params import GPTShape, init_group
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     shape = GPTShape(vocab=7, seq_len=4, d_model=4, n_heads=2, n_blocks=1)
     model = {"kind": "gpt", "vocab_size": 7, "seq_len": 4, "d_model": 4, "n_heads": 2, "n_blocks": 1, "d_ff": 0,
              "tie_embeddings": True, "dtype": "float32"}
-    write_weights(path, {i: init_group(shape, i, 0) for i in range(3)}, n_layers=3, model_config=model)
+    write_weights(path, {i: GPTModel(shape).init_group(i, 0) for i in range(3)}, n_layers=3, model_config=model)
     return path
 
 

@@ -1,4 +1,4 @@
-"""KV-cached decoding split over tensor-parallel MPI ranks (hpcpipe.nn.decode with a TPGroup): every rank holds
+"""KV-cached decoding split over tensor-parallel MPI ranks (hpcpipe.nn.core.decode with a TPGroup): every rank holds
 its heads, key/value heads, MLP columns and vocabulary rows; the gathered logits of prefill and decode steps
 equal one rank's whole stage (float64, 1e-12 relative) for GPT and llama (tied and untied heads, kv heads split
 and kv heads held by several ranks), on the stage holding everything and on split stages."""
@@ -7,23 +7,23 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
-from hpcpipe.nn.llama import Llama
-from hpcpipe.nn.llama_params import LlamaShape
-from hpcpipe.nn.sharding import gpt_shards, llama_shards, vocab_range
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.core.sharding import vocab_range
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
+from hpcpipe.nn.llama.model import LlamaModel
+from hpcpipe.nn.llama.shape import LlamaShape
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Poller
 from hpcpipe.runtime.tp_group import TPGroup
 
 SHAPES = {
-    "gpt_tied": (GPT, gpt_shards, GPTShape(vocab=37, seq_len=16, d_model=16, n_heads=4, n_blocks=2, d_ff=24,
-                                           tied=True)),
-    "llama_gqa_untied": (Llama, llama_shards, LlamaShape(vocab=31, seq_len=16, d_model=16, n_heads=4, n_blocks=2,
-                                                          d_ff=24, n_kv_heads=2, qkv_bias=True)),
-    "llama_mqa_tied": (Llama, llama_shards, LlamaShape(vocab=29, seq_len=16, d_model=16, n_heads=4, n_blocks=2,
-                                                        d_ff=16, n_kv_heads=1, tied=True)),
+    "gpt_tied": GPTModel(GPTShape(vocab=37, seq_len=16, d_model=16, n_heads=4, n_blocks=2, d_ff=24, tied=True)),
+    "llama_gqa_untied": LlamaModel(LlamaShape(vocab=31, seq_len=16, d_model=16, n_heads=4, n_blocks=2, d_ff=24,
+                                              n_kv_heads=2, qkv_bias=True)),
+    "llama_mqa_tied": LlamaModel(LlamaShape(vocab=29, seq_len=16, d_model=16, n_heads=4, n_blocks=2, d_ff=16,
+                                            n_kv_heads=1, tied=True)),
 }
 
 
@@ -35,10 +35,10 @@ def _arrays(model):
     return out
 
 
-def _local(arrays, shards_of, shape, tp, rank):
+def _local(arrays, model, tp, rank):
     out = {}
     for i, group in arrays.items():
-        cut = shards_of(shape, i, list(group), tp, rank)
+        cut = model.shards(i, tp, rank)
         out[i] = {name: np.ascontiguousarray(cut[name].take(a)) for name, a in group.items()}
     return out
 
@@ -71,36 +71,37 @@ def test_tp_decode_logits_equal_one_rank(kind):
     if comm == MPI.COMM_NULL:
         world.Barrier()
         return
-    make, shards_of, shape = SHAPES[kind]
-    arrays = _arrays(make(shape, dtype="float64", seed=1))
+    model = SHAPES[kind]
+    shape = model.shape
+    arrays = _arrays(Decoder(model, dtype="float64", seed=1))
     backend = select_backend("numpy")
     group = TPGroup(comm, backend, Poller())
     rank = comm.Get_rank()
     whole = range(shape.n_groups)
-    got = _run(DecodeStage(shape, whole, _local(arrays, shards_of, shape, size, rank), np, "float64", 2, tp=group),
+    got = _run(DecodeStage(model, whole, _local(arrays, model, size, rank), np, "float64", 2, tp=group),
                group, shape, 4)
     # a split stage too: the blocks and the head without the embedding (a tied head gets the rank's table rows)
     tail = range(1, shape.n_groups)
-    mine = _local(arrays, shards_of, shape, size, rank)
+    mine = _local(arrays, model, size, rank)
     table = mine[0]["tok_emb"] if shape.tied else None
-    head_only = DecodeStage(shape, tail, mine, np, "float64", 2, tok_emb=table, tp=group)
-    emb = DecodeStage(shape, range(0, 1), mine, np, "float64", 2, tp=group)
+    head_only = DecodeStage(model, tail, mine, np, "float64", 2, tok_emb=table, tp=group)
+    emb = DecodeStage(model, range(0, 1), mine, np, "float64", 2, tp=group)
     tokens = np.array([3, 1, 4, 1, 5], dtype=np.int64)
     split = group.gather_columns(head_only.forward(emb.forward(tokens, [Segment(0, 0, 5)]), [Segment(0, 0, 5)]),
                                  [vocab_range(shape.vocab, size, r)[1] - vocab_range(shape.vocab, size, r)[0]
                                   for r in range(size)])
     if rank == 0:
-        ref = DecodeStage(shape, whole, arrays, np, "float64", 2)
+        ref = DecodeStage(model, whole, arrays, np, "float64", 2)
         want = _run(ref, None, shape, 4)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g.shape == w.shape, (step, g.shape, w.shape)
             assert np.abs(g - w).max() <= 1e-12 * np.abs(w).max(), (kind, step, np.abs(g - w).max())
-        whole_split = DecodeStage(shape, whole, arrays, np, "float64", 2).forward(tokens, [Segment(0, 0, 5)])
+        whole_split = DecodeStage(model, whole, arrays, np, "float64", 2).forward(tokens, [Segment(0, 0, 5)])
         assert np.abs(split - whole_split).max() <= 1e-12 * np.abs(whole_split).max()
     else:
         assert all(g is None for g in got) and split is None
     kv_whole = shape.n_heads if isinstance(shape, GPTShape) else shape.n_kv_heads
-    stage = DecodeStage(shape, whole, _local(arrays, shards_of, shape, size, rank), np, "float64", 2, tp=group)
+    stage = DecodeStage(model, whole, _local(arrays, model, size, rank), np, "float64", 2, tp=group)
     assert stage.n_kv_heads == max(1, kv_whole // size), (stage.n_kv_heads, kv_whole, size)   # the cache's heads
     assert stage.cache_bytes == 2 * shape.n_blocks * 2 * stage.n_kv_heads * shape.seq_len * stage.head_dim * 8
     comm.Free()

@@ -1,12 +1,13 @@
-"""KV-cached decoding (hpcpipe.nn.decode) against the training forward of the whole prefix, and greedy / seeded
+"""KV-cached decoding (hpcpipe.nn.core.decode) against the training forward of the whole prefix, and greedy / seeded
 generation through DecodeStage against the sequential no-cache reference (hpcpipe.serve.reference)."""
 
 import numpy as np
 import pytest
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 
@@ -18,7 +19,7 @@ SHAPES = {
 
 def _model(shape, dtype="float64", seed=0):
     """A GPT far from its init (LayerNorm weights != 1, biases != 0, sharp attention) so every term counts."""
-    model = GPT(shape, dtype=dtype, seed=seed)
+    model = Decoder(GPTModel(shape), dtype=dtype, seed=seed)
     rng = np.random.default_rng(seed + 100)
     for group in model.params:
         for view in group.values():
@@ -32,7 +33,7 @@ def _arrays(model):
 
 def _stage(model, groups=None, slots=4, dtype="float64", **kw):
     shape = model.shape
-    return DecodeStage(shape, groups or range(shape.n_groups), _arrays(model), np, dtype, slots, **kw)
+    return DecodeStage(GPTModel(shape), groups or range(shape.n_groups), _arrays(model), np, dtype, slots, **kw)
 
 
 def _expected(model, prefix):
@@ -186,13 +187,13 @@ def test_bad_construction_is_refused():
     model = _model(shape)
     arrays = _arrays(model)
     with pytest.raises(ValueError, match="tied head on a stage without layer group 0 needs tok_emb"):
-        DecodeStage(shape, range(2, shape.n_groups), arrays, np, "float64", 2)
+        DecodeStage(GPTModel(shape), range(2, shape.n_groups), arrays, np, "float64", 2)
     del arrays[1]["attn/qkv/bias"]
     with pytest.raises(ValueError, match="layer group 1 has no array 'attn/qkv/bias'"):
-        DecodeStage(shape, range(0, 2), arrays, np, "float64", 2)
+        DecodeStage(GPTModel(shape), range(0, 2), arrays, np, "float64", 2)
     with pytest.raises(ValueError, match="groups"):
-        DecodeStage(shape, range(0, shape.n_groups + 1), arrays, np, "float64", 2)
-    stage = DecodeStage(shape, range(2, 4), _arrays(model), np, "float64", 2)
+        DecodeStage(GPTModel(shape), range(0, shape.n_groups + 1), arrays, np, "float64", 2)
+    stage = DecodeStage(GPTModel(shape), range(2, 4), _arrays(model), np, "float64", 2)
     with pytest.raises(ValueError, match=r"activations of shape \(3, 16\)"):
         stage.forward(np.zeros((3, 8)), [Segment(0, 0, 3)])
 

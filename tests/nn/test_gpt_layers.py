@@ -8,14 +8,32 @@ import pytest
 from support import ROOT
 from support.gpt_reference import jax_gpt as _jax_gpt
 
-from hpcpipe.nn.attention import CausalSelfAttention
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_layers import Block, Embedding, GeluMLP, OutputHead, build_layer
-from hpcpipe.nn.gpt_params import GPTShape, block_params, group_params, init_group, param_groups
-from hpcpipe.nn.norm import LayerNorm
+from hpcpipe.nn.core.attention import CausalAttention, FusedQKV
+from hpcpipe.nn.core.decoder import Block, Embedding, OutputHead
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.core.dense import linear
+from hpcpipe.nn.core.mlps import GeluMLP
+from hpcpipe.nn.core.norms import LayerNorm
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape, block_params, group_params
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 EPS = 1e-6
+
+
+def _attention(params, grads, n_heads, xp):
+    """The GPT's attention over ``n_heads`` heads of the group's qkv (attn/qkv, attn/proj)."""
+    width = params["attn/proj/weight"].shape[0]
+    return CausalAttention(FusedQKV(params, grads, xp, "attn", None), linear(params, grads, "attn/proj", xp),
+                           n_heads, n_heads, width // n_heads, None, xp)
+
+
+def _block(params, grads, shape, xp):
+    return GPTModel(shape).block(params, grads, xp)
+
+
+def _head(shape, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+    return GPTModel(shape).build_layer(shape.n_blocks + 1, params, grads, xp, tok_emb, grad_tok_emb)
 
 
 def _random_group(shape, index, rng):
@@ -81,7 +99,7 @@ def test_layer_norm_matches_finite_differences():
 def test_causal_attention_matches_finite_differences(n_heads):
     rng = np.random.default_rng(n_heads)
     p, g = _random_group(SHAPE, 1, rng)
-    layer = CausalSelfAttention(p, g, n_heads, np)
+    layer = _attention(p, g, n_heads, np)
     names = [n for n in p if n.startswith("attn/")]
     _check_layer(layer, rng.standard_normal((2, 5, 8)), {n: p[n] for n in names}, g, rng)
 
@@ -96,14 +114,14 @@ def test_gelu_mlp_matches_finite_differences():
 def test_block_matches_finite_differences():
     rng = np.random.default_rng(4)
     p, g = _random_group(SHAPE, 1, rng)
-    _check_layer(Block(p, g, SHAPE.n_heads, np), rng.standard_normal((2, 5, 8)), p, g, rng)
+    _check_layer(_block(p, g, SHAPE, np), rng.standard_normal((2, 5, 8)), p, g, rng)
 
 
 def test_embedding_accumulates_repeated_tokens():
     rng = np.random.default_rng(5)
     p, g = _random_group(SHAPE, 0, rng)
     tokens = np.array([[1, 3, 1, 1], [3, 0, 6, 1]])      # token 1 four times, 3 twice; T = 4 < seq_len
-    layer = Embedding(p, g, np)
+    layer = Embedding(p, g, SHAPE.seq_len, np)
     y, cache = layer.forward(tokens)
     probe = rng.standard_normal(y.shape)
     assert layer.backward(cache, probe) is None
@@ -124,7 +142,7 @@ def test_output_head_matches_finite_differences(tied):
     p, g = _random_group(shape, shape.n_blocks + 1, rng)
     emb, g_emb = _random_group(shape, 0, rng)
     g_emb["tok_emb"][...] = 0
-    layer = OutputHead(p, g, np, emb["tok_emb"], g_emb["tok_emb"])
+    layer = _head(shape, p, g, np, emb["tok_emb"], g_emb["tok_emb"])
     assert layer.tied == tied
     params, grads = dict(p), dict(g)
     if tied:                                           # the head's gradient lands in tok_emb's
@@ -168,11 +186,12 @@ def _layers_for_split(rng):
     return {
         "layer_norm": (LayerNorm(blk["ln1/weight"], blk["ln1/bias"], g_blk["ln1/weight"], g_blk["ln1/bias"], np),
                        x, [g_blk]),
-        "attention": (CausalSelfAttention(blk, g_blk, 2, np), x, [g_blk]),
+        "attention": (_attention(blk, g_blk, 2, np), x, [g_blk]),
         "mlp": (GeluMLP(blk, g_blk, np), x, [g_blk]),
-        "block": (Block(blk, g_blk, 2, np), x, [g_blk]),
-        "embedding": (Embedding(emb, g_emb, np), np.array([[1, 1, 2, 6, 1], [0, 2, 2, 3, 1]]), [g_emb]),
-        "head_tied": (OutputHead(fin, g_fin, np, emb["tok_emb"], g_emb["tok_emb"]), x, [g_fin, g_emb]),
+        "block": (_block(blk, g_blk, shape, np), x, [g_blk]),
+        "embedding": (Embedding(emb, g_emb, shape.seq_len, np), np.array([[1, 1, 2, 6, 1], [0, 2, 2, 3, 1]]),
+                      [g_emb]),
+        "head_tied": (_head(shape, fin, g_fin, np, emb["tok_emb"], g_emb["tok_emb"]), x, [g_fin, g_emb]),
     }
 
 
@@ -221,7 +240,7 @@ def _gpt_errors(shape, dtype, seed=0, batch=3, t=None):
     t = t or shape.seq_len
     tokens = rng.integers(0, shape.vocab, (batch, t))
     targets = rng.integers(0, shape.vocab, (batch, t))
-    model = GPT(shape, np, dtype)
+    model = Decoder(GPTModel(shape), np, dtype)
     for i, g in enumerate(groups):
         model.load_group(i, g)
     loss = model.loss_and_grad(tokens, targets)
@@ -262,7 +281,7 @@ def test_gpt_split_backward_equals_backward():
     shape = GPTShape(vocab=9, seq_len=4, d_model=8, n_heads=2, n_blocks=2, tied=True)
     rng = np.random.default_rng(12)
     tokens, targets = rng.integers(0, 9, (2, 4)), rng.integers(0, 9, (2, 4))
-    model = GPT(shape, np, "float64", seed=3)
+    model = Decoder(GPTModel(shape), np, "float64", seed=3)
     model.loss_and_grad(tokens, targets)
     full = model.grad.copy()
     model.grad[...] = 0
@@ -282,7 +301,7 @@ def test_gpt_split_backward_equals_backward():
 
 def test_param_groups_follow_the_hdf5_contract():
     shape = GPTShape(vocab=50, seq_len=16, d_model=8, n_heads=2, n_blocks=3, d_ff=20, tied=False)
-    groups = param_groups(shape)
+    groups = [group_params(shape, i) for i in range(shape.n_groups)]
     assert len(groups) == 5
     assert groups[0] == [("tok_emb", (50, 8)), ("pos_emb", (16, 8))]
     expect_block = {"ln1/weight": (8,), "ln1/bias": (8,), "attn/qkv/weight": (8, 24), "attn/qkv/bias": (24,),
@@ -292,7 +311,7 @@ def test_param_groups_follow_the_hdf5_contract():
     assert all(dict(groups[i]) == expect_block for i in (1, 2, 3))
     assert dict(groups[4]) == {"ln_f/weight": (8,), "ln_f/bias": (8,), "head/weight": (8, 50)}
     tied = GPTShape(50, 16, 8, 2, 3, tied=True)
-    assert dict(param_groups(tied)[4]) == {"ln_f/weight": (8,), "ln_f/bias": (8,)}
+    assert dict([group_params(tied, i) for i in range(tied.n_groups)][4]) == {"ln_f/weight": (8,), "ln_f/bias": (8,)}
     assert dict(block_params(tied))["mlp/fc/weight"] == (8, 32)          # d_ff 0 -> 4 * d_model
 
 
@@ -306,11 +325,11 @@ def test_shape_rejects_bad_values(bad):
 
 def test_init_depends_on_seed_and_group_only_and_is_gpt2_style():
     shape = GPTShape(vocab=300, seq_len=64, d_model=64, n_heads=4, n_blocks=8)
-    a = init_group(shape, 2, seed=5)
-    b = init_group(shape, 2, seed=5)
+    a = GPTModel(shape).init_group(2, seed=5)
+    b = GPTModel(shape).init_group(2, seed=5)
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["attn/qkv/weight"], init_group(shape, 3, seed=5)["attn/qkv/weight"])
-    assert not np.array_equal(a["attn/qkv/weight"], init_group(shape, 2, seed=6)["attn/qkv/weight"])
+    assert not np.array_equal(a["attn/qkv/weight"], GPTModel(shape).init_group(3, seed=5)["attn/qkv/weight"])
+    assert not np.array_equal(a["attn/qkv/weight"], GPTModel(shape).init_group(2, seed=6)["attn/qkv/weight"])
     assert a["attn/qkv/weight"].dtype == np.float32
     assert {k: v.shape for k, v in a.items()} == dict(block_params(shape))
     assert (a["ln1/weight"] == 1).all() and not a["ln1/bias"].any() and not a["attn/qkv/bias"].any()
@@ -318,32 +337,33 @@ def test_init_depends_on_seed_and_group_only_and_is_gpt2_style():
     assert a["mlp/fc/weight"].std() == pytest.approx(0.02, rel=0.05)
     for proj in ("attn/proj/weight", "mlp/proj/weight"):
         assert a[proj].std() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    emb = init_group(shape, 0, seed=5)
+    emb = GPTModel(shape).init_group(0, seed=5)
     assert emb["tok_emb"].std() == pytest.approx(0.02, rel=0.05) and emb["pos_emb"].shape == (64, 64)
-    final = init_group(GPTShape(300, 64, 64, 4, 8, tied=False), 9, seed=5)
+    final = GPTModel(GPTShape(300, 64, 64, 4, 8, tied=False)).init_group(9, seed=5)
     assert (final["ln_f/weight"] == 1).all() and final["head/weight"].std() == pytest.approx(0.02, rel=0.05)
-    model = GPT(shape, np, "float32", seed=5)                               # the model starts from these values
+    model = Decoder(GPTModel(shape), np, "float32", seed=5)         # the model starts from these values
     assert np.array_equal(model.params[2]["mlp/proj/weight"], a["mlp/proj/weight"])
 
 
 def test_build_layer_kinds_by_group():
     shape = GPTShape(vocab=9, seq_len=4, d_model=8, n_heads=2, n_blocks=2, tied=True)
-    model = GPT(shape, np, "float64")
+    model = Decoder(GPTModel(shape), np, "float64")
     kinds = [type(layer) for layer in model.layers]
     assert kinds == [Embedding, Block, Block, OutputHead]
-    assert build_layer(shape, 3, model.params[3], model.grads[3], np, model.params[0]["tok_emb"],
-                       model.grads[0]["tok_emb"]).tied
+    assert _head(shape, model.params[3], model.grads[3], np, model.params[0]["tok_emb"],
+                 model.grads[0]["tok_emb"]).tied
     with pytest.raises(ValueError, match="tied output head needs tok_emb"):
-        build_layer(shape, 3, model.params[3], model.grads[3], np)
+        _head(shape, model.params[3], model.grads[3], np)
     with pytest.raises(ValueError, match="longer than the 4 positions"):
         model.forward(np.zeros((1, 5), dtype=np.int64))
 
 
 def test_compute_modules_use_only_xp():
-    # the layers run unchanged on CuPy: no NumPy import in a compute path (host-side init lives in gpt_params)
+    # the layers run unchanged on CuPy: no NumPy import in a compute path (host-side init lives in the models)
     import ast
     nn = ROOT / "src" / "hpcpipe" / "nn"
-    for name in ("norm", "attention", "linear", "gpt_layers", "token_loss"):
+    for name in ("core/norms", "core/attention", "core/activations", "core/decoder", "core/mlps",
+                 "core/decode_steps", "token_loss"):
         for node in ast.walk(ast.parse((nn / f"{name}.py").read_text())):
             if isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] != "numpy" for a in node.names), name
@@ -359,7 +379,7 @@ def _config(**model):
 
 
 def test_gpt_specs_follow_the_hdf5_contract():
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.registry import model_def
     m = model_def(_config(vocab_size=50, seq_len=8, d_model=16, n_heads=2, n_blocks=3, tie_embeddings=False))
     assert m.n_layers == 5 and [s.index for s in m.specs] == list(range(5))
     assert m.specs[0].shapes == {"tok_emb": (50, 16), "pos_emb": (8, 16)}
@@ -371,8 +391,8 @@ def test_gpt_specs_follow_the_hdf5_contract():
 
 def test_partition_counts_the_head_of_a_large_vocabulary():
     """vocab 8192, d 64: the head costs as much as ~13 blocks, so it gets a stage of its own."""
-    from hpcpipe.nn.model import partition
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.partition import partition
+    from hpcpipe.nn.registry import model_def
     specs = model_def(_config(vocab_size=8192, seq_len=64, d_model=64, n_heads=4, n_blocks=6)).specs
     ranges = partition(specs, 4)
     assert list(ranges[-1]) == [7]                     # the final norm + head alone
@@ -409,18 +429,19 @@ def test_stash_formula_matches_what_the_engine_counts():
 @pytest.mark.parametrize("name", ["embedding", "block", "head_tied", "head_untied", "dense_identity", "dense_gelu"])
 def test_forward_cache_equals_the_cache_of_forward(name):
     """Recomputation builds a layer's cache without its output: the same arrays as forward's cache, bit for bit."""
-    from hpcpipe.nn.layers import GELU, Activation, Dense
+    from hpcpipe.nn.core.activations import GELU, Activation
+    from hpcpipe.nn.core.dense import Dense
 
     rng = np.random.default_rng(3)
     shape = GPTShape(vocab=13, seq_len=6, d_model=8, n_heads=2, n_blocks=1, tied=name != "head_untied")
     groups = [_random_group(shape, i, rng) for i in range(shape.n_groups)]
     h = rng.standard_normal((2, 6, 8))
     if name == "embedding":
-        layer, x = build_layer(shape, 0, *groups[0], np), rng.integers(0, 13, (2, 6))
+        layer, x = GPTModel(shape).build_layer(0, *groups[0], np), rng.integers(0, 13, (2, 6))
     elif name == "block":
-        layer, x = build_layer(shape, 1, *groups[1], np), h
+        layer, x = GPTModel(shape).build_layer(1, *groups[1], np), h
     elif name.startswith("head"):
-        layer, x = build_layer(shape, 2, *groups[2], np, groups[0][0]["tok_emb"], groups[0][1]["tok_emb"]), h
+        layer, x = _head(shape, *groups[2], np, groups[0][0]["tok_emb"], groups[0][1]["tok_emb"]), h
     else:
         act = Activation() if name == "dense_identity" else GELU()
         w, gw = rng.standard_normal((8, 5)), np.zeros((8, 5))

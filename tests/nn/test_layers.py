@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from hpcpipe.nn import loss as losses
-from hpcpipe.nn.layers import Dense, make_activation
+from hpcpipe.nn.core.activations import make_activation
+from hpcpipe.nn.core.dense import Dense
 
 EPS = 1e-6
 
@@ -102,14 +103,15 @@ def test_cross_entropy_value_is_stable_for_large_logits():
 
 def test_scipy_accumulate_only_with_one_blas_thread(monkeypatch):
     """NumPy's and SciPy's OpenBLAS pools spin against each other with more than one thread each."""
-    from hpcpipe.nn.layers import _inplace_gemm
+    from hpcpipe.nn.core.dense import _inplace_gemm
     grad = np.zeros((4, 3), np.float32)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     assert _inplace_gemm(np, grad) is not None
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert _inplace_gemm(np, grad) is None
     # both paths accumulate the same weight gradient
-    from hpcpipe.nn.layers import Activation, Dense
+    from hpcpipe.nn.core.activations import Activation
+    from hpcpipe.nn.core.dense import Dense
     rng = np.random.default_rng(0)
     x, dz = rng.standard_normal((5, 4)), rng.standard_normal((5, 3))
     grads = []

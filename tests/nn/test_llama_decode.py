@@ -1,12 +1,13 @@
-"""KV-cached decoding of the llama kind (hpcpipe.nn.decode with decode_llama) against Llama.forward over the whole
+"""KV-cached decoding of the llama kind (hpcpipe.nn.core.decode with decode_llama) against Llama.forward over the whole
 prefix: prefill and decode, mixed segments, slots in any order and reused, split stages, the cache size (n_kv_heads)."""
 
 import numpy as np
 import pytest
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.llama import Llama
-from hpcpipe.nn.llama_params import LlamaShape
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.llama.model import LlamaModel
+from hpcpipe.nn.llama.shape import LlamaShape
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.sampling import SamplingParams
 
@@ -26,7 +27,7 @@ TOL = {"float64": 1e-10, "float32": 1e-5}
 
 def _model(shape, dtype="float64", seed=0):
     """A Llama far from its init (norm weights != 1, biases != 0, sharp attention) so every term counts."""
-    model = Llama(shape, dtype=dtype, seed=seed)
+    model = Decoder(LlamaModel(shape), dtype=dtype, seed=seed)
     rng = np.random.default_rng(seed + 100)
     for group in model.params:
         for view in group.values():
@@ -40,7 +41,7 @@ def _arrays(model):
 
 def _stage(model, groups=None, slots=4, dtype="float64", **kw):
     shape = model.shape
-    return DecodeStage(shape, groups or range(shape.n_groups), _arrays(model), np, dtype, slots, **kw)
+    return DecodeStage(LlamaModel(shape), groups or range(shape.n_groups), _arrays(model), np, dtype, slots, **kw)
 
 
 def _expected(model, prefix):
@@ -176,12 +177,12 @@ def test_bad_construction_is_refused():
     shape = SHAPES["gqa_tied_bias"]
     arrays = _arrays(_model(shape))
     with pytest.raises(ValueError, match="tied head on a stage without layer group 0 needs tok_emb"):
-        DecodeStage(shape, range(2, shape.n_groups), arrays, np, "float64", 2)
+        DecodeStage(LlamaModel(shape), range(2, shape.n_groups), arrays, np, "float64", 2)
     del arrays[1]["attn/k/bias"]
     with pytest.raises(ValueError, match="layer group 1 has no array 'attn/k/bias'"):
-        DecodeStage(shape, range(0, 2), arrays, np, "float64", 2)
+        DecodeStage(LlamaModel(shape), range(0, 2), arrays, np, "float64", 2)
     arrays[2]["attn/k/weight"] = np.zeros((16, 16))
     with pytest.raises(ValueError, match=r"array 'attn/k/weight' has shape \(16, 16\), expected \(16, 8\)"):
-        DecodeStage(shape, range(2, 3), arrays, np, "float64", 2)
-    with pytest.raises(ValueError, match="no KV-cached decoding for a model shape of type dict"):
+        DecodeStage(LlamaModel(shape), range(2, 3), arrays, np, "float64", 2)
+    with pytest.raises(ValueError, match="no KV-cached decoding for a model of type dict"):
         DecodeStage({"vocab": 5}, range(0, 1), arrays, np, "float64", 2)

@@ -1,21 +1,43 @@
 """Llama layers: the whole model against a PyTorch float64 autograd reference written from the contract's equations,
 logits against Hugging Face transformers (Llama, Mistral, Qwen2), the split backward, recomputation, the groups."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from hpcpipe.nn.gqa_attention import GQAttention
-from hpcpipe.nn.llama import Llama
-from hpcpipe.nn.llama_layers import Block, Embedding, OutputHead, SwiGLU, build_layer, model_rope
-from hpcpipe.nn.llama_params import LlamaShape, default_ff, group_params, init_group, param_groups
-from hpcpipe.nn.rmsnorm import RMSNorm
-from hpcpipe.nn.rope import check_scaling, inverse_frequencies, rotate
+from hpcpipe.nn.core.attention import CausalAttention, SplitQKV
+from hpcpipe.nn.core.decoder import Block, Embedding, OutputHead
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.core.dense import linear
+from hpcpipe.nn.core.mlps import SwiGLU
+from hpcpipe.nn.core.norms import RMSNorm
+from hpcpipe.nn.core.rope import check_scaling, inverse_frequencies, rotate
+from hpcpipe.nn.llama.model import LlamaModel
+from hpcpipe.nn.llama.shape import LlamaShape, default_ff, group_params
 from hpcpipe.nn.token_loss import token_cross_entropy
 
 torch = pytest.importorskip("torch")
 from support.llama_reference import torch_llama  # noqa: E402
+
+
+def model_rope(shape, xp, dtype):
+    """The model's RoPE tables in ``dtype``."""
+    return LlamaModel(shape).rope(xp, dtype)
+
+
+def _attention(params, grads, n_heads, n_kv_heads, rope, xp):
+    """Grouped-query attention over the group's attn/{q,k,v,o} (biases when the group has them)."""
+    qkv = SplitQKV(params, grads, xp, "attn", None, bias="attn/q/bias" in params)
+    return CausalAttention(qkv, linear(params, grads, "attn/o", xp, bias=False), n_heads, n_kv_heads,
+                           rope.head_dim, rope, xp)
+
+
+def build_layer(shape, index, params, grads, xp, tok_emb=None, grad_tok_emb=None):
+    """The llama layer of group ``index``."""
+    return LlamaModel(shape).build_layer(index, params, grads, xp, tok_emb, grad_tok_emb)
+
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -34,7 +56,7 @@ def _random_groups(shape, rng, dtype="float64"):
 
 
 def _model(shape, groups, dtype="float64"):
-    model = Llama(shape, np, dtype)
+    model = Decoder(LlamaModel(shape), np, dtype)
     for i, group in enumerate(groups):
         model.load_group(i, group)
     return model
@@ -118,7 +140,7 @@ SPLIT_SHAPE = LlamaShape(vocab=11, seq_len=6, d_model=12, n_heads=4, n_blocks=1,
 
 
 def _layers(rng, tied=True):
-    shape = LlamaShape(**{**{f: getattr(SPLIT_SHAPE, f) for f in SPLIT_SHAPE.__dataclass_fields__}, "tied": tied})
+    shape = dataclasses.replace(SPLIT_SHAPE, tied=tied)
     groups = _random_groups(shape, rng)
     grads = [{k: np.zeros_like(v) for k, v in g.items()} for g in groups]
     emb, blk, fin = groups
@@ -127,9 +149,9 @@ def _layers(rng, tied=True):
     x = rng.standard_normal((2, 6, 12))
     return {
         "rmsnorm": (RMSNorm(blk["attn_norm/weight"], g_blk["attn_norm/weight"], 1e-5, np), x, grads),
-        "attention": (GQAttention(blk, g_blk, 4, 2, rope, np), x, grads),
+        "attention": (_attention(blk, g_blk, 4, 2, rope, np), x, grads),
         "swiglu": (SwiGLU(blk, g_blk, np), x, grads),
-        "block": (Block(blk, g_blk, shape, np), x, grads),
+        "block": (LlamaModel(shape).block(blk, g_blk, np), x, grads),
         "embedding": (Embedding(emb, g_emb, 6, np), np.array([[1, 1, 2, 6, 1, 0], [0, 2, 2, 3, 1, 1]]), grads),
         "head": (build_layer(shape, 2, fin, g_fin, np, emb["tok_emb"], g_emb["tok_emb"]), x, grads),
     }
@@ -281,7 +303,7 @@ def test_param_groups_follow_the_hdf5_contract():
     shape = LlamaShape(vocab=50, seq_len=16, d_model=16, n_heads=4, n_blocks=3, d_ff=40, n_kv_heads=2,
                        head_dim=6, qkv_bias=True)
     assert (shape.head_dim, shape.q_width, shape.kv_width, shape.ff, shape.n_groups) == (6, 24, 12, 40, 5)
-    groups = param_groups(shape)
+    groups = [group_params(shape, i) for i in range(shape.n_groups)]
     assert groups[0] == [("tok_emb", (50, 16))]
     expect = {"attn_norm/weight": (16,), "attn/q/weight": (16, 24), "attn/k/weight": (16, 12),
               "attn/v/weight": (16, 12), "attn/o/weight": (24, 16), "attn/q/bias": (24,), "attn/k/bias": (12,),
@@ -320,11 +342,12 @@ def test_shape_rejects_bad_values(bad, message):
 def test_init_depends_on_seed_and_group_only():
     shape = LlamaShape(vocab=300, seq_len=64, d_model=64, n_heads=4, n_blocks=8, d_ff=128, n_kv_heads=2,
                        qkv_bias=True)
-    a, b = init_group(shape, 2, seed=5), init_group(shape, 2, seed=5)
+    model = LlamaModel(shape)
+    a, b = model.init_group(2, seed=5), model.init_group(2, seed=5)
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["attn/q/weight"], init_group(shape, 3, seed=5)["attn/q/weight"])
-    assert not np.array_equal(a["attn/q/weight"], init_group(shape, 2, seed=6)["attn/q/weight"])
-    assert a["attn/q/weight"].dtype == np.float32 and init_group(shape, 2, 5, "float64")["attn/k/weight"].dtype == \
+    assert not np.array_equal(a["attn/q/weight"], model.init_group(3, seed=5)["attn/q/weight"])
+    assert not np.array_equal(a["attn/q/weight"], model.init_group(2, seed=6)["attn/q/weight"])
+    assert a["attn/q/weight"].dtype == np.float32 and model.init_group(2, 5, "float64")["attn/k/weight"].dtype == \
         np.float64
     assert {k: v.shape for k, v in a.items()} == dict(group_params(shape, 2))
     assert (a["attn_norm/weight"] == 1).all() and (a["mlp_norm/weight"] == 1).all() and not a["attn/q/bias"].any()
@@ -332,16 +355,16 @@ def test_init_depends_on_seed_and_group_only():
         assert a[name].std() == pytest.approx(0.02, rel=0.1), name
     for name in ("attn/o/weight", "mlp/down/weight"):
         assert a[name].std() == pytest.approx(0.02 / math.sqrt(16), rel=0.1), name
-    assert init_group(shape, 0, seed=5)["tok_emb"].std() == pytest.approx(0.02, rel=0.05)
-    final = init_group(shape, 9, seed=5)
+    assert LlamaModel(shape).init_group(0, seed=5)["tok_emb"].std() == pytest.approx(0.02, rel=0.05)
+    final = LlamaModel(shape).init_group(9, seed=5)
     assert (final["norm/weight"] == 1).all() and final["head/weight"].std() == pytest.approx(0.02, rel=0.05)
-    model = Llama(shape, np, "float32", seed=5)
+    model = Decoder(LlamaModel(shape), np, "float32", seed=5)
     assert np.array_equal(model.params[2]["mlp/down/weight"], a["mlp/down/weight"])
 
 
 def test_build_layer_kinds_by_group():
     shape = LlamaShape(vocab=9, seq_len=4, d_model=8, n_heads=2, n_blocks=2, tied=True)
-    model = Llama(shape, np, "float64")
+    model = Decoder(LlamaModel(shape), np, "float64")
     assert [type(layer) for layer in model.layers] == [Embedding, Block, Block, OutputHead]
     assert model.layers[-1].tied
     with pytest.raises(ValueError, match="tied output head needs tok_emb"):
@@ -351,11 +374,11 @@ def test_build_layer_kinds_by_group():
 
 
 def test_compute_modules_use_only_xp():
-    # the layers run unchanged on CuPy: no NumPy import in a compute path (host-side init lives in llama_params)
+    # the layers run unchanged on CuPy: no NumPy import in a compute path (host-side init lives in the models)
     import ast
     from pathlib import Path
     nn = Path(__file__).resolve().parents[2] / "src" / "hpcpipe" / "nn"
-    for name in ("rmsnorm", "rope", "gqa_attention", "llama_layers"):
+    for name in ("core/norms", "core/rope", "core/attention", "core/mlps", "core/decoder"):
         for node in ast.walk(ast.parse((nn / f"{name}.py").read_text())):
             if isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] != "numpy" for a in node.names), name

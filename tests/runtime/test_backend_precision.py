@@ -78,8 +78,8 @@ class _NoFloat(np.ndarray):
 
 def _tp_params():
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import RankParameters
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.rank_parameters import RankParameters
+    from hpcpipe.nn.registry import model_def
     cfg = from_dict({"model": {"kind": "gpt", "vocab_size": 12, "seq_len": 4, "d_model": 8, "n_heads": 2,
                                "n_blocks": 2, "dtype": "float32"}, "parallel": {"pp": 1}})
     model = model_def(cfg)

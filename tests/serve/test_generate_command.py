@@ -125,7 +125,7 @@ def test_weights_without_a_tokenizer_or_of_an_mlp_are_refused(weights, tmp_path)
     proc, _ = generate(tmp_path, 1, bare, "hi", "--set", "parallel.pp=1")
     assert "has no tokenizer attribute" in one_error(proc)
     from hpcpipe.config import load_config
-    from hpcpipe.nn.model import init_layer, layer_specs
+    from hpcpipe.nn.mlp.model import init_layer, layer_specs
     from hpcpipe.state.weights import write_weights
     cfg = load_config(None, ["parallel.pp=1"])
     arrays = {s.index: dict(zip(("weight", "bias"), init_layer(s, 0), strict=True)) for s in layer_specs(cfg)}

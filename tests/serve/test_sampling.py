@@ -4,9 +4,10 @@ whatever the batch, the empirical distribution against softmax(logits / temperat
 import numpy as np
 import pytest
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 
 
@@ -60,10 +61,10 @@ def test_seeded_sampling_is_reproducible_and_depends_on_the_seed():
 def test_the_same_seed_gives_the_same_tokens_in_a_batch_and_alone():
     """Logits computed beside other sequences in one DecodeStage call give the same tokens as computed alone."""
     shape = GPTShape(vocab=31, seq_len=20, d_model=16, n_heads=2, n_blocks=2)
-    model = GPT(shape, dtype="float32", seed=4)
+    model = Decoder(GPTModel(shape), dtype="float32", seed=4)
     arrays = {i: {n: np.array(v) * 8 for n, v in g.items()} for i, g in enumerate(model.params)}
-    alone = DecodeStage(shape, range(shape.n_groups), arrays, np, "float32", slots=1)
-    batch = DecodeStage(shape, range(shape.n_groups), arrays, np, "float32", slots=4)
+    alone = DecodeStage(GPTModel(shape), range(shape.n_groups), arrays, np, "float32", slots=1)
+    batch = DecodeStage(GPTModel(shape), range(shape.n_groups), arrays, np, "float32", slots=4)
     params = SamplingParams(temperature=0.9, top_k=10, seed=21)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2]]
     samplers = [Sampler(params) for _ in prompts]

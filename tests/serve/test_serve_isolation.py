@@ -5,9 +5,10 @@ the next sequence uses it (no MPI: the pipeline's head at pp = 1 on a real Decod
 import numpy as np
 import pytest
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.serve.broker import Request
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.roles import Head, SamplerTable
@@ -77,10 +78,10 @@ def test_a_failed_sequence_ends_in_an_error_event_and_its_slot_is_cleared_for_th
 def test_a_poisoned_sequence_does_not_leak_into_the_next_sequence_of_its_slot():
     """A's logits are NaN (its token's embedding overflows); B reuses A's slot and decodes beside the longer C."""
     shape = GPTShape(vocab=32, seq_len=32, d_model=16, n_heads=2, n_blocks=2, tied=False)
-    model = GPT(shape, dtype="float32", seed=4)
+    model = Decoder(GPTModel(shape), dtype="float32", seed=4)
     model.params[0]["tok_emb"][5] = 3e38
     arrays = {i: {n: np.array(v) for n, v in g.items()} for i, g in enumerate(model.params)}
-    stage = DecodeStage(shape, range(shape.n_groups), arrays, np, "float32", slots=2)
+    stage = DecodeStage(GPTModel(shape), range(shape.n_groups), arrays, np, "float32", slots=2)
     scheduler = ReplicaScheduler(slots=2, groups=1, seq_len=shape.seq_len)
     events = []
     head = Head(stage, scheduler, None, 1, np, SamplerTable(lambda x: x), events.extend)

@@ -24,7 +24,7 @@ from support.launch import command, one_error, run, wait_until_gone
 from support.serve import CHARS, Server, encode, make_weights
 
 from hpcpipe import errors
-from hpcpipe.nn.gpt import GPT
+from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.runtime.launcher import RANK_VARIABLES, launcher_rank
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.sampling import SamplingParams
@@ -85,7 +85,7 @@ def rank_pids(marker: str, n: int, seconds: float = 30) -> dict[int, int]:
         time.sleep(0.1)
 
 
-def _write(path: Path, model: GPT, tokenizer: dict) -> None:
+def _write(path: Path, model: Decoder, tokenizer: dict) -> None:
     shape = model.shape
     groups = {i: {name: np.array(view) for name, view in model.params[i].items()} for i in range(shape.n_groups)}
     config = {"kind": "gpt", "vocab_size": shape.vocab, "seq_len": shape.seq_len, "d_model": shape.d_model,
@@ -95,7 +95,7 @@ def _write(path: Path, model: GPT, tokenizer: dict) -> None:
                   attrs={"tokenizer": json.dumps(tokenizer)})
 
 
-def poisoned(path: Path, rows: list[int] | None, tied: bool = True) -> GPT:
+def poisoned(path: Path, rows: list[int] | None, tied: bool = True) -> Decoder:
     """Float32 weights whose embedding rows (all when rows is None) are 3e38: finite, but they overflow."""
     model = make_weights(path, dtype="float32", tied=tied)
     model.params[0]["tok_emb"][slice(None) if rows is None else rows] = 3e38

@@ -98,7 +98,7 @@ def test_tied_copies_stay_identical_through_training(world, shared_tmp):
     comm = sub_world(world, 2)
     if comm is None:
         return
-    from hpcpipe.nn.model import TIED
+    from hpcpipe.nn.rank_parameters import TIED
     trainer = make_trainer(comm, _sections("", 1, 2, "1f1b", steps=4) | {"checkpoint": {"dir": ""}})
     for s in range(4):
         trainer.train_step(s)

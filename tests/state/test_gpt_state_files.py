@@ -16,9 +16,10 @@ from support.state import checkpoint_cli
 from hpcpipe.checkpoint import export, info, verify
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.gpt_params import GPTShape, group_params, init_group
-from hpcpipe.nn.model import layer_specs
-from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape, group_params
+from hpcpipe.nn.mlp.model import layer_specs
+from hpcpipe.nn.registry import model_specs
 from hpcpipe.state.kinds import check_kind, stored_config, stored_kind, stored_specs
 from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.sources import resolve_weights
@@ -33,7 +34,7 @@ MLP_SPECS = layer_specs(from_dict({"model": {"dims": [16, 16, 16, 16, 16]}, "par
 
 
 def _arrays(shape: GPTShape = SHAPE) -> dict[int, dict[str, np.ndarray]]:
-    return {i: init_group(shape, i, seed=4) for i in range(shape.n_groups)}
+    return {i: GPTModel(shape).init_group(i, seed=4) for i in range(shape.n_groups)}
 
 
 def _write(path: Path, arrays=None, model=None, **more) -> Path:

@@ -86,7 +86,7 @@ def _broken(path: Path, edit: Callable[[h5py.File], None]) -> Path:
 def _read_everything(path: Path) -> None:
     """What model.init, infer --weights, evaluate and generate do with a weights file: resolve, check, read."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import layer_specs
+    from hpcpipe.nn.mlp.model import layer_specs
 
     source = resolve_weights(path, "--weights")
     source.check(layer_specs(from_dict({"model": MODEL, "parallel": {"pp": 1}})), "--weights")

@@ -63,11 +63,12 @@ def test_gpt_checkpoint_verifies_describes_exports_and_evaluates(gpt_checkpoint)
     a, b = json.loads(from_ck.stdout), json.loads(from_file.stdout)
     assert a["loss_nats"] == b["loss_nats"] and a["step"] == b["step"] == 2 and a["n"] == 9 and a["tokens"] == 54
     # the same number from the exported groups through the sequential model, by hand
-    from hpcpipe.nn.gpt import GPT as Model
-    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.core.decoder_model import Decoder
+    from hpcpipe.nn.gpt.model import GPTModel
+    from hpcpipe.nn.gpt.shape import GPTShape
     from hpcpipe.state.weights import read_layers
     shape = GPTShape(11, 6, 8, 2, 2)
-    model = Model(shape, np, "float32")
+    model = Decoder(GPTModel(shape), np, "float32")
     for i, group in read_layers(root / "all.h5", [0, 1, 2, 3]).items():
         model.load_group(i, group)
     with h5py.File(root / "t.h5") as f:

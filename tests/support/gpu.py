@@ -104,15 +104,14 @@ def llama_config(vocab: int, seq_len: int = 32, d_model: int = 16, n_heads: int 
 def make_llama_weights(path: str | Path, seed: int = 3, **shape) -> Path:
     """Write a small Llama (chars tokenizer; weights drawn larger than at init, so greedy choices are clear)."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.llama_params import init_group
-    from hpcpipe.nn.model_spec import llama_shape
+    from hpcpipe.nn.llama.model import LlamaModel, llama_shape
     from hpcpipe.state.weights import write_weights
     config = llama_config(len(CHARS), **shape)
-    m = llama_shape(from_dict({"model": config, "parallel": {"pp": 1}}))
+    m = llama_shape(from_dict({"model": config, "parallel": {"pp": 1}}).model)
     rng = np.random.default_rng(seed)
     groups = {}
     for i in range(m.n_groups):
-        group = init_group(m, i, seed, config["dtype"])
+        group = LlamaModel(m).init_group(i, seed, config["dtype"])
         groups[i] = {k: v + (0.3 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in group.items()}
     write_weights(path, groups, n_layers=m.n_groups, model_config=config,
                   attrs={"tokenizer": json.dumps({"kind": "chars", "chars": CHARS})})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hpcpipe.config import from_dict
-from hpcpipe.nn.model_spec import model_def
+from hpcpipe.nn.registry import model_def
 from hpcpipe.plan.layer_profile import group_signature
 from hpcpipe.profiles.comm_model import CommModel
 from hpcpipe.profiles.profile import Profile

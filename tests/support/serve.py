@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcpipe.nn.gpt import GPT
-from hpcpipe.nn.gpt_params import GPTShape
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.gpt.model import GPTModel
+from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.state.weights import write_weights
 from support import ROOT, launchers
 from support.launch import command, run
@@ -23,7 +24,7 @@ CHARS = " abcdefghijklmnopqrstuvwxyz.,!?'"
 
 def make_weights(path: str | Path, *, tied: bool = True, dtype: str = "float64", seed: int = 3, seq_len: int = 32,
                  d_model: int = 16, n_blocks: int = 4, n_heads: int = 2, tokenizer: dict | None = None,
-                 vocab: int | None = None) -> GPT:
+                 vocab: int | None = None) -> Decoder:
     """Write a small GPT (weights drawn larger than at init, so its choices are far from uniform); return it.
 
     ``vocab`` (default: the tokenizer's) may exceed the tokenizer's: a model with ids no text maps to.
@@ -31,7 +32,7 @@ def make_weights(path: str | Path, *, tied: bool = True, dtype: str = "float64",
     tokenizer = tokenizer or {"kind": "chars", "chars": CHARS}
     vocab = vocab or (256 if tokenizer["kind"] == "bytes" else len(tokenizer["chars"]))
     shape = GPTShape(vocab=vocab, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks, tied=tied)
-    model = GPT(shape, np, dtype, seed=seed)
+    model = Decoder(GPTModel(shape), np, dtype, seed=seed)
     model.flat[...] += 0.3 * np.random.default_rng(seed).standard_normal(model.flat.shape).astype(dtype)
     groups = {i: {name: np.array(view) for name, view in model.params[i].items()} for i in range(shape.n_groups)}
     config = {"kind": "gpt", "vocab_size": vocab, "seq_len": seq_len, "d_model": d_model, "n_heads": n_heads,

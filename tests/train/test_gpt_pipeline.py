@@ -45,11 +45,12 @@ def _reference(tied: bool):
         import jax
         from support.gpt_reference import jax_gpt
 
-        from hpcpipe.nn.gpt_params import GPTShape, init_group
+        from hpcpipe.nn.gpt.model import GPTModel
+        from hpcpipe.nn.gpt.shape import GPTShape
 
         shape = GPTShape(MODEL["vocab_size"], MODEL["seq_len"], MODEL["d_model"], MODEL["n_heads"],
                          MODEL["n_blocks"], MODEL["d_ff"], tied)
-        groups = [init_group(shape, i, MODEL["seed"], "float64") for i in range(shape.n_groups)]
+        groups = [GPTModel(shape).init_group(i, MODEL["seed"], "float64") for i in range(shape.n_groups)]
         before = jax.config.jax_enable_x64
         jax.config.update("jax_enable_x64", True)
         try:

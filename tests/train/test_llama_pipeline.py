@@ -43,8 +43,8 @@ _REFERENCES: dict = {}
 
 def _shape(tied: bool):
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model_spec import llama_shape
-    return llama_shape(from_dict({"model": {**MODEL, "tie_embeddings": tied}, "parallel": {"pp": 1}}))
+    from hpcpipe.nn.llama.model import llama_shape
+    return llama_shape(from_dict({"model": {**MODEL, "tie_embeddings": tied}, "parallel": {"pp": 1}}).model)
 
 
 def _reference(tied: bool):
@@ -52,10 +52,10 @@ def _reference(tied: bool):
     if tied not in _REFERENCES:
         from support.llama_reference import torch_llama
 
-        from hpcpipe.nn.llama_params import init_group
+        from hpcpipe.nn.llama.model import LlamaModel
 
         shape = _shape(tied)
-        groups = [init_group(shape, i, MODEL["seed"], "float64") for i in range(shape.n_groups)]
+        groups = [LlamaModel(shape).init_group(i, MODEL["seed"], "float64") for i in range(shape.n_groups)]
         x, y = _tokens()
         loss, grads, _ = torch_llama(shape, groups, x.astype(np.int64), y.astype(np.int64))
         _REFERENCES[tied] = (loss, grads)

@@ -190,7 +190,7 @@ def _files(root):
 def _init_file(tmp_path, change):
     """A model.init file for dims [16]*3 (pp=2) with one dataset changed by change(h5py.File)."""
     from hpcpipe.config import from_dict
-    from hpcpipe.nn.model import initial_arrays, layer_specs
+    from hpcpipe.nn.mlp.model import initial_arrays, layer_specs
     from hpcpipe.state.weights import write_weights
     specs = layer_specs(from_dict({"model": {"dims": [16, 16, 16]}, "parallel": {"pp": 2}}))
     path = tmp_path / "w.h5"

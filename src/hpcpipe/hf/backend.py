@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpcpipe.nn.registry import KINDS
+
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 BACKEND, LLAMA, GPT2, QWEN2 = "TokenizersBackend", "LlamaTokenizer", "GPT2Tokenizer", "Qwen2Tokenizer"
-REGISTERED = {"gpt2": GPT2, "mistral": BACKEND, "qwen2": QWEN2}   # transformers' mapping (llama: none)
-FORCED = {"qwen2"}          # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: the registered class, whatever is declared
+# transformers' model_type -> tokenizer class mapping (llama: none), as each kind's Hugging Face map states it
+REGISTERED = {t: cls for k in KINDS.values() if k.hf is not None for t, cls in k.hf.tokenizer_classes.items()}
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: the registered class, whatever is declared
+FORCED = {t for k in KINDS.values() if k.hf is not None for t in k.hf.forced_tokenizer}
 CLASS_DEFAULTS = {LLAMA: {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
                   GPT2: {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
                   QWEN2: {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}}

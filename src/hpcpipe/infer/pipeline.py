@@ -30,8 +30,8 @@ from hpcpipe.infer.rows import (
 from hpcpipe.infer.setup import InferSetup, prepare
 from hpcpipe.infer.stop_outcome import StopRequested, stop_message
 from hpcpipe.infer.stream import StreamStage
-from hpcpipe.nn.layers import make_activation
-from hpcpipe.nn.model import layer_specs
+from hpcpipe.nn.core.activations import make_activation
+from hpcpipe.nn.registry import model_specs
 from hpcpipe.runtime.comm import (
     ABORT_GRACE_S,
     Poller,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 
 def _stage_layers(p: InferSetup, arrays: dict[int, dict[str, np.ndarray]], stage: int) -> list[tuple]:
-    specs = layer_specs(p.config)
+    specs = model_specs(p.config)
     dtype = p.config.model.dtype
     out = []
     for i in p.stage_ranges[stage]:

@@ -20,7 +20,8 @@ from hpcpipe.infer.rows import (
     check_input,
     check_output,
 )
-from hpcpipe.nn.model import layer_specs, partition
+from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import model_specs
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.state.kinds import restate_stored_model
 from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
@@ -87,7 +88,7 @@ def prepare(weights: str | Path, input: str | Path, output: str | Path, world_si
         raise ConfigError(f"inference runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
     dp, pp = resolve_layout(cfg, world_size)
-    specs = layer_specs(cfg)
+    specs = model_specs(cfg)
     ranges = partition(specs, pp, stage_counts(cfg, pp, cfg.infer.micro_batch_size, ("F",)))
     source.check(specs, "--weights")
     n_rows = check_input(input, cfg.infer.x, cfg.model.dims[0])

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.infer.rows import RowReader, RowWriter, micro_batch_rows
-from hpcpipe.nn.layers import Activation
+from hpcpipe.nn.core.activations import Activation
 from hpcpipe.runtime.stop_notice import StreamStopped, cancel_receive
 from hpcpipe.runtime.stream_link import StreamLink
 

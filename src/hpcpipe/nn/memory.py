@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcpipe.config import DECODERS, Config
-from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.nn.registry import model_def, model_specs
 from hpcpipe.schedule.ir import rank_stages
 
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -69,14 +69,12 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
     (at least one) and its part of every matrix (norms are replicated but small).
     """
-    from hpcpipe.nn.model_spec import decoder_shape
-
-    specs = model_specs(config)
-    shape = decoder_shape(config)
+    model = model_def(config)
+    specs, shape = model.specs, model.shape
     itemsize = ITEMSIZE[config.model.dtype]
     tp = config.parallel.tp
-    kv_heads = -(-getattr(shape, "n_kv_heads", shape.n_heads) // tp)
-    head_dim = getattr(shape, "head_dim", shape.d_model // shape.n_heads)
+    kv_heads = -(-shape.n_kv_heads // tp)
+    head_dim = shape.head_dim
     per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:

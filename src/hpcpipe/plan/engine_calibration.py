@@ -138,7 +138,7 @@ def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows:
 
 def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict]) -> dict[str, Any]:
     """One layout's runs averaged, as per-group factors over the profile (groups of a stage share its factor)."""
-    from hpcpipe.nn.model import layer_ranges
+    from hpcpipe.nn.partition import layer_ranges
 
     out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": [],
                            "sync_share": statistics.fmean(r["sync_share"] for r in runs)}

@@ -4,7 +4,7 @@
 in a process of its own, so that it computes with exactly the BLAS thread count a
 rank of the planned job gets (the planner sets the thread variables before NumPy
 loads). The layer groups run as one stage built with the engine's own layer code
-(:class:`hpcpipe.nn.model.RankParameters`), each distinct group (the MLP's hidden
+(:class:`hpcpipe.nn.rank_parameters.RankParameters`), each distinct group (the MLP's hidden
 layers, or a GPT's blocks, are one shape repeated) at most 4 times
 (:func:`bench_indices`), and each group is timed inside it at each micro-batch size:
 F (with the loss when it is the model's last group), the input-gradient half I, the
@@ -29,9 +29,9 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, Config, from_dict
 from hpcpipe.nn.memory import cache_bytes
-from hpcpipe.nn.model import RankParameters
-from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.nn.rank_parameters import RankParameters
+from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.rss import resident_bytes
 
 OPS = ("F", "I", "W", "B")

@@ -20,8 +20,8 @@ import numpy as np
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
-from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.nn.registry import model_def
 from hpcpipe.plan.layer_profile import bench_indices
 from hpcpipe.plan.report import size_text
 from hpcpipe.plan.search import divisors

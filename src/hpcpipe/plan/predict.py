@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from hpcpipe.config import DECODERS, Config
 from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
-from hpcpipe.nn.model import layer_ranges
-from hpcpipe.nn.model_spec import model_def
+from hpcpipe.nn.partition import layer_ranges
+from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.profile import Profile
 from hpcpipe.schedule.costs import Costs
 from hpcpipe.schedule.ir import rank_stages

@@ -37,7 +37,7 @@ PROFILE_ARRAY_BYTES = 128 << 20    # the widest activation a profiled micro-batc
 
 def largest_profiled_rows(config: Config) -> int:
     """The largest micro-batch the profile measures; larger ones are extrapolated (times affine, bytes linear)."""
-    from hpcpipe.nn.model_spec import model_def
+    from hpcpipe.nn.registry import model_def
 
     model = model_def(config)
     widest = max(math.prod(model.boundary(i, 1)[0]) for i in range(model.n_layers + 1))

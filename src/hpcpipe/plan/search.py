@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from hpcpipe.config import Config
 from hpcpipe.config_checks import tp_splits
 from hpcpipe.errors import ConfigError, ScheduleError
-from hpcpipe.nn.model import partition
-from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import model_specs
 from hpcpipe.plan.predict import Candidate, Prediction, Predictor
 from hpcpipe.profiles.profile import Profile
 from hpcpipe.profiles.stage_cut import measured_cut

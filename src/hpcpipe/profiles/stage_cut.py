@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model import partition
+from hpcpipe.nn.partition import partition
 from hpcpipe.profiles import cache as profile_cache
 from hpcpipe.profiles.comm_model import CommModel
 from hpcpipe.profiles.profile import Profile, default_cache_dir

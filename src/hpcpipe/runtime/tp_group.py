@@ -1,6 +1,6 @@
 """The tensor-parallel ranks of one stage as the layers use them: in-place sums and maxima over tp_comm.
 
-The layers (:mod:`hpcpipe.nn.tensor_parallel`) call ``sum_`` after a row-parallel product, for a
+The layers (:mod:`hpcpipe.nn.core.tensor_parallel`) call ``sum_`` after a row-parallel product, for a
 column-parallel input gradient and in the vocabulary-parallel lookup and loss; every call is on the
 critical path of its micro-batch, so each is timed (``seconds``, reported as ``tp_comm_s``) and, with
 tracing on, recorded. MPI is reached through :mod:`hpcpipe.runtime.comm`; waiting polls, never spins.

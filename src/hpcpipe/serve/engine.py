@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.decode import DecodeStage
-from hpcpipe.nn.sharding import decoder_shards
+from hpcpipe.nn.core.decode import DecodeStage
+from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
 from hpcpipe.runtime.faults import fault_step
@@ -61,12 +61,13 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
         # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
         setup.weights.half_embedding = True
     # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
-    shards = (lambda i, names: decoder_shards(setup.shape, i, names, tp.size, tp.rank)) if tp is not None else None
+    model = model_def(setup.config)
+    shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else None
     arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False, shards=shards).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
-        stage = DecodeStage(setup.shape, mine, arrays, backend.xp, setup.config.model.dtype,
+        stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype,
                             setup.config.serve.max_sequences, tok_emb=table, tp=tp)
     return stage
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.decode import Segment
+from hpcpipe.nn.core.decode import Segment
 
 PROBE_TOKENS = 16
 TAG_PROBE = 25      # (+1 carries the activations)

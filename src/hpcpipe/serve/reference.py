@@ -1,18 +1,18 @@
 """The sequential no-cache generation reference: every new token recomputes the whole prefix with the training forward.
 
 The pipelined, KV-cached engine is tested against it token for token, so it
-shares nothing with ``hpcpipe.nn.decode`` (only the model and the sampler).
+shares nothing with ``hpcpipe.nn.core.decode`` (only the model and the sampler).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hpcpipe.nn.gpt import GPT
+from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 
 
-def reference_generate(model: GPT, prompt: list[int], max_new: int, params: SamplingParams) -> list[int]:
+def reference_generate(model: Decoder, prompt: list[int], max_new: int, params: SamplingParams) -> list[int]:
     """Return up to ``max_new`` tokens after ``prompt``, stopping when prompt + generated reaches seq_len."""
     shape = model.shape
     if not prompt or len(prompt) > shape.seq_len:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decode import DecodeStage, Segment
 from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
 from hpcpipe.serve.quiet_log import RateLimitedLog

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcpipe.nn.decode import Segment
+from hpcpipe.nn.core.decode import Segment
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.sampling import SamplingParams
 

@@ -18,8 +18,8 @@ from typing import Any
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.memory import decode_rank_bytes
-from hpcpipe.nn.model import partition
-from hpcpipe.nn.model_spec import decoder_shape, model_specs
+from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
@@ -118,11 +118,12 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     if source.kind == "hf":
         source.dtype = cfg.model.dtype
     dp, pp = resolve_layout(cfg, world_size)
-    specs = model_specs(cfg)
+    model = model_def(cfg)
+    specs = model.specs
     # a decode step is a forward: "profile" balances the measured forwards
     ranges = partition(specs, pp, stage_counts(cfg, pp, max(1, cfg.serve.max_sequences // pp), ("F",)))
     source.check(specs, "--weights")
-    shape = decoder_shape(cfg)
+    shape = model.shape
     tokenizer = _tokenizer(source, given, shape.vocab)
     check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"

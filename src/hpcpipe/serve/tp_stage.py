@@ -5,7 +5,7 @@ front end, the broker, the scheduler and the pipeline messages are those of tp =
 tp rank 0's stage (``TPDriver``) first hands the call to the stage's other tp ranks (``TPWorker``): the
 rows and the stage's input (token ids, or the activation the previous stage's tp rank 0 sent; the next
 stage's tp rank 0 thus hands it on, the "root sends, the stage broadcasts" way of the tensor-parallel
-contract). Then every tp rank runs its part of the stage (hpcpipe.nn.decode with the TPGroup: the rank's
+contract). Then every tp rank runs its part of the stage (hpcpipe.nn.core.decode with the TPGroup: the rank's
 heads and KV cache, MLP columns and vocabulary rows, two allreduces per block), and on the head stage
 tp rank 0 gathers the vocabulary-parallel logits to sample from.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.decode import DecodeStage, Segment
-from hpcpipe.nn.sharding import vocab_range
+from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.sharding import vocab_range
 
 TAG_TP = 31      # (+1 carries the input)
 

@@ -20,7 +20,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import HFModel, read_hf_config
 from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
-from hpcpipe.nn.half_table import HalfTable
+from hpcpipe.nn.core.half_table import HalfTable
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
 from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
 
@@ -107,7 +107,7 @@ class HFSource:
         """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
 
         With ``half_embedding``, group 0's tok_emb stored in bfloat16 or float16 comes as a
-        :class:`hpcpipe.nn.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
+        :class:`hpcpipe.nn.core.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
         ``shards(index, names)``: read only this tensor-parallel rank's part of each tensor.
         """
         indices = list(indices)

@@ -15,7 +15,8 @@ from typing import Any
 
 from hpcpipe.config import DECODERS, KIND_KEYS, KIND_NAMES, Config, from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.model_spec import model_specs
+from hpcpipe.nn.registry import KINDS as KIND_REGISTRY
+from hpcpipe.nn.registry import model_specs
 
 KINDS = tuple(KIND_KEYS)
 
@@ -76,12 +77,13 @@ def restate_stored_model(raw: dict[str, Any], stored: dict[str, Any], label: str
 def restate_stored_shape(raw: dict[str, Any], source: Any) -> dict[str, Any]:
     """Return raw config sections with the stored model's kind, shape keys and dtype (restate_stored_model).
 
-    A Llama-family Hugging Face model's ``seq_len`` (its config.json's max_position_embeddings) may be set
-    shorter: RoPE has no position table, and a generation's KV cache and a training window are seq_len long.
+    A Hugging Face model's ``seq_len`` (its config.json's max_position_embeddings) may be set shorter when its
+    kind's seq_len sizes no parameter (RoPE has no position table): a generation's KV cache and a training
+    window are seq_len long.
     """
     kind = stored_kind(source.model, source.describe())
     keys = ("kind", *KIND_KEYS[kind], "dtype")
-    shorter = getattr(source, "kind", "") == "hf" and kind == "llama"
+    shorter = getattr(source, "kind", "") == "hf" and KIND_REGISTRY[kind].seq_len_free
     if shorter:
         keys = tuple(k for k in keys if k != "seq_len")
     raw = restate_stored_model(raw, source.model, source.describe(), keys)

@@ -318,7 +318,7 @@ def _cut(f: h5py.File, group: str, label: str, index: int, shards: Any) -> dict[
 def read_layers(path: str | Path, indices: list[int], shards: Any = None) -> LayerArrays:
     """Read the given global layers from an hpcpipe file; ConfigError naming the file on any corruption.
 
-    ``shards(index, names)`` ({name: hpcpipe.nn.sharding.Shard}, tensor parallelism): read only this rank's
+    ``shards(index, names)`` ({name: hpcpipe.nn.core.sharding.Shard}, tensor parallelism): read only this rank's
     part of each dataset, as hyperslabs.
     """
     label = f"weights file {str(path)!r}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcpipe.nn.memory import cache_bytes
-from hpcpipe.nn.model import RankParameters
+from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.runtime.comm import PipeComm
 from hpcpipe.schedule.ir import Action, PipeShape
 

@@ -19,8 +19,8 @@ from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink
 from hpcpipe.nn.memory import ITEMSIZE, MemoryEstimate, estimate_rank_bytes
-from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.nn.registry import model_specs
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
 from hpcpipe.state import checkpoint_dir as cf

@@ -14,9 +14,9 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, KIND_KEYS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError, ScheduleError
-from hpcpipe.nn.model import partition
-from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import make_optimizer
+from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError
-from hpcpipe.nn.model import RankParameters
-from hpcpipe.nn.model_spec import model_def
 from hpcpipe.nn.optim import clip_factor, make_optimizer
+from hpcpipe.nn.rank_parameters import RankParameters
+from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
 from hpcpipe.runtime.faults import nan_injection

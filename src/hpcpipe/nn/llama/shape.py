@@ -1,11 +1,10 @@
-"""Llama parameter groups (the HDF5 layer contract) and their deterministic initial values.
+"""The llama kind's shape and parameter groups: the HDF5 layer contract of a Llama-family decoder.
 
 Group 0 is the token embedding (``tok_emb``; positions enter through RoPE, not
 a table), groups 1..n_blocks the decoder blocks, group n_blocks + 1 the final
 RMSNorm and, when the head is untied, its own ``head/weight``. Names inside a
 group are the HDF5 paths below ``/layers/NNNN/``; weights are stored (in, out),
-``y = x @ weight``, as everywhere in hpcpipe. Initial values depend only on
-(seed, group index) and the model's shape, never on the layout.
+``y = x @ weight``, as everywhere in hpcpipe.
 
 The same shape describes Llama 2/3.x, Mistral, Qwen2 (``qkv_bias``), SmolLM and
 TinyLlama: grouped-query attention with ``n_kv_heads`` key/value heads shared by
@@ -17,13 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 
-from hpcpipe.nn.rope import check_scaling
-
-INIT_STD = 0.02
+from hpcpipe.nn.core.decoder_model import DecoderShape, positive_int
+from hpcpipe.nn.core.rope import check_scaling
 
 
 def default_ff(d_model: int) -> int:
@@ -31,29 +29,16 @@ def default_ff(d_model: int) -> int:
     return (int(8 * d_model / 3) + 255) // 256 * 256
 
 
-def _positive_int(name: str, value: Any, zero_ok: bool = False) -> None:
-    low = 0 if zero_ok else 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        hint = " (or 0 for the default)" if zero_ok else ""
-        raise ValueError(f"llama {name} must be a positive integer{hint}, got {value!r}")
-
-
 @dataclass(frozen=True)
-class LlamaShape:
+class LlamaShape(DecoderShape):
     """The shape of a Llama-family decoder.
 
     ``n_kv_heads`` 0 means n_heads (plain multi-head attention) and ``head_dim`` 0 means
     d_model // n_heads; both are resolved on construction. ``d_ff`` 0 means Meta's
     width (:func:`default_ff`). ``rope_scaling`` is None or a dict as Hugging Face
-    configs hold it (see :func:`hpcpipe.nn.rope.check_scaling`); it takes no part in the hash.
+    configs hold it (see :func:`hpcpipe.nn.core.rope.check_scaling`); it takes no part in the hash.
     """
 
-    vocab: int
-    seq_len: int
-    d_model: int
-    n_heads: int
-    n_blocks: int
-    d_ff: int = 0
     tied: bool = False
     n_kv_heads: int = 0
     head_dim: int = 0
@@ -62,11 +47,13 @@ class LlamaShape:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
 
+    label: ClassVar[str] = "llama"
+    ff_default: ClassVar[str] = "the default"
+
     def __post_init__(self):
-        for name in ("vocab", "seq_len", "d_model", "n_heads", "n_blocks"):
-            _positive_int(name, getattr(self, name))
-        for name in ("d_ff", "n_kv_heads", "head_dim"):
-            _positive_int(name, getattr(self, name), zero_ok=True)
+        super().__post_init__()
+        for name, zero in (("n_kv_heads", "n_heads"), ("head_dim", "d_model / n_heads")):
+            positive_int(self.label, name, getattr(self, name), zero)
         for name in ("tied", "qkv_bias"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise ValueError(f"llama {name} must be true or false, got {getattr(self, name)!r}")
@@ -101,11 +88,6 @@ class LlamaShape:
     def ff(self) -> int:
         """Width of the MLP's hidden layer (gate and up outputs)."""
         return self.d_ff or default_ff(self.d_model)
-
-    @property
-    def n_groups(self) -> int:
-        """Number of layer groups: embedding, blocks, final norm + head."""
-        return self.n_blocks + 2
 
     @property
     def q_width(self) -> int:
@@ -146,29 +128,3 @@ def group_params(shape: LlamaShape, index: int) -> list[tuple[str, tuple[int, ..
         return block_params(shape)
     final = [("norm/weight", (d,))]
     return final if shape.tied else final + [("head/weight", (d, shape.vocab))]
-
-
-def param_groups(shape: LlamaShape) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Return every group's parameter names and shapes, group 0 (embedding) to n_blocks + 1 (final)."""
-    return [group_params(shape, i) for i in range(shape.n_groups)]
-
-
-def init_group(shape: LlamaShape, index: int, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """Return group ``index``'s initial parameters, drawn from (seed, index) only.
-
-    Matrices and the embedding are normal with std 0.02, the two residual projections
-    (attn/o, mlp/down) scaled by 1 / sqrt(2 n_blocks) as the GPT's; biases 0; norm weights 1.
-    """
-    rng = np.random.default_rng([seed, index])
-    proj_std = INIT_STD / math.sqrt(2 * shape.n_blocks)
-    out = {}
-    for name, dims in group_params(shape, index):
-        if name.endswith("bias"):
-            value = np.zeros(dims)
-        elif "norm/" in name:
-            value = np.ones(dims)
-        else:
-            std = proj_std if name in ("attn/o/weight", "mlp/down/weight") else INIT_STD
-            value = rng.standard_normal(dims) * std
-        out[name] = value.astype(dtype)
-    return out

@@ -6,10 +6,10 @@ block, a key and a value cache of shape (slots, n_kv_heads, seq_len, head_dim)
 of it holds the key (value) of that sequence's token j. Each ``forward`` call
 runs the stage over the new tokens of several sequences (``Segment``: slot,
 start, length), writes their keys and values at positions [start, start +
-length) and attends causally over [0, start + length). The kind's steps
-(``decode_gpt.GPTSteps``, ``decode_llama.LlamaSteps``) run the training layers'
+length) and attends causally over [0, start + length). The model's steps
+(:class:`hpcpipe.nn.core.decode_steps.DecoderSteps`) run the training layers'
 forward without gradients once over the rows of every segment; this module is
-the kind-neutral part: segments, planning, cache writes, gather, masks and
+the attention part: segments, planning, cache writes, gather, masks and
 softmax. Query head i attends with key/value head i // (n_heads / n_kv_heads):
 the queries of one kv head are handled as one block, so the products run per
 kv head with no repeated keys or values. Decode segments (length 1) share one
@@ -25,11 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.decode_gpt import GPTSteps
-from hpcpipe.nn.decode_llama import LlamaSteps
-from hpcpipe.nn.gpt_params import GPTShape
-from hpcpipe.nn.half_table import HalfTable
-from hpcpipe.nn.llama_params import LlamaShape
+from hpcpipe.nn.core.decode_steps import DecoderSteps
+from hpcpipe.nn.core.half_table import HalfTable
 
 # decode slots spread over at most this many times their count are read in place, wider ones gathered
 _IN_PLACE_SPAN = 1.5
@@ -81,27 +78,21 @@ def _all(rows: Any) -> Any:
     return slice(None) if rows is None else rows
 
 
-def kind_steps(shape: GPTShape | LlamaShape, xp: Any, tp: Any = None) -> GPTSteps | LlamaSteps:
-    """Return the per-kind steps (embedding, block, head) for a model's shape (``tp``: the stage's tp group)."""
-    if isinstance(shape, LlamaShape):
-        return LlamaSteps(shape, xp, tp)
-    if isinstance(shape, GPTShape):
-        return GPTSteps(shape, xp, tp)
-    raise ValueError(f"decode stage: no KV-cached decoding for a model shape of type {type(shape).__name__}")
-
-
 class DecodeStage:
     """Layer groups ``groups`` (a range of group indices, e.g. range(0, 3)) of a decoder, with a KV cache per block.
 
-    The kind follows the shape: a ``GPTShape`` (GPT) or a ``LlamaShape`` (Llama). With a tensor-parallel
-    group ``tp`` (hpcpipe.nn.tensor_parallel.Group) ``arrays`` hold the rank's parts of each parameter
-    (hpcpipe.nn.sharding), the cache the rank's key/value heads, and the head stage returns the logits of
+    ``model``: the decoder's model (hpcpipe.nn.core.decoder_model.DecoderModel, any kind). With a tensor-parallel
+    group ``tp`` (hpcpipe.nn.core.tensor_parallel.Group) ``arrays`` hold the rank's parts of each parameter
+    (hpcpipe.nn.core.sharding), the cache the rank's key/value heads, and the head stage returns the logits of
     the rank's token ids only; every tp rank of the stage calls ``forward`` with the same tokens and rows.
     """
 
-    def __init__(self, shape: GPTShape | LlamaShape, groups: range, arrays: dict[int, dict[str, np.ndarray]],
+    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, np.ndarray]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None):
-        self.steps = kind_steps(shape, xp, tp)
+        if not hasattr(model, "local_heads"):
+            raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
+        shape = model.shape
+        self.steps = DecoderSteps(model, xp, tp)
         if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
                 or groups.start < 0 or groups.stop > shape.n_groups:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")

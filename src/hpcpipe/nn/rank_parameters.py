@@ -1,122 +1,19 @@
-"""Model: Config.model -> global layer list -> contiguous stages -> this rank's parameters.
+"""A pipeline rank's share of a model: its stages' layers, and their parameters in one flat buffer.
 
-Initial weights depend only on (model.seed, global layer index), never on the
-layout, so every (dp, pp, schedule) builds the identical model. All of a
-rank's parameters live in one flat buffer (and gradients in another) so that
-the data-parallel average and the optimizer are one call each.
+All of a rank's parameters live in one flat buffer (and gradients in another) so that the
+data-parallel average and the optimizer are one call each; each layer gets views of its own.
+Initial weights depend only on (model.seed, global layer index), never on the layout, so every
+(dp, pp, tp, schedule) builds the identical model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hpcpipe.config import Config
-from hpcpipe.errors import ConfigError
+from hpcpipe.nn.core.sharding import assemble
 from hpcpipe.nn.protocol import Layer
-from hpcpipe.nn.sharding import assemble
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Shape and activation of one global layer."""
-
-    index: int
-    fan_in: int
-    fan_out: int
-    bias: bool
-    activation: str
-
-    kind = "mlp"
-
-    @property
-    def n_params(self) -> int:
-        """Number of scalars in weight and bias."""
-        return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter names and shapes: weight (in, out) and, with biases, bias (out,)."""
-        shapes: dict[str, tuple[int, ...]] = {"weight": (self.fan_in, self.fan_out)}
-        if self.bias:
-            shapes["bias"] = (self.fan_out,)
-        return shapes
-
-    @property
-    def cost(self) -> int:
-        """Multiply-adds per sample of the forward (what the stage partition balances)."""
-        return self.fan_in * self.fan_out
-
-    @property
-    def act_elements(self) -> int:
-        """Upper bound of the elements per sample the layer caches for its backward: its input and output."""
-        return self.fan_in + self.fan_out
-
-
-def layer_specs(config: Config) -> list[LayerSpec]:
-    """Return every global layer of the configured MLP, in order."""
-    m = config.model
-    n = len(m.dims) - 1
-    return [LayerSpec(i, m.dims[i], m.dims[i + 1], m.bias,
-                      m.activation if (i < n - 1 or m.final_activation) else "identity")
-            for i in range(n)]
-
-
-def init_layer(spec: LayerSpec, seed: int, dtype: str = "float32") -> tuple[np.ndarray, np.ndarray | None]:
-    """Return (weight, bias) of a layer drawn from (seed, global index) only: He normal, zero bias."""
-    rng = np.random.default_rng([seed, spec.index])
-    gain = 2.0 if spec.activation == "relu" else 1.0
-    weight = rng.standard_normal((spec.fan_in, spec.fan_out)) * np.sqrt(gain / spec.fan_in)
-    bias = np.zeros(spec.fan_out) if spec.bias else None
-    return weight.astype(dtype), (bias.astype(dtype) if bias is not None else None)
-
-
-def partition(specs: list[LayerSpec], n_stages: int, explicit: list[int] | tuple[int, ...] = ()) -> list[range]:
-    """Split layers into n_stages contiguous ranges, minimising the largest stage's FLOPs.
-
-    ``explicit`` (layers per stage) overrides the balancing.
-    """
-    n = len(specs)
-    if not 1 <= n_stages <= n:
-        raise ConfigError(f"cannot cut {n} layers into {n_stages} stages (need 1 <= stages <= layers)")
-    if explicit:
-        if len(explicit) != n_stages or sum(explicit) != n or min(explicit) < 1:
-            raise ConfigError(f"stage layer counts {list(explicit)} do not split {n} layers into {n_stages} stages")
-        counts = list(explicit)
-    else:
-        cost = [s.cost for s in specs]
-        prefix = [0]
-        for c in cost:
-            prefix.append(prefix[-1] + c)
-        # best[k][i]: smallest achievable max-stage cost for the first i layers in k stages
-        inf = float("inf")
-        best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-        cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-        best[0][0] = 0
-        for k in range(1, n_stages + 1):
-            for i in range(k, n - (n_stages - k) + 1):
-                for j in range(k - 1, i):
-                    value = max(best[k - 1][j], prefix[i] - prefix[j])
-                    if value < best[k][i]:
-                        best[k][i], cut[k][i] = value, j
-        counts, i = [], n
-        for k in range(n_stages, 0, -1):
-            j = cut[k][i]
-            counts.append(i - j)
-            i = j
-        counts.reverse()
-    return layer_ranges(counts)
-
-
-def layer_ranges(counts: list[int] | tuple[int, ...]) -> list[range]:
-    """Layer ranges of consecutive stages with the given layer counts."""
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append(range(start, start + c))
-        start += c
-    return ranges
 
 
 class StageModule:
@@ -174,7 +71,7 @@ TIED = -1   # views key of a tok_emb copy held by the last stage when the first 
 class RankParameters:
     """Flat parameter/gradient buffers of all stages one pipeline rank owns, with per-parameter views.
 
-    ``model`` is an nn.model_spec.ModelDef. A tied GPT head on a rank without the
+    ``model`` is an hpcpipe.nn.model_def.ModelDef. A tied GPT head on a rank without the
     embedding reads its own copy of tok_emb (views key ``TIED``): it is in the flat
     buffers, so the optimizer updates it exactly as the embedding's, and the engine
     sums its gradient with the first stage's every step; it is never saved.
@@ -338,13 +235,3 @@ class RankParameters:
     def export_grads(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's gradients by global layer index."""
         return {i: {name: self.host(self.grad_of(i, name)) for name in self.views[i]} for i in self.layer_indices()}
-
-
-def initial_arrays(specs: list[LayerSpec], indices: list[int], seed: int,
-                   dtype: str) -> dict[int, dict[str, np.ndarray]]:
-    """Return the deterministic initial weights of the given global layers."""
-    out = {}
-    for i in indices:
-        w, b = init_layer(specs[i], seed, dtype)
-        out[i] = {"weight": w} if b is None else {"weight": w, "bias": b}
-    return out

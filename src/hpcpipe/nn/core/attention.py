@@ -1,0 +1,229 @@
+"""Causal grouped-query self-attention over a kind's q/k/v projections, hand-written forward and split backward.
+
+With H query heads, K key/value heads, G = H / K and head width hd (GPT: K = H, no RoPE)::
+
+    q, k, v = the kind's projections of u       (rows; head i = columns i*hd:(i+1)*hd of each)
+    q, k = rope(q), rope(k)                     (at positions 0..T-1, when the kind rotates: hpcpipe.nn.core.rope)
+    query head i attends with key/value head i // G:
+        p = softmax(causal(q_i k_{i//G}^T / sqrt(hd))),  out_i = p v_{i//G}
+    y = concat(out_0 .. out_{H-1}) @ Wo
+
+Two projections: :class:`FusedQKV` (GPT-2's ``attn/qkv``: q | k | v as column blocks of one matrix, q, k
+and v views of its output) and :class:`SplitQKV` (Llama's ``attn/{q,k,v}``, optional biases). Query head
+i = kv * G + g, so the queries of one kv head are the contiguous block (G, T, hd) of a (b, K, G, T, hd)
+array; seen as (b, K, G*T, hd), the products run as one GEMM per (sample, kv head) against that head's
+keys and values, with no repeated copy of K or V. Backward: the gradients of the G query heads sharing a
+kv head are summed by the same products; the softmax row sums use sum_j p_ij dp_ij = dout_i . out_i (no
+(b, H, T, T) product); RoPE's backward is the transpose rotation. With tensor parallelism a rank holds
+its heads' q, k and v columns (column-parallel: one sum of their input gradients) and their rows of the
+output projection (row-parallel: its partial output summed before any bias).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hpcpipe.nn.core.dense import linear, rows
+from hpcpipe.nn.core.rope import Rope, rotate
+from hpcpipe.nn.core.tensor_parallel import is_split
+
+
+class FusedQKV:
+    """``u @ Wqkv + bqkv`` split into q | k | v column blocks (``prefix/qkv``): q, k and v are views of one output."""
+
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str, tp: Any):
+        self.dense = linear(params, grads, f"{prefix}/qkv", xp, reduce_input_grad=tp if is_split(tp) else None)
+        self.xp = xp
+        self.weight = self.dense.weight
+
+    def forward(self, x: Any) -> tuple[Any, Any, Any, Any]:
+        """Return (q, k, v, cache) for input rows x; q, k, v are (rows, width) views of one product."""
+        qkv, cache = self.dense.forward(x)
+        w = qkv.shape[1] // 3
+        return qkv[:, :w], qkv[:, w:2 * w], qkv[:, 2 * w:], cache
+
+    def forward_cache(self, x: Any) -> Any:
+        """Return only the cache of forward(x): the input rows."""
+        return self.dense.forward_cache(x)
+
+    def grad_buffers(self, b: int, t: int, n_heads: int, n_kv: int, hd: int, dtype: Any) -> tuple:
+        """Return (dq, dk, dv, whole): (b, t, heads, hd) views of one (b, t, 3, H, hd) buffer (qkv's row layout)."""
+        whole = self.xp.empty((b, t, 3, n_heads, hd), dtype=dtype)
+        return whole[:, :, 0], whole[:, :, 1], whole[:, :, 2], whole
+
+    def backward_input(self, cache: Any, grads: tuple, need_input_grad: bool) -> tuple[Any, Any]:
+        """Return (dL/dx or None, state for backward_weight) from grad_buffers' arrays, filled."""
+        whole = grads[3]
+        return self.dense.backward_input(cache, whole.reshape(-1, whole[0, 0].size), need_input_grad)
+
+    def backward_weight(self, cache: Any, state: Any) -> None:
+        """Accumulate the gradients of prefix/qkv."""
+        self.dense.backward_weight(cache, state)
+
+
+class SplitQKV:
+    """Three projections ``prefix/{q,k,v}`` (+ biases when ``bias``), with one tp sum of their input gradients."""
+
+    def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str, tp: Any,
+                 bias: bool = False):
+        self.q = linear(params, grads, f"{prefix}/q", xp, bias=bias)
+        self.k = linear(params, grads, f"{prefix}/k", xp, bias=bias)
+        self.v = linear(params, grads, f"{prefix}/v", xp, bias=bias)
+        self.tp = tp if is_split(tp) else None
+        self.xp = xp
+        self.weight = self.q.weight
+
+    def forward(self, x: Any) -> tuple[Any, Any, Any, Any]:
+        """Return (q, k, v, cache) for input rows x."""
+        q, c_q = self.q.forward(x)
+        k, c_k = self.k.forward(x)
+        v, c_v = self.v.forward(x)
+        return q, k, v, (c_q, c_k, c_v)
+
+    def forward_cache(self, x: Any) -> Any:
+        """Return only the cache of forward(x): the input rows, once per projection."""
+        return tuple(layer.forward_cache(x) for layer in (self.q, self.k, self.v))
+
+    def grad_buffers(self, b: int, t: int, n_heads: int, n_kv: int, hd: int, dtype: Any) -> tuple:
+        """Return fresh (dq, dk, dv, None) of shapes (b, t, H, hd), (b, t, K, hd), (b, t, K, hd)."""
+        xp = self.xp
+        return (xp.empty((b, t, n_heads, hd), dtype=dtype), xp.empty((b, t, n_kv, hd), dtype=dtype),
+                xp.empty((b, t, n_kv, hd), dtype=dtype), None)
+
+    def backward_input(self, cache: Any, grads: tuple, need_input_grad: bool) -> tuple[Any, Any]:
+        """Return (dL/dx or None, state for backward_weight) from grad_buffers' arrays, filled."""
+        dq, dk, dv, _ = grads
+        n = dq.shape[0] * dq.shape[1]
+        gx, dz_q = self.q.backward_input(cache[0], dq.reshape(n, -1), need_input_grad)
+        gx_k, dz_k = self.k.backward_input(cache[1], dk.reshape(n, -1), need_input_grad)
+        gx_v, dz_v = self.v.backward_input(cache[2], dv.reshape(n, -1), need_input_grad)
+        if need_input_grad:
+            gx += gx_k
+            gx += gx_v
+            if self.tp is not None:
+                self.tp.sum_(gx)
+        return gx, (dz_q, dz_k, dz_v)
+
+    def backward_weight(self, cache: Any, state: Any) -> None:
+        """Accumulate the gradients of prefix/{q,k,v} (and their biases)."""
+        for layer, c, dz in zip((self.q, self.k, self.v), cache, state, strict=True):
+            layer.backward_weight(c, dz)
+
+
+class CausalAttention:
+    """Attention ``prefix/...`` over (micro-batch, T, d) activations: a q/k/v projection, optional RoPE, ``o``."""
+
+    def __init__(self, qkv: FusedQKV | SplitQKV, o: Any, n_heads: int, n_kv_heads: int, head_dim: int,
+                 rope: Rope | None, xp: Any):
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"attention n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+        width = o.weight.shape[0]           # this rank's heads' width
+        if width != n_heads * head_dim:
+            raise ValueError(f"attention width {width} does not match n_heads {n_heads} of head_dim {head_dim} "
+                             f"(this rank's heads)")
+        self.qkv, self.o, self.rope, self.xp = qkv, o, rope, xp
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.group = n_heads // n_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self._masks: dict[int, Any] = {}
+
+    def _future(self, t: int) -> Any:
+        # True above the diagonal: the keys a query may not see
+        mask = self._masks.get(t)
+        if mask is None:
+            mask = self._masks[t] = self.xp.triu(self.xp.ones((t, t), dtype=bool), k=1)
+        return mask
+
+    def _tables(self, t: int) -> tuple[Any, Any]:
+        # (t, 1, hd/2): broadcast over the heads of a (b, t, heads, hd) block
+        cos, sin = self.rope.tables(t)
+        return cos[:, None], sin[:, None]
+
+    def _head_major(self, x: Any, b: int, t: int, heads: int, cos_sin: Any) -> Any:
+        """(b*t, heads*hd) rows as (b, heads, t, hd): rotated into a fresh buffer with RoPE, else a view."""
+        hd = self.head_dim
+        blocks = x.reshape(b, t, heads, hd)
+        if cos_sin is None:
+            return blocks.transpose(0, 2, 1, 3)
+        out = self.xp.empty((b, heads, t, hd), dtype=x.dtype)
+        # the rotation writes straight into the head-major layout the products read: no separate transpose
+        rotate(self.xp, blocks, *cos_sin, out=out.transpose(0, 2, 1, 3))
+        return out
+
+    def _heads(self, u: Any) -> tuple[Any, tuple]:
+        """Return (the concatenated heads as (b*t, H*hd) rows, the cache without the output projection's)."""
+        xp = self.xp
+        b, t, _ = u.shape
+        n_h, n_kv, g, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
+        q, k, v, c_qkv = self.qkv.forward(rows(u))
+        cos_sin = None if self.rope is None else self._tables(t)
+        qr = self._head_major(q, b, t, n_h, cos_sin).reshape(b, n_kv, g * t, hd)
+        kr = self._head_major(k, b, t, n_kv, cos_sin)
+        vh = v.reshape(b, t, n_kv, hd).transpose(0, 2, 1, 3)
+        scores = qr @ kr.swapaxes(-1, -2)                                 # (b, K, G*t, t)
+        scores *= self.scale
+        # in place: no second (b, H, t, t) array
+        xp.copyto(scores.reshape(b, n_kv, g, t, t), -xp.inf, where=self._future(t))
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = xp.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        heads = (p @ vh).reshape(b, n_h, t, hd).transpose(0, 2, 1, 3).reshape(b * t, n_h * hd)
+        return heads, (c_qkv, qr, kr, vh, p)
+
+    def forward(self, u: Any) -> tuple[Any, tuple]:
+        """Return (attention output, cache) for a (micro-batch, T, d) block."""
+        heads, cache = self._heads(u)
+        y, c_o = self.o.forward(heads)
+        return y.reshape(*u.shape[:2], -1), (*cache, c_o)
+
+    def forward_cache(self, u: Any) -> tuple:
+        """Return only the cache of forward(u) (recomputation): the output projection is not computed."""
+        heads, cache = self._heads(u)
+        return (*cache, self.o.forward_cache(heads))
+
+    def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple]:
+        """Return (dL/du or None, (projection state, dL/dy rows)) for backward_weight."""
+        xp = self.xp
+        c_qkv, qr, kr, vh, p, c_o = cache
+        b, t = g.shape[:2]
+        n_h, n_kv, grp, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
+        g_heads, dz_o = self.o.backward_input(c_o, rows(g))             # (b*t, H*hd)
+        # softmax backward row sums: sum_j p_ij (dout_i . v_j) = dout_i . out_i, from (b, t, H, hd) arrays
+        row_dot = (g_heads * c_o[0]).reshape(b, t, n_kv, grp, hd).sum(axis=-1)
+        row_dot = row_dot.transpose(0, 2, 3, 1).reshape(b, n_kv, grp * t, 1)
+        g_out = xp.ascontiguousarray(g_heads.reshape(b, t, n_kv, grp, hd).transpose(0, 2, 3, 1, 4))
+        g_out = g_out.reshape(b, n_kv, grp * t, hd)
+        grads = self.qkv.grad_buffers(b, t, n_h, n_kv, hd, g.dtype)
+        dq, dk, dv = grads[:3]
+        # p^T @ dout sums the G query heads of each kv head; written in the (b, t, K, hd) row layout
+        xp.matmul(p.swapaxes(-1, -2), g_out, out=dv.transpose(0, 2, 1, 3))
+        gs = g_out @ vh.swapaxes(-1, -2)                                  # (b, K, G*t, t)
+        gs -= row_dot
+        gs *= p                                                           # masked entries: p == 0
+        gs *= self.scale
+        if self.rope is None and grp == 1:      # written straight into the row layout, as dv
+            xp.matmul(gs, kr, out=dq.transpose(0, 2, 1, 3))
+            xp.matmul(gs.swapaxes(-1, -2), qr, out=dk.transpose(0, 2, 1, 3))
+        else:
+            g_qr = (gs @ kr).reshape(b, n_h, t, hd).transpose(0, 2, 1, 3)  # (b, t, H, hd)
+            g_kr = (gs.swapaxes(-1, -2) @ qr).transpose(0, 2, 1, 3)        # (b, t, K, hd), summed over the group
+            if self.rope is None:
+                dq[...], dk[...] = g_qr, g_kr
+            else:
+                cos, sin = self._tables(t)
+                rotate(xp, g_qr, cos, sin, out=dq, inverse=True)
+                rotate(xp, g_kr, cos, sin, out=dk, inverse=True)
+        gu, s_qkv = self.qkv.backward_input(c_qkv, grads, need_input_grad)
+        return (None if gu is None else gu.reshape(b, t, -1)), (s_qkv, dz_o)
+
+    def backward_weight(self, cache: tuple, state: tuple) -> None:
+        """Accumulate the gradients of the projections (and their biases) and of the output projection."""
+        self.qkv.backward_weight(cache[0], state[0])
+        self.o.backward_weight(cache[5], state[1])
+
+    def backward(self, cache: tuple, g: Any, need_input_grad: bool = True) -> Any:
+        """Accumulate the weight gradients and return dL/du."""
+        gu, state = self.backward_input(cache, g, need_input_grad)
+        self.backward_weight(cache, state)
+        return gu

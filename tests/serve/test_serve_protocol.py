@@ -1,8 +1,16 @@
-"""The serving wire protocol (hpcpipe.serve.protocol): every message pickles to itself cheaply, tags never collide."""
+"""The serving wire protocol (hpcpipe.serve.protocol): every message pickles to itself cheaply, tags never
+collide, and every replica's head (replica 0's on rank 0 included) is driven and heard through messages.
+
+The dispatcher and the controllers run here over an in-process stand-in of the world's mailboxes, which
+delivers a message only when its receiver polls for it, as MPI does (sends to the own rank included).
+The same loop over the real Mailbox runs at any rank count in test_serve_protocol_mpi.py.
+"""
 
 from __future__ import annotations
 
 import pickle
+import time
+from collections import defaultdict, deque
 from dataclasses import fields
 
 import numpy as np
@@ -10,6 +18,7 @@ import pytest
 
 from hpcpipe.serve import protocol
 from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.dispatch import Controller, Dispatcher
 from hpcpipe.serve.protocol import (
     MESSAGES,
     TAGS,
@@ -26,9 +35,10 @@ from hpcpipe.serve.protocol import (
     StopTP,
     Submit,
     Work,
+    WorldTag,
 )
 from hpcpipe.serve.sampling import SamplingParams
-from hpcpipe.serve.scheduler import FAILED
+from hpcpipe.serve.scheduler import FAILED, ReplicaScheduler
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)
 SAMPLES = [
@@ -97,3 +107,207 @@ def test_an_array_only_follows_a_message_that_carries_one():
     assert box.sent == [(1, 21, (Work(0, [(0, 0, 2)], [], [True], []),), x)]
     with pytest.raises(ValueError, match="Result carries no array"):
         protocol.send(box, 0, Result(0, [1]), x)
+
+
+# ---- the dispatcher and the replicas' controllers over in-process mailboxes ---------------------------------
+
+class Net:
+    """The world's mailboxes: a message waits in its receiver's queue until polled (non-overtaking per sender)."""
+
+    def __init__(self):
+        self.queues: dict[tuple[int, int, int], deque] = defaultdict(deque)     # (dest, source, tag)
+        self.log: list[tuple[int, int, object]] = []                              # (source, dest, message)
+
+    def box(self, rank: int) -> NetBox:
+        """Rank's mailbox."""
+        return NetBox(self, rank)
+
+    def left(self) -> int:
+        """Messages sent and never received."""
+        return sum(len(q) for q in self.queues.values())
+
+
+class NetBox:
+    """One rank's Mailbox stand-in (post, poll, flush)."""
+
+    def __init__(self, net: Net, rank: int):
+        self.net, self.rank = net, rank
+
+    def post(self, dest, tag, header, array=None):
+        self.net.queues[dest, self.rank, tag].append((header, array))
+        self.net.log.append((self.rank, dest, header[0]))
+
+    def poll(self, source, tag):
+        sources = [source] if source is not None else sorted(s for d, s, t in self.net.queues
+                                                             if d == self.rank and t == tag)
+        for s in sources:
+            if self.net.queues[self.rank, s, tag]:
+                header, array = self.net.queues[self.rank, s, tag].popleft()
+                return header, array, s
+        return None
+
+    def flush(self):
+        """Sends complete at once here."""
+
+
+class Source:
+    """A front end holding requests until the dispatcher takes them; records what it was delivered."""
+
+    def __init__(self, requests: list[Request]):
+        self.new, self.cancels = list(requests), []
+        self.outstanding, self.closed = len(requests), False
+        self.tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+        self.finish: dict[str, str] = {}
+        self.running = 0
+
+    def take(self):
+        new, self.new = self.new, []
+        cancels, self.cancels = self.cancels, []
+        self.outstanding -= len(cancels)
+        return new, cancels
+
+    def deliver(self, events):
+        for e in events:
+            self.tokens[e.request_id] += e.tokens
+            if e.finish is not None:
+                self.finish[e.request_id] = e.finish
+                self.outstanding -= e.finish != "cancelled"
+
+    def set_running(self, n):
+        self.running = n
+
+    def close(self, reason):
+        self.closed = True
+
+    def progressed(self, at):
+        pass
+
+
+class FakeHead:
+    """A replica's head at pp = 1 without a model: every sampled segment's next token is 5."""
+
+    def __init__(self, scheduler: ReplicaScheduler, report):
+        self.scheduler, self.report = scheduler, report
+        self.progress_at = time.monotonic()
+
+    def step(self) -> bool:
+        item = self.scheduler.next_item()
+        if item is None:
+            return False
+        self.report(self.scheduler.complete(item.group, [5 if s else -1 for s in item.sample]))
+        self.progress_at = time.monotonic()
+        return True
+
+
+def _replica(net: Net, rank: int, beat_s: float = 1.0) -> tuple[Controller, FakeHead]:
+    scheduler = ReplicaScheduler(4, 1, 32, prefill_tokens=2)
+    control = Controller(net.box(rank), scheduler, rank, beat_s=beat_s)
+    head = FakeHead(scheduler, control.report)
+    control.moved_at = lambda: head.progress_at
+    return control, head
+
+
+def test_every_replica_replica_0_included_is_driven_and_heard_through_messages():
+    net = Net()
+    requests = [Request(f"r{i}", [1, 2, 3], 3, PARAMS, 0.0) for i in range(6)]
+    source = Source(requests)
+    dispatcher = Dispatcher(source, net.box(0), dp=2, pp=1)
+    replicas = [_replica(net, 0), _replica(net, 1)]
+    for _ in range(100):
+        if all(control.finished for control, _ in replicas):
+            break
+        dispatcher.step()
+        dispatcher.drain("done")         # all six were taken at the first step: the replicas stop once done
+        for control, head in replicas:
+            control.step()
+            head.step()
+            control.flush()
+    assert all(control.finished for control, _ in replicas)
+    assert source.finish == {r.id: "length" for r in requests} and all(t == [5] * 3 for t in source.tokens.values())
+    for replica in (0, 1):     # the same messages each way for both replicas: rank 0 sends to itself
+        sent = [type(m).__name__ for s, d, m in net.log if {s, d} == {0, replica}]
+        assert {"Submit", "Events", "StopReplica"} <= set(sent), (replica, sent)
+    assert net.left() == 0      # everything sent was received: nothing is left for MPI's finalize
+
+
+def test_a_cancel_reaches_replica_0_as_a_message_and_its_final_event_comes_back():
+    net = Net()
+    source = Source([Request("a", list(range(1, 9)), 20, PARAMS, 0.0)])
+    dispatcher = Dispatcher(source, net.box(0), dp=1, pp=1)
+    control, head = _replica(net, 0)
+    dispatcher.step()                  # Submit posted to rank 0 itself
+    assert control.step() and head.step() and not control.flush()     # a 2-token prompt chunk: no event yet
+    source.cancels.append("a")
+    dispatcher.step()
+    control.step()                     # the Cancel: the request waits nowhere, its final event is queued
+    assert control.flush()
+    dispatcher.step()
+    assert source.finish == {"a": "cancelled"} and not dispatcher.pending
+    assert any(isinstance(m, Cancel) for _, _, m in net.log)
+
+
+def test_a_head_that_moves_without_tokens_is_seen_moving_through_an_empty_events():
+    net = Net()
+    source = Source([Request("long", list(range(1, 21)), 2, PARAMS, 0.0)])      # 10 chunks of 2 tokens
+    dispatcher = Dispatcher(source, net.box(0), dp=1, pp=1)
+    control, head = _replica(net, 0, beat_s=0.01)
+    dispatcher.step()
+    control.step()
+    before = dispatcher.moved_at()
+    time.sleep(0.02)
+    assert head.step() and not control.flush()        # a chunk moved, no token: a heartbeat, not work
+    assert [m for _, _, m in net.log][-1] == Events(0, [], 1)
+    dispatcher.step()
+    assert dispatcher.pending and dispatcher.moved_at() > before     # the watchdog of rank 0 sees it move
+    # a replica that does not move sends nothing: its time stays, so a stall would be seen
+    time.sleep(0.02)
+    sent = len(net.log)
+    control.flush()
+    dispatcher.step()
+    assert len(net.log) == sent
+
+
+def test_a_drain_from_any_rank_closes_the_source_and_stops_every_replica_once_idle():
+    net = Net()
+    source = Source([])
+    dispatcher = Dispatcher(source, net.box(0), dp=3, pp=2, tp=2)
+    protocol.send(net.box(5), 0, Drain("SIGTERM"))
+    dispatcher.step()
+    assert source.closed and dispatcher.draining == "SIGTERM" and dispatcher.drains == 1
+    stops = [(d, m) for s, d, m in net.log if isinstance(m, StopReplica)]
+    assert stops == [(0, StopReplica()), (4, StopReplica()), (8, StopReplica())]     # each head: d * pp * tp
+    dispatcher.step()
+    assert len([m for _, _, m in net.log if isinstance(m, StopReplica)]) == 3         # once
+    assert WorldTag.CONTROL == StopReplica.TAG
+
+
+# ---- the same over MPI: every rank a replica's head, rank 0 the dispatcher too ------------------------------
+
+@pytest.mark.mpi
+def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_left_unreceived(world):
+    from hpcpipe.runtime.backend import select_backend
+    from hpcpipe.runtime.comm import Mailbox, Poller, barrier
+    from hpcpipe.serve.engine import loop
+
+    size, rank = world.Get_size(), world.Get_rank()
+    poller = Poller(20.0, 1000.0)
+    box = Mailbox(world, select_backend("numpy"), poller)
+    scheduler = ReplicaScheduler(4, 1, 32, prefill_tokens=2)
+    control = Controller(box, scheduler, rank, beat_s=0.001)
+    head = FakeHead(scheduler, control.report)
+    control.moved_at = lambda: head.progress_at
+    steps = [control.step, head.step, control.flush]
+    if rank == 0:
+        requests = [Request(f"r{i}", [1, 2, 3, 4, 5], 3, PARAMS, 0.0) for i in range(3 * size)]
+        source = Source(requests)
+        dispatcher = Dispatcher(source, box, dp=size, pp=1)
+        dispatcher.drain("test")         # the source is closed from the start: the replicas stop once all is done
+        steps = [dispatcher.step, *steps]
+    loop(steps, lambda: control.finished, poller)       # rank 0's own Submits, Events and stop: sends to itself
+    box.flush()
+    barrier(world, poller)
+    if rank == 0:
+        assert source.finish == {r.id: "length" for r in requests}
+        assert all(t == [5, 5, 5] for t in source.tokens.values()) and not dispatcher.pending
+    for tag in WorldTag:
+        assert box.poll(None, tag) is None, tag      # every message, the heartbeats too, was received

@@ -3,7 +3,7 @@ collide, and every replica's head (replica 0's on rank 0 included) is driven and
 
 The dispatcher and the controllers run here over an in-process stand-in of the world's mailboxes, which
 delivers a message only when its receiver polls for it, as MPI does (sends to the own rank included).
-The same loop over the real Mailbox runs at any rank count in test_serve_protocol_mpi.py.
+The last test runs the same over the real Mailbox under MPI, at any rank count (mpiexec -n 8 ... -m mpi).
 """
 
 from __future__ import annotations

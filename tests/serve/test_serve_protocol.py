@@ -42,8 +42,8 @@ from hpcpipe.serve.scheduler import FAILED, ReplicaScheduler
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)
 SAMPLES = [
-    Submit(Request("cmpl-1-0", [3, 1, 4], 8, PARAMS, 12.5)),
-    Cancel("cmpl-1-0"),
+    Submit([Request("cmpl-1-0", [3, 1, 4], 8, PARAMS, 12.5), Request("cmpl-1-1", [3], 1, PARAMS, 12.5)]),
+    Cancel(["cmpl-1-0", "cmpl-2-0"]),
     StopReplica(),
     Events(1, [Event("cmpl-1-0", [7], None), Event("cmpl-2-0", [], "cancelled")], 3),
     Events(0, [], 0),
@@ -227,6 +227,9 @@ def test_every_replica_replica_0_included_is_driven_and_heard_through_messages()
     for replica in (0, 1):     # the same messages each way for both replicas: rank 0 sends to itself
         sent = [type(m).__name__ for s, d, m in net.log if {s, d} == {0, replica}]
         assert {"Submit", "Events", "StopReplica"} <= set(sent), (replica, sent)
+    # the six requests arrived together: one Submit per replica carries its three (least loaded first)
+    assert [(d, [r.id for r in m.requests]) for _, d, m in net.log if isinstance(m, Submit)] == \
+        [(0, ["r0", "r2", "r4"]), (1, ["r1", "r3", "r5"])]
     assert net.left() == 0      # everything sent was received: nothing is left for MPI's finalize
 
 

@@ -71,17 +71,23 @@ class Dispatcher:
         Returns True if anything happened.
         """
         new, cancels = self.source.take()
+        routed: dict[int, list[Request]] = {}
         for request in new:
             replica = min(range(self.dp), key=lambda d: self.load[d])
             if not self.load[replica]:
                 self.moved[replica] = time.monotonic()     # its clock starts with its work
             self.load[replica] += 1
             self.owner[request.id] = replica
-            send(self.box, replica * self.head_stride, Submit(request))
+            routed.setdefault(replica, []).append(request)
+        for replica, requests in routed.items():
+            send(self.box, replica * self.head_stride, Submit(requests))
+        dropped: dict[int, list[str]] = {}
         for request_id in cancels:
             replica = self.owner.get(request_id)
             if replica is not None:
-                send(self.box, replica * self.head_stride, Cancel(request_id))
+                dropped.setdefault(replica, []).append(request_id)
+        for replica, request_ids in dropped.items():
+            send(self.box, replica * self.head_stride, Cancel(request_ids))
         busy = bool(new or cancels)
         while (got := receive(self.box, ANY, WorldTag.EVENTS)) is not None:
             self.deliver(got[0])
@@ -152,10 +158,12 @@ class Controller:
         busy = False
         while (got := receive(self.box, 0, WorldTag.CONTROL)) is not None:
             match got[0]:
-                case Submit(request=request):
-                    self.scheduler.submit(request)
-                case Cancel(request_id=request_id):
-                    self.report(self.scheduler.cancel(request_id))
+                case Submit(requests=requests):
+                    for request in requests:
+                        self.scheduler.submit(request)
+                case Cancel(request_ids=request_ids):
+                    for request_id in request_ids:
+                        self.report(self.scheduler.cancel(request_id))
                 case StopReplica():
                     self.stopping = True
             busy = True

@@ -93,18 +93,21 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Submit(Message):
-    """Rank 0's dispatcher -> a replica's head (world, CONTROL): a new request for its scheduler."""
+    """Rank 0's dispatcher -> a replica's head (world, CONTROL): new requests for its scheduler, in arrival order.
+
+    One message per replica and dispatcher step, however many requests arrived: a burst costs one send.
+    """
 
     TAG: ClassVar[int] = WorldTag.CONTROL
-    request: Request
+    requests: list[Request]
 
 
 @dataclass(frozen=True, slots=True)
 class Cancel(Message):
-    """Rank 0's dispatcher -> a replica's head (world, CONTROL): drop this request (its client left)."""
+    """Rank 0's dispatcher -> a replica's head (world, CONTROL): drop these requests (their clients left)."""
 
     TAG: ClassVar[int] = WorldTag.CONTROL
-    request_id: str
+    request_ids: list[str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import pytest
 
 from hpcpipe.serve import protocol
 from hpcpipe.serve.broker import Event, Request
-from hpcpipe.serve.dispatch import Controller, Dispatcher
+from hpcpipe.serve.dispatch import Controller, Dispatcher, Loopback
 from hpcpipe.serve.protocol import (
     MESSAGES,
     TAGS,
@@ -129,6 +129,8 @@ class Net:
 
 class NetBox:
     """One rank's Mailbox stand-in (post, poll, flush)."""
+
+    poller = None
 
     def __init__(self, net: Net, rank: int):
         self.net, self.rank = net, rank
@@ -284,6 +286,25 @@ def test_a_drain_from_any_rank_closes_the_source_and_stops_every_replica_once_id
     assert WorldTag.CONTROL == StopReplica.TAG
 
 
+def test_loopback_keeps_messages_to_its_own_rank_in_order_and_passes_the_rest_on():
+    net = Net()
+    box = Loopback(net.box(0), 0)
+    x = np.arange(3.0)
+    box.post(0, 33, ("a",), x)
+    box.post(0, 33, ("b",))
+    box.post(0, 31, ("c",))
+    box.post(2, 33, ("to 2",))
+    x[:] = 7                                       # the sender reuses its buffer: the message kept its own
+    net.box(1).post(0, 33, ("from 1",))
+    assert net.queues[2, 0, 33][0] == (("to 2",), None) and not net.queues[0, 0, 33]    # never through MPI
+    first = box.poll(None, 33)
+    assert first[0] == ("a",) and list(first[1]) == [0.0, 1.0, 2.0] and first[2] == 0
+    assert box.poll(0, 33) == (("b",), None, 0)
+    assert box.poll(0, 33) is None                 # its own rank's messages are all here: no MPI poll needed
+    assert box.poll(None, 33) == (("from 1",), None, 1)
+    assert box.poll(0, 31) == (("c",), None, 0) and box.poll(None, 31) is None
+
+
 # ---- the same over MPI: every rank a replica's head, rank 0 the dispatcher too ------------------------------
 
 @pytest.mark.mpi
@@ -294,7 +315,7 @@ def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_lef
 
     size, rank = world.Get_size(), world.Get_rank()
     poller = Poller(20.0, 1000.0)
-    box = Mailbox(world, select_backend("numpy"), poller)
+    box = Loopback(Mailbox(world, select_backend("numpy"), poller), rank)
     scheduler = ReplicaScheduler(4, 1, 32, prefill_tokens=2)
     control = Controller(box, scheduler, rank, beat_s=0.001)
     head = FakeHead(scheduler, control.report)
@@ -306,7 +327,7 @@ def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_lef
         dispatcher = Dispatcher(source, box, dp=size, pp=1)
         dispatcher.drain("test")         # the source is closed from the start: the replicas stop once all is done
         steps = [dispatcher.step, *steps]
-    loop(steps, lambda: control.finished, poller)       # rank 0's own Submits, Events and stop: sends to itself
+    loop(steps, lambda: control.finished, poller)       # rank 0's own Submits, Events and stop: through Loopback
     box.flush()
     barrier(world, poller)
     if rank == 0:
@@ -314,3 +335,4 @@ def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_lef
         assert all(t == [5, 5, 5] for t in source.tokens.values()) and not dispatcher.pending
     for tag in WorldTag:
         assert box.poll(None, tag) is None, tag      # every message, the heartbeats too, was received
+    assert not any(box.own.values())

@@ -34,7 +34,7 @@ from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import Topology, make_topology
 from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.runtime.watchdog import Watchdog
-from hpcpipe.serve.dispatch import Controller, Dispatcher, Source
+from hpcpipe.serve.dispatch import Controller, Dispatcher, Loopback, Source
 from hpcpipe.serve.probe import check_forward
 from hpcpipe.serve.protocol import Drain, send
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
@@ -122,7 +122,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
             print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
     tp = TPGroup(topo.tp_comm, backend, poller) if setup.tp > 1 else None
     stage = build_stage(setup, topo, backend, world, poller, tp)
-    pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
+    pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
     samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size)
     # the tp ranks of a stage compute together only inside their serving loop: no probe there (yet)
     problem = None if tp is not None else check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp,
@@ -169,7 +169,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
                 return False
             beat = Heartbeat(watchdog, lambda: dispatcher.pending or head.pending, dispatcher.moved_at,
                              "serving: waiting for the replicas' tokens", source.progressed)
-            # replica 0's control messages and events are sends to this rank itself, each polled a step later
+            # replica 0's control messages and events go to this rank itself (Loopback), each polled a step later
             loop([dispatcher.step, control.step, head.step, control.flush, watch, beat],
                  lambda: control.finished, poller)
             reason = dispatcher.draining or "done"

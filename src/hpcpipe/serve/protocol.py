@@ -16,10 +16,11 @@ head; replica d's head is world rank d * pp * tp (its first stage's tp rank 0)::
     tp communicator of stage (d, k) (TPTag)
       tp rank 0: TPDriver --Forward + x | ClearSlot | StopTP--> tp rank r > 0: TPWorker
 
-Replica 0's head is on rank 0 with the dispatcher, and its messages still go over MPI (a send to itself):
-every replica is driven and judged by the same messages. Such a send is an ``isend`` that the same loop
-polls for (improbe) a step later; neither side ever blocks on the other, so it cannot deadlock, and the
-dispatcher sees replica 0 move exactly as it sees the others (its tokens, or a heartbeat: empty Events).
+Replica 0's head is on rank 0 with the dispatcher, and its messages are the same as every replica's, sent
+and received the same way: every replica is driven and judged by the same messages (its tokens, or a
+heartbeat: empty Events). Only their transport differs: rank 0's mailbox hands a message to its own rank
+over in place (hpcpipe.serve.dispatch.Loopback), queued by the sender and polled a step later by the
+receiver, so neither ever blocks on the other.
 
 A message is pickled by mpi4py (lower-case isend) as its class and its field values (``__reduce__``: no
 field names, no instance dict) and holds only ints, strings, lists and the broker's small dataclasses.
@@ -245,3 +246,4 @@ def receive(box: Any, source: int | None, tag: int) -> tuple[Message, Any, int] 
         return None
     (message,), array, sender = got
     return message, array, sender
+

@@ -109,6 +109,15 @@ def test_an_array_only_follows_a_message_that_carries_one():
         protocol.send(box, 0, Result(0, [1]), x)
 
 
+def test_the_protocol_is_data_only_no_mpi_and_no_runtime():
+    import ast
+    from pathlib import Path
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in modules if m.startswith(("mpi4py", "hpcpipe.runtime"))], modules
+
+
 # ---- the dispatcher and the replicas' controllers over in-process mailboxes ---------------------------------
 
 class Net:
@@ -336,3 +345,4 @@ def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_lef
     for tag in WorldTag:
         assert box.poll(None, tag) is None, tag      # every message, the heartbeats too, was received
     assert not any(box.own.values())
+

@@ -14,11 +14,11 @@ Every replica, replica 0 included, is driven and heard the same way: replica
 go through rank 0's mailbox too, which hands them over in place (``Loopback``:
 queued by the sender, polled a step later by the receiver, never blocking
 either; pickled and sent through MPI to itself, they cost about 30 us more per
-step, a fifth more of rank 0's CPU time with a small test model). A head that has moved (a
-chunk of a long prompt sent or taken back) without producing tokens says so
-with an empty Events, at most every ``beat_s``: rank 0's watchdog and /health
-judge every replica by its last message, and a prefill that yields no token for
-a while is not a stall.
+step, a fifth more of rank 0's CPU time with a small test model). A head that
+has moved (a chunk of a long prompt sent or taken back) without producing
+tokens says so with an empty Events, at most every ``beat_s``: rank 0's
+watchdog and /health judge every replica by its last message, and a prefill
+that yields no token for a while is not a stall.
 
 A stop signal on any other rank reaches rank 0 as a Drain: the source stops
 accepting, the requests in flight finish, then every replica is stopped.

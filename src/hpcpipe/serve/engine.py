@@ -34,8 +34,9 @@ from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import Topology, make_topology
 from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.runtime.watchdog import Watchdog
-from hpcpipe.serve.dispatch import TAG_DRAIN, Controller, Dispatcher, Source
+from hpcpipe.serve.dispatch import Controller, Dispatcher, Loopback, Source
 from hpcpipe.serve.probe import check_forward
+from hpcpipe.serve.protocol import Drain, send
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
 from hpcpipe.serve.scheduler import ReplicaScheduler
 from hpcpipe.serve.setup import ServeSetup
@@ -122,7 +123,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
             print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
     tp = TPGroup(topo.tp_comm, backend, poller) if setup.tp > 1 else None
     stage = build_stage(setup, topo, backend, world, poller, tp)
-    pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Mailbox(world, backend, poller)
+    pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
     samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size)
     # the tp ranks of a stage compute together only inside their serving loop: no probe there (yet)
     problem = None if tp is not None else check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp,
@@ -155,30 +156,27 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
                                      cfg.serve.prefill_tokens, setup.stop_ids, depth=setup.pp)
+        head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events))
+        # rank 0 judges every replica (its own too) by its messages: one at least every sixteenth of the stall timeout
+        beat_s = min(1.0, max(0.05, cfg.run.stall_timeout / 16)) if cfg.run.stall_timeout > 0 else 1.0
+        control = Controller(world_box, scheduler, topo.dp_rank, lambda: head.progress_at, beat_s)
+        head.fault_at = fault_step(rank)
         if rank == 0:
-            dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, scheduler, setup.tp)
-            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers,
-                        lambda events: dispatcher.deliver(0, events, scheduler.running))
-            head.fault_at = fault_step(rank)
+            dispatcher = Dispatcher(source, world_box, setup.dp, setup.pp, setup.tp)
 
             def watch() -> bool:
                 if stop.requested:
                     dispatcher.drain(stop.name)
                 return False
-            beat = Heartbeat(watchdog, lambda: dispatcher.pending or head.pending,
-                             lambda: dispatcher.moved_at(head.progress_at),
+            beat = Heartbeat(watchdog, lambda: dispatcher.pending or head.pending, dispatcher.moved_at,
                              "serving: waiting for the replicas' tokens", source.progressed)
-            loop([dispatcher.step, head.step, watch, beat], lambda: dispatcher.finished, poller)
-            dispatcher.stop()
+            # replica 0's control messages and events go to this rank itself (Loopback), each polled a step later
+            loop([dispatcher.step, control.step, head.step, control.flush, watch, beat],
+                 lambda: control.finished, poller)
             reason = dispatcher.draining or "done"
             if closing is not None:
                 closing()
         else:
-            head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events))
-            # rank 0 judges this replica by its messages: one at least every sixteenth of the stall timeout
-            beat_s = min(1.0, max(0.05, cfg.run.stall_timeout / 16)) if cfg.run.stall_timeout > 0 else 1.0
-            control = Controller(world_box, scheduler, topo.dp_rank, lambda: head.progress_at, beat_s)
-            head.fault_at = fault_step(rank)
             beat = Heartbeat(watchdog, lambda: head.pending, lambda: head.progress_at,
                              f"serving: replica {topo.dp_rank} waits for its pipeline")
             loop([control.step, head.step, control.flush, relay, beat],
@@ -213,6 +211,6 @@ class SignalRelay:
     def __call__(self) -> bool:
         """Post the drain request the first time the signal is seen; never counts as work."""
         if self.stop.requested and not self.sent:
-            self.box.post(0, TAG_DRAIN, ("drain", self.stop.name))
+            send(self.box, 0, Drain(self.stop.name))
             self.sent = 1
         return False

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.nn.core.decode import Segment
+from hpcpipe.serve.protocol import PipeTag, Probe, receive, send
 
 PROBE_TOKENS = 16
-TAG_PROBE = 25      # (+1 carries the activations)
 
 
 def probe_ids(vocab: int, seq_len: int) -> list[int]:
@@ -29,10 +29,10 @@ def probe_ids(vocab: int, seq_len: int) -> list[int]:
     return [int(i) for i in np.linspace(0, vocab - 1, n).round()]
 
 
-def _wait(link: Any, source: int, poll_s: float) -> tuple:
-    while (message := link.poll(source, TAG_PROBE)) is None:
+def _wait(link: Any, source: int, poll_s: float) -> tuple[Probe, Any, int]:
+    while (got := receive(link, source, PipeTag.PROBE)) is None:
         time.sleep(poll_s)
-    return message
+    return got
 
 
 def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host: Any, vocab: int,
@@ -47,7 +47,8 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
     if pp_rank == 0:
         x = xp.asarray(np.asarray(ids, dtype=np.int64))
     else:
-        (_, problem), x, _ = _wait(link, pp_rank - 1, poll_s)
+        message, x, _ = _wait(link, pp_rank - 1, poll_s)
+        problem = message.problem
     if problem is None:
         try:
             with np.errstate(all="ignore"):       # the overflow is reported below, once, as one line
@@ -63,6 +64,6 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
             problem = f"the probe forward failed on stage {pp_rank}: {type(exc).__name__}: {exc}"
     stage.clear_slot(0)
     if pp_rank < pp - 1:
-        link.post(pp_rank + 1, TAG_PROBE, ("probe", problem), out if problem is None else None)
+        send(link, pp_rank + 1, Probe(problem), out if problem is None else None)
     link.flush()
     return problem

@@ -6,19 +6,12 @@ one token per sequence and sends the tokens back to the head, which hands
 them to its scheduler and reports them to the front end. Every ``step`` is
 non-blocking (it returns whether it did anything), so one loop per rank can
 serve MPI, the scheduler and, on world rank 0, the front end on one thread.
-
-Messages (headers are small tuples; activations follow as one array)::
-
-    head -> stage 1 -> ... -> last     ("work", group, [(slot, start, length)], [(slot, SamplingParams)],
-                                        [sample this segment?], [slot to clear first]) + x
-    last -> head                       ("result", group, [token per segment, -1 where not sampled,
-                                        FAILED where sampling failed])
-    head -> stage 1 -> ... -> last     ("idle",)   the head has nothing left in flight or waiting
-    head -> stage 1 -> ... -> last     ("stop",)
+The messages (``Work`` + activations, ``Idle``, ``StopPipeline`` down the ring,
+``Result`` back to the head) are those of hpcpipe.serve.protocol.
 
 Each role notes when it last made progress (``progress_at``) and whether work
 is pending: the head knows from its scheduler, a following stage from the
-head's messages (pending from a "work" until an "idle"). The watchdog of
+head's messages (pending from a Work until an Idle). The watchdog of
 serve and generate (hpcpipe.serve.stall) fires on a rank whose pending work
 has not moved for run.stall_timeout seconds, never on an idle one.
 """
@@ -34,12 +27,10 @@ import numpy as np
 from hpcpipe.nn.core.decode import DecodeStage, Segment
 from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
+from hpcpipe.serve.protocol import Idle, PipeTag, Result, StopPipeline, Work, from_rows, receive, send, to_rows
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 from hpcpipe.serve.scheduler import FAILED, ReplicaScheduler
-
-TAG_WORK = 21      # (+1 carries the activations)
-TAG_RESULT = 23
 
 
 class SamplerTable:
@@ -76,10 +67,6 @@ class SamplerTable:
             return FAILED
 
 
-def _segments(rows: list[tuple[int, int, int]]) -> list[Segment]:
-    return [Segment(slot, start, length) for slot, start, length in rows]
-
-
 def _count(role: Head | Follower) -> None:
     """Count a work item; raise the injected fault (HPCPIPE_FAULT) when this is the one it names.
 
@@ -103,22 +90,22 @@ class Head:
         self.items = 0
         self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
         self.progress_at = time.monotonic()    # the last work item launched or result taken
-        self.announced = False   # the following stages were sent work since the last "idle"
+        self.announced = False   # the following stages were sent Work since the last Idle
 
     def step(self) -> bool:
         """Take returned tokens, then launch the next group's work; return True if anything happened."""
         busy = False
         if self.pp > 1:
-            while (message := self.link.poll(self.pp - 1, TAG_RESULT)) is not None:
-                _, group, tokens = message[0]
-                self._finish(group, tokens)
+            while (got := receive(self.link, self.pp - 1, PipeTag.RESULT)) is not None:
+                result = got[0]
+                self._finish(result.group, result.tokens)
                 busy = True
         item = self.scheduler.next_item()
         if item is None:
             if busy:
                 self.progress_at = time.monotonic()
             if self.announced and self.scheduler.idle:
-                self.link.post(1, TAG_WORK, ("idle",))     # the following stages' watchdogs rest
+                send(self.link, 1, Idle())     # the following stages' watchdogs rest
                 self.announced = False
             return busy
         _count(self)
@@ -129,8 +116,7 @@ class Head:
             self.samplers.start(item.new)
             self._finish(item.group, self.samplers.sample(out, item.segments, item.sample))
         else:
-            rows = [(s.slot, s.start, s.length) for s in item.segments]
-            self.link.post(1, TAG_WORK, ("work", item.group, rows, item.new, item.sample, item.clear), out)
+            send(self.link, 1, Work(item.group, to_rows(item.segments), item.new, item.sample, item.clear), out)
             self.announced = True
         self.progress_at = time.monotonic()
         return True
@@ -147,7 +133,7 @@ class Head:
     def stop(self) -> None:
         """Tell the following stages to leave their loops; complete every send."""
         if self.pp > 1:
-            self.link.post(1, TAG_WORK, ("stop",))
+            send(self.link, 1, StopPipeline())
         self.link.flush()
 
 
@@ -159,7 +145,7 @@ class Follower:
         self.done = False
         self.items = 0
         self.fault_at = -1       # test hook (HPCPIPE_FAULT): raise before this work item
-        self.pending = False     # the head has work in flight or waiting (from a "work" until an "idle")
+        self.pending = False     # the head has work in flight or waiting (from a Work until an Idle)
         self.progress_at = time.monotonic()    # the last message handled
 
     @property
@@ -169,29 +155,28 @@ class Follower:
 
     def step(self) -> bool:
         """Process one arriving message, if any; return True if one came."""
-        message = self.link.poll(self.k - 1, TAG_WORK)
-        if message is None:
+        got = receive(self.link, self.k - 1, PipeTag.WORK)
+        if got is None:
             return False
-        header, x, _ = message
+        message, x, _ = got
         self.progress_at = time.monotonic()
-        if header[0] in ("stop", "idle"):
+        if not isinstance(message, Work):          # Idle or StopPipeline: hand it on, rest
             if not self.last:
-                self.link.post(self.k + 1, TAG_WORK, header)
+                send(self.link, self.k + 1, message)
             self.pending = False
-            if header[0] == "stop":
+            if isinstance(message, StopPipeline):
                 self.link.flush()
                 self.done = True
             return True
         self.pending = True
-        _, group, rows, new, flags, clear = header
         _count(self)
-        segments = _segments(rows)
-        for slot in clear:
+        work = from_rows(message.rows)
+        for slot in message.clear:
             self.stage.clear_slot(slot)
-        out = self.stage.forward(x, segments)
+        out = self.stage.forward(x, work)
         if self.last:
-            self.samplers.start(new)
-            self.link.post(0, TAG_RESULT, ("result", group, self.samplers.sample(out, segments, flags)))
+            self.samplers.start(message.new)
+            send(self.link, 0, Result(message.group, self.samplers.sample(out, work, message.sample)))
         else:
-            self.link.post(self.k + 1, TAG_WORK, header, out)
+            send(self.link, self.k + 1, message, out)
         return True

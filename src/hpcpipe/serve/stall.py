@@ -12,7 +12,7 @@ does not count against it.
 What "pending" and "progress" mean per role (hpcpipe.serve.roles):
 
     head of a replica     its scheduler holds sequences      a work item launched or a result taken
-    following stage       the head sent work, not "idle"     a message handled
+    following stage       the head sent Work, not Idle       a message handled
     world rank 0          any replica holds requests         that replica's messages arriving: tokens, or
                                                               a heartbeat when its head moved without any
                                                               (the oldest such time over the busy replicas)

@@ -9,9 +9,9 @@ contract). Then every tp rank runs its part of the stage (hpcpipe.nn.core.decode
 heads and KV cache, MLP columns and vocabulary rows, two allreduces per block), and on the head stage
 tp rank 0 gathers the vocabulary-parallel logits to sample from.
 
-Messages on the tp communicator (tag TAG_TP)::
+Messages on the tp communicator (hpcpipe.serve.protocol, TPTag.CALL)::
 
-    tp rank 0 -> tp rank r      ("forward", [(slot, start, length)]) + x    ("clear", slot)    ("stop",)
+    tp rank 0 -> tp rank r      Forward(rows) + x        ClearSlot(slot)        StopTP()
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import numpy as np
 
 from hpcpipe.nn.core.decode import DecodeStage, Segment
 from hpcpipe.nn.core.sharding import vocab_range
-
-TAG_TP = 31      # (+1 carries the input)
+from hpcpipe.serve.protocol import ClearSlot, Forward, StopTP, TPTag, from_rows, receive, send, to_rows
 
 
 def _widths(stage: DecodeStage, size: int) -> list[int]:
@@ -46,10 +45,10 @@ class TPDriver:
 
     def forward(self, x: Any, segments: list[Segment]) -> Any:
         """Run the whole stage over the segments; the head stage returns every token id's logits (gathered)."""
-        rows = [(s.slot, s.start, s.length) for s in segments]
+        call = Forward(to_rows(segments))
         x = x if isinstance(x, np.ndarray) else self.xp.ascontiguousarray(x)
         for peer in range(1, self.group.size):
-            self.box.post(peer, TAG_TP, ("forward", rows), x)
+            send(self.box, peer, call, x)
         out = self.stage.forward(x, segments)
         if self.stage.has_head:
             out = self.xp.asarray(self.group.gather_columns(out, self.widths))
@@ -58,13 +57,13 @@ class TPDriver:
     def clear_slot(self, slot: int) -> None:
         """Zero a KV-cache slot on every tp rank of the stage (a failed request's slot, before its next user)."""
         for peer in range(1, self.group.size):
-            self.box.post(peer, TAG_TP, ("clear", slot))
+            send(self.box, peer, ClearSlot(slot))
         self.stage.clear_slot(slot)
 
     def stop(self) -> None:
         """Tell the other tp ranks to leave their loops; complete every send."""
         for peer in range(1, self.group.size):
-            self.box.post(peer, TAG_TP, ("stop",))
+            send(self.box, peer, StopTP())
         self.box.flush()
 
 
@@ -80,20 +79,20 @@ class TPWorker:
 
     def step(self) -> bool:
         """Run the next handed-over call, if one has arrived; return True if one came."""
-        message = self.box.poll(0, TAG_TP)
-        if message is None:
+        got = receive(self.box, 0, TPTag.CALL)
+        if got is None:
             return False
-        header, x, _ = message
-        if header[0] == "stop":
+        message, x, _ = got
+        if isinstance(message, StopTP):
             self.done = True
             return True
-        if header[0] == "clear":
-            self.stage.clear_slot(header[1])
+        if isinstance(message, ClearSlot):
+            self.stage.clear_slot(message.slot)
             return True
         if self.items == self.fault_at:
             raise RuntimeError(f"injected fault (HPCPIPE_FAULT) before work item {self.items}")
         self.items += 1
-        out = self.stage.forward(x, [Segment(slot, start, length) for slot, start, length in header[1]])
+        out = self.stage.forward(x, from_rows(message.rows))
         if self.stage.has_head:
             self.group.gather_columns(out, self.widths)
         return True

@@ -14,68 +14,24 @@ softmax. Query head i attends with key/value head i // (n_heads / n_kv_heads):
 the queries of one kv head are handled as one block, so the products run per
 kv head with no repeated keys or values. Decode segments (length 1) share one
 batched attention over their caches gathered up to the longest; longer
-(prefill) segments attend one by one. Layout and sizing: docs/decode.md.
+(prefill) segments attend one by one. On the CPU (NumPy, float32, one tp rank)
+the compiled kernels run the same stage in one call per step instead
+(:mod:`hpcpipe.nn.core.fused_stage`), with the weights kept in the stage's
+weight format. Layout and sizing: docs/decode.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hpcpipe.kernels.formats import FORMATS, RowWeight, row_weight
+from hpcpipe.nn.core.decode_plan import CallPlan, DecodeBatch, Segment, all_rows, plan_call
 from hpcpipe.nn.core.decode_steps import DecoderSteps
+from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
-
-# decode slots spread over at most this many times their count are read in place, wider ones gathered
-_IN_PLACE_SPAN = 1.5
-
-
-@dataclass(frozen=True)
-class Segment:
-    """The new tokens of one sequence in a forward call."""
-
-    slot: int     # KV-cache row of this sequence, 0 <= slot < slots
-    start: int    # position of the first new token (= tokens already in the cache for this slot)
-    length: int   # new tokens (1 for a decode step, the prompt length for a prefill)
-
-
-@dataclass
-class _DecodeBatch:
-    """The decode (length-1) segments of a forward call: one batched attention over their slots' caches.
-
-    When their slots lie in a span at most _IN_PLACE_SPAN times their count, attention reads that span of the
-    cache in place (a view: no copy) with the queries spread over the span's rows; otherwise it gathers their
-    slots' keys and values into a scratch buffer the stage reuses.
-    """
-
-    rows: Any        # xp int64 rows of the decode tokens in the call, or None when they are all the rows
-    slots: Any       # xp int64 (n,) their slots
-    positions: Any   # xp int64 (n,) their tokens' positions
-    n: int
-    keys: int        # keys attended over: max(position) + 1
-    span: slice | None   # the cache rows read in place, or None: gather ``slots``
-    gather: Any      # xp int64 (n * kv * keys,) rows of the cache seen as (slots * kv * seq_len, hd) rows, or None
-    order: Any       # xp int64 (n,) each token's row in the span, or None when row i is token i
-    future: Any      # xp bool (rows attended, 1, 1, keys): True where a key is after the query
-
-
-@dataclass
-class _Plan:
-    """Where the segments of one forward call sit among its rows, on the host and as xp index arrays."""
-
-    n_rows: int
-    positions: np.ndarray                # host int64 (n_rows,): each row's position in its sequence
-    last_rows: Any                       # xp int64 (n_segments,), or None when every row is a segment's last
-    prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
-    decode: _DecodeBatch | None
-    dev_positions: Any = None            # xp copy of positions, made on first use (see DecodeStage._positions)
-
-
-def _all(rows: Any) -> Any:
-    """Index of the given rows, or of all rows when None."""
-    return slice(None) if rows is None else rows
 
 
 class DecodeStage:
@@ -85,10 +41,16 @@ class DecodeStage:
     group ``tp`` (hpcpipe.nn.core.tensor_parallel.Group) ``arrays`` hold the rank's parts of each parameter
     (hpcpipe.nn.core.sharding), the cache the rank's key/value heads, and the head stage returns the logits of
     the rank's token ids only; every tp rank of the stage calls ``forward`` with the same tokens and rows.
+
+    ``weight_format`` (float32 | stored | q8_0, hpcpipe.kernels.formats) says how the weights are kept; the
+    arrays are float (in, out) or :class:`hpcpipe.kernels.formats.RowWeight` (out, in) as stored. ``compiled``:
+    run the compiled kernels (hpcpipe.nn.core.fused_stage), the NumPy steps, or (None) the compiled ones when
+    available; the NumPy steps compute with the weights widened to the stage's dtype.
     """
 
-    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, np.ndarray]],
-                 xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None):
+    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
+                 xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
+                 weight_format: str = "float32", compiled: bool | None = None):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
@@ -98,39 +60,77 @@ class DecodeStage:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"decode stage slots must be a positive integer, got {slots!r}")
+        if weight_format not in FORMATS:
+            raise ValueError(f"decode stage: weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
+        if compiled and not compiled_available(xp, dtype, tp):
+            raise ValueError("decode stage: the compiled kernels run NumPy float32 stages of one tp rank, and only "
+                             "when built (pip install with a C compiler)")
+        self.compiled = compiled_available(xp, dtype, tp) if compiled is None else compiled
         self.shape, self.groups, self.xp, self.slots = shape, groups, xp, slots
         self.dtype = np.dtype(dtype)
-        params = {i: self._load_group(i, arrays) for i in groups}
+        self.weight_format = weight_format
         self.has_embedding = 0 in groups
         self.has_head = shape.n_blocks + 1 in groups
-        self.steps.build(params, self._head_table(params, tok_emb))
         self.n_heads, self.n_kv_heads, self.head_dim = self.steps.n_heads, self.steps.n_kv_heads, self.steps.head_dim
         self.group = self.n_heads // self.n_kv_heads
         kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
-        # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
-        self._cache = xp.zeros((len(self.steps.blocks), 2, slots, kv, t, dh), dtype=self.dtype)
+        self._fused = None
+        if self.compiled:
+            for i in groups:
+                self._check_group(i, arrays)
+            self._fused = FusedStage(model, groups, arrays, weight_format, slots, self._tied_table(tok_emb))
+            self._cache = self._fused.cache
+        else:
+            params = {i: self._load_group(i, arrays) for i in groups}
+            self.steps.build(params, self._head_table(params, tok_emb))
+            # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
+            self._cache = xp.zeros((len(self.steps.blocks), 2, slots, kv, t, dh), dtype=self.dtype)
         self._future = xp.triu(xp.ones((t, t), dtype=bool), k=1)   # [i, j]: key j is after query i
         self._scale = 1.0 / math.sqrt(dh)
         self._scratch = None                      # (2, rows, d_head): gathered keys and values, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
 
-    def _load_group(self, index: int, arrays: dict[int, dict[str, np.ndarray]]) -> dict[str, Any]:
-        """Copy group ``index``'s host arrays to xp arrays of the stage's dtype, checking names and shapes."""
+    def _check_group(self, index: int, arrays: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Return group ``index``'s arrays after checking their names and shapes ((out, in) for a RowWeight)."""
         group = arrays.get(index)
         if group is None:
             raise ValueError(f"decode stage: no arrays for layer group {index}")
-        out = {}
         for name, dims in self.steps.group_params(index):
             if name not in group:
                 raise ValueError(f"decode stage: layer group {index} has no array {name!r}")
-            if tuple(group[name].shape) != dims:
-                raise ValueError(f"decode stage: layer group {index} array {name!r} has shape "
-                                 f"{tuple(group[name].shape)}, expected {dims}")
-            if isinstance(group[name], HalfTable):    # a 16-bit embedding table, gathered from as it is
-                out[name] = HalfTable(group[name].bits, group[name].kind, self.dtype).on(self.xp)
+            value = group[name]
+            got = tuple(value.shape)[::-1] if isinstance(value, RowWeight) and name != "tok_emb" else tuple(value.shape)
+            if got != dims:
+                raise ValueError(f"decode stage: layer group {index} array {name!r} has shape {got}, expected {dims}")
+        return group
+
+    def _load_group(self, index: int, arrays: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Copy group ``index``'s host arrays to xp arrays of the stage's dtype, checking names and shapes."""
+        group = self._check_group(index, arrays)
+        out = {}
+        for name, _ in self.steps.group_params(index):
+            value = group[name]
+            if isinstance(value, HalfTable):    # a 16-bit embedding table, gathered from as it is
+                out[name] = HalfTable(value.bits, value.kind, self.dtype).on(self.xp)
                 continue
-            out[name] = self.xp.ascontiguousarray(self.xp.asarray(group[name], dtype=self.dtype))
+            if self.weight_format == "q8_0" and value.ndim == 2 and name != "pos_emb":   # the values q8_0 keeps
+                value = row_weight(value if name != "tok_emb" or isinstance(value, RowWeight)
+                                   else RowWeight("float32", np.ascontiguousarray(value, dtype=np.float32)), "q8_0")
+            if isinstance(value, RowWeight):    # kept as stored: the NumPy steps widen it (dequantize) once
+                value = value.dense(self.dtype) if name == "tok_emb" else value.dense(self.dtype).T
+            out[name] = self.xp.ascontiguousarray(self.xp.asarray(value, dtype=self.dtype))
         return out
+
+    def _tied_table(self, tok_emb: Any) -> Any:
+        """``tok_emb`` for a tied head on a stage without group 0, checked; None when not needed."""
+        if not self.has_head or not self.shape.tied or self.has_embedding:
+            return None
+        if tok_emb is None:
+            raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
+        want = dict(self.steps.group_params(0))["tok_emb"]
+        if tuple(tok_emb.shape) != want:
+            raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
+        return tok_emb
 
     def _head_table(self, params: dict[int, dict[str, Any]], tok_emb: Any) -> Any:
         """The table a tied head multiplies by (transposed): group 0's tok_emb or ``tok_emb`` (the rank's vocabulary
@@ -140,12 +140,13 @@ class DecodeStage:
         if self.has_embedding:
             table = params[0]["tok_emb"]
             return table.dense() if isinstance(table, HalfTable) else table
-        if tok_emb is None:
-            raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
-        want = dict(self.steps.group_params(0))["tok_emb"]
-        if tuple(tok_emb.shape) != want:
-            raise ValueError(f"decode stage: tok_emb has shape {tuple(tok_emb.shape)}, expected {want}")
-        return self.xp.ascontiguousarray(self.xp.asarray(tok_emb, dtype=self.dtype))
+        table = self._tied_table(tok_emb)
+        if self.weight_format == "q8_0" and not isinstance(table, RowWeight):     # the values q8_0 keeps
+            table = row_weight(RowWeight("float32", np.ascontiguousarray(self.xp.asarray(table).astype(np.float32)))
+                               if not isinstance(table, HalfTable) else RowWeight(table.kind, table.bits), "q8_0")
+        if isinstance(table, RowWeight | HalfTable):
+            table = table.dense(self.dtype)
+        return self.xp.ascontiguousarray(self.xp.asarray(table, dtype=self.dtype))
 
     @property
     def cache_bytes(self) -> int:
@@ -160,86 +161,32 @@ class DecodeStage:
         """
         self._cache[:, :, slot] = 0
 
-    def _plan(self, segments: list[Segment]) -> _Plan:
-        """Check the segments and build the row and cache indices one forward call needs."""
-        if not segments:
-            raise ValueError("decode stage: forward needs at least one segment")
-        seq_len, seen = self.shape.seq_len, set()
-        for seg in segments:
-            for name in ("slot", "start", "length"):
-                value = getattr(seg, name)
-                if not isinstance(value, int | np.integer) or isinstance(value, bool):
-                    raise ValueError(f"decode stage: segment {name} must be an integer, got {value!r}")
-            if not 0 <= seg.slot < self.slots:
-                raise ValueError(f"decode stage: segment slot {seg.slot} out of range 0..{self.slots - 1}")
-            if seg.start < 0 or seg.length < 1:
-                raise ValueError(f"decode stage: segment start {seg.start} must be >= 0 and length {seg.length} >= 1")
-            if seg.start + seg.length > seq_len:
-                raise ValueError(f"decode stage: segment start {seg.start} + length {seg.length} = "
-                                 f"{seg.start + seg.length} exceeds seq_len {seq_len} (slot {seg.slot})")
-            if seg.slot in seen:
-                raise ValueError(f"decode stage: slot {seg.slot} appears in two segments of one forward call")
-            seen.add(seg.slot)
-        xp = self.xp
-        lengths = np.array([s.length for s in segments], dtype=np.int64)
-        starts = np.array([s.start for s in segments], dtype=np.int64)
-        firsts = np.cumsum(lengths) - lengths
-        n_rows = int(lengths.sum())
-        positions = np.arange(n_rows, dtype=np.int64) + np.repeat(starts - firsts, lengths)
-        is_dec = lengths == 1
-        all_last = bool(is_dec.all())
-        prefill = [(int(firsts[i]), segments[i]) for i in np.flatnonzero(~is_dec)]
-        decode = None
-        if is_dec.any():
-            slots = np.array([s.slot for s in segments], dtype=np.int64)[is_dec]
-            decode = self._decode_batch(None if all_last else firsts[is_dec], slots, starts[is_dec])
-        last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
-        return _Plan(n_rows, positions, last_rows, prefill, decode)
-
-    def _decode_batch(self, rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray) -> _DecodeBatch:
-        """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call."""
-        xp, n = self.xp, slots.size
-        keys = int(positions.max()) + 1
-        low, span = int(slots.min()), int(slots.max() - slots.min()) + 1
-        dev_slots, dev_pos = xp.asarray(slots), xp.asarray(positions)
-        future = self._future[dev_pos, :keys]
-        if span > _IN_PLACE_SPAN * n:
-            kv, t = self.n_kv_heads, self.shape.seq_len
-            # every (slot, kv head) pair's first ``keys`` positions, as rows of head_dim values: one take per array
-            gather = (((slots[:, None] * kv + np.arange(kv))[:, :, None] * t) + np.arange(keys)).reshape(-1)
-            return _DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys, None,
-                                xp.asarray(gather), None, future.reshape(n, 1, 1, keys))
-        order = None
-        if span != n or (slots != np.arange(low, low + span)).any():
-            order = xp.asarray(slots - low)
-            # the span's rows without a query attend to key 0 only: finite, and dropped afterwards
-            spread = xp.ones((span, keys), dtype=bool)
-            spread[:, 0] = False
-            spread[order] = future
-            future = spread
-        return _DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys,
-                            slice(low, low + span), None, order, future.reshape(span, 1, 1, keys))
-
-    def _input(self, x: Any, plan: _Plan) -> Any:
+    def _input(self, x: Any, plan: CallPlan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
-        xp, d = self.xp, self.shape.d_model
         if self.has_embedding:
-            x = x if isinstance(x, np.ndarray) else xp.asarray(x)
-            if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
-                raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
-            # checked where the ids are (host ids: no device round trip), then copied to the device once
-            low, high = int(x.min()), int(x.max())
-            x = xp.asarray(x)
-            if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
-                raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
-                                 f"0..{self.shape.vocab - 1}")
-            return self.steps.embed(x, lambda: self._positions(plan))
-        x = xp.asarray(x)
-        if x.shape != (plan.n_rows, d):
-            raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, d)}, got {x.shape}")
-        return x.astype(self.dtype, copy=False)
+            return self.steps.embed(self.xp.asarray(self._token_ids(x, plan)), lambda: self._positions(plan))
+        return self._activations(x, plan).astype(self.dtype, copy=False)
 
-    def _positions(self, plan: _Plan) -> Any:
+    def _token_ids(self, x: Any, plan: CallPlan) -> Any:
+        """The call's token ids, checked where they are (host ids: no device round trip)."""
+        x = x if isinstance(x, np.ndarray) else self.xp.asarray(x)
+        if x.shape != (plan.n_rows,) or x.dtype.kind not in "iu":
+            raise ValueError(f"decode stage: expected {plan.n_rows} integer token ids, got {x.dtype} {x.shape}")
+        low, high = int(x.min()), int(x.max())
+        if low < 0 or high >= self.shape.vocab:   # CuPy would wrap an out-of-range index silently
+            raise ValueError(f"decode stage: token id {low if low < 0 else high} out of range "
+                             f"0..{self.shape.vocab - 1}")
+        return x
+
+    def _activations(self, x: Any, plan: CallPlan) -> Any:
+        """The previous stage's rows, checked."""
+        x = self.xp.asarray(x)
+        if x.shape != (plan.n_rows, self.shape.d_model):
+            raise ValueError(f"decode stage: expected activations of shape {(plan.n_rows, self.shape.d_model)}, got "
+                             f"{x.shape}")
+        return x
+
+    def _positions(self, plan: CallPlan) -> Any:
         """The rows' positions on xp, copied to the device once per call and only when a step asks."""
         if plan.dev_positions is None:
             plan.dev_positions = self.xp.asarray(plan.positions)
@@ -255,7 +202,7 @@ class DecodeStage:
         p /= p.sum(axis=-1, keepdims=True)
         return p
 
-    def _attend(self, q: Any, k: Any, v: Any, cache: Any, plan: _Plan) -> Any:
+    def _attend(self, q: Any, k: Any, v: Any, cache: Any, plan: CallPlan) -> Any:
         """Write the new keys and values into ``cache`` and return the attention heads (n_rows, n_heads * head_dim).
 
         ``q``: (n_rows, n_heads, head_dim), ``k`` and ``v``: (n_rows, n_kv_heads, head_dim), any strides.
@@ -276,14 +223,14 @@ class DecodeStage:
             out = p.reshape(kv, grp * length, end) @ values[seg.slot, :, :end]
             heads[new] = out.reshape(kv, grp, length, dh).transpose(2, 0, 1, 3)
         if plan.decode is not None:
-            heads[_all(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode)
+            heads[all_rows(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode)
         return heads.reshape(n, kv * grp * dh)
 
-    def _attend_decode(self, q: Any, k: Any, v: Any, keys: Any, values: Any, dec: _DecodeBatch) -> Any:
+    def _attend_decode(self, q: Any, k: Any, v: Any, keys: Any, values: Any, dec: DecodeBatch) -> Any:
         """Write the decode tokens' keys and values and return their attention heads (n, kv, group, head_dim)."""
         xp = self.xp
         n, kv, grp, dh = dec.n, self.n_kv_heads, self.group, self.head_dim
-        rows = _all(dec.rows)
+        rows = all_rows(dec.rows)
         keys[dec.slots, :, dec.positions] = k[rows]
         values[dec.slots, :, dec.positions] = v[rows]
         q = q[rows].reshape(n, kv, grp, dh)                            # a kv head's queries against its keys
@@ -301,7 +248,7 @@ class DecodeStage:
             out = out[dec.order]
         return out
 
-    def _gather(self, keys: Any, values: Any, dec: _DecodeBatch) -> tuple[Any, Any]:
+    def _gather(self, keys: Any, values: Any, dec: DecodeBatch) -> tuple[Any, Any]:
         """Copy the decode slots' keys and values up to ``dec.keys`` into the stage's scratch (grown when short).
 
         Fancy indexing would allocate two fresh arrays of that size per block, and NumPy's large allocations
@@ -326,7 +273,10 @@ class DecodeStage:
         in segment order. Returns logits (len(segments), vocab) after each segment's last new token on the
         stage holding the head, else C-contiguous activations (n_rows, d_model).
         """
-        plan = self._plan(segments)
+        plan = plan_call(segments, self.slots, self.shape.seq_len, self.xp, self._future, self.n_kv_heads,
+                         self._fused is None)
+        if self._fused is not None:
+            return self._forward_fused(x, plan, segments)
         h = self._input(x, plan)
         steps = self.steps
         context = steps.prepare(lambda: self._positions(plan))
@@ -337,3 +287,19 @@ class DecodeStage:
         if plan.last_rows is not None:
             h = h[plan.last_rows]
         return steps.head_logits(h)
+
+    def _forward_fused(self, x: Any, plan: CallPlan, segments: list[Segment]) -> np.ndarray:
+        """forward through the compiled kernels: the embedding, every block in one call, the head."""
+        fused = self._fused
+        if self.has_embedding:
+            ids = self._token_ids(x, plan)
+            h = fused.embed(ids, plan.positions)
+        else:
+            h = self._activations(x, plan)
+            h = np.array(h, dtype=np.float32, order="C")    # a private copy: the blocks update it in place
+        fused.blocks(h, plan.row_slots, plan.positions)
+        if not self.has_head:
+            return h
+        if plan.last_rows is not None:
+            h = h[plan.last_rows]
+        return fused.logits(h)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hpcpipe.kernels.stage import FusedBlock, FusedKind
 from hpcpipe.nn.core.decoder import Block, Embedding, OutputHead
 from hpcpipe.nn.core.sharding import Shard, vocab_range
 from hpcpipe.nn.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -116,6 +117,15 @@ class DecoderModel(ModelDef):
         raise NotImplementedError
 
     def shards(self, index: int, tp: int, rank: int) -> dict[str, Shard]:
+        raise NotImplementedError
+
+    def fused_kind(self) -> FusedKind:
+        """What the compiled decode step computes for this kind (norm, MLP, RoPE, epsilons)."""
+        raise NotImplementedError
+
+    def fused_block(self, params: dict[str, Any], fmt: str) -> FusedBlock:
+        """A block's parameters (float (in, out) arrays or (out, in) RowWeights) as the compiled step takes them,
+        matrices in weight format ``fmt``."""
         raise NotImplementedError
 
     # -- built from those ---------------------------------------------------------------------------------------------

@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.kernels.formats import row_weight
+from hpcpipe.kernels.stage import FusedBlock, FusedKind
 from hpcpipe.nn.core.attention import CausalAttention, FusedQKV
 from hpcpipe.nn.core.decoder_model import INIT_STD, DecoderModel
 from hpcpipe.nn.core.dense import linear
 from hpcpipe.nn.core.mlps import GeluMLP
-from hpcpipe.nn.core.norms import LayerNorm
+from hpcpipe.nn.core.norms import EPS, LayerNorm
 from hpcpipe.nn.core.sharding import REPLICATED, Shard, column_part, head_columns, row_part
 from hpcpipe.nn.core.tensor_parallel import is_split
 from hpcpipe.nn.gpt.shape import GPTShape, group_params
@@ -97,6 +99,16 @@ class GPTModel(DecoderModel):
 
     def mlp(self, params, grads, xp, tp):
         return GeluMLP(params, grads, xp, tp=tp)
+
+    def fused_kind(self):
+        return FusedKind(norm="layer", act="gelu", rope=False, eps=EPS)
+
+    def fused_block(self, params, fmt):
+        p = params
+        return FusedBlock(p["ln1/weight"], p["ln1/bias"], row_weight(p["attn/qkv/weight"], fmt), p["attn/qkv/bias"],
+                          row_weight(p["attn/proj/weight"], fmt), p["attn/proj/bias"], p["ln2/weight"], p["ln2/bias"],
+                          row_weight(p["mlp/fc/weight"], fmt), p["mlp/fc/bias"], row_weight(p["mlp/proj/weight"], fmt),
+                          p["mlp/proj/bias"])
 
     def shards(self, index, tp, rank):
         shape = self.shape

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.kernels.formats import row_weight, stacked
+from hpcpipe.kernels.stage import FusedBlock, FusedKind
 from hpcpipe.nn.core.attention import CausalAttention, SplitQKV
 from hpcpipe.nn.core.decoder_model import INIT_STD, DecoderModel
 from hpcpipe.nn.core.dense import linear
@@ -108,6 +110,17 @@ class LlamaModel(DecoderModel):
 
     def mlp(self, params, grads, xp, tp):
         return SwiGLU(params, grads, xp, tp=tp)
+
+    def fused_kind(self):
+        return FusedKind(norm="rms", act="swiglu", rope=True, eps=self.shape.norm_eps)
+
+    def fused_block(self, params, fmt):
+        p = params
+        bias = np.concatenate([p[f"attn/{x}/bias"] for x in "qkv"]) if "attn/q/bias" in p else None
+        return FusedBlock(p["attn_norm/weight"], None, stacked([row_weight(p[f"attn/{x}/weight"], fmt) for x in "qkv"]),
+                          bias, row_weight(p["attn/o/weight"], fmt), None, p["mlp_norm/weight"], None,
+                          stacked([row_weight(p[f"mlp/{x}/weight"], fmt) for x in ("gate", "up")]), None,
+                          row_weight(p["mlp/down/weight"], fmt), None)
 
     def shards(self, index, tp, rank):
         shape = self.shape

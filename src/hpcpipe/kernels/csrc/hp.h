@@ -1,0 +1,81 @@
+/* hpcpipe's CPU kernels: weight products for float32 / bfloat16 / float16 / q8_0 weights, the decoder's
+ * elementwise steps, decode attention over a KV cache, and a whole decode stage as one call.
+ *
+ * Everything computes in float32. A weight is stored as the model file has it, (out, in) row-major
+ * (Hugging Face's nn.Linear layout): bf16 and f16 values are widened to float32 in registers, q8_0 is
+ * GGUF's block format (32 int8 along `in` with one float16 scale per block, kept as two arrays).
+ * The AVX-512 paths are compiled for that target and chosen at run time (hp_init); the portable
+ * paths run everywhere and are what the AVX-512 ones are tested against.
+ */
+#ifndef HP_H
+#define HP_H
+
+#include <stdint.h>
+
+/* the AVX-512 paths exist on x86-64 only; elsewhere the portable ones are all there is */
+#if defined(__x86_64__)
+#define HP_X86 1
+#else
+#define HP_X86 0
+#endif
+
+enum { HP_F32 = 0, HP_BF16 = 1, HP_F16 = 2, HP_Q8_0 = 3 };
+enum { HP_RMSNORM = 0, HP_LAYERNORM = 1 };
+enum { HP_SWIGLU = 0, HP_GELU = 1 };
+
+typedef struct {
+    int32_t fmt;              /* HP_F32 | HP_BF16 | HP_F16 | HP_Q8_0 */
+    int32_t pad;
+    int64_t rows;             /* outputs (N) */
+    int64_t cols;             /* inputs (K); a multiple of 32 for q8_0 */
+    const void *data;         /* N x K values (int8 for q8_0) */
+    const uint16_t *scales;   /* q8_0: N x K/32 float16 scales, else NULL */
+} hp_weight;
+
+/* One decoder block of a stage, as hp_stage_forward runs it (pointers NULL where the kind has none). */
+typedef struct {
+    const float *norm1_w, *norm1_b;   /* before attention */
+    hp_weight qkv;                    /* q | k | v rows: (H + 2 K) hd outputs */
+    const float *qkv_b;
+    const float *q_norm_w, *k_norm_w; /* per-head RMSNorm of q and k before RoPE (Qwen3), hd each */
+    hp_weight o;
+    const float *o_b;
+    const float *norm2_w, *norm2_b;   /* before the MLP */
+    hp_weight up;                     /* SwiGLU: gate | up rows (2 ff outputs); GELU: fc (ff outputs) */
+    const float *up_b;
+    hp_weight down;
+    const float *down_b;
+    float *cache;                     /* keys then values: (2, slots, n_kv, seq_len, hd) */
+} hp_block;
+
+typedef struct {
+    int64_t n_blocks, d, n_heads, n_kv, hd, ff, slots, seq_len;
+    int32_t norm, act, rope, pad;     /* HP_RMSNORM | HP_LAYERNORM, HP_SWIGLU | HP_GELU, RoPE on (1) or off */
+    float eps, qk_eps, scale, pad2;   /* norm epsilon, q/k-norm epsilon, 1 / sqrt(hd) */
+    const float *cos, *sin;           /* (seq_len, hd / 2) RoPE tables */
+    const hp_block *blocks;
+} hp_stage;
+
+int hp_init(void);                    /* 1 when the AVX-512 paths are in use */
+void hp_use_portable(int on);         /* tests: force the portable paths */
+int64_t hp_scratch_floats(const hp_stage *s, int64_t n_rows);
+
+/* y[m, n] (+)= sum_k x[m, k] W[n, k]; x rows ldx apart, y rows ldy apart */
+void hp_matmul(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate);
+void hp_rmsnorm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps);
+void hp_layernorm(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t d, float eps);
+void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, const float *cos, const float *sin,
+             const int64_t *positions);
+void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff);   /* rows of gate | up -> silu(g) u */
+void hp_gelu(float *x, int64_t n);                                        /* tanh approximation, in place */
+void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
+               const int64_t *positions, float *heads, float *scores);
+int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slots, const int64_t *positions,
+                     float *scratch);
+
+/* shared by the kernels' files */
+float hp_bf16_to_f32(uint16_t b);
+float hp_f16_to_f32(uint16_t h);
+extern int hp_avx512;
+
+#endif

@@ -1,0 +1,238 @@
+/* Weight products y (M, N) = x (M, K) . W^T for float32 / bfloat16 / float16 / q8_0 weights W (N, K).
+ *
+ * Each weight row is read once per step for every row of x: tiles of up to 4 rows of x by 4 (or, for a
+ * single row, 8) rows of W keep their partial sums in registers while K streams by, so a matrix-vector
+ * product reads the weights at the memory's rate and a 32-row product reads them once from memory and a
+ * few times from cache. 16-bit and 8-bit weights are widened to float32 in registers: the products and
+ * sums are float32, as the NumPy path's, and only their order differs.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "hp.h"
+
+#if HP_X86
+#include <immintrin.h>
+#endif
+
+int hp_avx512 = 0;
+static int forced_portable = 0;
+
+float hp_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float hp_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);                  /* inf, nan */
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {                                               /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int hp_init(void) {
+#if HP_X86
+    __builtin_cpu_init();
+    hp_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && !forced_portable;
+#endif
+    return hp_avx512;
+}
+
+void hp_use_portable(int on) {
+    forced_portable = on;
+    hp_init();
+}
+
+/* ---- portable ------------------------------------------------------------------------------------------- */
+
+static float weight_at(const hp_weight *w, int64_t n, int64_t k) {
+    int64_t i = n * w->cols + k;
+    switch (w->fmt) {
+    case HP_BF16: return hp_bf16_to_f32(((const uint16_t *)w->data)[i]);
+    case HP_F16: return hp_f16_to_f32(((const uint16_t *)w->data)[i]);
+    case HP_Q8_0: return (float)((const int8_t *)w->data)[i] * hp_f16_to_f32(w->scales[n * (w->cols / 32) + k / 32]);
+    default: return ((const float *)w->data)[i];
+    }
+}
+
+static void matmul_portable(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy,
+                            int accumulate) {
+    float row[1024];
+    for (int64_t n = 0; n < w->rows; n++) {
+        for (int64_t k0 = 0; k0 < w->cols; k0 += 1024) {
+            int64_t kn = w->cols - k0 < 1024 ? w->cols - k0 : 1024;
+            for (int64_t k = 0; k < kn; k++) row[k] = weight_at(w, n, k0 + k);
+            for (int64_t r = 0; r < m; r++) {
+                const float *xr = x + r * ldx + k0;
+                float acc = 0.0f;
+                for (int64_t k = 0; k < kn; k++) acc += xr[k] * row[k];
+                if (k0 == 0 && !accumulate) y[r * ldy + n] = acc;
+                else y[r * ldy + n] += acc;
+            }
+        }
+    }
+}
+
+/* ---- AVX-512 -------------------------------------------------------------------------------------------- */
+#if HP_X86
+
+#define HP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+/* 16 weights of row p from column k (the first `rem` of them when rem < 16), as float32 */
+#define LOAD_F32(p, k, mask) _mm512_maskz_loadu_ps(mask, (const float *)(p) + (k))
+#define LOAD_BF16(p, k, mask) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)(p) + (k))), 16))
+#define LOAD_F16(p, k, mask) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)(p) + (k)))
+
+/* a tile of R rows of x by C rows of W; W rows row_bytes apart */
+#define TILE_FN(NAME, LOAD, ESIZE, R, C)                                                                        \
+static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *x, int64_t ldx, float *y, \
+                           int64_t ldy, int accumulate) {                                                       \
+    __m512 acc[R][C];                                                                                           \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                   \
+    for (int64_t k = 0; k < K; k += 16) {                                                                       \
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);                   \
+        __m512 wv[C];                                                                                           \
+        for (int c = 0; c < C; c++) wv[c] = LOAD(wp + c * row_bytes, k, mask);                                  \
+        for (int r = 0; r < R; r++) {                                                                           \
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);                                           \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);                     \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) {                                                   \
+        float v = _mm512_reduce_add_ps(acc[r][c]);                                                              \
+        if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                           \
+    }                                                                                                           \
+}
+
+#define FORMAT_FNS(SUFFIX, LOAD, ESIZE)                                                                         \
+TILE_FN(tile44_##SUFFIX, LOAD, ESIZE, 4, 4)                                                                     \
+TILE_FN(tile41_##SUFFIX, LOAD, ESIZE, 4, 1)                                                                     \
+TILE_FN(tile18_##SUFFIX, LOAD, ESIZE, 1, 8)                                                                     \
+TILE_FN(tile11_##SUFFIX, LOAD, ESIZE, 1, 1)                                                                     \
+static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y,    \
+                                      int64_t ldy, int accumulate) {                                            \
+    const char *base = (const char *)w->data;                                                                   \
+    int64_t N = w->rows, K = w->cols, rb = K * ESIZE, n = 0;                                                    \
+    if (m == 1) {                                                                                               \
+        for (; n + 8 <= N; n += 8) tile18_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate);       \
+        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate);               \
+        return;                                                                                                 \
+    }                                                                                                           \
+    for (; n + 4 <= N; n += 4) {                                                                                \
+        int64_t r = 0;                                                                                          \
+        for (; r + 4 <= m; r += 4)                                                                              \
+            tile44_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);          \
+        for (; r < m; r++) {                                                                                    \
+            for (int c = 0; c < 4; c++)                                                                         \
+                tile11_##SUFFIX(base + (n + c) * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,         \
+                                accumulate);                                                                    \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (; n < N; n++) {                                                                                        \
+        int64_t r = 0;                                                                                          \
+        for (; r + 4 <= m; r += 4) tile41_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, \
+                                                   accumulate);                                                 \
+        for (; r < m; r++) tile11_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,         \
+                                           accumulate);                                                         \
+    }                                                                                                           \
+}
+
+FORMAT_FNS(f32, LOAD_F32, 4)
+FORMAT_FNS(bf16, LOAD_BF16, 2)
+FORMAT_FNS(f16, LOAD_F16, 2)
+
+/* q8_0: per block of 32, the products of the widened int8 values sum first, then scale by the block's d */
+#define Q8_TILE_FN(NAME, R, C)                                                                                  \
+static HP_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const float *x, int64_t ldx,          \
+                           float *y, int64_t ldy, int accumulate) {                                             \
+    int64_t nb = K / 32;                                                                                        \
+    __m512 acc[R][C];                                                                                           \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                   \
+    for (int64_t b = 0; b < nb; b++) {                                                                          \
+        __m512 lo[C], hi[C], dv[C];                                                                             \
+        for (int c = 0; c < C; c++) {                                                                           \
+            const int8_t *p = q + c * K + b * 32;                                                               \
+            lo[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));              \
+            hi[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));       \
+            dv[c] = _mm512_set1_ps(_cvtsh_ss(d[c * nb + b]));                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++) {                                                                           \
+            __m512 x0 = _mm512_loadu_ps(x + r * ldx + b * 32), x1 = _mm512_loadu_ps(x + r * ldx + b * 32 + 16); \
+            for (int c = 0; c < C; c++) {                                                                       \
+                __m512 t = _mm512_fmadd_ps(x1, hi[c], _mm512_mul_ps(x0, lo[c]));                                \
+                acc[r][c] = _mm512_fmadd_ps(t, dv[c], acc[r][c]);                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) {                                                   \
+        float v = _mm512_reduce_add_ps(acc[r][c]);                                                              \
+        if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                           \
+    }                                                                                                           \
+}
+
+Q8_TILE_FN(q8_tile44, 4, 4)
+Q8_TILE_FN(q8_tile41, 4, 1)
+Q8_TILE_FN(q8_tile18, 1, 8)
+Q8_TILE_FN(q8_tile11, 1, 1)
+
+static HP_TARGET void matmul_q8(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy,
+                                int accumulate) {
+    const int8_t *q = (const int8_t *)w->data;
+    const uint16_t *d = w->scales;
+    int64_t N = w->rows, K = w->cols, nb = K / 32, n = 0;
+    if (m == 1) {
+        for (; n + 8 <= N; n += 8) q8_tile18(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate);
+        for (; n < N; n++) q8_tile11(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate);
+        return;
+    }
+    for (; n + 4 <= N; n += 4) {
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4)
+            q8_tile44(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);
+        for (; r < m; r++)
+            for (int c = 0; c < 4; c++)
+                q8_tile11(q + (n + c) * K, d + (n + c) * nb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,
+                          accumulate);
+    }
+    for (; n < N; n++) {
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) q8_tile41(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,
+                                            accumulate);
+        for (; r < m; r++) q8_tile11(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);
+    }
+}
+
+#endif
+
+void hp_matmul(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate) {
+    if (m <= 0 || w->rows <= 0) return;
+#if HP_X86
+    if (hp_avx512 && !(w->fmt == HP_Q8_0 && w->cols % 32)) {
+        switch (w->fmt) {
+        case HP_BF16: matmul_bf16(w, x, m, ldx, y, ldy, accumulate); return;
+        case HP_F16: matmul_f16(w, x, m, ldx, y, ldy, accumulate); return;
+        case HP_Q8_0: matmul_q8(w, x, m, ldx, y, ldy, accumulate); return;
+        default: matmul_f32(w, x, m, ldx, y, ldy, accumulate); return;
+        }
+    }
+#endif
+    matmul_portable(w, x, m, ldx, y, ldy, accumulate);
+}

@@ -1,0 +1,126 @@
+"""Weight matrices kept as stored: float32, bfloat16 or float16 bits, or q8_0 blocks, in (out, in) rows.
+
+``model.weight_format`` picks one for serving, generation and evaluation: ``float32`` widens every weight
+on load (the training layout), ``stored`` keeps a checkpoint's 16-bit values as they are (widening them in
+registers gives the float32 computation on the same weights: exact, half the bytes), ``q8_0`` quantizes to
+GGUF's q8_0 (blocks of 32 values along ``in`` as int8 with one float16 scale d = max|w| / 127; each value
+round(w / d), halves away from zero as llama.cpp's ``roundf``): 1.0625 bytes a weight, not exact.
+
+A :class:`RowWeight` is what the compiled kernels multiply by: ``y = x @ W.T`` with W (out, in) row-major,
+Hugging Face's nn.Linear layout, so a 16-bit checkpoint's matrix is used without a transposed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("float32", "stored", "q8_0")     # model.weight_format
+KINDS = ("float32", "bfloat16", "float16", "q8_0")
+Q8_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class RowWeight:
+    """A (out, in) weight as stored: ``kind`` float32 (float32 values), bfloat16 / float16 (uint16 bits), or
+    q8_0 (int8 values and uint16 float16 scales, one per block of 32 along ``in``)."""
+
+    kind: str
+    data: np.ndarray
+    scales: np.ndarray | None = None
+
+    def __post_init__(self):
+        want = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.uint16, "q8_0": np.int8}.get(self.kind)
+        if want is None:
+            raise ValueError(f"row weight: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.data.dtype != want or self.data.ndim != 2 or not self.data.flags.c_contiguous:
+            raise ValueError(f"row weight: {self.kind} data must be a C-contiguous 2-D {np.dtype(want).name} array, "
+                             f"got {self.data.dtype} {self.data.shape}")
+        if self.kind == "q8_0":
+            rows, cols = self.data.shape
+            if cols % Q8_BLOCK or self.scales is None or self.scales.dtype != np.uint16 \
+                    or self.scales.shape != (rows, cols // Q8_BLOCK) or not self.scales.flags.c_contiguous:
+                raise ValueError(f"row weight: q8_0 needs in % 32 == 0 and (out, in / 32) uint16 scales, got "
+                                 f"{self.data.shape} and {None if self.scales is None else self.scales.shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in)."""
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (values and scales)."""
+        return int(self.data.nbytes + (0 if self.scales is None else self.scales.nbytes))
+
+    def dense(self, dtype: Any = np.float32) -> np.ndarray:
+        """The (out, in) values widened (dequantized) to ``dtype``: the reference the kernels are tested against."""
+        if self.kind == "float32":
+            return self.data.astype(dtype, copy=False)
+        if self.kind == "bfloat16":
+            return widen_bf16(self.data).astype(dtype, copy=False)
+        if self.kind == "float16":
+            return self.data.view(np.float16).astype(dtype)
+        d = self.scales.view(np.float16).astype(np.float32)
+        blocks = self.data.reshape(self.shape[0], -1, Q8_BLOCK).astype(np.float32) * d[:, :, None]
+        return blocks.reshape(self.shape).astype(dtype, copy=False)
+
+    def rows_at(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` widened (dequantized) to float32: an embedding's gather from the table a head multiplies by."""
+        scales = None if self.scales is None else np.ascontiguousarray(self.scales[ids])
+        return RowWeight(self.kind, np.ascontiguousarray(self.data[ids]), scales).dense()
+
+    def rows(self, start: int, stop: int) -> RowWeight:
+        """Rows [start, stop) (outputs), as views."""
+        return RowWeight(self.kind, self.data[start:stop], None if self.scales is None else self.scales[start:stop])
+
+
+def widen_bf16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32 values, exactly (bfloat16 is the high half of a float32)."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
+def quantize_q8_0(w: np.ndarray) -> RowWeight:
+    """Return GGUF's q8_0 of a float (out, in) matrix (in a multiple of 32), block by block along ``in``."""
+    rows, cols = w.shape
+    if cols % Q8_BLOCK:
+        raise ValueError(f"q8_0: the input width {cols} is not a multiple of {Q8_BLOCK}")
+    blocks = np.asarray(w, dtype=np.float32).reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    d32 = amax / np.float32(127.0)
+    d = d32.astype(np.float16)
+    # as llama.cpp: values scaled by the inverse of the float32 scale, the scale stored rounded to float16
+    inv = np.divide(np.float32(1.0), d32, out=np.zeros_like(amax), where=d32 != 0)
+    scaled = blocks * inv[:, :, None]
+    q = np.trunc(scaled + np.copysign(0.5, scaled))            # round half away from zero (C's roundf)
+    q = np.clip(q, -127, 127).astype(np.int8)
+    return RowWeight("q8_0", np.ascontiguousarray(q.reshape(rows, cols)), np.ascontiguousarray(d.view(np.uint16)))
+
+
+def row_weight(value: Any, fmt: str) -> RowWeight:
+    """The (out, in) row weight of ``value`` in weight format ``fmt``.
+
+    ``value`` is a RowWeight (taken as it is, or quantized for q8_0) or a float (in, out) array as the
+    training layout holds it (transposed once here). q8_0 quantizes matrices whose input width is a multiple
+    of 32, as GGUF does; others stay as they are.
+    """
+    if isinstance(value, RowWeight):
+        if fmt == "q8_0" and value.kind != "q8_0" and value.shape[1] % Q8_BLOCK == 0:
+            return quantize_q8_0(value.dense())
+        return value
+    rows = np.ascontiguousarray(np.asarray(value, dtype=np.float32).T)
+    return quantize_q8_0(rows) if fmt == "q8_0" and rows.shape[1] % Q8_BLOCK == 0 else RowWeight("float32", rows)
+
+
+def stacked(parts: list[RowWeight]) -> RowWeight:
+    """The row weights one above the other (their outputs in order: q | k | v, gate | up): one product for all."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"stacked: parts of kinds {sorted(kinds)} and inputs {[p.shape[1] for p in parts]} differ")
+    data = np.concatenate([p.data for p in parts])
+    scales = np.concatenate([p.scales for p in parts]) if parts[0].scales is not None else None
+    return RowWeight(parts[0].kind, data, scales)

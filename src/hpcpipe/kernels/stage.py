@@ -1,0 +1,118 @@
+"""A decode stage's blocks laid out for the compiled stage step: one C call runs every block over the new rows.
+
+The kind says what its blocks are made of (:class:`FusedKind`: norm, MLP, RoPE; :class:`FusedBlock`: the
+block's norms, fused q|k|v, output projection, fused gate|up or fc, down projection, biases, q/k norms)
+and where its KV cache lives; :class:`StagePlan` keeps the ctypes structs and the arrays they point to
+alive together, and a scratch buffer grown to the largest call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcpipe.kernels.cpu import Block, Stage, library, weight_struct
+from hpcpipe.kernels.formats import RowWeight
+
+_NORMS = {"rms": 0, "layer": 1}
+_ACTS = {"swiglu": 0, "gelu": 1}
+
+
+@dataclass(frozen=True)
+class FusedKind:
+    """What every block of a stage computes: ``norm`` rms | layer, ``act`` swiglu | gelu, RoPE or not, epsilons."""
+
+    norm: str
+    act: str
+    rope: bool
+    eps: float
+    qk_eps: float = 1e-6
+
+
+@dataclass
+class FusedBlock:
+    """One block's parameters for the compiled step (vectors float32; None where the kind has none)."""
+
+    norm1_w: np.ndarray
+    norm1_b: np.ndarray | None
+    qkv: RowWeight                   # q | k | v rows
+    qkv_b: np.ndarray | None
+    o: RowWeight
+    o_b: np.ndarray | None
+    norm2_w: np.ndarray
+    norm2_b: np.ndarray | None
+    up: RowWeight                    # swiglu: gate | up rows; gelu: fc
+    up_b: np.ndarray | None
+    down: RowWeight
+    down_b: np.ndarray | None
+    q_norm_w: np.ndarray | None = None
+    k_norm_w: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the block's parameters."""
+        vectors = (self.norm1_w, self.norm1_b, self.qkv_b, self.o_b, self.norm2_w, self.norm2_b, self.up_b,
+                   self.down_b, self.q_norm_w, self.k_norm_w)
+        return sum(w.nbytes for w in (self.qkv, self.o, self.up, self.down)) + sum(
+            v.nbytes for v in vectors if v is not None)
+
+
+def _vector(v: np.ndarray | None) -> np.ndarray | None:
+    return None if v is None else np.ascontiguousarray(v, dtype=np.float32)
+
+
+class StagePlan:
+    """Every block of a decode stage as one ``hp_stage``: ``forward`` runs them all over the rows in one call."""
+
+    def __init__(self, kind: FusedKind, blocks: list[FusedBlock], d: int, n_heads: int, n_kv: int, hd: int, ff: int,
+                 cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None):
+        self.lib = library()
+        if self.lib is None:
+            raise RuntimeError("stage plan: the compiled kernels are not available")
+        n, two, slots, kv, seq_len, width = cache.shape
+        if (n, two, kv, width) != (len(blocks), 2, n_kv, hd) or cache.dtype != np.float32 \
+                or not cache.flags.c_contiguous:
+            raise ValueError(f"stage plan: cache of shape {cache.shape} {cache.dtype} does not hold {len(blocks)} "
+                             f"blocks of {n_kv} kv heads of {hd}")
+        self.d, self.slots, self.seq_len = d, slots, seq_len
+        self.cache = cache
+        self._keep: list = [blocks]                   # every array a struct points to stays alive with the plan
+        self.rope = None if rope is None else tuple(np.ascontiguousarray(t, dtype=np.float32) for t in rope)
+        self._blocks = (Block * len(blocks))()
+        for i, b in enumerate(blocks):
+            vectors = {name: _vector(getattr(b, name)) for name in ("norm1_w", "norm1_b", "qkv_b", "o_b", "norm2_w",
+                                                                    "norm2_b", "up_b", "down_b", "q_norm_w",
+                                                                    "k_norm_w")}
+            self._keep.append(vectors)
+            addr = {name: (None if v is None else v.ctypes.data) for name, v in vectors.items()}
+            self._blocks[i] = Block(addr["norm1_w"], addr["norm1_b"], weight_struct(b.qkv), addr["qkv_b"],
+                                    addr["q_norm_w"], addr["k_norm_w"], weight_struct(b.o), addr["o_b"],
+                                    addr["norm2_w"], addr["norm2_b"], weight_struct(b.up), addr["up_b"],
+                                    weight_struct(b.down), addr["down_b"], cache[i].ctypes.data)
+        cos, sin = self.rope if self.rope is not None else (None, None)
+        self._stage = Stage(len(blocks), d, n_heads, n_kv, hd, ff, slots, seq_len, _NORMS[kind.norm],
+                            _ACTS[kind.act], int(kind.rope), 0, kind.eps, kind.qk_eps, 1.0 / np.sqrt(hd), 0.0,
+                            None if cos is None else cos.ctypes.data, None if sin is None else sin.ctypes.data,
+                            ctypes.cast(self._blocks, ctypes.POINTER(Block)))
+        self._scratch = np.empty(0, dtype=np.float32)
+
+    def forward(self, h: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Run every block over the rows ``h`` (m, d) float32 in place; row i writes and reads its sequence's cache
+        at ``slots[i]`` up to ``positions[i]`` (int64). Returns h."""
+        m = h.shape[0]
+        if h.dtype != np.float32 or h.shape != (m, self.d) or not h.flags.c_contiguous:
+            raise ValueError(f"stage plan: expected C-contiguous float32 rows of {self.d}, got {h.dtype} {h.shape}")
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if slots.shape != (m,) or positions.shape != (m,):
+            raise ValueError(f"stage plan: {m} rows need {m} slots and positions, got {slots.shape} {positions.shape}")
+        need = int(self.lib.hp_scratch_floats(ctypes.byref(self._stage), m))
+        if self._scratch.size < need:
+            self._scratch = np.empty(need, dtype=np.float32)
+        status = self.lib.hp_stage_forward(ctypes.byref(self._stage), h.ctypes.data, m, slots.ctypes.data,
+                                           positions.ctypes.data, self._scratch.ctypes.data)
+        if status:
+            raise ValueError(f"stage plan: a row's slot or position is outside {self.slots} slots of {self.seq_len}")
+        return h

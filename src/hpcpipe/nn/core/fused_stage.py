@@ -1,0 +1,113 @@
+"""A decode stage computed by the compiled kernels: the embedding gather, every block in one call, norm and head.
+
+Used by :class:`hpcpipe.nn.core.decode.DecodeStage` on the CPU (NumPy backend, float32, one tensor-parallel
+rank) when the kernels are built; the NumPy steps (hpcpipe.nn.core.decode_steps) stay the reference it is
+tested against. Weights are (out, in) :class:`hpcpipe.kernels.formats.RowWeight` in the stage's weight format
+(``float32``, ``stored``: a checkpoint's bfloat16 / float16 as they are, or ``q8_0``); the kind maps its
+block's parameters onto the compiled block (``model.fused_block``). A tied head multiplies by the embedding
+table the embedding gathers from: one copy of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.kernels import cpu
+from hpcpipe.kernels.formats import RowWeight, row_weight
+from hpcpipe.kernels.stage import StagePlan
+from hpcpipe.nn.core.half_table import HalfTable
+
+
+def compiled_available(xp: Any, dtype: Any, tp: Any) -> bool:
+    """Whether a stage on this backend, dtype and tensor-parallel group can run compiled."""
+    return xp is np and np.dtype(dtype) == np.float32 and (tp is None or tp.size == 1) and cpu.library() is not None
+
+
+def table_rows(table: Any, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` of an embedding table (float array, HalfTable or RowWeight) as float32."""
+    if isinstance(table, RowWeight):
+        if table.kind == "float32":
+            return table.data[ids]
+        return table.rows_at(ids)
+    return np.asarray(table[ids], dtype=np.float32)
+
+
+def as_table(value: Any, fmt: str) -> Any:
+    """An embedding table as the stage keeps it: 16-bit tables as they are, float32 as float32, q8_0 quantized."""
+    if isinstance(value, HalfTable):
+        return RowWeight(value.kind, np.ascontiguousarray(value.bits)) if fmt != "q8_0" else \
+            row_weight(RowWeight(value.kind, np.ascontiguousarray(value.bits)), fmt)
+    if isinstance(value, RowWeight):
+        return row_weight(value, fmt)
+    array = np.ascontiguousarray(value, dtype=np.float32)          # (vocab, d): already (out, in) for the head
+    return row_weight(RowWeight("float32", array), fmt)
+
+
+class FusedStage:
+    """Layer groups ``groups`` of a decoder model, computed by the compiled kernels (see the module docstring)."""
+
+    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]], fmt: str, slots: int,
+                 tok_emb: Any = None):
+        shape = model.shape
+        self.model, self.shape, self.fmt = model, shape, fmt
+        self.has_embedding = 0 in groups
+        self.has_head = shape.n_blocks + 1 in groups
+        blocks = [i for i in groups if 1 <= i <= shape.n_blocks]
+        n_heads, n_kv = model.local_heads(None)
+        hd = shape.head_dim
+        self.cache = np.zeros((len(blocks), 2, slots, n_kv, shape.seq_len, hd), dtype=np.float32)
+        fused = [model.fused_block(arrays[i], fmt) for i in blocks]
+        kind = model.fused_kind()
+        rope = model.rope(np, np.float32).tables(shape.seq_len) if kind.rope else None
+        self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, shape.ff, self.cache, rope) \
+            if blocks else None
+        self.table = self.pos_emb = None
+        if self.has_embedding:
+            self.table = as_table(arrays[0]["tok_emb"], fmt)
+            if "pos_emb" in arrays[0]:
+                self.pos_emb = np.ascontiguousarray(arrays[0]["pos_emb"], dtype=np.float32)
+        if self.has_head:
+            final = arrays[shape.n_blocks + 1]
+            self.norm = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in final.items()
+                         if name != "head/weight"}
+            if not shape.tied:
+                self.head = row_weight(final["head/weight"], fmt)
+            elif self.table is not None:
+                self.head = self.table
+            else:
+                if tok_emb is None:
+                    raise ValueError("decode stage: a tied head on a stage without layer group 0 needs tok_emb")
+                self.head = as_table(tok_emb, fmt)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the stage's weights as kept (the KV cache aside)."""
+        total = sum(b.nbytes for b in self.plan._keep[0]) if self.plan is not None else 0
+        tables = {id(t): t for t in (self.table, getattr(self, "head", None)) if t is not None}
+        return total + sum(t.nbytes for t in tables.values())
+
+    def embed(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The (rows, d) float32 embeddings of checked token ids at their positions."""
+        h = np.ascontiguousarray(table_rows(self.table, tokens), dtype=np.float32)
+        if self.pos_emb is not None:
+            h += self.pos_emb[positions]
+        return h
+
+    def blocks(self, h: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Every block over the rows, in place (each row's keys and values written at its slot and position)."""
+        if self.plan is not None:
+            self.plan.forward(h, slots, positions)
+        return h
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """The final norm and the head over rows ``h``: (rows, vocab) float32 logits."""
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        kind = self.model.fused_kind()
+        prefix = self.model.NORMS[2]
+        if kind.norm == "rms":
+            u = cpu.rms_norm(h, self.norm[f"{prefix}/weight"], kind.eps)
+        else:
+            u = cpu.layer_norm(h, self.norm[f"{prefix}/weight"], self.norm[f"{prefix}/bias"], kind.eps)
+        return cpu.matmul(self.head, u)

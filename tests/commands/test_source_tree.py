@@ -111,6 +111,14 @@ def test_the_planner_is_on_top_and_profiles_are_read_below_it():
             assert not any(t.startswith(("hpcpipe.train", "hpcpipe.infer", "hpcpipe.serve")) for t in targets), name
 
 
+def test_runtime_is_below_state():
+    # runtime (MPI, topology, signals, bookkeeping files) serves state, never the other way round
+    graph = _import_graph()
+    for name, targets in graph.items():
+        if name.startswith("hpcpipe.runtime"):
+            assert not any(t.startswith("hpcpipe.state") for t in targets), f"{name} imports {targets}"
+
+
 def test_top_level_holds_only_shared_modules_and_commands():
     top = {p.stem for p in SRC.glob("*.py")}
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}

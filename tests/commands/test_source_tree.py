@@ -119,6 +119,17 @@ def test_runtime_is_below_state():
             assert not any(t.startswith("hpcpipe.state") for t in targets), f"{name} imports {targets}"
 
 
+def test_the_tokenizers_package_is_reached_only_from_hf():
+    # a Hugging Face tokenizer lives in hf/ (hf/tokenizer.py); what is stored with the weights, and the bytes and
+    # chars kinds, in state/tokenizer.py, which hands kind hf to hf/
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "tokenizers" or n.startswith("tokenizers.") for n in names):
+                assert path.parent.name == "hf", f"{path.relative_to(SRC)} imports the tokenizers package"
+
+
 def test_top_level_holds_only_shared_modules_and_commands():
     top = {p.stem for p in SRC.glob("*.py")}
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}

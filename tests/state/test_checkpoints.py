@@ -185,7 +185,7 @@ def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_t
 
     from hpcpipe.checkpoint import export, verify
     from hpcpipe.state.sources import resolve_weights
-    from hpcpipe.state.stored_tokenizer import StoredTokenizer
+    from hpcpipe.state.tokenizer import StoredTokenizer
 
     tokenizer = '{"kind": "bytes"}'
     comm = sub_world(world, 2)

@@ -25,7 +25,7 @@ from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
-from hpcpipe.state.stored_tokenizer import StoredTokenizer
+from hpcpipe.state.tokenizer import StoredTokenizer
 
 GIB = 1024 ** 3
 

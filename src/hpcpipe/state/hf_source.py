@@ -22,7 +22,7 @@ from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
 from hpcpipe.nn.half_table import HalfTable
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
-from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
+from hpcpipe.state.tokenizer import StoredTokenizer, from_hf_directory
 
 CONFIG = "config.json"
 

@@ -25,7 +25,7 @@ from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
 from hpcpipe.state.outputs import file_kind
 from hpcpipe.state.root_latest import lagging_root
-from hpcpipe.state.stored_tokenizer import StoredTokenizer, read_stored
+from hpcpipe.state.tokenizer import StoredTokenizer, read_stored
 from hpcpipe.state.weights import (
     LayerArrays,
     OptimizerArrays,

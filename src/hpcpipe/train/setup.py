@@ -25,7 +25,7 @@ from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import check_kind, restate_stored_shape
 from hpcpipe.state.sources import WeightsSource, resolve_weights
-from hpcpipe.state.stored_tokenizer import StoredTokenizer
+from hpcpipe.state.tokenizer import StoredTokenizer
 from hpcpipe.train.data import check_data_file, data_tokenizer
 from hpcpipe.train.preflight import (
     check_checkpoint_dir,

@@ -10,7 +10,7 @@ PATH is a checkpoint root (its ``latest`` is followed into the run that
 wrote it), a run directory, a ``step-NNNNNNNN`` directory, a ``latest``
 pointer file, or (verify, info, export) a single weights file. Nothing here
 uses MPI: reading is :mod:`hpcpipe.state.sources`, the directory protocol
-:mod:`hpcpipe.state.checkpoint_dir`, what makes a checkpoint valid
+:mod:`hpcpipe.state.directory_protocol`, what makes a checkpoint valid
 :mod:`hpcpipe.state.manifest`, the collective save and load
 :mod:`hpcpipe.state.collective`.
 """
@@ -27,7 +27,7 @@ import h5py
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.manifest import check_stage_file

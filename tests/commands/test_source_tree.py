@@ -136,6 +136,15 @@ def test_top_level_holds_only_shared_modules_and_commands():
     assert top == TOP_LEVEL and packages == PACKAGES
 
 
+def test_no_package_module_is_named_like_a_top_level_command():
+    # `python -m hpcpipe.simulate` is hpcpipe/simulate.py: a package module called simulate (or checkpoint_dir,
+    # generate_command) left a reader guessing which of the two is the command
+    commands = {"checkpoint", "evaluate", "generate", "simulate"}
+    alike = [str(p.relative_to(SRC)) for p in _modules() if p.parent != SRC
+             and any(p.stem == c or p.stem.startswith(f"{c}_") for c in commands)]
+    assert commands <= TOP_LEVEL and alike == []
+
+
 def test_schedules_and_models_import_no_mpi_and_no_runtime():
     # schedules are pure data and layers pure compute: neither may reach MPI, even indirectly through runtime/
     for package in ("schedule", "nn"):

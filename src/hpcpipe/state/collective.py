@@ -4,7 +4,7 @@ Save: after the data-parallel averaged update every replica of a stage holds
 the same parameters and optimizer state, so dp-rank 0 of each pipeline rank
 writes that rank's layers (by global index) into the temporary directory,
 all writers in parallel; world rank 0 then writes the manifest, commits,
-moves ``latest`` and prunes (see :mod:`hpcpipe.state.checkpoint_dir`).
+moves ``latest`` and prunes (see :mod:`hpcpipe.state.directory_protocol`).
 
 Load: every rank reads only its own layers from whichever files hold them
 (the manifest maps layer -> file), so a checkpoint written at any
@@ -34,7 +34,7 @@ import numpy as np
 from hpcpipe.errors import ConfigError, HpcpipeError
 from hpcpipe.runtime.comm import Poller, broadcast, gather_to_root, together
 from hpcpipe.runtime.faults import crash_due, crash_hook
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.sources import WeightsSource
 from hpcpipe.state.weights import OptimizerArrays, weights_image, write_file_durably
 

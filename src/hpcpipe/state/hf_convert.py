@@ -24,7 +24,7 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hf_source import hf_source
 from hpcpipe.state.outputs import commit_output
 from hpcpipe.state.weights import FORMAT, FORMAT_VERSION, layer_group

@@ -19,7 +19,7 @@ import h5py
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hf_source import HFSource, hf_source, is_hf_directory
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest

@@ -23,7 +23,7 @@ from hpcpipe.nn.model_spec import model_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder

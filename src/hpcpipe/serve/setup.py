@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
@@ -26,20 +26,25 @@ from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.tokenizer import StoredTokenizer
+from hpcpipe.state.weights_source import WeightsSource
+
+if TYPE_CHECKING:
+    from hpcpipe.nn.gpt_params import GPTShape
+    from hpcpipe.nn.llama_params import LlamaShape
 
 GIB = 1024 ** 3
 
 
 @dataclass(frozen=True)
 class ServeSetup:
-    """Everything decided before the first collective (identical on every rank)."""
+    """Everything decided before the first collective (identical on every rank), complete when built."""
 
     config: Config
     dp: int
     pp: int
     stage_ranges: list[range]
-    weights: Any                 # WeightsSource | HFSource
-    shape: Any                   # GPTShape | LlamaShape
+    weights: WeightsSource       # reading in model.dtype (WeightsSource.forward_only)
+    shape: GPTShape | LlamaShape
     stored_tokenizer: StoredTokenizer
     model_name: str
     tp: int = 1                  # tensor-parallel ranks per stage (parallel.tp)
@@ -60,7 +65,7 @@ class ServeSetup:
         return self.stored_tokenizer.eos_ids()
 
 
-def _tokenizer(source: Any, given: str, vocab: int) -> StoredTokenizer:
+def _tokenizer(source: WeightsSource, given: str, vocab: int) -> StoredTokenizer:
     stored = source.tokenizer()
     if stored is None:
         raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
@@ -72,7 +77,7 @@ def _tokenizer(source: Any, given: str, vocab: int) -> StoredTokenizer:
     return stored
 
 
-def _model_config(source: Any, given: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _model_config(source: WeightsSource, given: str, raw: dict[str, Any]) -> dict[str, Any]:
     """Return raw with the stored model's keys restated (a Hugging Face llama's seq_len may be shortened)."""
     if not source.model:
         raw.setdefault("model", {}).setdefault("kind", "gpt")
@@ -115,8 +120,7 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     if cfg.parallel.virtual_stages != 1:
         raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
-    if source.kind == "hf":
-        source.dtype = cfg.model.dtype
+    source = source.forward_only(cfg.model.dtype)    # a Hugging Face model is read in the run's dtype
     dp, pp = resolve_layout(cfg, world_size)
     specs = model_specs(cfg)
     # a decode step is a forward: "profile" balances the measured forwards

@@ -22,10 +22,12 @@ from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate_programs import validate_programs
+from hpcpipe.state.hdf5_source import HDF5Source
 from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import check_kind, restate_stored_shape
-from hpcpipe.state.sources import WeightsSource, resolve_weights
+from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.tokenizer import StoredTokenizer
+from hpcpipe.state.weights_source import WeightsSource
 from hpcpipe.train.data import check_data_file, data_tokenizer
 from hpcpipe.train.preflight import (
     check_checkpoint_dir,
@@ -46,8 +48,8 @@ class TrainSetup:
     shape: PipeShape                        # pp, stages, micro-batches and the schedule's stage -> rank placement
     stage_ranges: list[range]
     programs: list[list]
-    init: WeightsSource | None = None      # model.init, resolved and checked against the model
-    resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
+    init: WeightsSource | None = None      # model.init (a file, a checkpoint, a Hugging Face model), checked
+    resume: HDF5Source | None = None       # checkpoint.dir/latest when resuming (always a checkpoint)
 
     tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
 
@@ -84,7 +86,7 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     return from_dict(raw)
 
 
-def check_resume(config: Config, source: WeightsSource) -> None:
+def check_resume(config: Config, source: HDF5Source) -> None:
     """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
     saved = source.manifest["config"]
     for key in RESUME_MODEL_KEYS[config.model.kind]:

@@ -1,5 +1,5 @@
 """Explicit control flow in training: the optimizer step and the stop request are arguments, the decision a
-returned value (no attribute patched on the trainer or the engine)."""
+returned value (no attribute patched on the trainer or the engine), and the layout is resolved once."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hpcpipe.config import from_dict
+from hpcpipe.errors import ConfigError
 
 CFG = {"parallel": {"pp": 1, "dp": 1}, "model": {"dims": [8, 8, 8]}, "checkpoint": {"dir": ""},
        "log": {"progress": False}, "train": {"steps": 4, "micro_batches": 2, "micro_batch_size": 2}}
@@ -69,3 +70,20 @@ def test_the_loop_passes_the_stop_request_and_reads_returned_decisions(trainer):
 
     summary = train(trainer, trainer.topo.world, Stop())
     assert summary["steps"] == 1 and "a stop signal on 1 of 1 rank(s) (SIGTERM here)" == summary["stopped"]
+
+
+def test_the_train_command_resolves_the_layout_once(monkeypatch):
+    from hpcpipe.train import command, setup
+
+    calls = []
+    real = command.resolve_layout
+    monkeypatch.setattr(command, "resolve_layout", lambda c, n: calls.append(n) or real(c, n))
+    monkeypatch.setattr(setup, "resolve_layout", lambda c, n: pytest.fail("the setup resolved the layout again"))
+    config = from_dict(dict(CFG, parallel={"pp": 2}))
+    layout = command.run_layout(config, 4, resumed=False)
+    p = setup.prepare(config, 4, layout)
+    assert (layout, p.dp, p.pp, calls) == ((2, 2), 2, 2, [4])
+    with pytest.raises(ConfigError, match=r"not divisible by parallel.pp \(2\).*\(resuming: the layout is the run's"):
+        command.run_layout(config, 3, resumed=True)
+    with pytest.raises(ConfigError, match=r"not divisible by parallel.pp \(2\): run on a multiple of 2 ranks.*\)$"):
+        command.run_layout(config, 3, resumed=False)

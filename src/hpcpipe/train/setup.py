@@ -108,9 +108,13 @@ def check_resume(config: Config, source: HDF5Source) -> None:
                           f"train.steps = {config.train.steps}")
 
 
-def prepare(config: Config, world_size: int) -> TrainSetup:
-    """Check config against the world size, data and weights files; lower and validate the schedule."""
-    dp, pp = resolve_layout(config, world_size)
+def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = None) -> TrainSetup:
+    """Check config against the world size, data and weights files; lower and validate the schedule.
+
+    ``layout``: the (dp, pp) the caller resolved already (the train command, whose message about a resumed
+    run's layout says where it came from); None resolves it here.
+    """
+    dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs

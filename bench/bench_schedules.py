@@ -127,8 +127,8 @@ def main() -> int:
         return 0
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from hpcpipe.schedule.calibrate import calibrated_costs
+    from hpcpipe.schedule.event_sim import simulate_schedule
     from hpcpipe.schedule.render import plot_timeline, sim_rows
-    from hpcpipe.schedule.simulate import simulate_schedule
     from hpcpipe.trace import measured_events
 
     schedules = args.schedules.split(",")

@@ -44,8 +44,7 @@ import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
-from hpcpipe.state.tokenizer import Tokenizer, chars_tokenizer
+from hpcpipe.state.tokenizer import StoredTokenizer, Tokenizer, chars_tokenizer, from_hf_directory
 
 
 class InputError(Exception):

@@ -10,7 +10,7 @@ PATH is a checkpoint root (its ``latest`` is followed into the run that
 wrote it), a run directory, a ``step-NNNNNNNN`` directory, a ``latest``
 pointer file, or (verify, info, export) a single weights file. Nothing here
 uses MPI: reading is :mod:`hpcpipe.state.sources`, the directory protocol
-:mod:`hpcpipe.state.checkpoint_dir`, what makes a checkpoint valid
+:mod:`hpcpipe.state.directory_protocol`, what makes a checkpoint valid
 :mod:`hpcpipe.state.manifest`, the collective save and load
 :mod:`hpcpipe.state.collective`.
 """
@@ -27,20 +27,13 @@ import h5py
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
 from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
-from hpcpipe.state.manifest import check_stage_file
 from hpcpipe.state.outputs import check_writable, commit_output
 from hpcpipe.state.root_latest import lagging_root
-from hpcpipe.state.sources import (
-    WeightsSource,
-    checkpoint_source,
-    protected_paths,
-    refuse_overwrite,
-    resolve_step_dir,
-    resolve_weights,
-)
+from hpcpipe.state.sources import protected_paths, refuse_overwrite, resolve_step_dir, resolve_weights
 from hpcpipe.state.weights import (
     check_weights,
     layer_group,
@@ -51,6 +44,7 @@ from hpcpipe.state.weights import (
     stored_layers,
     write_weights,
 )
+from hpcpipe.state.weights_source import WeightsSource
 
 
 def verify(path: str | Path) -> WeightsSource:
@@ -64,11 +58,11 @@ def verify(path: str | Path) -> WeightsSource:
         return _verify_weights_file(p)
     source = checkpoint_source(resolve_step_dir(p))
     for entry in source.manifest["files"]:
-        path_i = check_stage_file(source.path, entry, source.manifest, source.specs)
+        path_i = source.path / entry["name"]
+        source.verify_file(path_i)
         layers = [int(i) for i in entry["layers"]]
         read_layers(path_i, layers)                       # every dataset through its fletcher32 check
         read_optimizer(path_i, layers)
-        source._verified.add(path_i)
     return source
 
 
@@ -157,7 +151,7 @@ def _model_lines(source: WeightsSource) -> tuple[str, list[str]]:
             [f"  tokenizer {tokenizer}"] if tokenizer is not None else [])
 
 
-def _describe_weights_file(source: WeightsSource) -> list[str]:
+def _describe_weights_file(source: HDF5Source) -> list[str]:
     model, tokenizer = _model_lines(source)
     lines = [f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, {model}",
              *tokenizer]

@@ -38,6 +38,7 @@ from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.runtime.progress import Progress
 from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import resolve_weights
+from hpcpipe.state.weights_source import WeightsSource
 from hpcpipe.train.tokens import check_token_file
 
 
@@ -173,7 +174,7 @@ def slab_rows(shape: Any) -> int:
     return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
 
 
-def load_decoder(source: Any, definition: Any, dtype: str) -> Decoder:
+def load_decoder(source: WeightsSource, definition: Any, dtype: str) -> Decoder:
     """Return the whole decoder (any kind) holding the stored weights (every group checked, then read)."""
     source.check(definition.specs)
     model = Decoder(definition, np, dtype)
@@ -207,7 +208,7 @@ def _window(data: str | Path, x_name: str, longest: int) -> int:
     return t if 0 < t <= longest else longest
 
 
-def evaluate_tokens(source: Any, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
+def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
     """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT or llama over a token file.
 
     The token file is checked first (integer ``x`` and ``y`` of shape (N, seq_len),

@@ -12,7 +12,7 @@
 plus ``--tp-comm F,B`` seconds of tp collectives per forward and per backward (input) action of a stage
 (a trace of a tp run already holds them: calibrate from it without --tp).
 
-The simulator itself is :mod:`hpcpipe.schedule.simulate` (per action) and
+The simulator itself is :mod:`hpcpipe.schedule.event_sim` (per action) and
 :mod:`hpcpipe.schedule.sweep` (vectorised over a timeline); the pictures are
 :mod:`hpcpipe.schedule.render`.
 """
@@ -25,9 +25,9 @@ from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.calibrate import calibrated_costs
 from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.event_sim import simulate_schedule
 from hpcpipe.schedule.registry import SCHEDULES
 from hpcpipe.schedule.render import ascii_timeline, plot_timeline, sim_rows
-from hpcpipe.schedule.simulate import simulate_schedule
 from hpcpipe.trace import measured_events
 
 

@@ -10,7 +10,7 @@ from support import ROOT
 
 from hpcpipe.nn.gpt.shape import GPTShape
 from hpcpipe.schedule.costs import Costs
-from hpcpipe.schedule.simulate import simulate_schedule
+from hpcpipe.schedule.event_sim import simulate_schedule
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_gpt_floor as floor  # noqa: E402  (bench/ is not a package)

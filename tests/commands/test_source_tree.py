@@ -11,7 +11,7 @@ SRC = ROOT / "src" / "hpcpipe"
 # the top level: small shared modules and the command entry points; everything else lives in a package
 TOP_LEVEL = {"__init__", "errors", "config", "config_checks", "config_toml", "trace", "cli", "h5files", "checkpoint",
              "evaluate", "simulate", "generate"}
-PACKAGES = {"schedule", "nn", "runtime", "state", "profiles", "hf", "train", "infer", "serve", "plan"}
+PACKAGES = {"schedule", "nn", "kernels", "runtime", "state", "profiles", "hf", "train", "infer", "serve", "plan"}
 
 
 def _modules():
@@ -111,10 +111,38 @@ def test_the_planner_is_on_top_and_profiles_are_read_below_it():
             assert not any(t.startswith(("hpcpipe.train", "hpcpipe.infer", "hpcpipe.serve")) for t in targets), name
 
 
+def test_runtime_is_below_state():
+    # runtime (MPI, topology, signals, bookkeeping files) serves state, never the other way round
+    graph = _import_graph()
+    for name, targets in graph.items():
+        if name.startswith("hpcpipe.runtime"):
+            assert not any(t.startswith("hpcpipe.state") for t in targets), f"{name} imports {targets}"
+
+
+def test_the_tokenizers_package_is_reached_only_from_hf():
+    # a Hugging Face tokenizer lives in hf/ (hf/tokenizer.py); what is stored with the weights, and the bytes and
+    # chars kinds, in state/tokenizer.py, which hands kind hf to hf/
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "tokenizers" or n.startswith("tokenizers.") for n in names):
+                assert path.parent.name == "hf", f"{path.relative_to(SRC)} imports the tokenizers package"
+
+
 def test_top_level_holds_only_shared_modules_and_commands():
     top = {p.stem for p in SRC.glob("*.py")}
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert top == TOP_LEVEL and packages == PACKAGES
+
+
+def test_no_package_module_is_named_like_a_top_level_command():
+    # `python -m hpcpipe.simulate` is hpcpipe/simulate.py: a package module called simulate (or checkpoint_dir,
+    # generate_command) left a reader guessing which of the two is the command
+    commands = {"checkpoint", "evaluate", "generate", "simulate"}
+    alike = [str(p.relative_to(SRC)) for p in _modules() if p.parent != SRC
+             and any(p.stem == c or p.stem.startswith(f"{c}_") for c in commands)]
+    assert commands <= TOP_LEVEL and alike == []
 
 
 def test_schedules_and_models_import_no_mpi_and_no_runtime():

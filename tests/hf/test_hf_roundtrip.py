@@ -99,8 +99,7 @@ def test_model_from_hf_init_trains_without_restating_the_model(tmp_path):
 def test_a_bytes_gpt_trained_here_exports_a_tokenizer_that_encodes_alike(tmp_path):
     from hpcpipe.config import from_dict
     from hpcpipe.nn.registry import model_def
-    from hpcpipe.state.stored_tokenizer import StoredTokenizer
-    from hpcpipe.state.tokenizer import Tokenizer
+    from hpcpipe.state.tokenizer import StoredTokenizer, Tokenizer
     from hpcpipe.state.weights import write_weights
 
     config = from_dict({"model": {"kind": "gpt", "vocab_size": 256, "seq_len": 16, "d_model": 16, "n_heads": 2,

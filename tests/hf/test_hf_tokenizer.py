@@ -16,11 +16,10 @@ from hpcpipe.hf.tokenizer import (  # noqa: E402
     HFTokenizer,
     from_files,
     load_tokenizer,
-    read_tokenizer_files,
     tokenizer_files,
     write_tokenizer_dir,
-    write_tokenizer_group,
 )
+from hpcpipe.state.tokenizer import read_tokenizer_files, write_tokenizer_group  # noqa: E402
 
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -92,8 +92,7 @@ def _logits(source_dir, tokens, dtype="float64"):
     from hpcpipe.nn.registry import model_def
     from hpcpipe.state.sources import resolve_weights
 
-    source = resolve_weights(source_dir)
-    source.dtype = dtype
+    source = resolve_weights(source_dir).forward_only(dtype)
     config = from_dict({"model": {**source.model, "dtype": dtype}, "parallel": {"pp": 1}})
     model = load_decoder(source, model_def(config), dtype)
     return logits_of(model, tokens)

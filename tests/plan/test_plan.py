@@ -16,7 +16,7 @@ from hpcpipe.plan.search import divisors, micro_batch_rows, schedule_variants, s
 from hpcpipe.profiles.profile import _interpolate
 from hpcpipe.profiles.stage_cut import measured_cut
 from hpcpipe.schedule.costs import Costs
-from hpcpipe.schedule.simulate import simulate_schedule
+from hpcpipe.schedule.event_sim import simulate_schedule
 
 
 @pytest.mark.parametrize("text,value", [("8GiB", 8 << 30), ("8G", 8 << 30), ("512MiB", 512 << 20),

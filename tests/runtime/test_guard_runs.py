@@ -20,7 +20,7 @@ from support.launch import command, run, wait_until_gone
 from support.state import assert_nested_equal, checkpoint_state, metrics_losses
 
 from hpcpipe import errors
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 pytestmark = pytest.mark.slow
 

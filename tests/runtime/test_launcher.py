@@ -20,7 +20,7 @@ from support import ROOT, launchers
 from support.configs import sets
 from support.launch import command, wait_until_gone
 
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 pytestmark = pytest.mark.slow
 

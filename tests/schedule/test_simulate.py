@@ -7,10 +7,10 @@ import pytest
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.calibrate import costs_from_trace
 from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.event_sim import simulate, simulate_schedule
 from hpcpipe.schedule.ir import Action, PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
-from hpcpipe.schedule.simulate import simulate, simulate_schedule
 from hpcpipe.simulate import main
 
 SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16, 32)]
@@ -123,7 +123,7 @@ def test_plot_writes_png(tmp_path):
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
 def test_shared_cores(name, v):
-    from hpcpipe.schedule.simulate import _simulate_shared
+    from hpcpipe.schedule.event_sim import _simulate_shared
     p, m = 4, 8
     shape = shape_of(name, p, m, v)
     programs = lower(build_schedule(name, p, m, v), shape)
@@ -173,7 +173,7 @@ def test_interleaved_peak_activations_formula():
 def test_tensor_parallel_costs_split_compute_and_add_the_collectives():
     """tp ranks divide every action's compute and add their collectives to F, B and I (not W); the step follows."""
     from hpcpipe.schedule.costs import Costs
-    from hpcpipe.schedule.simulate import simulate_schedule
+    from hpcpipe.schedule.event_sim import simulate_schedule
 
     base = Costs(forward=2.0, backward=4.0, weight=2.0, per_stage={("F", 1): 4.0})
     split = base.tensor_parallel(2, forward_comm=0.25, backward_comm=0.5)

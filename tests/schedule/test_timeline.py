@@ -13,11 +13,11 @@ from support.timelines import mutate, per_action_verdict
 
 from hpcpipe.errors import ScheduleError
 from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.event_sim import simulate, simulate_schedule
 from hpcpipe.schedule.ir import IDLE, Timeline
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import SCHEDULES, build_schedule, build_timeline
 from hpcpipe.schedule.render import ascii_timeline, sim_rows
-from hpcpipe.schedule.simulate import simulate, simulate_schedule
 from hpcpipe.schedule.sweep import simulate_timeline
 from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.schedule.validate_timeline import validate_timeline

@@ -9,10 +9,10 @@ import pytest
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.event_sim import simulate, simulate_schedule
 from hpcpipe.schedule.ir import IDLE, Action, I, PipeShape, Timeline, W, chunk_stage, rank_stages, stage_rank
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, build_timeline, placement_of
-from hpcpipe.schedule.simulate import simulate, simulate_schedule
 from hpcpipe.schedule.sweep import simulate_timeline
 from hpcpipe.schedule.validate_programs import validate_programs
 from hpcpipe.schedule.validate_timeline import validate_timeline

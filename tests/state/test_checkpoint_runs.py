@@ -27,7 +27,7 @@ from support.state import (
     small_tmpfs,
 )
 
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 pytestmark = pytest.mark.slow
 

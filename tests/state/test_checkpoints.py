@@ -88,7 +88,7 @@ def test_zbv_checkpoint_reshards_to_other_layouts_and_schedules(world, shared_tm
 @pytest.mark.mpi(min_size=8)
 def test_corrupt_file_is_refused_on_every_rank_at_once(world, shared_tmp):
     from hpcpipe.errors import AgreedError
-    from hpcpipe.state.checkpoint_dir import read_latest
+    from hpcpipe.state.directory_protocol import read_latest
 
     ck_dir = os.path.join(shared_tmp, "ck")
     _save_reference(world, ck_dir)
@@ -133,8 +133,8 @@ def test_disk_full_while_writing_is_agreed_cleaned_and_keeps_latest(world, share
     import errno
 
     from hpcpipe.errors import AgreedError
-    from hpcpipe.state import checkpoint_dir as cf
     from hpcpipe.state import collective as checkpoint_mpi
+    from hpcpipe.state import directory_protocol as cf
 
     comm = sub_world(world, 2)
     if comm is None:
@@ -185,7 +185,7 @@ def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_t
 
     from hpcpipe.checkpoint import export, verify
     from hpcpipe.state.sources import resolve_weights
-    from hpcpipe.state.stored_tokenizer import StoredTokenizer
+    from hpcpipe.state.tokenizer import StoredTokenizer
 
     tokenizer = '{"kind": "bytes"}'
     comm = sub_world(world, 2)

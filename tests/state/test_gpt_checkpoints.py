@@ -117,7 +117,7 @@ def test_tied_copies_stay_identical_through_training(world, shared_tmp):
 def test_model_init_takes_a_gpt_checkpoint_or_its_exported_file(world, shared_tmp):
     """model.init from a GPT checkpoint saved at pp = 4, and from its export, at pp = 2: the saved parameters."""
     from hpcpipe.checkpoint import export
-    from hpcpipe.state.checkpoint_dir import read_latest
+    from hpcpipe.state.directory_protocol import read_latest
 
     ck_dir = os.path.join(shared_tmp, "gpt-init")
     exported = os.path.join(shared_tmp, "gpt-init.h5")

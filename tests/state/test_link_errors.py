@@ -22,9 +22,9 @@ from support import DATA
 
 from hpcpipe.checkpoint import info, verify
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.sources import resolve_weights
-from hpcpipe.state.stored_tokenizer import read_stored
+from hpcpipe.state.tokenizer import read_stored
 from hpcpipe.state.weights import read_layers, read_optimizer, write_weights
 
 MODEL = {"dims": [4, 4, 4], "bias": True, "activation": "relu", "final_activation": True}

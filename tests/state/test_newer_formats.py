@@ -20,7 +20,7 @@ from support.state import checkpoint_cli
 
 from hpcpipe import __version__
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.weights import FORMAT_VERSION, write_weights
 

@@ -17,7 +17,7 @@ from support.configs import merged, sets
 from support.launch import command, one_error, run, train
 from support.state import file_tree
 
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 TINY = {"model": {"dims": [8, 8, 8, 8]}, "parallel": {"dp": 1, "pp": 2},
         "data": {"synthetic_samples": 32}, "log": {"progress": False},

@@ -25,10 +25,11 @@ from support.state import checkpoint_cli, file_tree
 
 from hpcpipe.checkpoint import info
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
 from hpcpipe.state import collective
+from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.hdf5_source import checkpoint_source
 from hpcpipe.state.root_latest import lagging_root
-from hpcpipe.state.sources import checkpoint_source, resolve_weights
+from hpcpipe.state.sources import resolve_weights
 from hpcpipe.train.preflight import check_nothing_newer
 
 TINY = {"model": {"dims": [8, 8, 8, 8]}, "parallel": {"dp": 1, "pp": 2},

@@ -18,7 +18,7 @@ from support.configs import merged, sets
 from support.launch import command, run, train
 from support.state import checkpoint_cli, file_tree, flip_byte_in_dataset
 
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 TINY = {"model": {"dims": [8, 8, 8, 8]}, "parallel": {"dp": 1, "pp": 2},
         "data": {"synthetic_samples": 32}, "log": {"progress": False},

@@ -16,7 +16,7 @@ from support.state import flip_byte_in_dataset, small_tmpfs
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.mlp.model import initial_arrays, layer_specs
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state import manifest as ckpt_check
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.weights import check_weights, read_layers, read_optimizer, write_weights

@@ -16,7 +16,7 @@ from support.configs import sets
 from support.launch import run, run_command
 
 from hpcpipe.config import Config, from_dict
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 
 STARTED = {"model": {"dims": [8, 6, 6, 8]}, "parallel": {"dp": 1, "pp": 2},
            "data": {"synthetic_samples": 32}, "log": {"progress": False},

@@ -9,8 +9,8 @@ sep, pad, cls, mask, the extra and model-specific ones; special_tokens_map.json 
 ``added_tokens_decoder``) are added to the vocabulary as transformers adds them; ``decode`` skips special tokens
 and applies ``clean_up_tokenization_spaces`` only to non-BPE models, as transformers 5 does.
 
-In an hpcpipe weights file or checkpoint the files are uint8 datasets below ``/tokenizer/`` named by file name,
-and the root attribute ``tokenizer`` is ``{"kind": "hf"}``.
+Inside an hpcpipe weights file or checkpoint the files are stored by :mod:`hpcpipe.state.tokenizer` (the root
+attribute ``tokenizer`` is ``{"kind": "hf"}``); here they are read from and written to model directories.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from hpcpipe.hf.config import token_ids
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "config.json")
-GROUP = "tokenizer"
 KIND_JSON = json.dumps({"kind": "hf"})
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -250,45 +249,9 @@ def load_tokenizer(directory: str | Path) -> HFTokenizer:
     return from_files(tokenizer_files(directory), f"Hugging Face model directory {str(directory)!r}")
 
 
-def _plain_name(name: str) -> bool:
+def plain_name(name: str) -> bool:
     """Whether a file name is safe as a dataset name and as a file in a directory."""
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
-
-
-def write_tokenizer_group(h5file, files: dict[str, bytes]) -> None:
-    """Store tokenizer files as uint8 datasets below /tokenizer/ (replacing any) and set the root attribute
-    ``tokenizer`` to ``{"kind": "hf"}``."""
-    for name in files:
-        if not _plain_name(name):
-            raise ValueError(f"tokenizer: {name!r} is not a plain file name")
-    if GROUP in h5file:
-        del h5file[GROUP]
-    group = h5file.create_group(GROUP)
-    for name, data in sorted(files.items()):
-        array = np.frombuffer(bytes(data), dtype=np.uint8)
-        group.create_dataset(name, data=array, fletcher32=array.size > 0)
-    h5file.attrs["tokenizer"] = KIND_JSON
-
-
-def read_tokenizer_files(h5file) -> dict[str, bytes]:
-    """Return the tokenizer files stored below /tokenizer/; ConfigError naming the HDF5 file if absent or corrupt."""
-    import h5py
-    label = f"weights file {str(h5file.filename)!r}"
-    group = h5file.get(GROUP)
-    if not isinstance(group, h5py.Group):
-        raise ConfigError(f"{label} has no /{GROUP} group of tokenizer files (its tokenizer attribute says kind 'hf')")
-    files = {}
-    for name in group:
-        obj = group.get(name)
-        if not isinstance(obj, h5py.Dataset) or obj.dtype != np.uint8 or obj.ndim != 1:
-            raise ConfigError(f"{label}: /{GROUP}/{name} is not a one-dimensional uint8 dataset")
-        try:
-            files[name] = obj[...].tobytes()
-        except OSError as exc:
-            raise ConfigError(f"{label}: cannot read /{GROUP}/{name} (corrupt: {exc})") from None
-    if "tokenizer.json" not in files:
-        raise ConfigError(f"{label}: /{GROUP} holds no tokenizer.json")
-    return files
 
 
 def write_tokenizer_dir(directory: str | Path, files: dict[str, bytes]) -> None:
@@ -296,7 +259,7 @@ def write_tokenizer_dir(directory: str | Path, files: dict[str, bytes]) -> None:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        if not _plain_name(name):
+        if not plain_name(name):
             raise ValueError(f"tokenizer: {name!r} is not a plain file name")
         tmp = d / f".{name}.tmp-{os.getpid()}"
         try:

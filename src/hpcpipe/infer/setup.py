@@ -24,7 +24,8 @@ from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_specs
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.state.kinds import restate_stored_model
-from hpcpipe.state.sources import WeightsSource, protected_paths, resolve_weights
+from hpcpipe.state.sources import protected_paths, resolve_weights
+from hpcpipe.state.weights_source import WeightsSource
 
 # model keys the weights decide; the config may repeat them but not contradict them
 MODEL_KEYS = ("dims", "bias", "activation", "final_activation", "dtype")

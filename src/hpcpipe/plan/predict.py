@@ -6,7 +6,7 @@ of its layer groups' measured F, I, W and B at that micro-batch size; a
 message costs the measured point-to-point time of the largest activation
 crossing a cut; the step's end (gradient allreduce over dp, the tied
 embedding's sum, the agreed norm and the optimizer update) is added to every
-rank. The simulator (:func:`hpcpipe.schedule.simulate.simulate_schedule`)
+rank. The simulator (:func:`hpcpipe.schedule.event_sim.simulate_schedule`)
 runs the schedule's own action lists on those costs.
 
 Tensor parallelism (tp > 1) divides every measured action by tp and adds the
@@ -38,9 +38,9 @@ from hpcpipe.nn.partition import layer_ranges
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.profile import Profile
 from hpcpipe.schedule.costs import Costs
+from hpcpipe.schedule.event_sim import simulate_schedule
 from hpcpipe.schedule.ir import rank_stages
 from hpcpipe.schedule.registry import placement_of
-from hpcpipe.schedule.simulate import simulate_schedule
 
 MAX_SENDS_KEPT = 65    # PipeComm keeps up to 64 sends before it reaps finished ones
 ALLOCATOR_SLACK = 0.15

@@ -13,8 +13,8 @@ world rank and the step (or micro-batch, or save point) it fires at:
                                                    serving: before each work item of a replica's first stage
     HPCPIPE_PID_DIR=DIR                            write DIR/rank-R.pid at start-up
 
-This module imports only the standard library: ``python -m hpcpipe.train``
-loads it before NumPy and MPI.
+This module imports only the standard library (and :mod:`hpcpipe.runtime.atomic_write`, which does
+too): ``python -m hpcpipe.train`` loads it before NumPy and MPI.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+from hpcpipe.runtime.atomic_write import write_atomic
 
 
 def hook_fields(name: str) -> dict[str, str]:
@@ -93,6 +95,4 @@ def write_pid(world_rank: int) -> None:
     directory = os.environ.get("HPCPIPE_PID_DIR", "")
     if directory:
         # written whole: a test polling for the file never reads it half written
-        from hpcpipe.state.outputs import write_atomic
-
         write_atomic(Path(directory, f"rank-{world_rank}.pid"), f"{os.getpid()}\n")

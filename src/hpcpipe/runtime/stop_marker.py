@@ -12,7 +12,7 @@ import sys
 import time
 
 from hpcpipe.errors import EXIT_PREEMPTED
-from hpcpipe.state.outputs import write_json_atomic
+from hpcpipe.runtime.atomic_write import write_json_atomic
 
 STOP_MARKER_ENV = "HPCPIPE_STOP_MARKER"
 

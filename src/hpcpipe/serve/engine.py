@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.core.decode import DecodeStage
-from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
 from hpcpipe.runtime.faults import fault_step
@@ -58,13 +57,13 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     holds_head = setup.shape.n_groups - 1 in mine
     needs_table = holds_head and setup.shape.tied and 0 not in mine
     indices = list(mine) + ([0] if needs_table else [])
-    if setup.weights.kind == "hf" and 0 in mine and not holds_head and tp is None:
-        # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
-        setup.weights.half_embedding = True
+    # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
+    gathered_only = 0 in mine and not holds_head and tp is None
+    weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only)
     # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
-    model = model_def(setup.config)
+    model = setup.model
     shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else None
-    arrays = checkpoint_mpi.load(world, poller, setup.weights, indices, with_optimizer=False, shards=shards).arrays
+    arrays = checkpoint_mpi.load(world, poller, weights, indices, with_optimizer=False, shards=shards).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
@@ -25,24 +25,33 @@ from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
-from hpcpipe.state.stored_tokenizer import StoredTokenizer
+from hpcpipe.state.tokenizer import StoredTokenizer
+from hpcpipe.state.weights_source import WeightsSource
+
+if TYPE_CHECKING:
+    from hpcpipe.nn.core.decoder_model import DecoderModel, DecoderShape
 
 GIB = 1024 ** 3
 
 
 @dataclass(frozen=True)
 class ServeSetup:
-    """Everything decided before the first collective (identical on every rank)."""
+    """Everything decided before the first collective (identical on every rank), complete when built."""
 
     config: Config
     dp: int
     pp: int
     stage_ranges: list[range]
-    weights: Any                 # WeightsSource | HFSource
-    shape: Any                   # GPTShape | LlamaShape
+    weights: WeightsSource       # reading in model.dtype (WeightsSource.forward_only)
+    model: DecoderModel          # the decoder's kind and shape (hpcpipe.nn.registry.model_def)
     stored_tokenizer: StoredTokenizer
     model_name: str
     tp: int = 1                  # tensor-parallel ranks per stage (parallel.tp)
+
+    @property
+    def shape(self) -> DecoderShape:
+        """The decoder's shape."""
+        return self.model.shape
 
     @property
     def groups(self) -> int:
@@ -60,7 +69,7 @@ class ServeSetup:
         return self.stored_tokenizer.eos_ids()
 
 
-def _tokenizer(source: Any, given: str, vocab: int) -> StoredTokenizer:
+def _tokenizer(source: WeightsSource, given: str, vocab: int) -> StoredTokenizer:
     stored = source.tokenizer()
     if stored is None:
         raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
@@ -72,7 +81,7 @@ def _tokenizer(source: Any, given: str, vocab: int) -> StoredTokenizer:
     return stored
 
 
-def _model_config(source: Any, given: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _model_config(source: WeightsSource, given: str, raw: dict[str, Any]) -> dict[str, Any]:
     """Return raw with the stored model's keys restated (a Hugging Face llama's seq_len may be shortened)."""
     if not source.model:
         raw.setdefault("model", {}).setdefault("kind", "gpt")
@@ -115,8 +124,7 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     if cfg.parallel.virtual_stages != 1:
         raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
-    if source.kind == "hf":
-        source.dtype = cfg.model.dtype
+    source = source.forward_only(cfg.model.dtype)    # a Hugging Face model is read in the run's dtype
     dp, pp = resolve_layout(cfg, world_size)
     model = model_def(cfg)
     specs = model.specs
@@ -127,4 +135,4 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     tokenizer = _tokenizer(source, given, shape.vocab)
     check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServeSetup(cfg, dp, pp, ranges, source, shape, tokenizer, name, cfg.parallel.tp)
+    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp)

@@ -4,7 +4,7 @@ Save: after the data-parallel averaged update every replica of a stage holds
 the same parameters and optimizer state, so dp-rank 0 of each pipeline rank
 writes that rank's layers (by global index) into the temporary directory,
 all writers in parallel; world rank 0 then writes the manifest, commits,
-moves ``latest`` and prunes (see :mod:`hpcpipe.state.checkpoint_dir`).
+moves ``latest`` and prunes (see :mod:`hpcpipe.state.directory_protocol`).
 
 Load: every rank reads only its own layers from whichever files hold them
 (the manifest maps layer -> file), so a checkpoint written at any
@@ -34,9 +34,9 @@ import numpy as np
 from hpcpipe.errors import ConfigError, HpcpipeError
 from hpcpipe.runtime.comm import Poller, broadcast, gather_to_root, together
 from hpcpipe.runtime.faults import crash_due, crash_hook
-from hpcpipe.state import checkpoint_dir as cf
-from hpcpipe.state.sources import WeightsSource
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.weights import OptimizerArrays, weights_image, write_file_durably
+from hpcpipe.state.weights_source import Shards, WeightsSource
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -239,7 +239,7 @@ class LoadedState:
 
 
 def load(world: Comm, poller: Poller, source: WeightsSource, indices: list[int], with_optimizer: bool,
-         clean_root: str | Path | None = None, shards: Any = None) -> LoadedState:
+         clean_root: str | Path | None = None, shards: Shards | None = None) -> LoadedState:
     """Read this rank's layers (and optimizer state) from source; all ranks agree before returning.
 
     Raises AgreedError(code=2) naming the bad file on every rank if any rank failed. With
@@ -248,9 +248,8 @@ def load(world: Comm, poller: Poller, source: WeightsSource, indices: list[int],
     """
     state = None
     with together(world, poller, 2, lambda e: f"cannot load {source.describe()}: {type(e).__name__}: {e}"):
-        arrays = source.read(indices, shards) if shards is not None else source.read(indices)
-        attrs, opt = ({}, None) if not with_optimizer else (
-            source.read_optimizer(indices, shards) if shards is not None else source.read_optimizer(indices))
+        arrays = source.read(indices, shards)
+        attrs, opt = source.read_optimizer(indices, shards) if with_optimizer else ({}, None)
         state = LoadedState(arrays, attrs, opt)
     if clean_root is not None and world.Get_rank() == 0:
         cf.clean_leftovers(clean_root)

@@ -24,15 +24,16 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
-from hpcpipe.state.hf_source import hf_source
+from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.hf_source import HFSource, hf_source
 from hpcpipe.state.outputs import commit_output
 from hpcpipe.state.weights import FORMAT, FORMAT_VERSION, layer_group
+from hpcpipe.state.weights_source import WeightsSource
 
 SHARD_BYTES = 5 * 1024 ** 3       # transformers' default max_shard_size
 
 
-def import_hf(directory: str | Path, out: str | Path) -> Any:
+def import_hf(directory: str | Path, out: str | Path) -> HFSource:
     """Write a Hugging Face model directory as one hpcpipe weights file; return the HFSource it read."""
     source = hf_source(directory)
     stored = source.tokenizer()
@@ -85,7 +86,7 @@ def _tokenizer_files(stored: Any, label: str) -> dict[str, bytes]:
     return {name: data for name, data in stored.files if name != "config.json"}
 
 
-def export_hf(source: Any, out: str | Path, dtype: str = "float32") -> None:
+def export_hf(source: WeightsSource, out: str | Path, dtype: str = "float32") -> None:
     """Write the model of a source (checkpoint, weights file) as a new Hugging Face directory at out."""
     kind = source.model_kind
     label = source.describe()

@@ -1,4 +1,4 @@
-"""A Hugging Face model directory as a source of layers: the same interface as a weights file or a checkpoint.
+"""A Hugging Face model directory as a :class:`hpcpipe.state.weights_source.WeightsSource`, as a weights file is.
 
 ``--weights HF_DIR`` (generate, serve, evaluate) and ``model.init = "HF_DIR"`` (train) resolve to an
 :class:`HFSource`: its model is the hpcpipe kind and [model] keys that config.json describes
@@ -10,7 +10,7 @@ into the directory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
 from hpcpipe.nn.core.half_table import HalfTable
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
-from hpcpipe.state.stored_tokenizer import StoredTokenizer, from_hf_directory
+from hpcpipe.state.tokenizer import StoredTokenizer, from_hf_directory
+from hpcpipe.state.weights_source import Shards
 
 CONFIG = "config.json"
 
@@ -33,20 +34,18 @@ def is_hf_directory(path: str | Path) -> bool:
     return p.is_dir() and (p / CONFIG).is_file()
 
 
-@dataclass
+@dataclass(frozen=True)
 class HFSource:
-    """The layer groups of a Hugging Face model directory, read per group in the dtype asked for."""
+    """The layer groups of a Hugging Face model directory, read per group in the dtype it was built with."""
 
     path: Path
     hf: HFModel
     tensors: TensorFiles
     dtype: str = "float32"
+    half_embedding: bool = False    # read tok_emb as a HalfTable when it is stored in 16 bits (forward-only use)
     kind: str = field(default="hf", init=False)
     step: int = field(default=0, init=False)
-    manifest: None = field(default=None, init=False)
-    files: dict[int, Path] = field(default_factory=dict, init=False)     # nothing of hpcpipe's own to protect
-    half_embedding: bool = False    # read tok_emb as a HalfTable when it is stored in 16 bits (forward-only use)
-    _tokenizer: list = field(default_factory=list, init=False, repr=False)
+    _tokenizer: list = field(default_factory=list, init=False, compare=False, repr=False)   # read once
 
     @property
     def n_layers(self) -> int:
@@ -103,7 +102,7 @@ class HFSource:
             self._tokenizer.append(from_hf_directory(self.path))
         return self._tokenizer[0]
 
-    def read(self, indices: list[int], shards: Any = None) -> dict[int, dict[str, Any]]:
+    def read(self, indices: list[int], shards: Shards | None = None) -> dict[int, dict[str, Any]]:
         """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
 
         With ``half_embedding``, group 0's tok_emb stored in bfloat16 or float16 comes as a
@@ -133,10 +132,14 @@ class HFSource:
             raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s) (NaN or Inf)")
         return table
 
-    def read_optimizer(self, indices: list[int]) -> tuple[dict[str, Any], dict]:
+    def read_optimizer(self, indices: list[int], shards: Shards | None = None) -> tuple[dict[str, Any], dict]:
         """A Hugging Face model holds no optimizer state: ConfigError."""
         raise ConfigError(f"{self.describe()} holds no optimizer state (it can start a run: model.init, not "
                           f"--resume)")
+
+    def forward_only(self, dtype: str, half_embedding: bool = False) -> HFSource:
+        """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored."""
+        return replace(self, dtype=dtype, half_embedding=half_embedding)
 
 
 def hf_source(path: str | Path, dtype: str = "float32") -> HFSource:

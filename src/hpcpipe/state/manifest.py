@@ -19,7 +19,7 @@ from typing import Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink, member
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.kinds import config_specs, count_text, specs_kind
 from hpcpipe.state.weights import (
     check_group,

@@ -19,8 +19,10 @@ Outputs are committed by ``commit_output``, which checks again at the end of
 the run: a file that appeared at the path meanwhile is left alone.
 
 Files that are hpcpipe's own bookkeeping (a stop marker, a pid file, a
-profile cache entry, a probe result) are replaced whole by :func:`write_atomic`:
-a reader never sees half a file, and an interrupted write leaves no temporary.
+profile cache entry, a probe result) are replaced whole by
+:func:`hpcpipe.runtime.atomic_write.write_atomic` (below ``state``: the runtime
+writes them too); it is importable from here as well, for the planner and the
+profile cache.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.runtime.atomic_write import write_atomic as write_atomic  # the planner, the profile cache
+from hpcpipe.runtime.atomic_write import write_json_atomic as write_json_atomic
 
 INFER_FORMAT = "hpcpipe-infer"
 TEMP_SUFFIX_BYTES = 14   # ".NAME.tmp-XXXXXXXX" (the longest temporary name hpcpipe gives an output)
@@ -201,29 +205,6 @@ def write_json_output(path: str | Path, obj: dict[str, Any], kind: str, what: st
         tmp.unlink(missing_ok=True)
         raise
     commit_output(tmp, final, kind, what)
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Replace path with text whole: a temporary file beside it, then a rename; no temporary is ever left.
-
-    The temporary is created with the mode any new file gets under the umask
-    (a shared cache directory stays readable to the group), and OSError
-    reaches the caller, who names the file and the setting in its message.
-    """
-    final = Path(path)
-    tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "x") as f:
-            f.write(text)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Replace path with obj as one line of JSON, whole (:func:`write_atomic`)."""
-    write_atomic(path, json.dumps(obj) + "\n")
 
 
 def write_new(path: str | Path, what: str, text: str) -> None:

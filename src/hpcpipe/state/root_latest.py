@@ -1,7 +1,7 @@
 """A root's ``latest`` that lags behind the run it names, and when following the run's own pointer is safe.
 
 A save commits ``run-R/step-M``, replaces ``run-R/latest``, then ``ROOT/latest``
-(:mod:`hpcpipe.state.checkpoint_dir`). When the last of these fails (a full disk
+(:mod:`hpcpipe.state.directory_protocol`). When the last of these fails (a full disk
 between the two renames) the save reports the failure, but the step is committed
 and the run's pointer names it while the root's still names the run's previous
 step ``run-R/step-N``. Resuming from the root's would overwrite step M, so
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcpipe.errors import ConfigError
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.manifest import read_manifest
 
 

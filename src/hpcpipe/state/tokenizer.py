@@ -1,19 +1,40 @@
-"""The tokenizer stored with GPT weights as the root attribute ``tokenizer``: text <-> integer token ids.
+"""The tokenizer stored with weights, checkpoints and token data: bytes, chars, or a Hugging Face model's files.
 
-Two kinds, exactly as the JSON contract:
+Every hpcpipe HDF5 file of a language model may carry its tokenizer:
+
+* the root attribute ``tokenizer``: JSON ``{"kind": "bytes"}``, ``{"kind": "chars", "chars": "..."}``
+  or ``{"kind": "hf"}``;
+* for kind ``hf``, the group ``/tokenizer/`` holding the model's tokenizer files (``tokenizer.json``,
+  ``tokenizer_config.json``, ``generation_config.json``, ...) as uint8 datasets named by file name:
+  real ones are megabytes, too large for an attribute.
+
+The two kinds hpcpipe implements itself, exactly as the JSON contract:
 
 - ``{"kind": "bytes"}``: the UTF-8 bytes of the text, vocabulary 256. Any id
   sequence decodes (bytes that are not valid UTF-8 become U+FFFD).
 - ``{"kind": "chars", "chars": "..."}``: one id per character, id = the
   character's position in ``chars`` (distinct characters, fixed order).
   Text with a character outside ``chars`` cannot be encoded.
+
+Kind ``hf`` is :mod:`hpcpipe.hf.tokenizer`'s (through the ``tokenizers`` package, loaded only when such a
+tokenizer is built). :class:`StoredTokenizer` is the stored pair (attribute and files), read from a
+file, a Hugging Face directory or a token data file, written again into every file a run saves, and turned
+into a working tokenizer (:class:`Tokenizer` or ``HFTokenizer``) with :meth:`StoredTokenizer.load`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import h5py
 import numpy as np
+
+from hpcpipe.errors import ConfigError
+from hpcpipe.h5files import check_links, member
+from hpcpipe.hf.tokenizer import KIND_JSON, from_files, plain_name, tokenizer_files
 
 KINDS = ("bytes", "chars")
 
@@ -134,3 +155,135 @@ def _check_chars(chars) -> None:
             raise ValueError(f"tokenizer: \"chars\" repeats {c!r} (positions {seen[c]} and {i}); "
                              f"each character must appear once")
         seen[c] = i
+
+
+GROUP = "tokenizer"        # the HDF5 group holding a kind hf tokenizer's files
+HF_KIND = "hf"
+
+
+@dataclass(frozen=True)
+class StoredTokenizer:
+    """A tokenizer as stored: its ``tokenizer`` attribute (JSON text) and, for kind hf, its files."""
+
+    attr: str
+    files: tuple[tuple[str, bytes], ...] = ()
+    _loaded: list = field(default_factory=list, compare=False, repr=False)   # the loaded tokenizer, once
+
+    @property
+    def kind(self) -> str:
+        """bytes | chars | hf."""
+        return json.loads(self.attr).get("kind", "")
+
+    def load(self) -> Any:
+        """Return the working tokenizer (Tokenizer for bytes and chars, HFTokenizer for hf); ValueError if invalid."""
+        if not self._loaded:
+            if self.kind == HF_KIND:
+                self._loaded.append(from_files(dict(self.files)))
+            else:
+                self._loaded.append(Tokenizer.from_json(self.attr))
+        return self._loaded[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce (for kind hf: the largest id + 1, added tokens included)."""
+        return int(self.load().vocab_size)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """Token ids that end a generation (none for bytes and chars)."""
+        return tuple(getattr(self.load(), "eos_ids", ()) or ())
+
+    def describe(self) -> str:
+        """One line for `checkpoint info`: the kind and the vocabulary."""
+        if self.kind == HF_KIND:
+            names = ", ".join(name for name, _ in self.files)
+            return f"hf ({self.vocab_size} tokens; files {names})"
+        return self.attr
+
+    def write(self, f: Any) -> None:
+        """Store this tokenizer in an open, writable h5py file (root attribute, and the files group for hf)."""
+        if self.kind == HF_KIND:
+            write_tokenizer_group(f, dict(self.files))
+        else:
+            f.attrs["tokenizer"] = self.attr
+
+
+def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
+    """Return the StoredTokenizer of a file's ``tokenizer`` attribute value (and its files group for hf).
+
+    ``f`` is the open h5py file the attribute came from; any problem is a ConfigError naming ``label``.
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{label}: root attribute tokenizer is not UTF-8 text") from None
+    try:
+        doc = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        doc = None       # Tokenizer.from_json below says what is wrong
+    if isinstance(doc, dict) and doc.get("kind") == HF_KIND:
+        files = member(f, GROUP, label)   # a link that leads nowhere is named here, before the files are read
+        if isinstance(files, h5py.Group):
+            check_links(files, label, depth=1)
+        stored = StoredTokenizer(value, tuple(sorted(read_tokenizer_files(f).items())))
+        try:
+            stored.load()
+        except ConfigError as exc:
+            raise ConfigError(f"{label}: root attribute tokenizer: {exc}") from None
+        return stored
+    try:
+        Tokenizer.from_json(value)
+    except ValueError as exc:    # "tokenizer: ..." as Tokenizer.from_json words it
+        raise ConfigError(f"{label}: root attribute {exc}") from None
+    return StoredTokenizer(value)
+
+
+def read_stored(f: Any, label: str) -> StoredTokenizer | None:
+    """Return the tokenizer stored in an open h5py file, None when it has none; ConfigError naming label."""
+    value = f.attrs.get("tokenizer")
+    return None if value is None else from_attr(value, f, label)
+
+
+def from_hf_directory(directory: str | Path) -> StoredTokenizer:
+    """Return the tokenizer of a Hugging Face model directory (its tokenizer files), checked by loading it."""
+    stored = StoredTokenizer(KIND_JSON, tuple(sorted(tokenizer_files(directory).items())))
+    try:
+        stored.load()
+    except ValueError as exc:
+        raise ConfigError(f"{str(Path(directory) / 'tokenizer.json')!r}: {exc}") from None
+    return stored
+
+
+def write_tokenizer_group(h5file, files: dict[str, bytes]) -> None:
+    """Store tokenizer files as uint8 datasets below /tokenizer/ (replacing any) and set the root attribute
+    ``tokenizer`` to ``{"kind": "hf"}``."""
+    for name in files:
+        if not plain_name(name):
+            raise ValueError(f"tokenizer: {name!r} is not a plain file name")
+    if GROUP in h5file:
+        del h5file[GROUP]
+    group = h5file.create_group(GROUP)
+    for name, data in sorted(files.items()):
+        array = np.frombuffer(bytes(data), dtype=np.uint8)
+        group.create_dataset(name, data=array, fletcher32=array.size > 0)
+    h5file.attrs["tokenizer"] = KIND_JSON
+
+
+def read_tokenizer_files(h5file) -> dict[str, bytes]:
+    """Return the tokenizer files stored below /tokenizer/; ConfigError naming the HDF5 file if absent or corrupt."""
+    label = f"weights file {str(h5file.filename)!r}"
+    group = h5file.get(GROUP)
+    if not isinstance(group, h5py.Group):
+        raise ConfigError(f"{label} has no /{GROUP} group of tokenizer files (its tokenizer attribute says kind 'hf')")
+    files = {}
+    for name in group:
+        obj = group.get(name)
+        if not isinstance(obj, h5py.Dataset) or obj.dtype != np.uint8 or obj.ndim != 1:
+            raise ConfigError(f"{label}: /{GROUP}/{name} is not a one-dimensional uint8 dataset")
+        try:
+            files[name] = obj[...].tobytes()
+        except OSError as exc:
+            raise ConfigError(f"{label}: cannot read /{GROUP}/{name} (corrupt: {exc})") from None
+    if "tokenizer.json" not in files:
+        raise ConfigError(f"{label}: /{GROUP} holds no tokenizer.json")
+    return files

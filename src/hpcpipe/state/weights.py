@@ -95,7 +95,7 @@ def weights_image(arrays: LayerArrays, *, n_layers: int, model_config: dict[str,
     target file system: a full disk is then a plain OSError from :func:`write_file_durably`.
     (HDF5 2.0 closing a file after a failed write segfaulted the process.) ``after_layers``
     (a test hook) gets the image once the parameters are in, before the optimizer state.
-    ``tokenizer`` (a :class:`hpcpipe.state.stored_tokenizer.StoredTokenizer`) is stored with it.
+    ``tokenizer`` (a :class:`hpcpipe.state.tokenizer.StoredTokenizer`) is stored with it.
     """
     image_name = f"hpcpipe-image-{os.getpid()}-{next(_IMAGES)}.h5"
     with h5py.File(image_name, "w", driver="core", backing_store=False) as f:

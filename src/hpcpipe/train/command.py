@@ -131,11 +131,14 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
         stop.ignore()   # not restored: a second signal while the ranks shut down must not kill one
 
 
-def saved_layout_hint(config: Any, world_size: int) -> None:
-    """Raise ConfigError, one line, when a resumed run's layout does not fit the world, saying where it came from."""
+def run_layout(config: Any, world_size: int, resumed: bool) -> tuple[int, int]:
+    """Return the run's (dp, pp), resolved once; a resumed run's layout that does not fit the world is one
+    ConfigError line saying where the layout came from."""
     try:
-        resolve_layout(config, world_size)
+        return resolve_layout(config, world_size)
     except ConfigError as exc:
+        if not resumed:
+            raise
         raise ConfigError(f"{exc} (resuming: the layout is the run's saved one where the command line does not give "
                           f"it; --set parallel.pp=N on the command line reshards the checkpoint)") from None
 
@@ -166,9 +169,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     def setup():
         config = load_run_config(args.config, args.overrides, notes)
         launcher_hint(config, world.Get_size(), args.argv)
-        if notes:
-            saved_layout_hint(config, world.Get_size())
-        return prepare(config, world.Get_size())
+        layout = run_layout(config, world.Get_size(), resumed=bool(notes))   # notes: a resumed run's config
+        return prepare(config, world.Get_size(), layout)
 
     def body(p) -> int:
         if world.Get_rank() == 0:

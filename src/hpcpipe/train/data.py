@@ -31,7 +31,7 @@ from hpcpipe.train.shuffle import EpochPermutation
 from hpcpipe.train.tokens import check_token_file
 
 if TYPE_CHECKING:
-    from hpcpipe.state.stored_tokenizer import StoredTokenizer
+    from hpcpipe.state.tokenizer import StoredTokenizer
 
 
 class InMemoryData:
@@ -168,7 +168,7 @@ def check_data_file(config: Config) -> int:
 
 def data_tokenizer(path: str, vocab_size: int) -> StoredTokenizer | None:
     """Return a token file's tokenizer (root attribute, and files for kind hf), checked; None when it has none."""
-    from hpcpipe.state.stored_tokenizer import read_stored
+    from hpcpipe.state.tokenizer import read_stored
 
     with open_hdf5(path, f"data.path {path!r}") as f:
         stored = read_stored(f, f"data.path {path!r}")

@@ -16,6 +16,7 @@ from typing import Any
 from hpcpipe.nn.memory import cache_bytes
 from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.runtime.comm import PipeComm
+from hpcpipe.runtime.step_health import StepDecision
 from hpcpipe.schedule.ir import Action, PipeShape
 
 
@@ -37,6 +38,7 @@ class StepStats:
     peak_stashed_stage: dict[int, int] = field(default_factory=dict)   # per stage this rank owns
     peak_stash_bytes_stage: dict[int, int] = field(default_factory=dict)
     events: list[tuple[Action, float, float, float]] = field(default_factory=list)  # (action, start, end, cpu_s)
+    decision: StepDecision | None = None   # what the optimizer step returned at OPT_STEP (None: no update ran)
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Engine:
         self.record_events = record_events
         self.xp = params.xp
         self.input_grads: dict[int, Any] = {}   # dL/dx of the model input per micro-batch (when kept)
-        self.optimizer_step: Callable[[], None] | None = None
+        self.optimizer_step: Callable[[], StepDecision] | None = None   # the running step's: run()'s argument
         self.tied_peer = self._tied_peer()
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
@@ -76,9 +78,13 @@ class Engine:
             "ALLREDUCE": self._allreduce, "OPT_STEP": self._opt_step,
         }
 
-    def run(self, feed: StepFeed) -> StepStats:
-        """Execute the whole program once (one optimizer step) and return this rank's stats."""
-        self.feed = feed
+    def run(self, feed: StepFeed, optimizer_step: Callable[[], StepDecision] | None = None) -> StepStats:
+        """Execute the whole program once (one optimizer step) and return this rank's stats.
+
+        ``optimizer_step`` runs at the program's OPT_STEP action (after the gradient allreduce) and its
+        decision comes back as the stats' ``decision``; None runs forward and backward only.
+        """
+        self.feed, self.optimizer_step = feed, optimizer_step
         self.stats = StepStats()
         self.inputs: dict[tuple[int, int], Any] = {}
         self.stash: dict[tuple[int, int], list] = {}
@@ -235,4 +241,4 @@ class Engine:
 
     def _opt_step(self, a: Action) -> None:
         if self.optimizer_step is not None:
-            self.optimizer_step()
+            self.stats.decision = self.optimizer_step()

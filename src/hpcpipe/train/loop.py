@@ -18,6 +18,8 @@ from hpcpipe.trace import rank_events, training_trace, write_json
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
 
+    from hpcpipe.train.trainer import StepResult
+
 
 def logged_step(step: int, every: int, total: int) -> bool:
     """Whether step (0-based) gets a metrics line: the first, every ``every``-th after it, and the last."""
@@ -44,17 +46,15 @@ class Progress:
         path = config.log.metrics
         self.metrics = open(path, "a") if path else None
 
-    def log(self, step: int, loss: float, seconds: float, peaks: list | None = None,
+    def log(self, step: int, result: StepResult, seconds: float, peaks: list | None = None,
             rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None) -> None:
-        """Record one step: metrics line always, console line every log.every steps."""
-        tr = self.trainer
-        stats = tr.last_stats
+        """Record one step's result: metrics line always, console line every log.every steps."""
+        tr, stats, decision, loss = self.trainer, result.stats, result.decision, result.loss
         record = {"step": step, "loss": loss, "step_time_s": seconds,
                   "samples_per_s": tr.global_batch / seconds if seconds > 0 else 0.0,
-                  "grad_norm": tr.last_grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
+                  "grad_norm": decision.grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
                   "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s,
-                  "host_device_bytes": tr.last_host_device_bytes}
-        decision = tr.last_decision
+                  "host_device_bytes": result.host_device_bytes}
         skipped = bool(decision and decision.skip)
         if skipped:   # strict JSON has no NaN: a skipped step's non-finite loss is null
             record.update(loss=loss if loss == loss and abs(loss) != float("inf") else None, grad_norm=None,
@@ -92,7 +92,7 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
           watchdog: Watchdog | None = None) -> dict[str, Any]:
     """Run steps start_step .. train.steps-1, checkpointing every checkpoint.every steps and at the end.
 
-    Every step ends with one agreed decision (trainer.last_decision): a step with a
+    Every step ends with one agreed decision (``trainer.run_step``'s): a step with a
     non-finite loss or gradient on any rank is skipped everywhere (the data position
     still advances), train.max_bad_steps of them in a row stop the run (AgreedError,
     exit 77), and a stop signal on any rank makes every rank checkpoint and return
@@ -113,11 +113,13 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
     skipped = 0
     stopped = ""
     beat = watchdog.beat if watchdog else (lambda phase: None)
-    if stop is not None:
-        def requested() -> bool:
-            stop.check_interrupt()   # a dropped Ctrl-C still stops the job at the next step
-            return stop.requested
-        trainer.stop_requested = requested
+
+    def stop_requested() -> bool:
+        """Asked at each step's agreement: whether a stop signal arrived on this rank."""
+        if stop is None:
+            return False
+        stop.check_interrupt()   # a dropped Ctrl-C still stops the job at the next step
+        return stop.requested
     traced: list[tuple[int, list]] = []
     tp = trainer.tp
     if tp is not None:
@@ -133,17 +135,16 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             stall_injection(rank, step)
             step_sleep()
             t0 = time.perf_counter()
-            loss = trainer.train_step(step)
+            result = trainer.run_step(step, stop_requested)
             seconds = time.perf_counter() - t0
-            decision = trainer.last_decision
-            losses.append(loss)
+            decision, stats = result.decision, result.stats
+            losses.append(result.loss)
             tp_s = tp.take_seconds() if tp is not None else None
             if cfg.log.trace:
-                traced.append((step, trainer.last_stats.events + tp_trace_events(tp)))
+                traced.append((step, stats.events + tp_trace_events(tp)))
             peaks = rss_by_rank = tp_comm_s = None
             if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
-                stats = trainer.last_stats
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
                 gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s), 0)
                 if gathered:
@@ -151,7 +152,7 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
                     rss_by_rank = [g[1] for g in gathered]
                     tp_comm_s = None if tp_s is None else max(g[2] for g in gathered)
             if progress:
-                progress.log(step, loss, seconds, peaks, rss_by_rank, tp_comm_s)
+                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:

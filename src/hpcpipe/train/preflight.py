@@ -23,11 +23,13 @@ from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.registry import model_specs
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
-from hpcpipe.state import checkpoint_dir as cf
+from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.hdf5_source import HDF5Source
 from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder
-from hpcpipe.state.sources import WeightsSource, protected_paths, refuse_overwrite, same_file
+from hpcpipe.state.sources import protected_paths, refuse_overwrite, same_file
+from hpcpipe.state.weights_source import WeightsSource
 
 GIB = 1024 ** 3
 
@@ -175,7 +177,7 @@ def _refuse_old_layout(path: Path, directory: str) -> None:
                           f"or set checkpoint.dir to another directory for a fresh run")
 
 
-def check_nothing_newer(source: WeightsSource) -> None:
+def check_nothing_newer(source: HDF5Source) -> None:
     """Raise ConfigError when a live run holds the resumed checkpoint's run, or it holds a later step.
 
     The live run is named first, before anything else is checked: while it
@@ -217,7 +219,7 @@ def _how_to_continue(run_dir: Path, newest: int) -> str:
             f"again; to continue the older step, first move the later steps out of {str(run_dir)!r}")
 
 
-def check_log_files(config: Config, init: WeightsSource | None, resume: WeightsSource | None) -> None:
+def check_log_files(config: Config, init: WeightsSource | None, resume: HDF5Source | None) -> None:
     """Raise ConfigError unless log.metrics and log.trace can be written without touching what the run reads."""
     files: list[tuple[str, Path]] = []
     dirs: list[tuple[str, Path]] = []

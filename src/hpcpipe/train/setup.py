@@ -22,10 +22,12 @@ from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate_programs import validate_programs
+from hpcpipe.state.hdf5_source import HDF5Source
 from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import check_kind, restate_stored_shape
-from hpcpipe.state.sources import WeightsSource, resolve_weights
-from hpcpipe.state.stored_tokenizer import StoredTokenizer
+from hpcpipe.state.sources import resolve_weights
+from hpcpipe.state.tokenizer import StoredTokenizer
+from hpcpipe.state.weights_source import WeightsSource
 from hpcpipe.train.data import check_data_file, data_tokenizer
 from hpcpipe.train.preflight import (
     check_checkpoint_dir,
@@ -46,8 +48,8 @@ class TrainSetup:
     shape: PipeShape                        # pp, stages, micro-batches and the schedule's stage -> rank placement
     stage_ranges: list[range]
     programs: list[list]
-    init: WeightsSource | None = None      # model.init, resolved and checked against the model
-    resume: WeightsSource | None = None    # checkpoint.dir/latest when resuming
+    init: WeightsSource | None = None      # model.init (a file, a checkpoint, a Hugging Face model), checked
+    resume: HDF5Source | None = None       # checkpoint.dir/latest when resuming (always a checkpoint)
 
     tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
 
@@ -84,7 +86,7 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     return from_dict(raw)
 
 
-def check_resume(config: Config, source: WeightsSource) -> None:
+def check_resume(config: Config, source: HDF5Source) -> None:
     """Raise ConfigError unless the checkpoint can continue this run (same model and optimizer, step in range)."""
     saved = source.manifest["config"]
     for key in RESUME_MODEL_KEYS[config.model.kind]:
@@ -106,9 +108,13 @@ def check_resume(config: Config, source: WeightsSource) -> None:
                           f"train.steps = {config.train.steps}")
 
 
-def prepare(config: Config, world_size: int) -> TrainSetup:
-    """Check config against the world size, data and weights files; lower and validate the schedule."""
-    dp, pp = resolve_layout(config, world_size)
+def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = None) -> TrainSetup:
+    """Check config against the world size, data and weights files; lower and validate the schedule.
+
+    ``layout``: the (dp, pp) the caller resolved already (the train command, whose message about a resumed
+    run's layout says where it came from); None resolves it here.
+    """
+    dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs

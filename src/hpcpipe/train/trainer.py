@@ -9,6 +9,8 @@ checked locally (identically on every rank) and raises ConfigError;
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +30,21 @@ from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.run_lock import RunLock
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, open_data
-from hpcpipe.train.engine import Engine, StepFeed
+from hpcpipe.train.engine import Engine, StepFeed, StepStats
 from hpcpipe.train.setup import TrainSetup
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step gives back: the loss and the agreed decision (the same on every rank), this rank's measures."""
+
+    loss: float                      # the global loss, before the update
+    decision: StepDecision | None    # skip, stop, gradient norm (None: gradients only, no update ran)
+    stats: StepStats                 # this rank's stash peaks and timed actions
+    host_device_bytes: int           # arrays copied between host and GPU in the step (0 on NumPy)
 
 
 class Trainer:
@@ -73,11 +85,9 @@ class Trainer:
                              recompute=tr.recompute == "stage", shared=shared)
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
-        self.last_grad_norm = 0.0
-        self.last_stats = None
+        # the last step's measures, for callers of train_step / compute_gradients (tests, benchmarks)
+        self.last_stats: StepStats | None = None
         self.last_host_device_bytes = 0   # arrays copied between host and GPU in the last step (0 on NumPy)
-        self.last_decision: StepDecision | None = None
-        self.stop_requested = lambda: False   # set by the training loop (a signal flag)
         self.start_step = 0
         # the run directory under checkpoint.dir this run saves into: the resumed checkpoint's,
         # or (a fresh run) made by its first save
@@ -162,13 +172,14 @@ class Trainer:
         """Bytes staged between GPU and host by the pipeline and tensor-parallel exchanges so far (0 on NumPy)."""
         return self.comm.host_device_bytes + int(getattr(self.tp, "host_device_bytes", 0))
 
-    def _update(self, step: int) -> None:
+    def _update(self, step: int, stop_requested: Callable[[], bool]) -> StepDecision:
         """Agree on the step (one world allreduce), then clip by the global gradient norm and step, or skip.
 
         The one allreduce carries the squared gradient norm (counted once per stage),
-        the loss, a not-finite flag and a stop-signal flag, so every rank takes the
-        same decision: a non-finite loss or gradient on any rank skips the update
-        (parameters and optimizer state untouched) everywhere.
+        the loss, a not-finite flag and a stop-signal flag (``stop_requested()``, asked
+        here so that a signal during the step's compute still counts), so every rank
+        takes the same decision, which is returned: a non-finite loss or gradient on any
+        rank skips the update (parameters and optimizer state untouched) everywhere.
         """
         poison = nan_injection(self.topo.world.Get_rank(), step)
         if poison == "grad":
@@ -177,46 +188,49 @@ class Trainer:
             self.engine.stats.loss_sum = float("nan")
         # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated
         local = self.params.norm_sq()
-        mine = local_decision(local, self._loss_term(), self.topo.dp_rank == 0, self.stop_requested())
+        mine = local_decision(local, self._loss_term(), self.topo.dp_rank == 0, stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
-        self.last_decision = decision
-        self.last_grad_norm = decision.grad_norm
         if decision.skip:
-            return
+            return decision
         factor = clip_factor(decision.grad_norm, self.config.train.grad_clip)
         if factor != 1.0:
             self.params.grad *= factor
         self.optimizer.step(self.params.flat, self.params.grad)
+        return decision
 
-    def _run(self, step: int, update: bool) -> float:
-        self.last_decision = None
-        self.engine.optimizer_step = (lambda: self._update(step)) if update else None
+    def _run(self, step: int, optimizer_step: Callable[[], StepDecision] | None) -> StepResult:
+        """Run the step's program (``optimizer_step`` at its OPT_STEP, None: gradients only); return its result."""
         before = self._staged_bytes()
         feed, fed = self._feed(step)
-        stats = self.engine.run(feed)
-        self.last_stats = stats
+        stats = self.last_stats = self.engine.run(feed, optimizer_step)
         # arrays only: the loss and norm scalars that come back each micro-batch / step (8 bytes each) are not counted
-        self.last_host_device_bytes = fed + self._staged_bytes() - before
-        if self.last_decision is not None:   # the step decision already summed the loss
-            return self.last_decision.loss_sum / self.loss_norm
+        moved = self.last_host_device_bytes = fed + self._staged_bytes() - before
+        if stats.decision is not None:   # the step decision already summed the loss
+            return StepResult(stats.decision.loss_sum / self.loss_norm, stats.decision, stats, moved)
         total = self.comm.sum_over_world(np.array([self._loss_term()]))[0]
-        return float(total) / self.loss_norm
+        return StepResult(float(total) / self.loss_norm, None, stats, moved)
 
     def _loss_term(self) -> float:
         """This rank's term of the world's loss sum: every tp rank of a last stage knows the loss; tp rank 0 adds it."""
         return self.engine.stats.loss_sum if self.topo.tp_rank == 0 else 0.0
 
-    def train_step(self, step: int) -> float:
-        """Run one optimizer step on the given step's batch; return the global loss before the update.
+    def run_step(self, step: int, stop_requested: Callable[[], bool] | None = None) -> StepResult:
+        """Run one optimizer step on the given step's batch; return its loss (before the update) and decision.
 
-        ``last_decision`` tells whether the update was skipped (non-finite values) and
-        whether any rank asked to stop; both are identical on every rank.
+        ``stop_requested()`` says whether a stop signal arrived on this rank (None: never); it is
+        asked once, at the step's agreement. The decision says whether the update was skipped
+        (non-finite values) and whether any rank asked to stop; both are identical on every rank.
         """
-        return self._run(step, update=True)
+        asked = stop_requested or (lambda: False)
+        return self._run(step, lambda: self._update(step, asked))
+
+    def train_step(self, step: int) -> float:
+        """Run one optimizer step (:meth:`run_step`, never asked to stop); return the global loss before it."""
+        return self.run_step(step).loss
 
     def compute_gradients(self, step: int = 0) -> float:
         """Forward and backward on a step's batch without updating; gradients stay in params.grad."""
-        return self._run(step, update=False)
+        return self._run(step, None).loss
 
     def gather(self, what: str = "params", root: int = 0) -> dict[int, dict[str, Any]] | None:
         """Collect every layer's parameters, gradients or optimizer state by global index on world rank root."""

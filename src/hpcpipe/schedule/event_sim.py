@@ -1,6 +1,6 @@
-"""Simulator: runs the lowered action lists of a schedule on a cost model.
+"""Discrete-event simulation of a schedule: runs its lowered action lists on a cost model, action by action.
 
-``python -m hpcpipe.simulate`` is its command line.
+``python -m hpcpipe.simulate`` (:mod:`hpcpipe.simulate`) is its command line.
 
 It executes exactly the programs the engine executes (``lower`` of the
 schedule), with the engine's semantics: compute takes its cost, a send is

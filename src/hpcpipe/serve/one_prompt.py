@@ -1,4 +1,6 @@
-"""``python -m hpcpipe.generate``: one prompt through the KV-cached pipeline, the completion streamed to stdout.
+"""One prompt through the KV-cached pipeline, the completion streamed to stdout: ``python -m hpcpipe.generate``.
+
+:mod:`hpcpipe.generate` is the command's entry point (stop handlers first); this is what it runs.
 
     mpiexec -n 4 python -m hpcpipe.generate --weights ck --prompt "Once upon a time" --max-new-tokens 40
 """

@@ -48,11 +48,13 @@ def _model_field(key: Any) -> tuple[str, Any, Any]:
 
 
 # [model]: kind, every kind's own keys (hpcpipe.nn.<kind>.keys: the kinds are the one place that names them), and
-# what every kind has: init (weights to start from), seed (initial weights depend on it and the layer only), dtype
+# what every kind has: init (weights to start from), seed (initial weights depend on it and the layer only), dtype,
+# weight_format (how generate, serve and evaluate keep the weights: hpcpipe.kernels.formats; training keeps float32)
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
     [("kind", str, field(default="mlp")), *(_model_field(key) for key in model_keys()),
-     ("init", str, field(default="")), ("seed", int, field(default=0)), ("dtype", str, field(default="float32"))],
+     ("init", str, field(default="")), ("seed", int, field(default=0)), ("dtype", str, field(default="float32")),
+     ("weight_format", str, field(default="auto"))],
     frozen=True)
 ModelConfig.__module__ = __name__
 

@@ -14,6 +14,7 @@ LOSSES = ("mse", "cross_entropy")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("float32", "float64")
+WEIGHT_FORMATS = ("auto", "float32", "stored", "q8_0")
 RECOMPUTE = ("none", "stage")
 
 
@@ -46,6 +47,8 @@ def validate(config: Config) -> None:
     if par.tp > 1:
         kind.validate_tp(mod, par.tp)
     _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
+    _require(mod.weight_format in WEIGHT_FORMATS,
+             f"model.weight_format {mod.weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     n_layers = config.n_layers
     if isinstance(par.pp, int):
         _require(par.pp * par.virtual_stages <= n_layers,

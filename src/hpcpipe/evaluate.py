@@ -29,8 +29,10 @@ import numpy as np
 
 from hpcpipe.cli import CommandParser
 from hpcpipe.config import DECODERS
+from hpcpipe.config_checks import WEIGHT_FORMATS
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member, open_hdf5
+from hpcpipe.kernels.formats import inference_format, kept_values
 from hpcpipe.nn.core.activations import make_activation
 from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.nn.registry import KINDS, model_def
@@ -98,11 +100,13 @@ def read_rows(dset: h5py.Dataset, a: int, b: int, label: str) -> np.ndarray:
             from None
 
 
-def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
+def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: str = "y",
+             weight_format: str = "auto") -> dict[str, Any]:
     """Return {'n', 'accuracy', 'cross_entropy'} for integer labels or {'n', 'mse'} for float targets (MLP).
 
     For a GPT or a Llama-family model (hpcpipe weights, a checkpoint or a Hugging Face directory), {'n',
-    'tokens', 'loss_nats', 'loss_bits'} (see :func:`evaluate_tokens`).
+    'tokens', 'loss_nats', 'loss_bits'} (see :func:`evaluate_tokens`), with the weights as ``weight_format``
+    keeps them (q8_0: the quantized values; float32 and stored: the stored values).
 
     The data are checked against the weights first (datasets, shapes, dtypes,
     row counts), then read CHUNK_ROWS at a time; a NaN/Inf input or target, a
@@ -114,7 +118,7 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     """
     source = resolve_weights(weights, "--weights")
     if source.model_kind in DECODERS:
-        return evaluate_tokens(source, data, x_name, y_name)
+        return evaluate_tokens(source, data, x_name, y_name, weight_format)
     arrays = source.read(list(range(source.n_layers)))
     odd = [i for i in (0, source.n_layers - 1) if "weight" not in arrays[i]]
     if odd:     # no model attribute recorded, and not an MLP's layers: e.g. a GPT's written by hand
@@ -174,13 +178,17 @@ def slab_rows(shape: Any) -> int:
     return max(1, SLAB_ELEMENTS // (shape.seq_len * widest))
 
 
-def load_decoder(source: WeightsSource, definition: Any, dtype: str) -> Decoder:
-    """Return the whole decoder (any kind) holding the stored weights (every group checked, then read)."""
+def load_decoder(source: WeightsSource, definition: Any, dtype: str, weight_format: str = "float32") -> Decoder:
+    """Return the whole decoder (any kind) holding the stored weights (every group checked, then read), with the
+    values ``weight_format`` keeps (q8_0: each matrix quantized, then widened for the float computation)."""
     source.check(definition.specs)
     model = Decoder(definition, np, dtype)
     arrays = source.read(list(range(definition.n_layers)))
     for index in range(definition.n_layers):
-        model.load_group(index, arrays[index])
+        group = arrays.pop(index)
+        if weight_format == "q8_0":
+            group = {name: kept_values(name, value, "q8_0") for name, value in group.items()}
+        model.load_group(index, group)
     return model
 
 
@@ -208,7 +216,8 @@ def _window(data: str | Path, x_name: str, longest: int) -> int:
     return t if 0 < t <= longest else longest
 
 
-def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y") -> dict[str, Any]:
+def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y",
+                    weight_format: str = "auto") -> dict[str, Any]:
     """Return {'n', 'tokens', 'loss_nats', 'loss_bits', 'weights', 'step'} of a GPT or llama over a token file.
 
     The token file is checked first (integer ``x`` and ``y`` of shape (N, seq_len),
@@ -230,7 +239,7 @@ def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", 
     definition, dtype = model_def(config), config.model.dtype
     shape = definition.shape
     n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
-    model = load_decoder(source, definition, dtype)
+    model = load_decoder(source, definition, dtype, inference_format(weight_format))
     where = f"token file {str(data)!r}"
     total, step = 0.0, slab_rows(shape)
     progress = Progress()
@@ -263,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--x", default="x", help="input dataset: MLP (N, features) float; GPT (N, seq_len) token ids")
     parser.add_argument("--y", default="y", help="MLP integer labels (N,) or float targets (N, outputs); GPT "
                                                  "(N, seq_len) next-token ids")
+    parser.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                        help="how a decoder's weights are kept (model.weight_format): q8_0 measures the quantized "
+                             "model; float32 and stored compute with the stored values")
     args = parser.parse_args(argv)
     keep_freed_memory()
     try:
-        print(json.dumps(evaluate(args.weights, args.data, args.x, args.y)))
+        print(json.dumps(evaluate(args.weights, args.data, args.x, args.y, args.weight_format)))
     except ConfigError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 2

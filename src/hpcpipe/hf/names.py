@@ -18,6 +18,7 @@ from hpcpipe.hf.config import HFModel
 from hpcpipe.hf.pieces import HEAD, Piece
 from hpcpipe.hf.safetensors import TensorFiles
 from hpcpipe.hf.safetensors_part import read_part
+from hpcpipe.kernels.formats import RowWeight
 from hpcpipe.nn.registry import KINDS
 
 
@@ -77,14 +78,15 @@ def _non_finite(value: np.ndarray, block: int = 1 << 22) -> int:
 
 
 def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.float32,
-                skip: tuple[str, ...] = (), shards: Any = None) -> dict[int, dict[str, Any]]:
+                skip: tuple[str, ...] = (), shards: Any = None, stored: bool = False) -> dict[int, dict[str, Any]]:
     """Return {group: {hpcpipe name: array (in, out)}} of the given layer groups, read from only their tensors.
 
     Each tensor's shape is checked against the config (one-line ConfigError naming tensor, file, got and
     expected shapes) and its values must be finite; arrays come back in ``dtype``, C-contiguous. Parameters
     named in ``skip`` are left out (read another way by the caller). ``shards(index, names)`` (tensor
     parallelism: {name: hpcpipe.nn.core.sharding.Shard}) makes each tensor come back as the rank's part only,
-    read without the rest.
+    read without the rest. ``stored`` (whole tensors only): matrices come back as they are stored, as (out, in)
+    :class:`hpcpipe.kernels.formats.RowWeight` (a 16-bit matrix in its own bits: no widened copy).
     """
     prefix = check_names(hf, tensors)
     out: dict[int, dict[str, Any]] = {}
@@ -101,11 +103,15 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
                                   f"needs {piece.hf_shape}")
             part = cut.get(piece.name)
-            if part is not None and part.axis is not None:
+            if stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
+                value = _stored_rows(tensors, name, info.dtype, piece)
+                bad = value.non_finite()
+            elif part is not None and part.axis is not None:
                 value = read_part(tensors.holder(name), name, dtype, piece.transpose, part.axis, part.index)
+                bad = _non_finite(value)
             else:
                 value = tensors.read(name, dtype, transpose=piece.transpose)
-            bad = _non_finite(value)
+                bad = _non_finite(value)
             if bad:
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s) "
                                   f"(NaN or Inf{' after conversion to ' + np.dtype(dtype).name if dtype else ''})")
@@ -117,6 +123,17 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                                   f"llama kind has biases on q, k and v only (attention_bias also biases o_proj)")
         out[index] = arrays
     return out
+
+
+def _stored_rows(tensors: TensorFiles, name: str, stored: str, piece: Piece) -> RowWeight:
+    """A matrix as the file stores it, in (out, in) rows: nn.Linear's layout as it is, an embedding table (vocab,
+    d) as it is (a tied head's rows), GPT-2's Conv1D (in, out) transposed once."""
+    kind = {"BF16": "bfloat16", "F16": "float16"}.get(stored, "float32")
+    flip = not piece.transpose and piece.name != "tok_emb"
+    if kind == "float32":
+        return RowWeight(kind, tensors.read(name, np.float32, transpose=flip))
+    bits = tensors.read(name, np.uint16)       # the 16-bit values' own bits, as stored
+    return RowWeight(kind, np.ascontiguousarray(bits.T) if flip else bits)
 
 
 def hf_state(kind: str, model_keys: dict[str, Any], groups: dict[int, dict[str, Any]]) -> dict[str, np.ndarray]:

@@ -17,9 +17,15 @@ from typing import Any
 
 import numpy as np
 
-FORMATS = ("float32", "stored", "q8_0")     # model.weight_format
+FORMATS = ("float32", "stored", "q8_0")     # model.weight_format, once "auto" is resolved
+INFERENCE_DEFAULT = "float32"                # what "auto" means for generate, serve and evaluate
 KINDS = ("float32", "bfloat16", "float16", "q8_0")
 Q8_BLOCK = 32
+
+
+def inference_format(configured: str) -> str:
+    """The weight format generate, serve and evaluate use for model.weight_format ``configured``."""
+    return INFERENCE_DEFAULT if configured == "auto" else configured
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,14 @@ class RowWeight:
         d = self.scales.view(np.float16).astype(np.float32)
         blocks = self.data.reshape(self.shape[0], -1, Q8_BLOCK).astype(np.float32) * d[:, :, None]
         return blocks.reshape(self.shape).astype(dtype, copy=False)
+
+    def non_finite(self) -> int:
+        """How many values are Inf or NaN (16-bit: read from the exponent bits; q8_0: its scales)."""
+        if self.kind == "float32":
+            return int(self.data.size - np.count_nonzero(np.isfinite(self.data)))
+        bits, mask = (self.scales, 0x7C00) if self.kind == "q8_0" else \
+            (self.data, 0x7F80 if self.kind == "bfloat16" else 0x7C00)
+        return int(np.count_nonzero((bits & mask) == mask))
 
     def rows_at(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` widened (dequantized) to float32: an embedding's gather from the table a head multiplies by."""
@@ -124,3 +138,14 @@ def stacked(parts: list[RowWeight]) -> RowWeight:
     data = np.concatenate([p.data for p in parts])
     scales = np.concatenate([p.scales for p in parts]) if parts[0].scales is not None else None
     return RowWeight(parts[0].kind, data, scales)
+
+
+def kept_values(name: str, value: Any, fmt: str) -> Any:
+    """A parameter's values as weight format ``fmt`` keeps them, in its own layout (a float (in, out) matrix stays
+    (in, out); an embedding table (vocab, d)): q8_0 rounds every matrix whose input width allows, widened back."""
+    array = np.asarray(value)
+    if fmt != "q8_0" or array.ndim != 2 or name == "pos_emb":
+        return value
+    if name == "tok_emb":          # (vocab, d) rows: the head's (out, in) already
+        return row_weight(RowWeight("float32", np.ascontiguousarray(array, dtype=np.float32)), fmt).dense()
+    return row_weight(array, fmt).dense().T

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.kernels.formats import inference_format
 from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
@@ -59,7 +60,9 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     indices = list(mine) + ([0] if needs_table else [])
     # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
     gathered_only = 0 in mine and not holds_head and tp is None
-    weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only)
+    fmt = inference_format(setup.config.model.weight_format)
+    weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only,
+                                         stored=fmt != "float32" and tp is None)
     # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
     model = setup.model
     shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else None
@@ -68,7 +71,8 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
         stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype,
-                            setup.config.serve.max_sequences, tok_emb=table, tp=tp)
+                            setup.config.serve.max_sequences, tok_emb=table, tp=tp, weight_format=fmt,
+                            release=True)
     return stage
 
 

@@ -43,6 +43,7 @@ class HFSource:
     tensors: TensorFiles
     dtype: str = "float32"
     half_embedding: bool = False    # read tok_emb as a HalfTable when it is stored in 16 bits (forward-only use)
+    stored: bool = False            # read matrices as stored: (out, in) RowWeights (forward-only, whole tensors)
     kind: str = field(default="hf", init=False)
     step: int = field(default=0, init=False)
     _tokenizer: list = field(default_factory=list, init=False, compare=False, repr=False)   # read once
@@ -105,11 +106,15 @@ class HFSource:
     def read(self, indices: list[int], shards: Shards | None = None) -> dict[int, dict[str, Any]]:
         """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
 
-        With ``half_embedding``, group 0's tok_emb stored in bfloat16 or float16 comes as a
+        With ``stored`` (and no shards) every matrix comes as it is stored, an (out, in)
+        :class:`hpcpipe.kernels.formats.RowWeight` (a weight format's source). With ``half_embedding``, group 0's
+        tok_emb stored in bfloat16 or float16 comes as a
         :class:`hpcpipe.nn.core.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
         ``shards(index, names)``: read only this tensor-parallel rank's part of each tensor.
         """
         indices = list(indices)
+        if self.stored and shards is None:
+            return dict(sorted(read_groups(self.hf, self.tensors, indices, np.dtype(self.dtype), stored=True).items()))
         half = self._half_table() if self.half_embedding and 0 in indices and shards is None else None
         rest = [i for i in indices if not (half is not None and i == 0)]
         out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype), shards=shards)
@@ -137,9 +142,10 @@ class HFSource:
         raise ConfigError(f"{self.describe()} holds no optimizer state (it can start a run: model.init, not "
                           f"--resume)")
 
-    def forward_only(self, dtype: str, half_embedding: bool = False) -> HFSource:
-        """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored."""
-        return replace(self, dtype=dtype, half_embedding=half_embedding)
+    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> HFSource:
+        """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored and
+        ``stored`` every matrix (whole tensors only)."""
+        return replace(self, dtype=dtype, half_embedding=half_embedding, stored=stored)
 
 
 def hf_source(path: str | Path, dtype: str = "float32") -> HFSource:

@@ -114,6 +114,9 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     ``layout``: the (dp, pp) the caller resolved already (the train command, whose message about a resumed
     run's layout says where it came from); None resolves it here.
     """
+    if config.model.weight_format not in ("auto", "float32"):
+        raise ConfigError(f"model.weight_format = {config.model.weight_format!r}: training keeps float32 weights; the "
+                          f"weight formats are for generate, serve and evaluate (leave it \"auto\" or \"float32\")")
     dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.kernels.formats import FORMATS, RowWeight, row_weight
+from hpcpipe.kernels.formats import FORMATS, RowWeight, kept_values, row_weight
 from hpcpipe.nn.core.decode_plan import CallPlan, DecodeBatch, Segment, all_rows, plan_call
 from hpcpipe.nn.core.decode_steps import DecoderSteps
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
@@ -45,12 +45,13 @@ class DecodeStage:
     ``weight_format`` (float32 | stored | q8_0, hpcpipe.kernels.formats) says how the weights are kept; the
     arrays are float (in, out) or :class:`hpcpipe.kernels.formats.RowWeight` (out, in) as stored. ``compiled``:
     run the compiled kernels (hpcpipe.nn.core.fused_stage), the NumPy steps, or (None) the compiled ones when
-    available; the NumPy steps compute with the weights widened to the stage's dtype.
+    available; the NumPy steps compute with the weights widened to the stage's dtype. ``release``: drop each
+    block's arrays from ``arrays`` once built (a loader's copies: the peak stays one block above the weights).
     """
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
-                 weight_format: str = "float32", compiled: bool | None = None):
+                 weight_format: str = "float32", compiled: bool | None = None, release: bool = False):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
@@ -78,7 +79,7 @@ class DecodeStage:
         if self.compiled:
             for i in groups:
                 self._check_group(i, arrays)
-            self._fused = FusedStage(model, groups, arrays, weight_format, slots, self._tied_table(tok_emb))
+            self._fused = FusedStage(model, groups, arrays, weight_format, slots, self._tied_table(tok_emb), release)
             self._cache = self._fused.cache
         else:
             params = {i: self._load_group(i, arrays) for i in groups}
@@ -113,11 +114,7 @@ class DecodeStage:
             if isinstance(value, HalfTable):    # a 16-bit embedding table, gathered from as it is
                 out[name] = HalfTable(value.bits, value.kind, self.dtype).on(self.xp)
                 continue
-            if self.weight_format == "q8_0" and value.ndim == 2 and name != "pos_emb":   # the values q8_0 keeps
-                value = row_weight(value if name != "tok_emb" or isinstance(value, RowWeight)
-                                   else RowWeight("float32", np.ascontiguousarray(value, dtype=np.float32)), "q8_0")
-            if isinstance(value, RowWeight):    # kept as stored: the NumPy steps widen it (dequantize) once
-                value = value.dense(self.dtype) if name == "tok_emb" else value.dense(self.dtype).T
+            value = self._widened(name, value)
             out[name] = self.xp.ascontiguousarray(self.xp.asarray(value, dtype=self.dtype))
         return out
 
@@ -141,12 +138,17 @@ class DecodeStage:
             table = params[0]["tok_emb"]
             return table.dense() if isinstance(table, HalfTable) else table
         table = self._tied_table(tok_emb)
-        if self.weight_format == "q8_0" and not isinstance(table, RowWeight):     # the values q8_0 keeps
-            table = row_weight(RowWeight("float32", np.ascontiguousarray(self.xp.asarray(table).astype(np.float32)))
-                               if not isinstance(table, HalfTable) else RowWeight(table.kind, table.bits), "q8_0")
-        if isinstance(table, RowWeight | HalfTable):
-            table = table.dense(self.dtype)
-        return self.xp.ascontiguousarray(self.xp.asarray(table, dtype=self.dtype))
+        if isinstance(table, HalfTable):
+            table = RowWeight(table.kind, table.bits)
+        return self.xp.ascontiguousarray(self.xp.asarray(self._widened("tok_emb", table), dtype=self.dtype))
+
+    def _widened(self, name: str, value: Any) -> Any:
+        """A parameter as the NumPy steps compute with it: the values the weight format keeps, in the training
+        layout ((in, out) matrices), widened to the stage's dtype once."""
+        if not isinstance(value, RowWeight):
+            return kept_values(name, value, self.weight_format)
+        value = row_weight(value, self.weight_format) if self.weight_format == "q8_0" else value
+        return value.dense(self.dtype) if name == "tok_emb" else value.dense(self.dtype).T
 
     @property
     def cache_bytes(self) -> int:

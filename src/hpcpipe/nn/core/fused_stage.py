@@ -49,7 +49,7 @@ class FusedStage:
     """Layer groups ``groups`` of a decoder model, computed by the compiled kernels (see the module docstring)."""
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]], fmt: str, slots: int,
-                 tok_emb: Any = None):
+                 tok_emb: Any = None, release: bool = False):
         shape = model.shape
         self.model, self.shape, self.fmt = model, shape, fmt
         self.has_embedding = 0 in groups
@@ -58,7 +58,8 @@ class FusedStage:
         n_heads, n_kv = model.local_heads(None)
         hd = shape.head_dim
         self.cache = np.zeros((len(blocks), 2, slots, n_kv, shape.seq_len, hd), dtype=np.float32)
-        fused = [model.fused_block(arrays[i], fmt) for i in blocks]
+        # block by block, each block's arrays released (with ``release``) once its fused form exists
+        fused = [model.fused_block(arrays.pop(i) if release else arrays[i], fmt) for i in blocks]
         kind = model.fused_kind()
         rope = model.rope(np, np.float32).tables(shape.seq_len) if kind.rope else None
         self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, shape.ff, self.cache, rope) \

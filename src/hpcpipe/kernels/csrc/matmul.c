@@ -101,25 +101,32 @@ static void matmul_portable(const hp_weight *w, const float *x, int64_t m, int64
     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)(p) + (k))), 16))
 #define LOAD_F16(p, k, mask) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)(p) + (k)))
 
-/* a tile of R rows of x by C rows of W; W rows row_bytes apart */
+/* a tile of R rows of x by C rows of W; W rows row_bytes apart. Every loop over the tile is unrolled so the
+ * R x C accumulators live in registers; the main loop reads whole vectors, one masked step takes the tail. */
+#define TILE_STEP(LOAD, R, C, k, mask)                                                                          \
+    {                                                                                                           \
+        __m512 wv[C];                                                                                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) wv[c] = LOAD(wp + c * row_bytes, k, mask);        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + (k));                                         \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]); \
+        }                                                                                                       \
+    }
+
 #define TILE_FN(NAME, LOAD, ESIZE, R, C)                                                                        \
 static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *x, int64_t ldx, float *y, \
                            int64_t ldy, int accumulate) {                                                       \
     __m512 acc[R][C];                                                                                           \
-    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                   \
-    for (int64_t k = 0; k < K; k += 16) {                                                                       \
-        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);                   \
-        __m512 wv[C];                                                                                           \
-        for (int c = 0; c < C; c++) wv[c] = LOAD(wp + c * row_bytes, k, mask);                                  \
-        for (int r = 0; r < R; r++) {                                                                           \
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);                                           \
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);                     \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
+    int64_t k = 0;                                                                                              \
+    for (; k + 16 <= K; k += 16) TILE_STEP(LOAD, R, C, k, (__mmask16)0xffff)                                    \
+    if (k < K) TILE_STEP(LOAD, R, C, k, (__mmask16)((1u << (K - k)) - 1))                                      \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
+            float v = _mm512_reduce_add_ps(acc[r][c]);                                                          \
+            if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                       \
         }                                                                                                       \
-    }                                                                                                           \
-    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) {                                                   \
-        float v = _mm512_reduce_add_ps(acc[r][c]);                                                              \
-        if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                           \
-    }                                                                                                           \
 }
 
 #define FORMAT_FNS(SUFFIX, LOAD, ESIZE)                                                                         \
@@ -165,27 +172,29 @@ static HP_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const 
                            float *y, int64_t ldy, int accumulate) {                                             \
     int64_t nb = K / 32;                                                                                        \
     __m512 acc[R][C];                                                                                           \
-    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                   \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
     for (int64_t b = 0; b < nb; b++) {                                                                          \
         __m512 lo[C], hi[C], dv[C];                                                                             \
-        for (int c = 0; c < C; c++) {                                                                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
             const int8_t *p = q + c * K + b * 32;                                                               \
             lo[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));              \
             hi[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));       \
             dv[c] = _mm512_set1_ps(_cvtsh_ss(d[c * nb + b]));                                                   \
         }                                                                                                       \
-        for (int r = 0; r < R; r++) {                                                                           \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
             __m512 x0 = _mm512_loadu_ps(x + r * ldx + b * 32), x1 = _mm512_loadu_ps(x + r * ldx + b * 32 + 16); \
-            for (int c = 0; c < C; c++) {                                                                       \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                              \
                 __m512 t = _mm512_fmadd_ps(x1, hi[c], _mm512_mul_ps(x0, lo[c]));                                \
                 acc[r][c] = _mm512_fmadd_ps(t, dv[c], acc[r][c]);                                               \
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
-    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) {                                                   \
-        float v = _mm512_reduce_add_ps(acc[r][c]);                                                              \
-        if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                           \
-    }                                                                                                           \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
+            float v = _mm512_reduce_add_ps(acc[r][c]);                                                          \
+            if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                       \
+        }                                                                                                       \
 }
 
 Q8_TILE_FN(q8_tile44, 4, 4)

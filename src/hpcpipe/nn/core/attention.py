@@ -10,11 +10,13 @@ With H query heads, K key/value heads, G = H / K and head width hd (GPT: K = H, 
 
 Two projections: :class:`FusedQKV` (GPT-2's ``attn/qkv``: q | k | v as column blocks of one matrix, q, k
 and v views of its output) and :class:`SplitQKV` (Llama's ``attn/{q,k,v}``, optional biases). Query head
-i = kv * G + g, so the queries of one kv head are the contiguous block (G, T, hd) of a (b, K, G, T, hd)
-array; seen as (b, K, G*T, hd), the products run as one GEMM per (sample, kv head) against that head's
-keys and values, with no repeated copy of K or V. Backward: the gradients of the G query heads sharing a
-kv head are summed by the same products; the softmax row sums use sum_j p_ij dp_ij = dout_i . out_i (no
-(b, H, T, T) product); RoPE's backward is the transpose rotation. With tensor parallelism a rank holds
+i = kv * G + g, so the queries of one kv head are the block (T, G, hd) of a (b, K, T, G, hd)
+array; seen time-major as (b, K, T*G, hd) rows, the products run per (sample, kv head) against that head's
+keys and values, with no repeated copy of K or V, over tiles with an online softmax
+(:mod:`hpcpipe.nn.core.flash`): only the output and one log-sum-exp a query are kept for the backward,
+never a (T, T) array. Backward: the gradients of the G query heads sharing a kv head are summed by the same
+products; the softmax row sums use sum_j p_ij dp_ij = dout_i . out_i; RoPE's backward is the transpose
+rotation. With tensor parallelism a rank holds
 its heads' q, k and v columns (column-parallel: one sum of their input gradients) and their rows of the
 output projection (row-parallel: its partial output summed before any bias).
 """
@@ -25,6 +27,7 @@ import math
 from typing import Any
 
 from hpcpipe.nn.core.dense import linear, rows
+from hpcpipe.nn.core.flash import flash_backward, flash_forward
 from hpcpipe.nn.core.rope import Rope, rotate
 from hpcpipe.nn.core.tensor_parallel import is_split
 
@@ -126,50 +129,41 @@ class CausalAttention:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
-        self._masks: dict[int, Any] = {}
-
-    def _future(self, t: int) -> Any:
-        # True above the diagonal: the keys a query may not see
-        mask = self._masks.get(t)
-        if mask is None:
-            mask = self._masks[t] = self.xp.triu(self.xp.ones((t, t), dtype=bool), k=1)
-        return mask
 
     def _tables(self, t: int) -> tuple[Any, Any]:
         # (t, 1, hd/2): broadcast over the heads of a (b, t, heads, hd) block
         cos, sin = self.rope.tables(t)
         return cos[:, None], sin[:, None]
 
-    def _head_major(self, x: Any, b: int, t: int, heads: int, cos_sin: Any) -> Any:
-        """(b*t, heads*hd) rows as (b, heads, t, hd): rotated into a fresh buffer with RoPE, else a view."""
-        hd = self.head_dim
-        blocks = x.reshape(b, t, heads, hd)
+    def _time_major(self, x: Any, b: int, t: int, heads: int, cos_sin: Any) -> Any:
+        """(b*t, heads*hd) rows as (b, K, t * G, hd): each kv head's queries (or its keys, G = 1) time-major,
+        rotated into a fresh buffer with RoPE, else a view when the layout allows (one query head a kv head)."""
+        hd, kv = self.head_dim, self.n_kv_heads
+        group = heads // kv
+        blocks = x.reshape(b, t, kv, group, hd)
+        if cos_sin is None and group == 1:
+            return blocks[:, :, :, 0].transpose(0, 2, 1, 3)
+        out = self.xp.empty((b, kv, t, group, hd), dtype=x.dtype)
         if cos_sin is None:
-            return blocks.transpose(0, 2, 1, 3)
-        out = self.xp.empty((b, heads, t, hd), dtype=x.dtype)
-        # the rotation writes straight into the head-major layout the products read: no separate transpose
-        rotate(self.xp, blocks, *cos_sin, out=out.transpose(0, 2, 1, 3))
-        return out
+            out[...] = blocks.transpose(0, 2, 1, 3, 4)
+        else:
+            # the rotation writes straight into the layout the products read: no separate transpose
+            cos, sin = cos_sin
+            rotate(self.xp, blocks, cos[:, None], sin[:, None], out=out.transpose(0, 2, 1, 3, 4))
+        return out.reshape(b, kv, t * group, hd)
 
     def _heads(self, u: Any) -> tuple[Any, tuple]:
         """Return (the concatenated heads as (b*t, H*hd) rows, the cache without the output projection's)."""
-        xp = self.xp
         b, t, _ = u.shape
         n_h, n_kv, g, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
         q, k, v, c_qkv = self.qkv.forward(rows(u))
         cos_sin = None if self.rope is None else self._tables(t)
-        qr = self._head_major(q, b, t, n_h, cos_sin).reshape(b, n_kv, g * t, hd)
-        kr = self._head_major(k, b, t, n_kv, cos_sin)
-        vh = v.reshape(b, t, n_kv, hd).transpose(0, 2, 1, 3)
-        scores = qr @ kr.swapaxes(-1, -2)                                 # (b, K, G*t, t)
-        scores *= self.scale
-        # in place: no second (b, H, t, t) array
-        xp.copyto(scores.reshape(b, n_kv, g, t, t), -xp.inf, where=self._future(t))
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = xp.exp(scores, out=scores)
-        p /= p.sum(axis=-1, keepdims=True)
-        heads = (p @ vh).reshape(b, n_h, t, hd).transpose(0, 2, 1, 3).reshape(b * t, n_h * hd)
-        return heads, (c_qkv, qr, kr, vh, p)
+        qt = self._time_major(q, b, t, n_h, cos_sin)                   # (b, K, t * G, hd)
+        kt = self._time_major(k, b, t, n_kv, cos_sin)                  # (b, K, t, hd)
+        vt = v.reshape(b, t, n_kv, hd).transpose(0, 2, 1, 3)
+        out, lse = flash_forward(self.xp, qt, kt, vt, self.scale, g)   # nothing t x t is kept
+        heads = out.reshape(b, n_kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b * t, n_h * hd)
+        return heads, (c_qkv, qt, kt, vt, lse)
 
     def forward(self, u: Any) -> tuple[Any, tuple]:
         """Return (attention output, cache) for a (micro-batch, T, d) block."""
@@ -185,35 +179,28 @@ class CausalAttention:
     def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple]:
         """Return (dL/du or None, (projection state, dL/dy rows)) for backward_weight."""
         xp = self.xp
-        c_qkv, qr, kr, vh, p, c_o = cache
+        c_qkv, qt, kt, vt, lse, c_o = cache
         b, t = g.shape[:2]
         n_h, n_kv, grp, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
         g_heads, dz_o = self.o.backward_input(c_o, rows(g))             # (b*t, H*hd)
-        # softmax backward row sums: sum_j p_ij (dout_i . v_j) = dout_i . out_i, from (b, t, H, hd) arrays
+        # softmax backward row sums: sum_j p_ij (dout_i . v_j) = dout_i . out_i, from the heads' rows
         row_dot = (g_heads * c_o[0]).reshape(b, t, n_kv, grp, hd).sum(axis=-1)
-        row_dot = row_dot.transpose(0, 2, 3, 1).reshape(b, n_kv, grp * t, 1)
-        g_out = xp.ascontiguousarray(g_heads.reshape(b, t, n_kv, grp, hd).transpose(0, 2, 3, 1, 4))
-        g_out = g_out.reshape(b, n_kv, grp * t, hd)
+        row_dot = row_dot.transpose(0, 2, 1, 3).reshape(b, n_kv, t * grp, 1)
+        g_out = xp.ascontiguousarray(g_heads.reshape(b, t, n_kv, grp, hd).transpose(0, 2, 1, 3, 4))
+        dq_t, dk_t, dv_t = flash_backward(xp, qt, kt, vt, lse, g_out.reshape(b, n_kv, t * grp, hd), row_dot,
+                                          self.scale, grp)
         grads = self.qkv.grad_buffers(b, t, n_h, n_kv, hd, g.dtype)
         dq, dk, dv = grads[:3]
-        # p^T @ dout sums the G query heads of each kv head; written in the (b, t, K, hd) row layout
-        xp.matmul(p.swapaxes(-1, -2), g_out, out=dv.transpose(0, 2, 1, 3))
-        gs = g_out @ vh.swapaxes(-1, -2)                                  # (b, K, G*t, t)
-        gs -= row_dot
-        gs *= p                                                           # masked entries: p == 0
-        gs *= self.scale
-        if self.rope is None and grp == 1:      # written straight into the row layout, as dv
-            xp.matmul(gs, kr, out=dq.transpose(0, 2, 1, 3))
-            xp.matmul(gs.swapaxes(-1, -2), qr, out=dk.transpose(0, 2, 1, 3))
+        dq_rows = dq_t.reshape(b, n_kv, t, grp, hd).transpose(0, 2, 1, 3, 4)     # (b, t, K, G, hd)
+        dk_rows = dk_t.transpose(0, 2, 1, 3)                                       # (b, t, K, hd)
+        dv[...] = dv_t.transpose(0, 2, 1, 3)
+        if self.rope is None:
+            dq.reshape(b, t, n_kv, grp, hd)[...] = dq_rows
+            dk[...] = dk_rows
         else:
-            g_qr = (gs @ kr).reshape(b, n_h, t, hd).transpose(0, 2, 1, 3)  # (b, t, H, hd)
-            g_kr = (gs.swapaxes(-1, -2) @ qr).transpose(0, 2, 1, 3)        # (b, t, K, hd), summed over the group
-            if self.rope is None:
-                dq[...], dk[...] = g_qr, g_kr
-            else:
-                cos, sin = self._tables(t)
-                rotate(xp, g_qr, cos, sin, out=dq, inverse=True)
-                rotate(xp, g_kr, cos, sin, out=dk, inverse=True)
+            cos, sin = self._tables(t)
+            rotate(xp, dq_rows, cos[:, None], sin[:, None], out=dq.reshape(b, t, n_kv, grp, hd), inverse=True)
+            rotate(xp, dk_rows, cos, sin, out=dk, inverse=True)
         gu, s_qkv = self.qkv.backward_input(c_qkv, grads, need_input_grad)
         return (None if gu is None else gu.reshape(b, t, -1)), (s_qkv, dz_o)
 

@@ -14,7 +14,8 @@ softmax. Query head i attends with key/value head i // (n_heads / n_kv_heads):
 the queries of one kv head are handled as one block, so the products run per
 kv head with no repeated keys or values. Decode segments (length 1) share one
 batched attention over their caches gathered up to the longest; longer
-(prefill) segments attend one by one. On the CPU (NumPy, float32, one tp rank)
+(prefill) segments attend one by one, over tiles (hpcpipe.nn.core.flash): a
+long prompt never holds its (length, length) scores. On the CPU (NumPy, float32, one tp rank)
 the compiled kernels run the same stage in one call per step instead
 (:mod:`hpcpipe.nn.core.fused_stage`), with the weights kept in the stage's
 weight format. Layout and sizing: docs/decode.md.
@@ -30,6 +31,7 @@ import numpy as np
 from hpcpipe.kernels.formats import FORMATS, RowWeight, kept_values, row_weight
 from hpcpipe.nn.core.decode_plan import CallPlan, DecodeBatch, Segment, all_rows, plan_call
 from hpcpipe.nn.core.decode_steps import DecoderSteps
+from hpcpipe.nn.core.flash import flash_forward
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
 
@@ -218,12 +220,11 @@ class DecodeStage:
             end = seg.start + length
             keys[seg.slot, :, seg.start:end] = k[new].transpose(1, 0, 2)
             values[seg.slot, :, seg.start:end] = v[new].transpose(1, 0, 2)
-            # the group's query heads stacked along the rows: one product per kv head (a view when the group is 1)
-            qs = q[new].reshape(length, kv, grp, dh).transpose(1, 2, 0, 3).reshape(kv, grp * length, dh)
-            scores = qs @ keys[seg.slot, :, :end].swapaxes(-1, -2)                # (kv, grp * length, end)
-            p = self._softmax_(scores.reshape(kv, grp, length, end), self._future[seg.start:end, :end])
-            out = p.reshape(kv, grp * length, end) @ values[seg.slot, :, :end]
-            heads[new] = out.reshape(kv, grp, length, dh).transpose(2, 0, 1, 3)
+            # each kv head's query heads, time-major rows: tiles with an online softmax, never (length, end) scores
+            qs = q[new].reshape(length, kv, grp, dh).transpose(1, 0, 2, 3).reshape(kv, length * grp, dh)
+            out, _ = flash_forward(xp, qs, keys[seg.slot, :, :end], values[seg.slot, :, :end], self._scale, grp,
+                                   seg.start)
+            heads[new] = out.reshape(kv, length, grp, dh).transpose(1, 0, 2, 3)
         if plan.decode is not None:
             heads[all_rows(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode)
         return heads.reshape(n, kv * grp * dh)

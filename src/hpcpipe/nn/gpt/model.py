@@ -61,16 +61,16 @@ class GPTModel(DecoderModel):
         return d * shape.vocab
 
     def group_activations(self, index):
-        """Per token, a block keeps: ln1's x_hat and output (2 d), qkv (3 d: q, k and v are views of it), the
-        attention weights (heads x T), the concatenated heads (d), ln2's x_hat and output (2 d), the GELU's
-        pre-activation, tanh and output (3 ff), and the two LayerNorms' 1 / std (2). The head keeps ln_f's
-        x_hat and output and 1 / std (2 d + 1); the embedding its token ids."""
+        """Per token, a block keeps: ln1's x_hat and output (2 d), qkv (3 d: q, k and v are views of it), one
+        log-sum-exp a head (the tiled attention keeps no T x T weights), the concatenated heads (d), ln2's x_hat
+        and output (2 d), the GELU's pre-activation, tanh and output (3 ff), and the two LayerNorms' 1 / std (2).
+        The head keeps ln_f's x_hat and output and 1 / std (2 d + 1); the embedding its token ids."""
         shape = self.shape
         d, t = shape.d_model, shape.seq_len
         if index == 0:
             return t
         if index <= shape.n_blocks:
-            return t * (8 * d + shape.n_heads * t + 3 * shape.ff + 2)
+            return t * (8 * d + shape.n_heads + 3 * shape.ff + 2)
         return t * (2 * d + 1)
 
     def init_value(self, name, dims, rng):

@@ -69,14 +69,14 @@ class LlamaModel(DecoderModel):
 
     def group_activations(self, index):
         """Per token, a block keeps: the two RMSNorms' inputs and outputs (4 d), q, k and v (q_width + 2 kv_width),
-        the attention weights (heads x T), the heads (q_width), the gate, up, silu and product (4 ff), and the
-        norms' 1 / rms (2)."""
+        one log-sum-exp a head (nothing T x T: tiled attention), the heads (q_width), the gate, up, silu and
+        product (4 ff), and the norms' 1 / rms (2)."""
         shape = self.shape
         d, t = shape.d_model, shape.seq_len
         if index == 0:
             return t
         if index <= shape.n_blocks:
-            return t * (4 * d + 2 * shape.q_width + 2 * shape.kv_width + shape.n_heads * t + 4 * shape.ff + 2)
+            return t * (4 * d + 2 * shape.q_width + 2 * shape.kv_width + shape.n_heads + 4 * shape.ff + 2)
         return t * (2 * d + 1)
 
     def init_value(self, name, dims, rng):

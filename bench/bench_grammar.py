@@ -139,6 +139,7 @@ class OutlinesCore:
 
     def __init__(self, fast, vocab: int):
         import outlines_core
+
         from hpcpipe.hf.simple_tokenizers import bytes_to_unicode
         self.O = outlines_core
         unbyte = {c: b for b, c in bytes_to_unicode().items()}

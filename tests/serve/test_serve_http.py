@@ -302,8 +302,12 @@ BAD = [
     ({"max_tokens": 3}, None, "prompt is missing", "prompt"),
     ({"prompt": 5}, None, "must be a string or a list of strings", "prompt"),
     ({"prompt": []}, None, "empty list", "prompt"),
-    ({"prompt": [1, 2, 3]}, None, "token-id prompts are not supported", "prompt"),
-    ({"prompt": [[1, 2]]}, None, "token-id prompts are not supported", "prompt"),
+    ({"prompt": [1, 2, 256]}, None, "prompt[2] must be a token id in [0, 256)", "prompt"),
+    ({"prompt": [[1, 2], [3, -1]]}, None, "prompt[1][1] must be a token id in [0, 256)", "prompt"),
+    ({"prompt": [[1, 2], []]}, None, "prompt[1] is empty", "prompt"),
+    ({"prompt": [[1, 2], "ab"]}, None, "prompt[1] must be a list of token ids like prompt[0]", "prompt"),
+    ({"prompt": [{"a": 1}]}, None, "prompt[0] must be a string, a token id or a list of token ids", "prompt"),
+    ({"prompt": [[1]] * 33}, None, "prompt has 33 token-id lists; at most 32 per request", "prompt"),
     ({"prompt": ["a", 3]}, None, "prompt[1] must be a string", "prompt"),
     ({"prompt": ""}, None, "prompt is empty", "prompt"),
     ({"prompt": ["ok", ""]}, None, "prompt[1] is empty", "prompt"),
@@ -321,15 +325,24 @@ BAD = [
     ({"prompt": "hi", "top_k": -1}, None, "top_k must be an integer in [0, 256]", "top_k"),
     ({"prompt": "hi", "top_k": 257}, None, "top_k must be an integer in [0, 256]", "top_k"),
     ({"prompt": "hi", "top_k": 2.5}, None, "top_k must be an integer", "top_k"),
-    ({"prompt": "hi", "n": 2}, None, "only n = 1 is supported", "n"),
+    ({"prompt": "hi", "n": 0}, None, "n must be an integer in [1, 32], got 0", "n"),
+    ({"prompt": "hi", "n": 33}, None, "n must be an integer in [1, 32], got 33", "n"),
+    ({"prompt": ["a", "b", "c"], "n": 11}, None, "n = 11 choices for each of 3 prompts makes 33 sequences", "n"),
+    ({"prompt": "hi", "max_tokens": 0, "echo": False}, None, "max_tokens must be an integer >= 1, got 0", "max_tokens"),
+    ({"prompt": "hi", "response_format": {"type": "yaml"}}, None, "response_format.type must be", "response_format"),
+    ({"prompt": "hi", "response_format": "json"}, None, "response_format must be an object", "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strin"}}}}, None, "the JSON schema is refused by llguidance: Invalid type: strin", "response_format"),
     ({"prompt": "hi", "seed": -1}, None, "seed must be an integer", "seed"),
     ({"prompt": "hi", "seed": "abc"}, None, "seed must be an integer", "seed"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, None, "stop has 5 strings; at most 4", "stop"),
     ({"prompt": "hi", "stop": [""]}, None, "stop strings must not be empty", "stop"),
     ({"prompt": "hi", "stop": 3}, None, "stop must be a string or a list of strings", "stop"),
     ({"prompt": "hi", "stream": "yes"}, None, "stream must be true or false", "stream"),
-    ({"prompt": "hi", "echo": True}, None, "echo is not supported", "echo"),
-    ({"prompt": "hi", "logprobs": 2}, None, "logprobs is not supported", "logprobs"),
+    ({"prompt": "hi", "echo": "yes"}, None, "echo must be true or false", "echo"),
+    ({"prompt": "hi", "logprobs": 2}, None, "its bytes tokenizer has no text per token", "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, None, "logprobs is 21 but at most 20 alternatives per token", "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, None, "logprobs must be an integer in [0, 20], got -1", "logprobs"),
     ({"prompt": "hi", "best_of": 3}, None, "best_of is not supported", "best_of"),
     ({"prompt": ["a"] * 33}, None, "prompt has 33 strings; at most 32 per request", "prompt"),
     ({"prompt": "hi", "stream": True, "stream_options": 1}, None, "stream_options must be an object",
@@ -658,11 +671,13 @@ def test_a_model_the_server_does_not_serve_is_a_404_model_not_found(served):
 
 
 @pytest.mark.parametrize("value", [0, 1, 5, True])
-def test_logprobs_is_refused_unless_null(served, value):
+def test_logprobs_are_refused_for_a_bytes_tokenizer_which_has_no_text_per_token(served, value):
     s = served(engine=False)
     status, _, body = s.post({"prompt": "hi", "logprobs": value})     # 0 was accepted and answered null
     assert status == 400 and body["error"]["param"] == "logprobs"
-    assert "logprobs is not supported" in body["error"]["message"]
+    want = "logprobs must be an integer in [0, 20], got True" if value is True else \
+        "its bytes tokenizer has no text per token"
+    assert want in body["error"]["message"], body
 
 
 def test_a_body_in_an_unknown_content_encoding_is_a_400_naming_it(served):
@@ -708,10 +723,10 @@ def test_an_unforeseen_failure_mid_stream_ends_that_stream_with_an_error_event(s
 
     real = responses.TextShape.chunk
 
-    def chunk(self, head, index, text, finish):
+    def chunk(self, head, index, text, finish, *rest):
         if "!" in text:
             raise KeyError("a bug")
-        return real(self, head, index, text, finish)
+        return real(self, head, index, text, finish, *rest)
     monkeypatch.setattr(responses.TextShape, "chunk", chunk)
     s = served()
     s.engine.scripts[b"bang"] = list(b"ab!cd")

@@ -105,6 +105,10 @@ class HFTokenizer:
         """Return the id of a token's text, or None."""
         return self._tok.token_to_id(token)
 
+    def tokenizer_json(self) -> str:
+        """Return the tokenizer.json text of the tokenizer as built here (added and special tokens included)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """Return the int64 token ids of text, as ``AutoTokenizer(text)["input_ids"]`` (a rendered chat prompt is
         encoded with add_special_tokens=False, as ``apply_chat_template`` does)."""

@@ -37,7 +37,7 @@ class Request:
 
     id: str                  # e.g. "cmpl-<hex>-<choice index>"
     prompt: list[int]        # token ids (non-empty)
-    max_new: int             # tokens to generate at most
+    max_new: int             # tokens to generate at most (0: only the prompt's log-probabilities, echo)
     params: SamplingParams
     created: float           # time.monotonic() at arrival
 
@@ -48,12 +48,16 @@ class Event:
 
     request_id: str
     tokens: list[int]        # new token ids (may be empty when only finishing)
-    finish: str | None       # None (more to come), "stop" (an end-of-sequence id), "length" (max_new or context
-    #                          full), "cancelled", "error"
+    finish: str | None       # None (more to come), "stop" (an end-of-sequence id, or its grammar is complete),
+    #                          "length" (max_new or context full), "cancelled", "error"
+    # when the request asked for logprobs: one (id, log-probability, top alternatives) per token of ``tokens``
+    logprobs: list | None = None
+    # with echo and logprobs, once, on the request's first event: the same for the prompt's tokens after the first
+    prompt_logprobs: list | None = None
 
     def __reduce__(self) -> tuple[type, tuple]:
         # every step's events travel to rank 0 (hpcpipe.serve.protocol.Events): pickled as values, a third faster
-        return Event, (self.request_id, self.tokens, self.finish)
+        return Event, (self.request_id, self.tokens, self.finish, self.logprobs, self.prompt_logprobs)
 
 
 class QueueFull(Exception):

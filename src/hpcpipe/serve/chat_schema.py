@@ -9,6 +9,7 @@ without a template (or with a bytes or chars tokenizer) answers 400 saying so.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hpcpipe.serve.openai_schema import (
@@ -21,14 +22,14 @@ from hpcpipe.serve.openai_schema import (
     stop_strings,
     stream_options,
 )
+from hpcpipe.serve.request_options import parse_chat_logprobs, parse_format, parse_n
 
 # what a chat request may carry; anything else is refused by name (a misspelled field must not be ignored)
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                 "stop", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs", "presence_penalty",
                 "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # accepted only at their neutral value: a client never silently gets something other than it asked for
-_NEUTRAL = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
-            "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],), "response_format": ({"type": "text"},)}
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],)}
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -79,24 +80,28 @@ def parse_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
         raise _bad(f"the messages are {len(prompt)} tokens and {given[0]} is {max_tokens}: {len(prompt)} + "
                    f"{max_tokens} = {len(prompt) + max_tokens} exceeds the model's context length of {seq_len} "
                    f"tokens; shorten the messages or lower {given[0]}", given[0])
-    params = parse_sampling(body, tokenizer)
+    n = parse_n(body, 1, check_limits(limits)["max_prompts"])
+    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=parse_chat_logprobs(body, tokenizer),
+                                 grammar=parse_format(body, tokenizer))
     stream, include_usage = stream_options(body)
-    return CompletionSpec([prompt], max_tokens, params, stop_strings(body.get("stop")), stream, include_usage)
+    return CompletionSpec([prompt], max_tokens, params, stop_strings(body.get("stop")), stream, include_usage, n)
 
 
-def chat_body(cid: str, created: int, model: str, text: str, finish: str | None, usage: dict) -> dict:
-    """Return a whole chat.completion object."""
+def chat_body(cid: str, created: int, model: str, texts: list[str], reasons: list[str | None],
+              logprobs: list[dict | None], usage: dict) -> dict:
+    """Return a whole chat.completion object: one assistant message per choice."""
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                         "finish_reason": finish} for i, (text, finish, lp) in enumerate(zip(texts, reasons, logprobs,
+                                                                                             strict=True))],
             "usage": usage}
 
 
 def chat_chunk(cid: str, created: int, model: str, delta: dict, finish: str | None,
-               usage: dict | None = None) -> dict:
+               usage: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     """Return one chat.completion.chunk of a stream (``usage``: the last chunk's, with no choices)."""
     body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [] if usage is not None else [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [] if usage is not None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                                       "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage

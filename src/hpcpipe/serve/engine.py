@@ -127,7 +127,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     tp = TPGroup(topo.tp_comm, backend, poller) if setup.tp > 1 else None
     stage = build_stage(setup, topo, backend, world, poller, tp)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
-    samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size)
+    samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size, setup.tokenizer)   # grammars need it
     # the tp ranks of a stage compute together only inside their serving loop: no probe there (yet)
     problem = None if tp is not None else check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp,
                                                         backend.to_host, samplers.vocab, poller.min_s)

@@ -30,7 +30,9 @@ from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
 from hpcpipe.serve.openai_schema import ApiError, check_limits, parse_completion, usage
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.request_body import ClientGone, read_spec
+from hpcpipe.serve.request_options import choice_params
 from hpcpipe.serve.responses import ChatShape, TextShape
+from hpcpipe.serve.token_text import TokenTexts
 
 BODY_TIMEOUT_S = 30.0      # from the headers' end to the body's
 # a connection's request headers must be whole this long after it opened (or after its last answer):
@@ -59,7 +61,8 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
                           middlewares=[_json_errors, _require_api_key])
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
-                   "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog()}
+                   "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog(),
+                   "texts": TokenTexts(tokenizer)}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -161,15 +164,19 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
         s["resets"](f"hpcpipe: [http] a client reset its connection before its body arrived ({request.method} "
                     f"{request.path}): counted as 499")
         return web.Response(status=499)
-    if len(spec.prompts) > broker.capacity:      # never admitted whole: "retry later" would be a lie
+    if len(spec.prompts) * spec.n > broker.capacity:      # never admitted whole: "retry later" would be a lie
         metrics.count_request(400)
-        return _error(ApiError(400, f"prompt is a list of {len(spec.prompts)} prompts but this server holds at "
+        each = f" with n = {spec.n} choices each" if spec.n > 1 else ""
+        return _error(ApiError(400, f"prompt is a list of {len(spec.prompts)} prompts{each} but this server holds at "
                                     f"most {broker.capacity} at once (dp x serve.max_sequences + serve.max_queue): "
                                     f"send fewer per request", param="prompt"))
     cid = f"{shape.prefix}-{uuid.uuid4().hex}"
-    requests = [Request(f"{cid}-{i}", ids, spec.max_tokens, spec.params, arrival)
-                for i, ids in enumerate(spec.prompts)]
-    job = Completion(requests, s["tokenizer"], spec.stop, broker, metrics)
+    # n choices per prompt, choice index = prompt index x n + j, each with its own seed (request_options)
+    params = choice_params(spec.params, spec.n)
+    requests = [Request(f"{cid}-{p * spec.n + j}", ids, spec.max_tokens, params[j], arrival)
+                for p, ids in enumerate(spec.prompts) for j in range(spec.n)]
+    echo = None if spec.echo is None else [text for text in spec.echo for _ in range(spec.n)]
+    job = Completion(requests, s["tokenizer"], spec.stop, broker, metrics, echo, spec.n, s["texts"])
     try:
         broker.submit(requests, job.on_event)
     except QueueFull as exc:
@@ -181,7 +188,8 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
         return _error(ApiError(503, f"the server is shutting down ({exc}) and accepts no new requests",
                                type="server_error", code="service_unavailable"))
     metrics.add_prompt_tokens(job.prompt_tokens())
-    head = {"cid": cid, "created": int(time.time()), "model": s["model"]}
+    head = {"cid": cid, "created": int(time.time()), "model": s["model"], "texts": s["texts"],
+            "choices": len(requests)}
     task = asyncio.current_task()
     request.app[_INFLIGHT].add(task)
     try:
@@ -207,7 +215,7 @@ async def _whole(job: Completion, head: dict, metrics: Metrics, shape) -> web.Re
         metrics.count_request(500)
         return _error(ApiError(500, "the engine failed while generating this completion", type="server_error"))
     metrics.count_request(200)
-    return web.json_response(shape.whole(head, job.texts(), job.finish_reasons(),
+    return web.json_response(shape.whole(head, job.texts(), job.finish_reasons(), job.logprobs(),
                                          usage(job.prompt_tokens(), job.completion_tokens())))
 
 
@@ -239,7 +247,7 @@ async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, in
     def event(obj) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
-    opening = shape.opening(head)
+    opening = shape.opening(head, head["choices"])
     if opening:
         await resp.write(b"".join(event(obj) for obj in opening))
     while not job.done:
@@ -247,13 +255,13 @@ async def _send_events(resp: web.StreamResponse, job: Completion, head: dict, in
         while not job.items.empty():           # coalesce what arrived together into one write
             batch.append(job.items.get_nowait())
         out = []
-        for i, text, finish in batch:
+        for i, text, finish, rows, offsets in batch:
             if finish == "error":
                 out.append(event(ApiError(500, f"the engine failed while generating choice {i}",
                                           type="server_error").body()))
                 await resp.write(b"".join(out))
                 return                         # no [DONE]: the stream ended in an error
-            out.append(event(shape.chunk(head, i, text, finish)))
+            out.append(event(shape.chunk(head, i, text, finish, rows, offsets)))
         await resp.write(b"".join(out))
     tail = [b"data: [DONE]\n\n"]
     if include_usage:

@@ -9,10 +9,13 @@ accepted only at its neutral value, and a ``model`` other than the one served is
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
 
+from hpcpipe.serve.api_error import ApiError
+from hpcpipe.serve.request_options import parse_completion_logprobs, parse_format, parse_n
 from hpcpipe.serve.sampling import SamplingParams
 
 DEFAULT_LIMITS = {
@@ -25,25 +28,15 @@ MAX_SEED = 2**63 - 1
 # given) and hpcpipe's top_k (the client's extra_body)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                      "stream_options", "n", "user", "logprobs", "echo", "best_of", "suffix", "presence_penalty",
-                     "frequency_penalty", "logit_bias"}
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI-style JSON body with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-    def body(self) -> dict:
-        """Return the JSON body {"error": {message, type, param, code}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+                     "frequency_penalty", "logit_bias", "response_format"}
 
 
 @dataclass
 class CompletionSpec:
-    """A validated completion request: one entry per prompt, shared sampling settings."""
+    """A validated completion request: one entry per prompt, shared sampling settings, n choices per prompt.
+
+    ``params`` carries the logprobs, echo (prompt_logprobs) and grammar settings to the last stage too.
+    """
 
     prompts: list[list[int]]
     max_tokens: int
@@ -51,6 +44,8 @@ class CompletionSpec:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    echo: list[str] | None = None     # with echo: each prompt's text, put before its choices' text
 
 
 def check_limits(limits: dict | None) -> dict:
@@ -90,30 +85,33 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
     refuse_unknown(body, COMPLETION_FIELDS)
     refuse_unsupported(body, _NEUTRAL)
-    texts = _prompts(body, limits["max_prompts"])
-
+    prompts = _prompts(body, limits["max_prompts"], tokenizer)
+    echo = _get(body, "echo", False)
+    if not isinstance(echo, bool):
+        raise _bad(f"echo must be true or false, got {echo!r}", "echo")
     max_tokens = _get(body, "max_tokens", 16)
-    if not _is_int(max_tokens) or max_tokens <= 0:
-        raise _bad(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-    params = parse_sampling(body, tokenizer)
+    if not _is_int(max_tokens) or max_tokens < (0 if echo else 1):
+        raise _bad(f"max_tokens must be an integer >= 1, got {max_tokens!r} (0 only with echo: the prompt "
+                   f"alone)", "max_tokens")
+    n = parse_n(body, len(prompts), limits["max_prompts"])
+    logprobs = parse_completion_logprobs(body, tokenizer)
+    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=logprobs,
+                                 prompt_logprobs=echo and logprobs >= 0, grammar=parse_format(body, tokenizer))
     stop = stop_strings(body.get("stop"))
     stream, include_usage = stream_options(body)
-
-    prompts = []
-    for i, text in enumerate(texts):
-        where = "prompt" if len(texts) == 1 and isinstance(body["prompt"], str) else f"prompt[{i}]"
-        if text == "":
-            raise _bad(f"{where} is empty; a prompt needs at least one token", "prompt")
-        try:
-            ids = [int(t) for t in tokenizer.encode(text)]
-        except ValueError as exc:
-            raise _bad(f"{where} cannot be encoded: {str(exc).removeprefix('tokenizer: ')}", "prompt") from None
+    given = body["prompt"]
+    single = isinstance(given, str) or _is_int(given[0])        # one prompt, not a list of them
+    for i, ids in enumerate(prompts):
+        where = "prompt" if single else f"prompt[{i}]"
         if len(ids) + max_tokens > seq_len:
             raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + {max_tokens} "
                        f"= {len(ids) + max_tokens} exceeds the model's context length of {seq_len} tokens; "
                        f"shorten the prompt or lower max_tokens", "max_tokens")
-        prompts.append(ids)
-    return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage)
+    texts = None
+    if echo:       # a text prompt is echoed as sent, a token-id prompt as its ids decode
+        sent = [given] if isinstance(given, str) else given if isinstance(given[0], str) else [None] * len(prompts)
+        texts = [tokenizer.decode(ids) if text is None else text for text, ids in zip(sent, prompts, strict=True)]
+    return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage, n, texts)
 
 
 def parse_sampling(body: dict, tokenizer) -> SamplingParams:
@@ -151,26 +149,56 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _prompts(body: dict, max_prompts: int) -> list[str]:
-    """Return the prompt texts: a string or a non-empty list of strings (token-id prompts are refused)."""
+def _prompts(body: dict, max_prompts: int, tokenizer) -> list[list[int]]:
+    """Return the prompts' token ids: a string, a list of strings, a list of token ids or a list of such lists."""
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("prompt is missing; send \"prompt\": a string or a list of strings", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return [prompt]
+        return [_encode(prompt, "prompt", tokenizer)]
     if not isinstance(prompt, list):
-        raise _bad(f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt")
+        raise _bad(f"prompt must be a string or a list of strings (or token ids), got {type(prompt).__name__}",
+                   "prompt")
     if not prompt:
         raise _bad("prompt is an empty list; send at least one string", "prompt")
-    if all(_is_int(x) for x in prompt) or any(isinstance(x, list) for x in prompt):
-        raise _bad("token-id prompts are not supported; send the prompt as text (a string or a list of strings)",
+    if all(_is_int(x) for x in prompt):          # one prompt as token ids
+        return [_token_ids(prompt, "prompt", tokenizer)]
+    kind = str if isinstance(prompt[0], str) else list if isinstance(prompt[0], list) else None
+    if kind is None:
+        raise _bad(f"prompt[0] must be a string, a token id or a list of token ids, got {type(prompt[0]).__name__}",
                    "prompt")
-    bad = [i for i, x in enumerate(prompt) if not isinstance(x, str)]
+    bad = [i for i, x in enumerate(prompt) if not isinstance(x, kind)]
     if bad:
-        raise _bad(f"prompt[{bad[0]}] must be a string, got {type(prompt[bad[0]]).__name__}", "prompt")
+        what = "a string" if kind is str else "a list of token ids"
+        raise _bad(f"prompt[{bad[0]}] must be {what} like prompt[0], got {type(prompt[bad[0]]).__name__}", "prompt")
     if len(prompt) > max_prompts:
-        raise _bad(f"prompt has {len(prompt)} strings; at most {max_prompts} per request", "prompt")
-    return prompt
+        raise _bad(f"prompt has {len(prompt)} {'strings' if kind is str else 'token-id lists'}; at most "
+                   f"{max_prompts} per request", "prompt")
+    if kind is str:
+        return [_encode(text, f"prompt[{i}]", tokenizer) for i, text in enumerate(prompt)]
+    return [_token_ids(ids, f"prompt[{i}]", tokenizer) for i, ids in enumerate(prompt)]
+
+
+def _encode(text: str, where: str, tokenizer) -> list[int]:
+    """The token ids of one text prompt."""
+    if text == "":
+        raise _bad(f"{where} is empty; a prompt needs at least one token", "prompt")
+    try:
+        return [int(t) for t in tokenizer.encode(text)]
+    except ValueError as exc:
+        raise _bad(f"{where} cannot be encoded: {str(exc).removeprefix('tokenizer: ')}", "prompt") from None
+
+
+def _token_ids(ids: list, where: str, tokenizer) -> list[int]:
+    """One token-id prompt, checked against the vocabulary."""
+    if not ids:
+        raise _bad(f"{where} is empty; a prompt needs at least one token", "prompt")
+    vocab = tokenizer.vocab_size
+    bad = next((i for i, t in enumerate(ids) if not _is_int(t) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise _bad(f"{where}[{bad}] must be a token id in [0, {vocab}) (the tokenizer's vocabulary), got "
+                   f"{ids[bad]!r}", "prompt")
+    return [int(t) for t in ids]
 
 
 def stop_strings(stop) -> list[str]:
@@ -188,11 +216,9 @@ def stop_strings(stop) -> list[str]:
 
 
 # Fields of the OpenAI API that hpcpipe does not implement: accepted only at their neutral value, so that
-# a client never silently gets something other than what it asked for. logprobs = 0 is not neutral: it asks
-# for the sampled token's log-probability (only null, or false, asks for none).
+# a client never silently gets something other than what it asked for.
 _NEUTRAL = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
 }
 
 
@@ -213,8 +239,7 @@ def refuse_unsupported(body: dict, neutral_values: dict[str, tuple]) -> None:
         value = body.get(key)
         if value is None or any(_same(value, n) for n in neutral):
             continue
-        what = "only n = 1 is supported" if key == "n" else f"{key} is not supported by hpcpipe"
-        raise _bad(f"{what}; got {key} = {value!r}", key)
+        raise _bad(f"{key} is not supported by hpcpipe; got {key} = {value!r}", key)
 
 
 def check_model(body, served: str) -> None:
@@ -246,9 +271,9 @@ def completion_body(cid: str, created: int, model: str, choices: list[dict], usa
     return body
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     """Return one entry of "choices"."""
-    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

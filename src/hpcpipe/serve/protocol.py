@@ -30,12 +30,13 @@ Activations never travel inside one: a class with ``BUFFER`` is followed by its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
 
 from hpcpipe.nn.core.decode import Segment
 from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.logprobs import Logprob
 from hpcpipe.serve.sampling import SamplingParams
 
 ANY = None      # any source rank (receive)
@@ -66,6 +67,9 @@ class TPTag(IntEnum):
 TAGS = (WorldTag, PipeTag, TPTag)
 
 Row = tuple[int, int, int]     # a Segment as (slot, start, length): plain ints pickle cheaper than Segments
+Echo = tuple[int, int, list[int]]     # (segment index, its first row to report, the prompt ids that follow those rows)
+# per segment with something to report: (its prompt tokens' log-probabilities, its sampled token's, grammar complete)
+Detail = tuple[list[Logprob] | None, Logprob | None, bool]
 
 
 def to_rows(segments: list[Segment]) -> list[Row]:
@@ -156,6 +160,8 @@ class Work(Message):
     new: list[tuple[int, SamplingParams]]        # slots whose sequence starts now: a fresh sampler each
     sample: list[bool]                           # per segment: it ends its sequence's known tokens, sample one
     clear: list[int]                             # slots to zero before the forward (a failed sequence's)
+    # prompt rows whose tokens' log-probabilities the last stage reports (echo), with the ids that follow them
+    echo: list[Echo] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +185,14 @@ class StopPipeline(Message):
 class Result(Message):
     """The last stage -> its replica's head (pp, RESULT): one token per segment of a group's Work.
 
-    -1 where the segment was not sampled, scheduler.FAILED where sampling failed (that request alone ends).
+    -1 where the segment was not sampled, scheduler.FAILED where sampling failed (that request alone ends);
+    ``details`` by segment index, only for segments with log-probabilities to report or a grammar.
     """
 
     TAG: ClassVar[int] = PipeTag.RESULT
     group: int
     tokens: list[int]
+    details: dict[int, Detail] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +216,7 @@ class Forward(Message):
     TAG: ClassVar[int] = TPTag.CALL
     BUFFER: ClassVar[bool] = True
     rows: list[Row]
+    logit_rows: list[int] | None = None     # on the head stage: the rows to apply the head to (None: each last)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,49 +22,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from hpcpipe.nn.core.decode import DecodeStage, Segment
+from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
+from hpcpipe.serve.last_stage import SamplerTable, forward_rows, logit_rows
 from hpcpipe.serve.protocol import Idle, PipeTag, Result, StopPipeline, Work, from_rows, receive, send, to_rows
-from hpcpipe.serve.quiet_log import RateLimitedLog
-from hpcpipe.serve.sampling import Sampler, SamplingParams
-from hpcpipe.serve.scheduler import FAILED, ReplicaScheduler
+from hpcpipe.serve.scheduler import ReplicaScheduler
 
-
-class SamplerTable:
-    """One sampler per KV-cache slot on the last stage, restarted when a new sequence takes the slot."""
-
-    def __init__(self, to_host: Callable[[Any], np.ndarray], vocab: int | None = None):
-        self.to_host = to_host
-        self.vocab = vocab        # sample only ids the tokenizer can decode (a model may have more)
-        self.samplers: dict[int, Sampler] = {}
-        self.log = RateLimitedLog()
-
-    def start(self, new: list[tuple[int, SamplingParams]]) -> None:
-        """Give each newly started sequence's slot a fresh sampler."""
-        for slot, params in new:
-            self.samplers[slot] = Sampler(params)
-
-    def sample(self, logits: Any, segments: list[Segment], flags: list[bool]) -> list[int]:
-        """Return the next token of each flagged segment's sequence from its logits row, -1 for the others.
-
-        A prompt chunk that does not reach the end of its prompt is not sampled: its sequence's
-        generator draws nothing, so the text never depends on how the prompt was chunked. A sequence
-        whose token cannot be drawn (its logits are NaN) gets FAILED: it alone ends, with an error.
-        """
-        host = np.asarray(self.to_host(logits), dtype=np.float64)[:, :self.vocab]
-        return [self._one(seg.slot, host[i]) if flag else -1
-                for i, (seg, flag) in enumerate(zip(segments, flags, strict=True))]
-
-    def _one(self, slot: int, logits: np.ndarray) -> int:
-        try:
-            return self.samplers[slot].next_token(logits)
-        except Exception as exc:  # noqa: BLE001 - whatever went wrong, it went wrong for this sequence only
-            self.log(f"hpcpipe: warning: slot {slot}: cannot sample the next token ({type(exc).__name__}: {exc}); "
-                     f"that request alone ends with an error")
-            return FAILED
+__all__ = ["Follower", "Head", "SamplerTable"]
 
 
 def _count(role: Head | Follower) -> None:
@@ -98,7 +63,7 @@ class Head:
         if self.pp > 1:
             while (got := receive(self.link, self.pp - 1, PipeTag.RESULT)) is not None:
                 result = got[0]
-                self._finish(result.group, result.tokens)
+                self._finish(result.group, result.tokens, result.details)
                 busy = True
         item = self.scheduler.next_item()
         if item is None:
@@ -111,12 +76,15 @@ class Head:
         _count(self)
         for slot in item.clear:
             self.stage.clear_slot(slot)
-        out = self.stage.forward(item.tokens, item.segments)     # host ids: the stage checks them before copying
         if self.pp == 1:
+            # host ids: the stage checks them before copying
+            out = forward_rows(self.stage, item.tokens, item.segments, logit_rows(item.segments, item.echo))
             self.samplers.start(item.new)
-            self._finish(item.group, self.samplers.sample(out, item.segments, item.sample))
+            self._finish(item.group, *self.samplers.pick(out, item.segments, item.sample, item.echo))
         else:
-            send(self.link, 1, Work(item.group, to_rows(item.segments), item.new, item.sample, item.clear), out)
+            out = self.stage.forward(item.tokens, item.segments)
+            send(self.link, 1, Work(item.group, to_rows(item.segments), item.new, item.sample, item.clear, item.echo),
+                 out)
             self.announced = True
         self.progress_at = time.monotonic()
         return True
@@ -126,9 +94,9 @@ class Head:
         """Whether sequences run, wait or are in flight here."""
         return not self.scheduler.idle
 
-    def _finish(self, group: int, tokens: list[int]) -> None:
+    def _finish(self, group: int, tokens: list[int], details: dict | None = None) -> None:
         self.tokens_out += sum(t >= 0 for t in tokens)
-        self.report(self.scheduler.complete(group, tokens))
+        self.report(self.scheduler.complete(group, tokens, details))
 
     def stop(self) -> None:
         """Tell the following stages to leave their loops; complete every send."""
@@ -173,10 +141,11 @@ class Follower:
         work = from_rows(message.rows)
         for slot in message.clear:
             self.stage.clear_slot(slot)
-        out = self.stage.forward(x, work)
         if self.last:
+            out = forward_rows(self.stage, x, work, logit_rows(work, message.echo))
             self.samplers.start(message.new)
-            send(self.link, 0, Result(message.group, self.samplers.sample(out, work, message.sample)))
+            send(self.link, 0, Result(message.group, *self.samplers.pick(out, work, message.sample, message.echo)))
         else:
+            out = self.stage.forward(x, work)
             send(self.link, self.k + 1, message, out)
         return True

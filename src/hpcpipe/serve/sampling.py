@@ -45,6 +45,9 @@ class SamplingParams:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # nucleus; 1 = off
     seed: int = 0
+    logprobs: int = -1         # report each sampled token's log-probability and this many top alternatives; -1 = none
+    prompt_logprobs: bool = False   # report the prompt tokens' log-probabilities too (echo), with the same alternatives
+    grammar: str = ""          # an llguidance grammar (JSON text) every sampled token must follow; "" = none
 
     def __post_init__(self):
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -55,6 +58,11 @@ class SamplingParams:
             raise ValueError(f"sampling top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"sampling seed must be an integer >= 0, got {self.seed!r}")
+        if not _is_int(self.logprobs) or self.logprobs < -1:
+            raise ValueError(f"sampling logprobs must be an integer >= 0 (-1 = none), got {self.logprobs!r}")
+        if not isinstance(self.grammar, str) or not isinstance(self.prompt_logprobs, bool):
+            raise ValueError(f"sampling grammar must be a string and prompt_logprobs a bool, got "
+                             f"{type(self.grammar).__name__} and {self.prompt_logprobs!r}")
 
 
 def _host_float64(logits: Any) -> np.ndarray:

@@ -58,6 +58,9 @@ class Sequence:
     sent: int = 0              # tokens sent into the pipeline (cached once their items come back)
     generated: int = 0
     cancelled: bool = False
+    echoed: int = 0            # prompt positions whose next token's log-probability was asked for (echo)
+    prompt_logprobs: list = field(default_factory=list)   # what came back for them, sent with the first event
+    reported: bool = False     # an event of this sequence was sent
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class WorkItem:
     new: list[tuple[int, SamplingParams]] = field(default_factory=list)   # slots whose sampler starts now
     sample: list[bool] = field(default_factory=list)   # per segment: it ends the sequence's tokens, sample one
     clear: list[int] = field(default_factory=list)     # slots to zero before the forward (a failed sequence's)
+    # (segment index, first row, the prompt ids after those rows): rows whose next token's log-probability is asked
+    echo: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ class ReplicaScheduler:
 
     def _build(self, g: int) -> WorkItem | None:
         members, budget = [], self.prefill_tokens or self.seq_len
-        segments, rows, new, sample, reach, clear = [], [], [], [], [], []
+        segments, rows, new, sample, reach, clear, echo = [], [], [], [], [], [], []
         for seq in self.groups[g]:
             if seq.cancelled:
                 continue                          # released once its chunks in flight are back
@@ -190,26 +195,37 @@ class ReplicaScheduler:
                 if seq.slot in self.dirty:
                     self.dirty.discard(seq.slot)
                     clear.append(seq.slot)
+            if seq.request.params.prompt_logprobs:
+                first, end = max(start, seq.echoed), min(start + length, len(seq.request.prompt) - 1)
+                if first < end:
+                    echo.append((len(segments), first - start, seq.tokens[first + 1:end + 1]))
+                    seq.echoed = end
             members.append(seq)
             segments.append(Segment(seq.slot, start, length))
             rows.extend(seq.tokens[start:start + length])
             reach.append(start + length)
-            sample.append(start + length == len(seq.tokens))
+            # max_new 0 (echo): the prompt's log-probabilities only, nothing sampled after it
+            sample.append(start + length == len(seq.tokens) and seq.request.max_new > 0)
             seq.sent = start + length
         if not members:
             return None
         self.flights[g].append(Flight(members, reach, any(sample)))
-        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear)
+        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear, echo)
 
-    def complete(self, group: int, tokens: list[int]) -> list[Event]:
-        """Take the group's oldest item's tokens (one per segment, -1 where none was sampled); return the events."""
+    def complete(self, group: int, tokens: list[int], details: dict | None = None) -> list[Event]:
+        """Take the group's oldest item's tokens (one per segment, -1 where none was sampled); return the events.
+
+        ``details`` (by segment index; hpcpipe.serve.protocol.Detail): the log-probabilities of the prompt rows
+        and of the sampled token, and whether the sequence's grammar is complete (it then finishes "stop").
+        """
+        details = details or {}
         flights = self.flights[group]
         if not flights or len(flights[0].members) != len(tokens):
             raise RuntimeError(f"result for group {group} does not match the work in flight "
                                f"({len(flights[0].members) if flights else 0} sequences, {len(tokens)} tokens)")
         flight = flights.popleft()
         events = []
-        for seq, token, reach in zip(flight.members, tokens, flight.reach, strict=True):
+        for index, (seq, token, reach) in enumerate(zip(flight.members, tokens, flight.reach, strict=True)):
             if self.by_id.get(seq.request.id) is not seq:
                 continue                          # ended with an earlier chunk's result
             failed = int(token) == FAILED
@@ -223,14 +239,27 @@ class ReplicaScheduler:
                 continue
             if seq.cancelled:
                 continue
+            prompt_lp, token_lp, complete = details.get(index, (None, None, False))
+            seq.prompt_logprobs.extend(prompt_lp or ())
             seq.cached = reach
             if reach < len(seq.tokens):
                 continue                          # a prompt chunk: nothing sampled yet
+            if seq.request.max_new == 0:          # echo alone: the prompt's log-probabilities are the answer
+                self._release(seq)
+                events.append(self._event(seq, [], "length", None))
+                continue
             seq.tokens.append(int(token))
             seq.generated += 1
-            finish = "stop" if int(token) in self.stop_ids else \
+            finish = "stop" if int(token) in self.stop_ids or complete else \
                 "length" if seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len else None
             if finish is not None:
                 self._release(seq)
-            events.append(Event(seq.request.id, [int(token)], finish))
+            events.append(self._event(seq, [int(token)], finish, None if token_lp is None else [token_lp]))
         return events
+
+    @staticmethod
+    def _event(seq: Sequence, tokens: list[int], finish: str | None, logprobs: list | None) -> Event:
+        """The sequence's next event; its first carries the prompt's log-probabilities when they were asked for."""
+        prompt = seq.prompt_logprobs if seq.request.params.prompt_logprobs and not seq.reported else None
+        seq.reported = True
+        return Event(seq.request.id, tokens, finish, logprobs, prompt)

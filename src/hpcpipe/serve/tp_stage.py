@@ -11,7 +11,10 @@ tp rank 0 gathers the vocabulary-parallel logits to sample from.
 
 Messages on the tp communicator (hpcpipe.serve.protocol, TPTag.CALL)::
 
-    tp rank 0 -> tp rank r      Forward(rows) + x        ClearSlot(slot)        StopTP()
+    tp rank 0 -> tp rank r      Forward(rows, logit_rows) + x        ClearSlot(slot)        StopTP()
+
+``logit_rows`` (echo with logprobs: hpcpipe.serve.last_stage) names the rows the head stage applies its
+vocabulary-parallel head to instead of each segment's last; every tp rank of the stage applies it to the same.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from hpcpipe.nn.core.decode import DecodeStage, Segment
 from hpcpipe.nn.core.sharding import vocab_range
+from hpcpipe.serve.last_stage import forward_rows
 from hpcpipe.serve.protocol import ClearSlot, Forward, StopTP, TPTag, from_rows, receive, send, to_rows
 
 
@@ -45,11 +49,15 @@ class TPDriver:
 
     def forward(self, x: Any, segments: list[Segment]) -> Any:
         """Run the whole stage over the segments; the head stage returns every token id's logits (gathered)."""
-        call = Forward(to_rows(segments))
+        return self.forward_rows(x, segments, None)
+
+    def forward_rows(self, x: Any, segments: list[Segment], rows: list[int] | None) -> Any:
+        """As forward; the head stage returns the logits of ``rows`` of the call (None: each segment's last)."""
+        call = Forward(to_rows(segments), rows)
         x = x if isinstance(x, np.ndarray) else self.xp.ascontiguousarray(x)
         for peer in range(1, self.group.size):
             send(self.box, peer, call, x)
-        out = self.stage.forward(x, segments)
+        out = forward_rows(self.stage, x, segments, rows)
         if self.stage.has_head:
             out = self.xp.asarray(self.group.gather_columns(out, self.widths))
         return out
@@ -92,7 +100,7 @@ class TPWorker:
         if self.items == self.fault_at:
             raise RuntimeError(f"injected fault (HPCPIPE_FAULT) before work item {self.items}")
         self.items += 1
-        out = self.stage.forward(x, from_rows(message.rows))
+        out = forward_rows(self.stage, x, from_rows(message.rows), message.logit_rows)
         if self.stage.has_head:
             self.group.gather_columns(out, self.widths)
         return True

@@ -1,0 +1,156 @@
+"""Structured output through llguidance: a response_format becomes a grammar, a grammar a token mask per step.
+
+Why llguidance (measured by ``bench/bench_grammar.py``, numbers in docs/serve.md): a JSON schema compiles in
+milliseconds (xgrammar and outlines-core take most of a second, which the last stage would spend inside its
+serving loop while every other sequence waits), its per-token mask costs tens of microseconds, it needs
+neither torch nor a GPU (a NumPy bitmask), and it reads any tokenizer as a list of token bytes, hpcpipe's
+bytes and chars tokenizers included.
+
+Both sides use this module: the HTTP side turns a ``response_format`` into the grammar's JSON text and
+checks it against the model's tokenizer (``compile_format``: a schema the library refuses is a 400); the
+grammar text travels with the request's sampling parameters to the last stage, where each sequence gets
+a ``Constraint`` that masks the logits before sampling and advances with the sampled token.
+
+JSON is generated compactly, as ``json.dumps(obj, separators=(", ", ": "))`` writes it, without free
+whitespace: a model cannot run into an endless run of blanks, so every document ends when its last
+bracket closes (the sequence then finishes with "stop").
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+PACKAGE = "llguidance"
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_lock = threading.Lock()
+_cache: dict[int, tuple[Any, Any]] = {}     # id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none)
+
+
+class GrammarError(ValueError):
+    """A response_format or tokenizer the grammar library cannot serve; the message says why."""
+
+
+def _library() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(f"structured output needs the {PACKAGE} package, which is not installed here: "
+                           f"pip install {PACKAGE}") from None
+    return llguidance
+
+
+class _Tokens:
+    """A bytes or chars tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes, an end id after them.
+
+    Neither kind has an end-of-sequence token: the id one past the vocabulary stands for it (the sampler never
+    draws it), and a sequence ends when its grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Any):
+        if tokenizer.kind == "bytes":
+            self.tokens = [bytes([b]) for b in range(256)]
+        else:
+            self.tokens = [c.encode("utf-8") for c in tokenizer.chars]
+        self.eos_token_id = len(self.tokens)
+        self.tokens.append(b"")
+        self.bos_token_id = None
+        self.special_token_ids = [self.eos_token_id]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return [int(i) for i in self._tokenizer.encode(text)]
+
+
+def lltokenizer(tokenizer: Any) -> Any:
+    """Return llguidance's LLTokenizer of an hpcpipe tokenizer (built once, ~0.4 s for 32k tokens); GrammarError
+    when the library cannot read it."""
+    with _lock:
+        cached = _cache.get(id(tokenizer))
+        if cached is None or cached[0] is not tokenizer:
+            cached = _cache[id(tokenizer)] = (tokenizer, _build(tokenizer))
+    if isinstance(cached[1], str):
+        raise GrammarError(cached[1])
+    return cached[1]
+
+
+def _build(tokenizer: Any) -> Any:
+    """The LLTokenizer, or the reason (a string) there is none."""
+    try:
+        llg = _library()
+    except GrammarError as exc:
+        return str(exc)
+    try:
+        if tokenizer.kind in ("bytes", "chars"):
+            return llg.LLTokenizer(llg.TokenizerWrapper(_Tokens(tokenizer)))
+        eos = list(getattr(tokenizer, "eos_ids", ())) or None
+        return llg.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+    except Exception as exc:  # noqa: BLE001 - the library's own errors: the tokenizer is one it cannot read
+        return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})"
+
+
+def compile_format(response_format: Any, tokenizer: Any) -> str:
+    """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
+    names the problem ("" for {"type": "text"}: no grammar)."""
+    if not isinstance(response_format, dict):
+        raise GrammarError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, got "
+                           f"{type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
+                               "{...JSON Schema...}}")
+        schema = spec.get("schema", {})
+    else:
+        raise GrammarError(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+    llg = _library()
+    lltok = lltokenizer(tokenizer)
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {exc}") from None
+    problem = llg.LLMatcher.validate_grammar(grammar, lltok)
+    if problem:
+        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {problem}")
+    return grammar
+
+
+class Constraint:
+    """One sequence's grammar on the last stage: which ids may come next, and the state after each sampled one."""
+
+    def __init__(self, grammar: str, tokenizer: Any, vocab: int | None = None):
+        lltok = lltokenizer(tokenizer)
+        self.vocab = tokenizer.vocab_size if vocab is None else vocab
+        self.matcher = _library().LLMatcher(lltok, grammar)
+        # the masks cover the library's ids: the vocabulary, plus the stand-in end id of bytes and chars
+        self._bits = np.zeros((lltok.vocab_size + 31) // 32, dtype=np.int32)
+        self._check()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"grammar: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: no token may follow (the sequence ends with "stop")."""
+        return self.matcher.is_stopped()
+
+    def allowed(self) -> np.ndarray:
+        """Boolean (vocab,): the ids that may come next."""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._check()
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
+
+    def accept(self, token: int) -> None:
+        """Advance by the sampled token; ValueError if the grammar refuses it."""
+        if not self.matcher.consume_token(int(token)):
+            raise ValueError(f"grammar: token {token} is not allowed here ({self.matcher.get_error()})")

@@ -59,7 +59,8 @@ def test_the_head_applied_to_more_rows_leaves_the_usual_rows_unchanged():
     assert rows == [4, 5, 8, 1, 2, 3, 6]
     more = forward_rows(stage, x, segments, rows)
     assert more.shape == (7, SHAPE.vocab) and np.array_equal(more[:3], plain)
-    assert not hasattr(stage, "_plan") or stage._plan.__func__ is DecodeStage._plan    # the stage's own plan again
+    with pytest.raises(ValueError, match="logit row 9 out of range 0..8"):
+        stage.forward(x, segments, rows=[9])
 
 
 def _serve(requests: list[Request], prefill_tokens: int = 3) -> tuple[dict, dict, dict]:

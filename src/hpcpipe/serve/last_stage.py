@@ -47,30 +47,12 @@ def logit_rows(segments: list[Segment], echo: list[Echo]) -> list[int] | None:
 
 
 def forward_rows(stage: Any, x: Any, segments: list[Segment], rows: list[int] | None) -> Any:
-    """``stage.forward(x, segments)``, the head applied to ``rows`` of the call instead of each segment's last.
-
-    The decode stage plans every call (``_plan``) and applies its head to the plan's ``last_rows``; this
-    call's plan gets ``rows`` there, and the stage's code is otherwise the same, so the logits of the
-    usual rows are bit for bit what a plain forward gives. (A ``rows`` argument of DecodeStage.forward
-    would say this without reaching into the stage; hpcpipe.nn is another change's to make.)
-    """
-    if rows is None:
+    """``stage.forward(x, segments)``, the head applied to ``rows`` of the call instead of each segment's last."""
+    if rows is None or not stage.has_head:
         return stage.forward(x, segments)
     if hasattr(stage, "forward_rows"):              # a tensor-parallel stage's tp rank 0 (serve.tp_stage)
         return stage.forward_rows(x, segments, rows)
-    if not stage.has_head:
-        return stage.forward(x, segments)
-    plan_of = stage._plan
-
-    def plan(segs: list[Segment]) -> Any:
-        made = plan_of(segs)
-        made.last_rows = stage.xp.asarray(np.asarray(rows, dtype=np.int64))
-        return made
-    stage._plan = plan
-    try:
-        return stage.forward(x, segments)
-    finally:
-        del stage._plan
+    return stage.forward(x, segments, rows=rows)
 
 
 class SamplerTable:

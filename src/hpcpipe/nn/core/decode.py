@@ -269,15 +269,21 @@ class DecodeStage:
             out.append(buf[:n_rows].reshape(dec.n, self.n_kv_heads, dec.keys, dh))
         return tuple(out)
 
-    def forward(self, x: Any, segments: list[Segment]) -> Any:
+    def forward(self, x: Any, segments: list[Segment], rows: list[int] | None = None) -> Any:
         """Run the stage over the new tokens of several sequences at once.
 
         ``x``: int64 token ids (n_rows,) on the stage holding group 0, else activations (n_rows, d_model), rows
         in segment order. Returns logits (len(segments), vocab) after each segment's last new token on the
-        stage holding the head, else C-contiguous activations (n_rows, d_model).
+        stage holding the head (``rows``: after these rows of the call instead, e.g. every prompt token's for
+        their log-probabilities), else C-contiguous activations (n_rows, d_model).
         """
         plan = plan_call(segments, self.slots, self.shape.seq_len, self.xp, self._future, self.n_kv_heads,
                          self._fused is None)
+        if rows is not None:
+            bad = [r for r in rows if not 0 <= r < plan.n_rows]
+            if bad:
+                raise ValueError(f"decode stage: logit row {bad[0]} out of range 0..{plan.n_rows - 1}")
+            plan.last_rows = self.xp.asarray(np.asarray(rows, dtype=np.int64))
         if self._fused is not None:
             return self._forward_fused(x, plan, segments)
         h = self._input(x, plan)

@@ -45,7 +45,8 @@ def _hpcpipe_logits(weights: Path, tokens: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": False}),
-                                            ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {})])
+                                            ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {}),
+                                            ("qwen3", {"tie_word_embeddings": True})])
 def test_import_train_export_and_transformers_loads_the_trained_model(tmp_path, arch, overrides):
     hf = _hf_dir(tmp_path, arch, **overrides)
     imported = tmp_path / "imported.h5"
@@ -62,7 +63,7 @@ def test_import_train_export_and_transformers_loads_the_trained_model(tmp_path, 
     for key in ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings"):
         args += ["--set", f"model.{key}={json.dumps(model[key])}"]
     if arch != "gpt2":
-        for key in ("n_kv_heads", "head_dim", "rope_theta", "norm_eps", "qkv_bias"):
+        for key in ("n_kv_heads", "head_dim", "rope_theta", "norm_eps", "qkv_bias", "qk_norm"):
             args += ["--set", f"model.{key}={json.dumps(model[key])}"]
     trained = run_command(4, "hpcpipe.train", args, timeout=180)
     assert trained.returncode == 0, trained.stderr

@@ -24,6 +24,7 @@ MODELS = {
                                           "rope_theta": 500000.0}),
     "mistral": ("mistral", {"tie_word_embeddings": False}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False}),
 }
 PROMPTS = ["The quick brown fox", "pipeline stage"]
 NEW_TOKENS = 12

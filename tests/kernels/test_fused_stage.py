@@ -23,6 +23,8 @@ MODELS = {
     "llama_mqa_head_dim_scaled": lambda: LlamaModel(LlamaShape(41, 24, 64, 4, 2, d_ff=96, n_kv_heads=1, head_dim=32,
                                                                rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_odd_widths": lambda: LlamaModel(LlamaShape(29, 20, 24, 2, 2, d_ff=40, n_kv_heads=2, head_dim=12)),
+    "qwen3_qk_norm": lambda: LlamaModel(LlamaShape(41, 24, 64, 4, 2, d_ff=96, n_kv_heads=2, head_dim=32,
+                                                   qk_norm=True, tied=True, norm_eps=1e-6)),
 }
 
 

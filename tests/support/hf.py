@@ -92,9 +92,11 @@ def tiny_config(arch: str, **overrides):
         return T.GPT2Config(**{**args, **overrides})
     args = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config}[arch]
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}[arch]
     if arch == "mistral":
         args["sliding_window"] = None
+    if arch == "qwen3":
+        args["head_dim"] = 16
     return cls(**{**args, **overrides})
 
 

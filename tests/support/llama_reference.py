@@ -50,6 +50,8 @@ def torch_llama(shape, groups, tokens, targets):
         q = proj(u, p, "q").reshape(b, t, n_h, hd).transpose(1, 2)
         k = proj(u, p, "k").reshape(b, t, n_kv, hd).transpose(1, 2)
         v = proj(u, p, "v").reshape(b, t, n_kv, hd).transpose(1, 2)
+        if shape.qk_norm:                            # Qwen3: each head's q and k normalized before RoPE
+            q, k = rmsnorm(q, p["attn/q_norm/weight"]), rmsnorm(k, p["attn/k_norm/weight"])
         q, k = rope(q), rope(k)
         k = k.repeat_interleave(n_h // n_kv, dim=1)    # query head i uses kv head i // (n_heads / n_kv_heads)
         v = v.repeat_interleave(n_h // n_kv, dim=1)

@@ -196,3 +196,42 @@ def test_llama_checkpoint_reshards_to_other_layouts(world, shared_tmp):
                 assert_nested_equal(got[1], opt)
             comm.Free()
         world.Barrier()
+
+
+QWEN3 = {**MODEL, "qkv_bias": False, "qk_norm": True, "head_dim": 4}
+
+
+@pytest.mark.mpi(min_size=8)
+def test_qwen3_q_and_k_norms_match_torch(world, shared_tmp):
+    """Qwen3's per-head RMSNorm of q and k before RoPE: loss and every gradient equal PyTorch at dp=2 x pp=2."""
+    from support.llama_reference import torch_llama
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.llama.model import LlamaModel, llama_shape
+    data = _data_file(world, shared_tmp)
+    shape = llama_shape(from_dict({"model": {**QWEN3, "tie_embeddings": False}, "parallel": {"pp": 1}}).model)
+    model = LlamaModel(shape)
+    with h5py.File(data) as f:
+        x, y = f["x"][...], f["y"][...]
+    groups = [model.init_group(i, QWEN3["seed"], "float64") for i in range(shape.n_groups)]
+    ref_loss, ref_grads, _ = torch_llama(shape, groups, x.astype(np.int64), y.astype(np.int64))
+    largest = max(float(np.abs(v).max()) for g in ref_grads for v in g.values())
+    for schedule in ("1f1b", "zb-h1"):
+        comm = sub_world(world, 4)
+        if comm is not None:
+            sections = _sections(data, 2, 2, schedule, 3, False)
+            sections["model"] = {**QWEN3, "tie_embeddings": False, "dtype": "float64"}
+            trainer = make_trainer(comm, sections)
+            try:
+                loss = trainer.compute_gradients(0)
+                grads = trainer.gather("grads")
+            finally:
+                trainer.close()
+            if comm.Get_rank() == 0:
+                assert "attn/q_norm/weight" in grads[1]
+                for i, group in enumerate(ref_grads):
+                    for name, ref in group.items():
+                        assert float(np.abs(grads[i][name] - ref).max()) / largest <= TOLERANCE, (schedule, i, name)
+                assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss)
+            comm.Free()
+        world.Barrier()

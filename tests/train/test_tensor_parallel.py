@@ -14,6 +14,7 @@ GPT = {"kind": "gpt", "vocab_size": 13, "seq_len": 6, "d_model": 8, "n_heads": 4
        "seed": 7}
 LLAMA = {"kind": "llama", "vocab_size": 13, "seq_len": 6, "d_model": 16, "n_heads": 4, "n_kv_heads": 2,
          "n_blocks": 4, "d_ff": 12, "qkv_bias": True, "rope_theta": 500000.0, "seed": 7}
+QWEN3 = {**LLAMA, "qkv_bias": False, "qk_norm": True, "head_dim": 6}    # q/k norms: replicated, summed over tp
 MLP = {"dims": [8, 12, 8, 12, 4], "activation": "tanh"}
 TOLERANCE = 1e-10
 
@@ -60,7 +61,7 @@ LAYOUTS = [(1, 1, 2, "gpipe"), (1, 2, 2, "1f1b"), (2, 2, 2, "zb-h1"), (1, 2, 2, 
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("name,model", [("gpt", GPT), ("llama", LLAMA)])
+@pytest.mark.parametrize("name,model", [("gpt", GPT), ("llama", LLAMA), ("qwen3", QWEN3)])
 @pytest.mark.parametrize("tied", [True, False])
 def test_decoder_gradients_at_tp_2_and_4_equal_tp_1(world, name, model, tied):
     want = _gradients(world, _sections(model, 1, 1, 1, tied=tied))

@@ -140,10 +140,13 @@ class RankParameters:
 
     def reduce_shared(self) -> None:
         """Sum the gradients of parameter parts several tp ranks hold (a llama's key/value heads when tp >
-        n_kv_heads), so that each holder updates with the whole gradient."""
+        n_kv_heads; a replicated parameter each rank's heads add to, Qwen3's q/k norms), so that each holder
+        updates with the whole gradient."""
         for i in self.layer_indices() if self.tp else ():
             for name, shard in self.shards[i].items():
-                if shard.shared:
+                if shard.shared and shard.axis is None:
+                    self.tp.sum_(self.grad_of(i, name))
+                elif shard.shared:
                     full = self.xp.zeros(tuple(self.model.specs[i].shapes[name]), dtype=self.grad.dtype)
                     key = [slice(None)] * full.ndim
                     key[shard.axis] = shard.index

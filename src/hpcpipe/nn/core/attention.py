@@ -118,7 +118,7 @@ class CausalAttention:
     """Attention ``prefix/...`` over (micro-batch, T, d) activations: a q/k/v projection, optional RoPE, ``o``."""
 
     def __init__(self, qkv: FusedQKV | SplitQKV, o: Any, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope: Rope | None, xp: Any):
+                 rope: Rope | None, xp: Any, q_norm: Any = None, k_norm: Any = None):
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"attention n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
         width = o.weight.shape[0]           # this rank's heads' width
@@ -126,6 +126,7 @@ class CausalAttention:
             raise ValueError(f"attention width {width} does not match n_heads {n_heads} of head_dim {head_dim} "
                              f"(this rank's heads)")
         self.qkv, self.o, self.rope, self.xp = qkv, o, rope, xp
+        self.q_norm, self.k_norm = q_norm, k_norm        # per-head RMSNorms of q and k before RoPE (Qwen3)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
@@ -157,13 +158,18 @@ class CausalAttention:
         b, t, _ = u.shape
         n_h, n_kv, g, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
         q, k, v, c_qkv = self.qkv.forward(rows(u))
+        c_norms = None
+        if self.q_norm is not None:
+            q, c_qn = self.q_norm.forward(q.reshape(-1, hd))
+            k, c_kn = self.k_norm.forward(k.reshape(-1, hd))
+            q, k, c_norms = q.reshape(b * t, -1), k.reshape(b * t, -1), (c_qn, c_kn)
         cos_sin = None if self.rope is None else self._tables(t)
         qt = self._time_major(q, b, t, n_h, cos_sin)                   # (b, K, t * G, hd)
         kt = self._time_major(k, b, t, n_kv, cos_sin)                  # (b, K, t, hd)
         vt = v.reshape(b, t, n_kv, hd).transpose(0, 2, 1, 3)
         out, lse = flash_forward(self.xp, qt, kt, vt, self.scale, g)   # nothing t x t is kept
         heads = out.reshape(b, n_kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b * t, n_h * hd)
-        return heads, (c_qkv, qt, kt, vt, lse)
+        return heads, ((c_qkv, c_norms), qt, kt, vt, lse)
 
     def forward(self, u: Any) -> tuple[Any, tuple]:
         """Return (attention output, cache) for a (micro-batch, T, d) block."""
@@ -179,7 +185,7 @@ class CausalAttention:
     def backward_input(self, cache: tuple, g: Any, need_input_grad: bool = True) -> tuple[Any, tuple]:
         """Return (dL/du or None, (projection state, dL/dy rows)) for backward_weight."""
         xp = self.xp
-        c_qkv, qt, kt, vt, lse, c_o = cache
+        (c_qkv, c_norms), qt, kt, vt, lse, c_o = cache
         b, t = g.shape[:2]
         n_h, n_kv, grp, hd = self.n_heads, self.n_kv_heads, self.group, self.head_dim
         g_heads, dz_o = self.o.backward_input(c_o, rows(g))             # (b*t, H*hd)
@@ -201,12 +207,22 @@ class CausalAttention:
             cos, sin = self._tables(t)
             rotate(xp, dq_rows, cos[:, None], sin[:, None], out=dq.reshape(b, t, n_kv, grp, hd), inverse=True)
             rotate(xp, dk_rows, cos, sin, out=dk, inverse=True)
+        s_norms = None
+        if c_norms is not None:          # through the q and k norms, back to the projections' outputs
+            # copies: the norms keep the incoming gradient for their weights, and dq, dk are overwritten next
+            g_q, s_qn = self.q_norm.backward_input(c_norms[0], dq.reshape(-1, hd).copy())
+            g_k, s_kn = self.k_norm.backward_input(c_norms[1], dk.reshape(-1, hd).copy())
+            dq.reshape(-1, hd)[...], dk.reshape(-1, hd)[...], s_norms = g_q, g_k, (s_qn, s_kn)
         gu, s_qkv = self.qkv.backward_input(c_qkv, grads, need_input_grad)
-        return (None if gu is None else gu.reshape(b, t, -1)), (s_qkv, dz_o)
+        return (None if gu is None else gu.reshape(b, t, -1)), ((s_qkv, s_norms), dz_o)
 
     def backward_weight(self, cache: tuple, state: tuple) -> None:
         """Accumulate the gradients of the projections (and their biases) and of the output projection."""
-        self.qkv.backward_weight(cache[0], state[0])
+        (c_qkv, c_norms), (s_qkv, s_norms) = cache[0], state[0]
+        self.qkv.backward_weight(c_qkv, s_qkv)
+        if c_norms is not None:
+            self.q_norm.backward_weight(c_norms[0], s_norms[0])
+            self.k_norm.backward_weight(c_norms[1], s_norms[1])
         self.o.backward_weight(cache[5], state[1])
 
     def backward(self, cache: tuple, g: Any, need_input_grad: bool = True) -> Any:

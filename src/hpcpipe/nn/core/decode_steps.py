@@ -96,6 +96,9 @@ class DecoderSteps:
         u, _ = block.norm1.forward(h)
         q, k, v, _ = block.attn.qkv.forward(u)
         q, k, v = q.reshape(n, -1, hd), k.reshape(n, -1, hd), v.reshape(n, -1, hd)
+        if block.attn.q_norm is not None:               # Qwen3: each head's q and k normalized before RoPE
+            q = block.attn.q_norm.forward(q)[0]
+            k = block.attn.k_norm.forward(k)[0]
         if context is not None:
             cos, sin = context
             q = rotate(xp, q, cos, sin, out=q if q.flags.c_contiguous else None)

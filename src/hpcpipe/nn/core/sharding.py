@@ -30,6 +30,7 @@ class Shard:
     axis: int | None                  # None: the whole tensor (replicated)
     index: Any = None                 # slice | np.ndarray of positions along axis
     shared: tuple[int, ...] = ()      # the tp ranks holding the same positions (their gradients are summed)
+    # (a replicated tensor with ``shared``: every rank holds it whole and adds part of its gradient)
 
     def take(self, array: Any) -> Any:
         """Return this rank's part of a whole tensor."""

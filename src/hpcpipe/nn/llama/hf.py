@@ -1,4 +1,4 @@
-"""The llama kind as Hugging Face ``llama``, ``mistral`` and ``qwen2`` directories: config.json and tensor names.
+"""The llama kind as Hugging Face ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` directories: config.json and names.
 
 transformers' ``nn.Linear`` weights are (out, in) and are transposed; q and k are kept in transformers'
 layout (the rotate-half RoPE convention), not permuted. config.json may be written by transformers 4.x
@@ -26,7 +26,7 @@ _ROPE_NEEDS = {"linear": ("factor",),
 
 
 def keys_of(cfg: dict, label: str, model_type: str) -> dict[str, Any]:
-    """Return the llama kind's [model] keys of a llama, mistral or qwen2 config."""
+    """Return the llama kind's [model] keys of a llama, mistral, qwen2 or qwen3 config."""
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{label}: hidden_act {act!r} is not supported; hpcpipe's llama kind uses silu (SwiGLU)")
@@ -52,8 +52,8 @@ def keys_of(cfg: dict, label: str, model_type: str) -> dict[str, Any]:
     check_window(cfg, label, model_type, seq_len)
     if model_type == "qwen2":
         qkv_bias = True
-    else:
-        qkv_bias = flag(cfg, "attention_bias", label, False) if model_type == "llama" else False
+    else:      # Qwen3's attention_bias, as Llama's, also biases o_proj: accepted when that bias is zero
+        qkv_bias = flag(cfg, "attention_bias", label, False) if model_type in ("llama", "qwen3") else False
     theta, scaling = rope_of(cfg, label, seq_len)
     return {"vocab_size": positive_int(cfg, "vocab_size", label), "seq_len": seq_len, "d_model": d,
             "n_heads": heads, "n_kv_heads": kv, "n_blocks": positive_int(cfg, "num_hidden_layers", label),
@@ -61,7 +61,7 @@ def keys_of(cfg: dict, label: str, model_type: str) -> dict[str, Any]:
             "tie_embeddings": flag(cfg, "tie_word_embeddings", label, False),
             "rope_theta": theta, "rope_scaling": scaling,
             "norm_eps": number(cfg, "rms_norm_eps", label, DEFAULT_RMS_NORM_EPS),
-            "qkv_bias": qkv_bias, "head_dim": head_dim}
+            "qkv_bias": qkv_bias, "head_dim": head_dim, "qk_norm": model_type == "qwen3"}
 
 
 def check_window(cfg: dict, label: str, model_type: str, seq_len: int) -> None:
@@ -69,7 +69,7 @@ def check_window(cfg: dict, label: str, model_type: str, seq_len: int) -> None:
     window = cfg.get("sliding_window")
     if model_type == "mistral":
         active = window is not None
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         layers = cfg.get("layer_types")
         if isinstance(layers, list):
             active = cfg.get("use_sliding_window", False) and "sliding_attention" in layers
@@ -156,6 +156,9 @@ def pieces(m: dict[str, Any], index: int) -> list[Piece]:
             out += [Piece(h + "self_attn.q_proj.bias", "attn/q/bias", (q,)),
                     Piece(h + "self_attn.k_proj.bias", "attn/k/bias", (kv,)),
                     Piece(h + "self_attn.v_proj.bias", "attn/v/bias", (kv,))]
+        if m.get("qk_norm"):
+            out += [Piece(h + "self_attn.q_norm.weight", "attn/q_norm/weight", (hd,)),
+                    Piece(h + "self_attn.k_norm.weight", "attn/k_norm/weight", (hd,))]
         return out + [Piece(h + "post_attention_layernorm.weight", "mlp_norm/weight", (d,)),
                       Piece(h + "mlp.gate_proj.weight", "mlp/gate/weight", (d, ff), True),
                       Piece(h + "mlp.up_proj.weight", "mlp/up/weight", (d, ff), True),
@@ -172,9 +175,10 @@ def zero_only(m: dict[str, Any], index: int) -> list[str]:
 
 
 def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
-    """Return the config.json of a llama-kind model as transformers 5.x writes it: LlamaForCausalLM, or
+    """Return the config.json of a llama-kind model as transformers 5.x writes it: LlamaForCausalLM,
     Qwen2ForCausalLM when qkv_bias (Qwen2 biases exactly q, k and v; Llama's attention_bias would add an o_proj
-    bias, which hpcpipe's llama kind does not have); ``special``: the keys every kind writes."""
+    bias, which hpcpipe's llama kind does not have), Qwen3ForCausalLM when qk_norm; ``special``: the keys every
+    kind writes."""
     ff, head_dim, n_kv = dims_of(m)
     rope = {"rope_type": "default", "rope_theta": float(m["rope_theta"])}
     if m.get("rope_scaling"):
@@ -185,6 +189,14 @@ def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
            "hidden_act": "silu", "max_position_embeddings": m["seq_len"],
            "rms_norm_eps": float(m.get("norm_eps", DEFAULT_RMS_NORM_EPS)), "rope_parameters": rope,
            "attention_dropout": 0.0, "initializer_range": 0.02, **special}
+    if m.get("qk_norm"):
+        if m.get("qkv_bias"):
+            raise ConfigError("a model with q/k norms and q/k/v biases has no Hugging Face form hpcpipe writes "
+                              "(Qwen3's attention_bias also biases o_proj, which hpcpipe's llama kind does not have)")
+        n = m["n_blocks"]
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **out, "attention_bias": False,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
+                "layer_types": ["full_attention"] * n}
     if m.get("qkv_bias"):
         n = m["n_blocks"]
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **out, "use_sliding_window": False,
@@ -193,6 +205,7 @@ def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
             "mlp_bias": False}
 
 
-HF = HFMap(model_types=("llama", "mistral", "qwen2"), prefix="model.", keys=keys_of, pieces=pieces,
+HF = HFMap(model_types=("llama", "mistral", "qwen2", "qwen3"), prefix="model.", keys=keys_of, pieces=pieces,
            config_json=config_json, zero_only=zero_only,
-           tokenizer_classes={"mistral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}, forced_tokenizer=("qwen2",))
+           tokenizer_classes={"mistral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"},
+           forced_tokenizer=("qwen2",))

@@ -17,6 +17,7 @@ KEYS = DECODER_KEYS + (
     Key("rope_scaling", dict, {}, "{} or Hugging Face's, e.g. {rope_type = \"llama3\", ...}"),
     Key("norm_eps", float, 1e-5, "RMSNorm epsilon"),
     Key("qkv_bias", bool, False, "biases on q, k and v (Qwen2)"),
+    Key("qk_norm", bool, False, "RMSNorm of each head's q and k before RoPE (Qwen3)"),
 )
 
 

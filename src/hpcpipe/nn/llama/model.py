@@ -36,7 +36,7 @@ def llama_shape(model: Any) -> LlamaShape:
     """Return the LlamaShape a config's [model] keys describe."""
     return LlamaShape(model.vocab_size, model.seq_len, model.d_model, model.n_heads, model.n_blocks, model.d_ff,
                       model.tie_embeddings, model.n_kv_heads, model.head_dim, model.rope_theta,
-                      dict(model.rope_scaling) or None, model.norm_eps, model.qkv_bias)
+                      dict(model.rope_scaling) or None, model.norm_eps, model.qkv_bias, model.qk_norm)
 
 
 class LlamaModel(DecoderModel):
@@ -76,7 +76,9 @@ class LlamaModel(DecoderModel):
         if index == 0:
             return t
         if index <= shape.n_blocks:
-            return t * (4 * d + 2 * shape.q_width + 2 * shape.kv_width + shape.n_heads + 4 * shape.ff + 2)
+            # q/k norms keep their normalized heads and one 1 / rms a head
+            qk = shape.q_width + shape.kv_width + shape.n_heads + shape.n_kv_heads if shape.qk_norm else 0
+            return t * (4 * d + 2 * shape.q_width + 2 * shape.kv_width + shape.n_heads + 4 * shape.ff + 2 + qk)
         return t * (2 * d + 1)
 
     def init_value(self, name, dims, rng):
@@ -106,13 +108,15 @@ class LlamaModel(DecoderModel):
         heads, kv = self.local_heads(tp)
         qkv = SplitQKV(params, grads, xp, "attn", tp, bias="attn/q/bias" in params)
         o = linear(params, grads, "attn/o", xp, bias=False, reduce_out=tp if is_split(tp) else None)
-        return CausalAttention(qkv, o, heads, kv, self.shape.head_dim, self.rope(xp, qkv.weight.dtype), xp)
+        norms = (self.norm(params, grads, "attn/q_norm", xp), self.norm(params, grads, "attn/k_norm", xp)) \
+            if self.shape.qk_norm else (None, None)
+        return CausalAttention(qkv, o, heads, kv, self.shape.head_dim, self.rope(xp, qkv.weight.dtype), xp, *norms)
 
     def mlp(self, params, grads, xp, tp):
         return SwiGLU(params, grads, xp, tp=tp)
 
     def fused_kind(self):
-        return FusedKind(norm="rms", act="swiglu", rope=True, eps=self.shape.norm_eps)
+        return FusedKind(norm="rms", act="swiglu", rope=True, eps=self.shape.norm_eps, qk_eps=self.shape.norm_eps)
 
     def fused_block(self, params, fmt):
         p = params
@@ -120,7 +124,8 @@ class LlamaModel(DecoderModel):
         return FusedBlock(p["attn_norm/weight"], None, stacked([row_weight(p[f"attn/{x}/weight"], fmt) for x in "qkv"]),
                           bias, row_weight(p["attn/o/weight"], fmt), None, p["mlp_norm/weight"], None,
                           stacked([row_weight(p[f"mlp/{x}/weight"], fmt) for x in ("gate", "up")]), None,
-                          row_weight(p["mlp/down/weight"], fmt), None)
+                          row_weight(p["mlp/down/weight"], fmt), None, p.get("attn/q_norm/weight"),
+                          p.get("attn/k_norm/weight"))
 
     def shards(self, index, tp, rank):
         shape = self.shape
@@ -143,6 +148,10 @@ class LlamaModel(DecoderModel):
             if "attn/q/bias" in names:
                 out.update({"attn/q/bias": Shard(0, q), "attn/k/bias": Shard(0, kv_cols, shared),
                             "attn/v/bias": Shard(0, kv_cols, shared)})
+            if "attn/q_norm/weight" in names:      # every rank's heads add to these norms' gradients: summed
+                every = tuple(range(tp))
+                out.update({"attn/q_norm/weight": Shard(REPLICATED, shared=every),
+                            "attn/k_norm/weight": Shard(REPLICATED, shared=every)})
         elif "head/weight" in names:
             out["head/weight"] = column_part(shape.vocab, tp, rank)
         return out

@@ -6,10 +6,10 @@ RMSNorm and, when the head is untied, its own ``head/weight``. Names inside a
 group are the HDF5 paths below ``/layers/NNNN/``; weights are stored (in, out),
 ``y = x @ weight``, as everywhere in hpcpipe.
 
-The same shape describes Llama 2/3.x, Mistral, Qwen2 (``qkv_bias``), SmolLM and
-TinyLlama: grouped-query attention with ``n_kv_heads`` key/value heads shared by
-``n_heads / n_kv_heads`` query heads each, ``head_dim`` possibly other than
-d_model / n_heads, RoPE with ``rope_theta`` and an optional ``rope_scaling``.
+The same shape describes Llama 2/3.x, Mistral, Qwen2 (``qkv_bias``), Qwen3 (``qk_norm``: an RMSNorm of
+each head's q and k before RoPE, ``attn/q_norm`` and ``attn/k_norm``), SmolLM and TinyLlama: grouped-query
+attention with ``n_kv_heads`` key/value heads shared by ``n_heads / n_kv_heads`` query heads each, ``head_dim``
+possibly other than d_model / n_heads, RoPE with ``rope_theta`` and an optional ``rope_scaling``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class LlamaShape(DecoderShape):
     rope_scaling: dict | None = field(default=None, hash=False)
     norm_eps: float = 1e-5
     qkv_bias: bool = False
+    qk_norm: bool = False
 
     label: ClassVar[str] = "llama"
     ff_default: ClassVar[str] = "the default"
@@ -54,7 +55,7 @@ class LlamaShape(DecoderShape):
         super().__post_init__()
         for name, zero in (("n_kv_heads", "n_heads"), ("head_dim", "d_model / n_heads")):
             positive_int(self.label, name, getattr(self, name), zero)
-        for name in ("tied", "qkv_bias"):
+        for name in ("tied", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise ValueError(f"llama {name} must be true or false, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -113,6 +114,8 @@ def block_params(shape: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
            ("attn/o/weight", (qw, d))]
     if shape.qkv_bias:
         out += [("attn/q/bias", (qw,)), ("attn/k/bias", (kvw,)), ("attn/v/bias", (kvw,))]
+    if shape.qk_norm:
+        out += [("attn/q_norm/weight", (shape.head_dim,)), ("attn/k_norm/weight", (shape.head_dim,))]
     return out + [("mlp_norm/weight", (d,)),
                   ("mlp/gate/weight", (d, ff)), ("mlp/up/weight", (d, ff)), ("mlp/down/weight", (ff, d))]
 

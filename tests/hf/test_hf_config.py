@@ -45,7 +45,8 @@ def test_llama31_in_the_4x_style(tmp_path):
     assert hf.model == {"vocab_size": 128256, "seq_len": 131072, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8,
                         "n_blocks": 32, "d_ff": 14336, "tie_embeddings": False, "rope_theta": 500000.0,
                         "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}, "norm_eps": 1e-05,
-                        "qkv_bias": False, "head_dim": 128}
+                        "qkv_bias": False, "head_dim": 128, "qk_norm": False, "sliding_window": 0,
+                        "sliding_layers": []}
     assert hf.eos_ids == (128001, 128008, 128009) and hf.bos_id == 128000 and hf.n_groups == 34
 
 
@@ -97,6 +98,22 @@ def test_qwen2_mistral_and_head_dim(tmp_path):
     assert biased["qkv_bias"] is True
 
 
+def test_sliding_windows_are_read_per_layer(tmp_path):
+    # Mistral: one window on every layer; Qwen2/3: on the layers layer_types (or max_window_layers) name; a window
+    # that covers the whole context hides nothing and reads as none
+    n = LLAMA["num_hidden_layers"]
+    mistral = read_hf_config(write(tmp_path / "m", {**LLAMA, "model_type": "mistral", "sliding_window": 4096})).model
+    assert (mistral["sliding_window"], mistral["sliding_layers"]) == (4096, [])
+    qwen = {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}
+    by_count = read_hf_config(write(tmp_path / "q", {**qwen, "max_window_layers": 4})).model
+    assert (by_count["sliding_window"], by_count["sliding_layers"]) == (4096, list(range(4, n)))
+    types = ["full_attention", "sliding_attention"] * (n // 2)
+    by_type = read_hf_config(write(tmp_path / "t", {**qwen, "model_type": "qwen3", "layer_types": types})).model
+    assert by_type["sliding_layers"] == list(range(1, n, 2)) and by_type["qk_norm"] is True
+    off = read_hf_config(write(tmp_path / "o", {**qwen, "use_sliding_window": False})).model
+    assert (off["sliding_window"], off["sliding_layers"]) == (0, [])
+
+
 def test_gpt2(tmp_path):
     hf = read_hf_config(write(tmp_path / "g", GPT2))
     assert (hf.kind, hf.dtype, hf.eos_ids, hf.bos_id) == ("gpt", "float32", (50256,), 50256)
@@ -133,9 +150,9 @@ def test_generation_config_names_the_stop_ids(tmp_path):
     ({**LLAMA, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE, "high_freq_factor": 1.0}},
      ["high_freq_factor (1.0)", "low_freq_factor (1.0)"]),
     ({**LLAMA, "head_dim": 63}, ["head_dim 63", "odd"]),
-    ({**LLAMA, "model_type": "mistral", "sliding_window": 4096}, ["sliding_window 4096", "131072"]),
-    ({**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 4},
-     ["sliding_window 4096"]),
+    ({**LLAMA, "model_type": "mistral", "sliding_window": -4}, ["sliding_window", "-4"]),
+    ({**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096,
+      "layer_types": ["sliding_attention", "local"]}, ["layer_types", "'local'"]),
     ({**LLAMA, "torch_dtype": "int8"}, ["'int8'"]),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, ["quantized", "'gptq'"]),
     ({**LLAMA, "eos_token_id": "two"}, ["eos_token_id", "'two'"]),

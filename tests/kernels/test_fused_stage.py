@@ -25,6 +25,8 @@ MODELS = {
     "llama_odd_widths": lambda: LlamaModel(LlamaShape(29, 20, 24, 2, 2, d_ff=40, n_kv_heads=2, head_dim=12)),
     "qwen3_qk_norm": lambda: LlamaModel(LlamaShape(41, 24, 64, 4, 2, d_ff=96, n_kv_heads=2, head_dim=32,
                                                    qk_norm=True, tied=True, norm_eps=1e-6)),
+    "mistral_window": lambda: LlamaModel(LlamaShape(41, 24, 64, 4, 3, d_ff=64, n_kv_heads=2, sliding_window=3,
+                                                    sliding_layers=(0, 2))),
 }
 
 

@@ -46,7 +46,7 @@ def torch_llama(shape, groups, tokens, targets):
         y = u @ p[f"attn/{name}/weight"]
         return y + p[f"attn/{name}/bias"] if shape.qkv_bias else y
 
-    def attn(u, p):
+    def attn(u, p, window):
         q = proj(u, p, "q").reshape(b, t, n_h, hd).transpose(1, 2)
         k = proj(u, p, "k").reshape(b, t, n_kv, hd).transpose(1, 2)
         v = proj(u, p, "v").reshape(b, t, n_kv, hd).transpose(1, 2)
@@ -57,13 +57,15 @@ def torch_llama(shape, groups, tokens, targets):
         v = v.repeat_interleave(n_h // n_kv, dim=1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
         causal = torch.ones(t, t, dtype=torch.bool).tril()
+        if window:                                   # a sliding window: the last ``window`` positions only
+            causal &= ~torch.ones(t, t, dtype=torch.bool).tril(-window)
         scores = scores.masked_fill(~causal, float("-inf"))
         out = torch.softmax(scores, -1) @ v
         return out.transpose(1, 2).reshape(b, t, n_h * hd) @ p["attn/o/weight"]
 
     h = tg[0]["tok_emb"][torch.as_tensor(tokens)]
-    for p in tg[1:-1]:
-        a = h + attn(rmsnorm(h, p["attn_norm/weight"]), p)
+    for index, p in enumerate(tg[1:-1], start=1):
+        a = h + attn(rmsnorm(h, p["attn_norm/weight"]), p, shape.window(index))
         u = rmsnorm(a, p["mlp_norm/weight"])
         h = a + (torch.nn.functional.silu(u @ p["mlp/gate/weight"]) * (u @ p["mlp/up/weight"])) @ p["mlp/down/weight"]
     u = rmsnorm(h, tg[-1]["norm/weight"])

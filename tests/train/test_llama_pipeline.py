@@ -235,3 +235,41 @@ def test_qwen3_q_and_k_norms_match_torch(world, shared_tmp):
                 assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss)
             comm.Free()
         world.Barrier()
+
+
+WINDOWED = {**MODEL, "sliding_window": 3, "sliding_layers": [1, 3]}      # every query past position 2 loses keys
+
+
+@pytest.mark.mpi(min_size=8)
+def test_sliding_window_blocks_match_torch(world, shared_tmp):
+    """Blocks 1 and 3 see only their last 3 positions: loss and every gradient equal PyTorch at dp=2 x pp=2."""
+    from support.llama_reference import torch_llama
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.llama.model import LlamaModel, llama_shape
+    data = _data_file(world, shared_tmp)
+    shape = llama_shape(from_dict({"model": {**WINDOWED, "tie_embeddings": True}, "parallel": {"pp": 1}}).model)
+    assert [shape.window(i) for i in range(1, 5)] == [0, 3, 0, 3]
+    model = LlamaModel(shape)
+    with h5py.File(data) as f:
+        x, y = f["x"][...], f["y"][...]
+    groups = [model.init_group(i, WINDOWED["seed"], "float64") for i in range(shape.n_groups)]
+    ref_loss, ref_grads, _ = torch_llama(shape, groups, x.astype(np.int64), y.astype(np.int64))
+    largest = max(float(np.abs(v).max()) for g in ref_grads for v in g.values())
+    comm = sub_world(world, 4)
+    if comm is not None:
+        sections = _sections(data, 2, 2, "zb-h1", 3, True)
+        sections["model"] = {**WINDOWED, "tie_embeddings": True, "dtype": "float64"}
+        trainer = make_trainer(comm, sections)
+        try:
+            loss = trainer.compute_gradients(0)
+            grads = trainer.gather("grads")
+        finally:
+            trainer.close()
+        if comm.Get_rank() == 0:
+            for i, group in enumerate(ref_grads):
+                for name, ref in group.items():
+                    assert float(np.abs(grads[i][name] - ref).max()) / largest <= TOLERANCE, (i, name)
+            assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss)
+        comm.Free()
+    world.Barrier()

@@ -49,6 +49,7 @@ class FusedBlock:
     down_b: np.ndarray | None
     q_norm_w: np.ndarray | None = None
     k_norm_w: np.ndarray | None = None
+    window: int = 0                  # > 0: a row attends to its sequence's last ``window`` positions only
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +91,7 @@ class StagePlan:
             self._blocks[i] = Block(addr["norm1_w"], addr["norm1_b"], weight_struct(b.qkv), addr["qkv_b"],
                                     addr["q_norm_w"], addr["k_norm_w"], weight_struct(b.o), addr["o_b"],
                                     addr["norm2_w"], addr["norm2_b"], weight_struct(b.up), addr["up_b"],
-                                    weight_struct(b.down), addr["down_b"], cache[i].ctypes.data)
+                                    weight_struct(b.down), addr["down_b"], cache[i].ctypes.data, b.window)
         cos, sin = self.rope if self.rope is not None else (None, None)
         self._stage = Stage(len(blocks), d, n_heads, n_kv, hd, ff, slots, seq_len, _NORMS[kind.norm],
                             _ACTS[kind.act], int(kind.rope), 0, kind.eps, kind.qk_eps, 1.0 / np.sqrt(hd), 0.0,

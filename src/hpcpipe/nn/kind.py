@@ -23,6 +23,7 @@ class Key:
     type: Any                  # int | float | bool | str | list[int] | dict
     default: Any
     doc: str = ""
+    stored: bool = True        # stored weights must record it; False: a key added later, its default when absent
 
 
 def _none(keys: dict[str, Any], index: int) -> list[str]:
@@ -66,3 +67,8 @@ class Kind:
     def key_names(self) -> tuple[str, ...]:
         """The names of the [model] keys it reads."""
         return tuple(k.name for k in self.keys)
+
+    @property
+    def recorded_keys(self) -> tuple[str, ...]:
+        """The keys stored weights of this kind must record (the others came later: absent means default)."""
+        return tuple(k.name for k in self.keys if k.stored)

@@ -104,7 +104,7 @@ def stored_config(model: dict[str, Any], label: str) -> Config:
     """
     kind = stored_kind(model, label)
     if kind in DECODERS:
-        missing = [key for key in KIND_KEYS[kind] if key not in model]
+        missing = [key for key in KIND_REGISTRY[kind].recorded_keys if key not in model]
         if missing:
             raise ConfigError(f"{label} holds {KIND_NAMES[kind].removesuffix(' model')} model without "
                               f"{', '.join(missing)} in its model attribute")

@@ -46,6 +46,7 @@ typedef struct {
     hp_weight down;
     const float *down_b;
     float *cache;                     /* keys then values: (2, slots, n_kv, seq_len, hd) */
+    int64_t window;                   /* > 0: a row attends to its sequence's last `window` positions only */
 } hp_block;
 
 typedef struct {
@@ -69,7 +70,7 @@ void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, con
 void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff);   /* rows of gate | up -> silu(g) u */
 void hp_gelu(float *x, int64_t n);                                        /* tanh approximation, in place */
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
-               const int64_t *positions, float *heads, float *scores);
+               const int64_t *positions, int64_t window, float *heads, float *scores);
 int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slots, const int64_t *positions,
                      float *scratch);
 

@@ -169,7 +169,7 @@ static HP_TARGET void attend_avx512(const hp_stage *s, const float *keys, const 
 #endif
 
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
-               const int64_t *positions, float *heads, float *scores) {
+               const int64_t *positions, int64_t window, float *heads, float *scores) {
     /* every row's keys and values are written first, so rows of one prompt see each other causally */
     int64_t hd = s->hd, H = s->n_heads, K = s->n_kv, T = s->seq_len, width = (H + 2 * K) * hd, G = H / K;
     float *key_cache = cache, *value_cache = cache + s->slots * K * T * hd;
@@ -185,9 +185,11 @@ void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, con
     }
     for (int64_t r = 0; r < m; r++) {
         const float *row = qkv + r * width;
-        int64_t n = positions[r] + 1;
+        int64_t first = window > 0 && positions[r] >= window ? positions[r] - window + 1 : 0;
+        int64_t n = positions[r] + 1 - first;
         for (int64_t j = 0; j < K; j++) {
-            const float *k = key_cache + (slots[r] * K + j) * T * hd, *v = value_cache + (slots[r] * K + j) * T * hd;
+            const float *k = key_cache + ((slots[r] * K + j) * T + first) * hd;
+            const float *v = value_cache + ((slots[r] * K + j) * T + first) * hd;
             float *out = heads + r * H * hd + j * G * hd;
 #if HP_X86
             if (hp_avx512 && hd % 16 == 0 && hd <= 256) {

@@ -57,7 +57,7 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
             hp_rope(qkv, m, H, hd, width, s->cos, s->sin, positions);
             hp_rope(qkv + H * hd, m, K, hd, width, s->cos, s->sin, positions);
         }
-        hp_attend(s, blk->cache, qkv, m, slots, positions, heads, scores);
+        hp_attend(s, blk->cache, qkv, m, slots, positions, blk->window, heads, scores);
         if (blk->o_b) {          /* (heads Wo^T + b) + h, the NumPy path's order */
             hp_matmul(&blk->o, heads, m, H * hd, u, d, 0);
             add_bias(u, blk->o_b, m, d);

@@ -118,7 +118,7 @@ class CausalAttention:
     """Attention ``prefix/...`` over (micro-batch, T, d) activations: a q/k/v projection, optional RoPE, ``o``."""
 
     def __init__(self, qkv: FusedQKV | SplitQKV, o: Any, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope: Rope | None, xp: Any, q_norm: Any = None, k_norm: Any = None):
+                 rope: Rope | None, xp: Any, q_norm: Any = None, k_norm: Any = None, window: int = 0):
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"attention n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
         width = o.weight.shape[0]           # this rank's heads' width
@@ -127,6 +127,7 @@ class CausalAttention:
                              f"(this rank's heads)")
         self.qkv, self.o, self.rope, self.xp = qkv, o, rope, xp
         self.q_norm, self.k_norm = q_norm, k_norm        # per-head RMSNorms of q and k before RoPE (Qwen3)
+        self.window = window                             # > 0: each query sees only its last ``window`` keys
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
@@ -167,7 +168,7 @@ class CausalAttention:
         qt = self._time_major(q, b, t, n_h, cos_sin)                   # (b, K, t * G, hd)
         kt = self._time_major(k, b, t, n_kv, cos_sin)                  # (b, K, t, hd)
         vt = v.reshape(b, t, n_kv, hd).transpose(0, 2, 1, 3)
-        out, lse = flash_forward(self.xp, qt, kt, vt, self.scale, g)   # nothing t x t is kept
+        out, lse = flash_forward(self.xp, qt, kt, vt, self.scale, g, window=self.window)   # nothing t x t kept
         heads = out.reshape(b, n_kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b * t, n_h * hd)
         return heads, ((c_qkv, c_norms), qt, kt, vt, lse)
 
@@ -194,7 +195,7 @@ class CausalAttention:
         row_dot = row_dot.transpose(0, 2, 1, 3).reshape(b, n_kv, t * grp, 1)
         g_out = xp.ascontiguousarray(g_heads.reshape(b, t, n_kv, grp, hd).transpose(0, 2, 1, 3, 4))
         dq_t, dk_t, dv_t = flash_backward(xp, qt, kt, vt, lse, g_out.reshape(b, n_kv, t * grp, hd), row_dot,
-                                          self.scale, grp)
+                                          self.scale, grp, window=self.window)
         grads = self.qkv.grad_buffers(b, t, n_h, n_kv, hd, g.dtype)
         dq, dk, dv = grads[:3]
         dq_rows = dq_t.reshape(b, n_kv, t, grp, hd).transpose(0, 2, 1, 3, 4)     # (b, t, K, G, hd)

@@ -77,6 +77,7 @@ class DecodeStage:
         self.n_heads, self.n_kv_heads, self.head_dim = self.steps.n_heads, self.steps.n_kv_heads, self.steps.head_dim
         self.group = self.n_heads // self.n_kv_heads
         kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
+        self.windows = [model.window(i) for i in groups if 1 <= i <= shape.n_blocks]   # per local block
         self._fused = None
         if self.compiled:
             for i in groups:
@@ -206,7 +207,7 @@ class DecodeStage:
         p /= p.sum(axis=-1, keepdims=True)
         return p
 
-    def _attend(self, q: Any, k: Any, v: Any, cache: Any, plan: CallPlan) -> Any:
+    def _attend(self, q: Any, k: Any, v: Any, cache: Any, plan: CallPlan, window: int = 0) -> Any:
         """Write the new keys and values into ``cache`` and return the attention heads (n_rows, n_heads * head_dim).
 
         ``q``: (n_rows, n_heads, head_dim), ``k`` and ``v``: (n_rows, n_kv_heads, head_dim), any strides.
@@ -223,13 +224,14 @@ class DecodeStage:
             # each kv head's query heads, time-major rows: tiles with an online softmax, never (length, end) scores
             qs = q[new].reshape(length, kv, grp, dh).transpose(1, 0, 2, 3).reshape(kv, length * grp, dh)
             out, _ = flash_forward(xp, qs, keys[seg.slot, :, :end], values[seg.slot, :, :end], self._scale, grp,
-                                   seg.start)
+                                   seg.start, window=window)
             heads[new] = out.reshape(kv, length, grp, dh).transpose(1, 0, 2, 3)
         if plan.decode is not None:
-            heads[all_rows(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode)
+            heads[all_rows(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode, window)
         return heads.reshape(n, kv * grp * dh)
 
-    def _attend_decode(self, q: Any, k: Any, v: Any, keys: Any, values: Any, dec: DecodeBatch) -> Any:
+    def _attend_decode(self, q: Any, k: Any, v: Any, keys: Any, values: Any, dec: DecodeBatch,
+                       window: int = 0) -> Any:
         """Write the decode tokens' keys and values and return their attention heads (n, kv, group, head_dim)."""
         xp = self.xp
         n, kv, grp, dh = dec.n, self.n_kv_heads, self.group, self.head_dim
@@ -245,7 +247,11 @@ class DecodeStage:
                 spread = xp.zeros((k.shape[0], kv, grp, dh), dtype=q.dtype)
                 spread[dec.order] = q
                 q = spread
-        p = self._softmax_(q @ k.swapaxes(-1, -2), dec.future)        # (rows, kv, grp, keys)
+        hidden = dec.future
+        if window:         # keys more than ``window`` positions back are hidden too (a sliding-window block)
+            old = xp.arange(dec.keys)[None, :] <= (dec.row_positions - window)[:, None]
+            hidden = hidden | old.reshape(hidden.shape)
+        p = self._softmax_(q @ k.swapaxes(-1, -2), hidden)           # (rows, kv, grp, keys)
         out = p @ v
         if dec.order is not None:
             out = out[dec.order]
@@ -290,7 +296,8 @@ class DecodeStage:
         steps = self.steps
         context = steps.prepare(lambda: self._positions(plan))
         for index, cache in enumerate(self._cache):
-            h = steps.block(index, h, context, lambda q, k, v, cache=cache: self._attend(q, k, v, cache, plan))
+            window = self.windows[index]
+            h = steps.block(index, h, context, lambda q, k, v, c=cache, w=window: self._attend(q, k, v, c, plan, w))
         if not self.has_head:
             return self.xp.ascontiguousarray(h)
         if plan.last_rows is not None:

@@ -44,6 +44,7 @@ class DecodeBatch:
     gather: Any      # xp int64 (n * kv * keys,) rows of the cache seen as (slots * kv * seq_len, hd) rows, or None
     order: Any       # xp int64 (n,) each token's row in the span, or None when row i is token i
     future: Any      # xp bool (rows attended, 1, 1, keys): True where a key is after the query
+    row_positions: Any = None   # xp int64 (rows attended,): the query position of each row (a window's start)
 
 
 @dataclass
@@ -115,14 +116,16 @@ def decode_batch(rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarr
         # every (slot, kv head) pair's first ``keys`` positions, as rows of head_dim values: one take per array
         gather = (((slots[:, None] * kv + np.arange(kv))[:, :, None] * t) + np.arange(keys)).reshape(-1)
         return DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys, None,
-                           xp.asarray(gather), None, future.reshape(n, 1, 1, keys))
-    order = None
+                           xp.asarray(gather), None, future.reshape(n, 1, 1, keys), dev_pos)
+    order, row_positions = None, dev_pos
     if span != n or (slots != np.arange(low, low + span)).any():
         order = xp.asarray(slots - low)
+        row_positions = xp.zeros(span, dtype=np.int64)      # rows without a query: position 0, key 0 only
+        row_positions[order] = dev_pos
         # the span's rows without a query attend to key 0 only: finite, and dropped afterwards
         spread = xp.ones((span, keys), dtype=bool)
         spread[:, 0] = False
         spread[order] = future
         future = spread
     return DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys,
-                       slice(low, low + span), None, order, future.reshape(span, 1, 1, keys))
+                       slice(low, low + span), None, order, future.reshape(span, 1, 1, keys), row_positions)

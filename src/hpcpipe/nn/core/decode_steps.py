@@ -58,7 +58,7 @@ class DecoderSteps:
         model, xp, n_blocks = self.model, self.xp, self.shape.n_blocks
         if 0 in params:
             self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0].get("pos_emb")
-        self.blocks = [model.block(p, forward_only(p), xp, self.tp) for i, p in sorted(params.items())
+        self.blocks = [model.block(p, forward_only(p), xp, self.tp, i) for i, p in sorted(params.items())
                        if 1 <= i <= n_blocks]
         if self.blocks:
             self.rope = self.blocks[0].attn.rope

@@ -104,8 +104,8 @@ class DecoderModel(ModelDef):
         """Return the norm ``prefix/...`` of a parameter group."""
         raise NotImplementedError
 
-    def attention(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any) -> Any:
-        """Return a block's attention (hpcpipe.nn.core.attention.CausalAttention) over this rank's heads."""
+    def attention(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any, index: int) -> Any:
+        """Return block ``index``'s attention (hpcpipe.nn.core.attention.CausalAttention) over this rank's heads."""
         raise NotImplementedError
 
     def mlp(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any) -> Any:
@@ -123,9 +123,9 @@ class DecoderModel(ModelDef):
         """What the compiled decode step computes for this kind (norm, MLP, RoPE, epsilons)."""
         raise NotImplementedError
 
-    def fused_block(self, params: dict[str, Any], fmt: str) -> FusedBlock:
-        """A block's parameters (float (in, out) arrays or (out, in) RowWeights) as the compiled step takes them,
-        matrices in weight format ``fmt``."""
+    def fused_block(self, params: dict[str, Any], fmt: str, index: int) -> FusedBlock:
+        """Block ``index``'s parameters (float (in, out) arrays or (out, in) RowWeights) as the compiled step takes
+        them, matrices in weight format ``fmt``."""
         raise NotImplementedError
 
     # -- built from those ---------------------------------------------------------------------------------------------
@@ -142,17 +142,22 @@ class DecoderModel(ModelDef):
         """The first token id of the vocabulary part of tp's rank (0 at tp = 1)."""
         return 0 if tp is None else vocab_range(self.shape.vocab, tp.size, tp.rank)[0]
 
-    def block(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any = None) -> Block:
-        """Return one decoder block over its parameter and gradient views (gradients None: forward only)."""
+    def window(self, index: int) -> int:
+        """The sliding attention window of layer group ``index`` (a block): 0 when it sees the whole context."""
+        return 0
+
+    def block(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any = None, index: int = 1) -> Block:
+        """Return decoder block ``index`` (a layer group) over its parameter and gradient views (gradients None:
+        forward only)."""
         first, second, _ = self.NORMS
-        return Block(self.norm(params, grads, first, xp), self.attention(params, grads, xp, tp),
+        return Block(self.norm(params, grads, first, xp), self.attention(params, grads, xp, tp, index),
                      self.norm(params, grads, second, xp), self.mlp(params, grads, xp, tp))
 
     def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None) -> Layer:
         if index == 0:
             return Embedding(params, grads, self.shape.seq_len, xp, tp, self.vocab_lo(tp))
         if index <= self.shape.n_blocks:
-            return self.block(params, grads, xp, tp)
+            return self.block(params, grads, xp, tp, index)
         return OutputHead(self.norm(params, grads, self.NORMS[2], xp), params, grads, xp, tok_emb, grad_tok_emb, tp)
 
     def tp_loss(self, tp):

@@ -59,7 +59,7 @@ class FusedStage:
         hd = shape.head_dim
         self.cache = np.zeros((len(blocks), 2, slots, n_kv, shape.seq_len, hd), dtype=np.float32)
         # block by block, each block's arrays released (with ``release``) once its fused form exists
-        fused = [model.fused_block(arrays.pop(i) if release else arrays[i], fmt) for i in blocks]
+        fused = [model.fused_block(arrays.pop(i) if release else arrays[i], fmt, i) for i in blocks]
         kind = model.fused_kind()
         rope = model.rope(np, np.float32).tables(shape.seq_len) if kind.rope else None
         self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, shape.ff, self.cache, rope) \

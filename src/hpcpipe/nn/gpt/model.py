@@ -91,7 +91,7 @@ class GPTModel(DecoderModel):
         heads = self.shape.n_heads // (tp.size if is_split(tp) else 1)
         return heads, heads
 
-    def attention(self, params, grads, xp, tp):
+    def attention(self, params, grads, xp, tp, index):
         heads, _ = self.local_heads(tp)
         proj = linear(params, grads, "attn/proj", xp, reduce_out=tp if is_split(tp) else None)
         return CausalAttention(FusedQKV(params, grads, xp, "attn", tp), proj, heads, heads, self.shape.head_dim,
@@ -103,7 +103,7 @@ class GPTModel(DecoderModel):
     def fused_kind(self):
         return FusedKind(norm="layer", act="gelu", rope=False, eps=EPS)
 
-    def fused_block(self, params, fmt):
+    def fused_block(self, params, fmt, index):
         p = params
         return FusedBlock(p["ln1/weight"], p["ln1/bias"], row_weight(p["attn/qkv/weight"], fmt), p["attn/qkv/bias"],
                           row_weight(p["attn/proj/weight"], fmt), p["attn/proj/bias"], p["ln2/weight"], p["ln2/bias"],

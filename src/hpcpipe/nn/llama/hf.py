@@ -49,43 +49,50 @@ def keys_of(cfg: dict, label: str, model_type: str) -> dict[str, Any]:
     if head_dim % 2:
         raise ConfigError(f"{label}: head_dim {head_dim} is odd; RoPE rotates the two halves of each head")
     seq_len = positive_int(cfg, "max_position_embeddings", label)
-    check_window(cfg, label, model_type, seq_len)
+    n_layers = positive_int(cfg, "num_hidden_layers", label)
+    window, sliding = window_of(cfg, label, model_type, seq_len, n_layers)
     if model_type == "qwen2":
         qkv_bias = True
     else:      # Qwen3's attention_bias, as Llama's, also biases o_proj: accepted when that bias is zero
         qkv_bias = flag(cfg, "attention_bias", label, False) if model_type in ("llama", "qwen3") else False
     theta, scaling = rope_of(cfg, label, seq_len)
     return {"vocab_size": positive_int(cfg, "vocab_size", label), "seq_len": seq_len, "d_model": d,
-            "n_heads": heads, "n_kv_heads": kv, "n_blocks": positive_int(cfg, "num_hidden_layers", label),
+            "n_heads": heads, "n_kv_heads": kv, "n_blocks": n_layers,
             "d_ff": positive_int(cfg, "intermediate_size", label),
             "tie_embeddings": flag(cfg, "tie_word_embeddings", label, False),
             "rope_theta": theta, "rope_scaling": scaling,
             "norm_eps": number(cfg, "rms_norm_eps", label, DEFAULT_RMS_NORM_EPS),
-            "qkv_bias": qkv_bias, "head_dim": head_dim, "qk_norm": model_type == "qwen3"}
+            "qkv_bias": qkv_bias, "head_dim": head_dim, "qk_norm": model_type == "qwen3",
+            "sliding_window": window, "sliding_layers": sliding}
 
 
-def check_window(cfg: dict, label: str, model_type: str, seq_len: int) -> None:
-    """Refuse a sliding attention window shorter than the context: hpcpipe attends to the whole context."""
+def window_of(cfg: dict, label: str, model_type: str, seq_len: int, n_layers: int) -> tuple[int, list[int]]:
+    """Return (sliding_window, sliding_layers) of a config: Mistral's window on every layer, Qwen2/3's on the
+    layers its layer_types (or max_window_layers) name when use_sliding_window; (0, []) when none is active or
+    the window reaches the whole context."""
     window = cfg.get("sliding_window")
     if model_type == "mistral":
-        active = window is not None
-    elif model_type in ("qwen2", "qwen3"):
-        layers = cfg.get("layer_types")
-        if isinstance(layers, list):
-            active = cfg.get("use_sliding_window", False) and "sliding_attention" in layers
+        layers = list(range(n_layers)) if window is not None else []
+    elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False) and window is not None:
+        types = cfg.get("layer_types")
+        if isinstance(types, list):
+            unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+            if unknown or len(types) != n_layers:
+                raise ConfigError(f"{label}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+                                  f"of the {n_layers} layers, got {types!r}")
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
         else:
-            active = (cfg.get("use_sliding_window", False) and window is not None
-                      and cfg.get("max_window_layers", 28) < cfg.get("num_hidden_layers", 0))
+            first = positive_int(cfg, "max_window_layers", label, 28) if cfg.get("max_window_layers") != 0 else 0
+            layers = list(range(first, n_layers))
     else:
-        active = False
-    if not active or window is None:
-        return
+        layers = []
+    if not layers:
+        return 0, []
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"{label}: sliding_window must be null or a positive integer, got {window!r}")
-    if window < seq_len:
-        raise ConfigError(f"{label}: sliding_window {window} is shorter than the context (max_position_embeddings "
-                          f"{seq_len}); hpcpipe attends to the whole context, so tokens beyond {window} back would "
-                          f"be treated differently (accepted: null or >= {seq_len})")
+    if window >= seq_len:           # the whole context fits the window: no position is ever hidden
+        return 0, []
+    return window, [] if len(layers) == n_layers else layers
 
 
 def rope_of(cfg: dict, label: str, seq_len: int) -> tuple[float, dict[str, Any] | None]:
@@ -189,18 +196,24 @@ def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
            "hidden_act": "silu", "max_position_embeddings": m["seq_len"],
            "rms_norm_eps": float(m.get("norm_eps", DEFAULT_RMS_NORM_EPS)), "rope_parameters": rope,
            "attention_dropout": 0.0, "initializer_range": 0.02, **special}
+    n, window = m["n_blocks"], m.get("sliding_window", 0)
+    sliding = set(m.get("sliding_layers") or range(n)) if window else set()
+    qwen_window = {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": n,
+                   "layer_types": ["sliding_attention" if i in sliding else "full_attention" for i in range(n)]}
     if m.get("qk_norm"):
         if m.get("qkv_bias"):
             raise ConfigError("a model with q/k norms and q/k/v biases has no Hugging Face form hpcpipe writes "
                               "(Qwen3's attention_bias also biases o_proj, which hpcpipe's llama kind does not have)")
-        n = m["n_blocks"]
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **out, "attention_bias": False,
-                "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
-                "layer_types": ["full_attention"] * n}
+                **qwen_window}
     if m.get("qkv_bias"):
-        n = m["n_blocks"]
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **out, "use_sliding_window": False,
-                "sliding_window": None, "max_window_layers": n, "layer_types": ["full_attention"] * n}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **out, **qwen_window}
+    if window:
+        if len(sliding) != n:
+            raise ConfigError(f"a model with a sliding window on some blocks only ({sorted(sliding)} of {n}) and "
+                              f"neither q/k/v biases nor q/k norms has no Hugging Face form (Mistral's window is on "
+                              f"every layer; Qwen2 and Qwen3 name their layers)")
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **out, "sliding_window": window}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **out, "attention_bias": False,
             "mlp_bias": False}
 

@@ -17,7 +17,12 @@ KEYS = DECODER_KEYS + (
     Key("rope_scaling", dict, {}, "{} or Hugging Face's, e.g. {rope_type = \"llama3\", ...}"),
     Key("norm_eps", float, 1e-5, "RMSNorm epsilon"),
     Key("qkv_bias", bool, False, "biases on q, k and v (Qwen2)"),
-    Key("qk_norm", bool, False, "RMSNorm of each head's q and k before RoPE (Qwen3)"),
+    Key("qk_norm", bool, False, "RMSNorm of each head's q and k before RoPE (Qwen3)", stored=False),
+    Key("sliding_window", int, 0, "0: every block sees the whole context; else the blocks of sliding_layers see "
+                                  "only the last sliding_window tokens (Mistral, Qwen2/3 with use_sliding_window)",
+        stored=False),
+    Key("sliding_layers", list[int], [], "the blocks (0-based) with the sliding window; [] = every block",
+        stored=False),
 )
 
 
@@ -38,6 +43,14 @@ def validate(mod: Any) -> None:
             f"halves of each head")
     require(mod.rope_theta > 0, f"model.rope_theta must be > 0, got {mod.rope_theta}")
     require(mod.norm_eps > 0, f"model.norm_eps must be > 0, got {mod.norm_eps}")
+    require(mod.sliding_window >= 0, f"model.sliding_window must be >= 0 (0 = no window), got {mod.sliding_window}")
+    bad = [i for i in mod.sliding_layers if not 0 <= i < mod.n_blocks]
+    require(not bad, f"model.sliding_layers {mod.sliding_layers}: block {bad[0] if bad else ''} is not in "
+                     f"0..{mod.n_blocks - 1} (model.n_blocks = {mod.n_blocks})")
+    require(len(set(mod.sliding_layers)) == len(mod.sliding_layers),
+            f"model.sliding_layers {mod.sliding_layers} names a block twice")
+    require(mod.sliding_window > 0 or not mod.sliding_layers,
+            f"model.sliding_layers {mod.sliding_layers} is set but model.sliding_window is 0 (no window)")
     if mod.rope_scaling:
         try:
             check_scaling(mod.rope_scaling)

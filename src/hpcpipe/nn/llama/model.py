@@ -36,7 +36,8 @@ def llama_shape(model: Any) -> LlamaShape:
     """Return the LlamaShape a config's [model] keys describe."""
     return LlamaShape(model.vocab_size, model.seq_len, model.d_model, model.n_heads, model.n_blocks, model.d_ff,
                       model.tie_embeddings, model.n_kv_heads, model.head_dim, model.rope_theta,
-                      dict(model.rope_scaling) or None, model.norm_eps, model.qkv_bias, model.qk_norm)
+                      dict(model.rope_scaling) or None, model.norm_eps, model.qkv_bias, model.qk_norm,
+                      model.sliding_window, tuple(model.sliding_layers))
 
 
 class LlamaModel(DecoderModel):
@@ -104,13 +105,17 @@ class LlamaModel(DecoderModel):
         shape = self.shape
         return shape.n_heads // size, len(kv_heads_of(shape.n_heads, shape.n_kv_heads, size, rank))
 
-    def attention(self, params, grads, xp, tp):
+    def window(self, index):
+        return self.shape.window(index)
+
+    def attention(self, params, grads, xp, tp, index):
         heads, kv = self.local_heads(tp)
         qkv = SplitQKV(params, grads, xp, "attn", tp, bias="attn/q/bias" in params)
         o = linear(params, grads, "attn/o", xp, bias=False, reduce_out=tp if is_split(tp) else None)
         norms = (self.norm(params, grads, "attn/q_norm", xp), self.norm(params, grads, "attn/k_norm", xp)) \
             if self.shape.qk_norm else (None, None)
-        return CausalAttention(qkv, o, heads, kv, self.shape.head_dim, self.rope(xp, qkv.weight.dtype), xp, *norms)
+        return CausalAttention(qkv, o, heads, kv, self.shape.head_dim, self.rope(xp, qkv.weight.dtype), xp, *norms,
+                               window=self.shape.window(index))
 
     def mlp(self, params, grads, xp, tp):
         return SwiGLU(params, grads, xp, tp=tp)
@@ -118,14 +123,14 @@ class LlamaModel(DecoderModel):
     def fused_kind(self):
         return FusedKind(norm="rms", act="swiglu", rope=True, eps=self.shape.norm_eps, qk_eps=self.shape.norm_eps)
 
-    def fused_block(self, params, fmt):
+    def fused_block(self, params, fmt, index):
         p = params
         bias = np.concatenate([p[f"attn/{x}/bias"] for x in "qkv"]) if "attn/q/bias" in p else None
         return FusedBlock(p["attn_norm/weight"], None, stacked([row_weight(p[f"attn/{x}/weight"], fmt) for x in "qkv"]),
                           bias, row_weight(p["attn/o/weight"], fmt), None, p["mlp_norm/weight"], None,
                           stacked([row_weight(p[f"mlp/{x}/weight"], fmt) for x in ("gate", "up")]), None,
                           row_weight(p["mlp/down/weight"], fmt), None, p.get("attn/q_norm/weight"),
-                          p.get("attn/k_norm/weight"))
+                          p.get("attn/k_norm/weight"), self.shape.window(index))
 
     def shards(self, index, tp, rank):
         shape = self.shape

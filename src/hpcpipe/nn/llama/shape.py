@@ -47,6 +47,8 @@ class LlamaShape(DecoderShape):
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int = 0                  # > 0: the blocks of sliding_layers see their last sliding_window tokens
+    sliding_layers: tuple[int, ...] = ()     # blocks (0-based) with the window; () = every block
 
     label: ClassVar[str] = "llama"
     ff_default: ClassVar[str] = "the default"
@@ -84,11 +86,22 @@ class LlamaShape(DecoderShape):
         if theta != self.rope_theta:
             raise ValueError(f"llama rope_scaling says rope_theta {theta!r} but rope_theta is {self.rope_theta!r}")
         object.__setattr__(self, "rope_scaling", scaling)
+        positive_int(self.label, "sliding_window", self.sliding_window, "no window")
+        layers = tuple(int(i) for i in self.sliding_layers)
+        if any(not 0 <= i < self.n_blocks for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"llama sliding_layers {list(layers)} must be distinct blocks of 0..{self.n_blocks - 1}")
+        object.__setattr__(self, "sliding_layers", layers)
 
     @property
     def ff(self) -> int:
         """Width of the MLP's hidden layer (gate and up outputs)."""
         return self.d_ff or default_ff(self.d_model)
+
+    def window(self, index: int) -> int:
+        """The sliding window of layer group ``index`` (block index - 1): 0 when it sees the whole context."""
+        if not self.sliding_window or not 1 <= index <= self.n_blocks:
+            return 0
+        return self.sliding_window if not self.sliding_layers or index - 1 in self.sliding_layers else 0
 
     @property
     def q_width(self) -> int:

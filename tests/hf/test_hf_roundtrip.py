@@ -46,7 +46,8 @@ def _hpcpipe_logits(weights: Path, tokens: np.ndarray) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": False}),
                                             ("qwen2", {"tie_word_embeddings": True}), ("gpt2", {}),
-                                            ("qwen3", {"tie_word_embeddings": True})])
+                                            ("qwen3", {"tie_word_embeddings": True}), ("mixtral", {}),
+                                            ("qwen3_moe", {})])
 def test_import_train_export_and_transformers_loads_the_trained_model(tmp_path, arch, overrides):
     hf = _hf_dir(tmp_path, arch, **overrides)
     imported = tmp_path / "imported.h5"
@@ -60,11 +61,9 @@ def test_import_train_export_and_transformers_loads_the_trained_model(tmp_path, 
             "--set", "train.steps=2", "--set", "train.micro_batches=2", "--set", "train.micro_batch_size=2",
             "--set", 'train.optimizer="adam"', "--set", "train.lr=0.01", "--set", f'checkpoint.dir="{tmp_path / "ck"}"',
             "--set", "log.progress=false"]
-    for key in ("kind", "vocab_size", "seq_len", "d_model", "n_heads", "n_blocks", "d_ff", "tie_embeddings"):
-        args += ["--set", f"model.{key}={json.dumps(model[key])}"]
-    if arch != "gpt2":
-        for key in ("n_kv_heads", "head_dim", "rope_theta", "norm_eps", "qkv_bias", "qk_norm"):
-            args += ["--set", f"model.{key}={json.dumps(model[key])}"]
+    for key, value in model.items():          # the imported model's keys, restated (TOML: JSON's scalars and lists)
+        if key not in ("init", "seed", "dtype", "weight_format", "rope_scaling"):
+            args += ["--set", f"model.{key}={json.dumps(value)}"]
     trained = run_command(4, "hpcpipe.train", args, timeout=180)
     assert trained.returncode == 0, trained.stderr
     out = tmp_path / "exported"

@@ -92,11 +92,17 @@ def tiny_config(arch: str, **overrides):
         return T.GPT2Config(**{**args, **overrides})
     args = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}[arch]
-    if arch == "mistral":
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
+           "mixtral": T.MixtralConfig, "qwen3_moe": T.Qwen3MoeConfig}[arch]
+    if arch in ("mistral", "mixtral"):
         args["sliding_window"] = None
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         args["head_dim"] = 16
+    if arch == "mixtral":
+        args.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        args.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+                    mlp_only_layers=[1], num_hidden_layers=3)
     return cls(**{**args, **overrides})
 
 

@@ -63,10 +63,29 @@ def torch_llama(shape, groups, tokens, targets):
         out = torch.softmax(scores, -1) @ v
         return out.transpose(1, 2).reshape(b, t, n_h * hd) @ p["attn/o/weight"]
 
+    def experts(u, p):                               # a sparse mixture of experts, as transformers routes
+        x = u.reshape(-1, u.shape[-1])
+        probs = torch.softmax(x @ p["mlp/router/weight"], -1)
+        w, top = torch.topk(probs, shape.experts_per_token, dim=-1)
+        if shape.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(shape.n_experts):
+            rows, pick = torch.where(top == e)
+            if len(rows):
+                xe = x[rows]
+                y = (torch.nn.functional.silu(xe @ p["mlp/experts/gate"][e]) * (xe @ p["mlp/experts/up"][e])) \
+                    @ p["mlp/experts/down"][e]
+                out = out.index_add(0, rows, w[rows, pick, None] * y)
+        return out.reshape(u.shape)
+
     h = tg[0]["tok_emb"][torch.as_tensor(tokens)]
     for index, p in enumerate(tg[1:-1], start=1):
         a = h + attn(rmsnorm(h, p["attn_norm/weight"]), p, shape.window(index))
         u = rmsnorm(a, p["mlp_norm/weight"])
+        if "mlp/router/weight" in p:
+            h = a + experts(u, p)
+            continue
         h = a + (torch.nn.functional.silu(u @ p["mlp/gate/weight"]) * (u @ p["mlp/up/weight"])) @ p["mlp/down/weight"]
     u = rmsnorm(h, tg[-1]["norm/weight"])
     logits = u @ (tg[0]["tok_emb"].T if shape.tied else tg[-1]["head/weight"])

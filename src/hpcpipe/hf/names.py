@@ -15,7 +15,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import HFModel
-from hpcpipe.hf.pieces import HEAD, Piece
+from hpcpipe.hf.pieces import HEAD, Piece, param_shapes
 from hpcpipe.hf.safetensors import TensorFiles
 from hpcpipe.hf.safetensors_part import read_part
 from hpcpipe.kernels.formats import RowWeight
@@ -93,7 +93,8 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
     for index in indices:
         arrays = {}
         pieces = group_pieces(hf.kind, hf.model, index)
-        cut = shards(index, [p.name for p in pieces]) if shards is not None else {}
+        shapes = param_shapes(pieces)
+        cut = shards(index, list(shapes)) if shards is not None else {}
         for piece in pieces:
             if piece.name in skip:
                 continue
@@ -103,6 +104,14 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                 raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
                                   f"needs {piece.hf_shape}")
             part = cut.get(piece.name)
+            if piece.stack is not None:          # one expert's tensor: a slice of the block's (E, ...) array
+                value = tensors.read(name, dtype, transpose=piece.transpose)
+                bad = _non_finite(value)
+                stacked = arrays.setdefault(piece.name, np.empty(shapes[piece.name], dtype=value.dtype))
+                stacked[piece.stack] = value
+                if bad:
+                    raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s)")
+                continue
             if stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
                 value = _stored_rows(tensors, name, info.dtype, piece)
                 bad = value.non_finite()
@@ -144,15 +153,18 @@ def hf_state(kind: str, model_keys: dict[str, Any], groups: dict[int, dict[str, 
     out: dict[str, np.ndarray] = {}
     for index, arrays in sorted(groups.items()):
         pieces = group_pieces(kind, model_keys, index)
-        expected = {p.name for p in pieces}
+        shapes = param_shapes(pieces)
+        expected = set(shapes)
         if set(arrays) != expected:
             raise ConfigError(f"layer group {index} holds {sorted(arrays)}, the {kind} model needs "
                               f"{sorted(expected)}")
         for piece in pieces:
             value = np.asarray(arrays[piece.name])
-            if value.shape != piece.shape:
+            if value.shape != shapes[piece.name]:
                 raise ConfigError(f"layer group {index}: {piece.name} has shape {value.shape}, the model needs "
-                                  f"{piece.shape}")
+                                  f"{shapes[piece.name]}")
+            if piece.stack is not None:
+                value = value[piece.stack]
             out[full_name(piece.hf, _hf_map(kind).prefix)] = np.ascontiguousarray(value.T) if piece.transpose else value
     return out
 

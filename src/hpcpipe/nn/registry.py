@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcpipe.nn import gpt, llama, mlp
+from hpcpipe.nn import gpt, llama, mlp, moe
 from hpcpipe.nn.kind import Key, Kind
 from hpcpipe.nn.model_def import ModelDef
 
@@ -16,6 +16,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     mlp.KIND,
     gpt.KIND,
     llama.KIND,
+    moe.KIND,
 )}
 
 

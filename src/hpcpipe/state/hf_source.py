@@ -19,6 +19,7 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import HFModel, read_hf_config
 from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
+from hpcpipe.hf.pieces import param_shapes
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
 from hpcpipe.nn.core.half_table import HalfTable
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
@@ -83,8 +84,9 @@ class HFSource:
         for spec in specs:
             want = dict(spec.shapes)
             pieces = group_pieces(self.hf.kind, self.hf.model, spec.index)
-            if sorted(want) != sorted(p.name for p in pieces):
-                raise ConfigError(f"{self.describe()}: layer group {spec.index} holds {sorted(p.name for p in pieces)}"
+            shapes = param_shapes(pieces)
+            if sorted(want) != sorted(shapes):
+                raise ConfigError(f"{self.describe()}: layer group {spec.index} holds {sorted(shapes)}"
                                   f", this run's model needs {sorted(want)} (a [model] key contradicts config.json)")
             for piece in pieces:
                 name = full_name(piece.hf, prefix)
@@ -92,7 +94,7 @@ class HFSource:
                 if info.shape != piece.hf_shape:
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} has shape {info.shape}, the config "
                                       f"needs {piece.hf_shape}")
-                if tuple(want[piece.name]) != tuple(piece.shape):
+                if tuple(want[piece.name]) != tuple(shapes[piece.name]):
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} gives {piece.name} of shape "
                                       f"{piece.shape}, this run's model needs {tuple(want[piece.name])} (a [model] "
                                       f"key contradicts config.json)")

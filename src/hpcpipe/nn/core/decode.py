@@ -65,10 +65,11 @@ class DecodeStage:
             raise ValueError(f"decode stage slots must be a positive integer, got {slots!r}")
         if weight_format not in FORMATS:
             raise ValueError(f"decode stage: weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
-        if compiled and not compiled_available(xp, dtype, tp):
-            raise ValueError("decode stage: the compiled kernels run NumPy float32 stages of one tp rank, and only "
-                             "when built (pip install with a C compiler)")
-        self.compiled = compiled_available(xp, dtype, tp) if compiled is None else compiled
+        if compiled and not compiled_available(xp, dtype, tp, model):
+            raise ValueError("decode stage: the compiled kernels run NumPy float32 stages of one tp rank, of a model "
+                             "whose blocks they compute (not experts), and only when built (pip install with a C "
+                             "compiler)")
+        self.compiled = compiled_available(xp, dtype, tp, model) if compiled is None else compiled
         self.shape, self.groups, self.xp, self.slots = shape, groups, xp, slots
         self.dtype = np.dtype(dtype)
         self.weight_format = weight_format

@@ -108,8 +108,8 @@ class DecoderModel(ModelDef):
         """Return block ``index``'s attention (hpcpipe.nn.core.attention.CausalAttention) over this rank's heads."""
         raise NotImplementedError
 
-    def mlp(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any) -> Any:
-        """Return a block's MLP over this rank's hidden columns."""
+    def mlp(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any, index: int) -> Any:
+        """Return block ``index``'s MLP over this rank's hidden columns."""
         raise NotImplementedError
 
     def local_heads(self, tp: Any) -> tuple[int, int]:
@@ -118,6 +118,10 @@ class DecoderModel(ModelDef):
 
     def shards(self, index: int, tp: int, rank: int) -> dict[str, Shard]:
         raise NotImplementedError
+
+    def fusable(self) -> bool:
+        """Whether the compiled decode step computes every block of this model (a kind it cannot: False)."""
+        return True
 
     def fused_kind(self) -> FusedKind:
         """What the compiled decode step computes for this kind (norm, MLP, RoPE, epsilons)."""
@@ -151,7 +155,7 @@ class DecoderModel(ModelDef):
         forward only)."""
         first, second, _ = self.NORMS
         return Block(self.norm(params, grads, first, xp), self.attention(params, grads, xp, tp, index),
-                     self.norm(params, grads, second, xp), self.mlp(params, grads, xp, tp))
+                     self.norm(params, grads, second, xp), self.mlp(params, grads, xp, tp, index))
 
     def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None) -> Layer:
         if index == 0:

@@ -20,9 +20,10 @@ from hpcpipe.kernels.stage import StagePlan
 from hpcpipe.nn.core.half_table import HalfTable
 
 
-def compiled_available(xp: Any, dtype: Any, tp: Any) -> bool:
-    """Whether a stage on this backend, dtype and tensor-parallel group can run compiled."""
-    return xp is np and np.dtype(dtype) == np.float32 and (tp is None or tp.size == 1) and cpu.library() is not None
+def compiled_available(xp: Any, dtype: Any, tp: Any, model: Any = None) -> bool:
+    """Whether a stage of ``model`` on this backend, dtype and tensor-parallel group can run compiled."""
+    return xp is np and np.dtype(dtype) == np.float32 and (tp is None or tp.size == 1) and \
+        cpu.library() is not None and (model is None or model.fusable())
 
 
 def table_rows(table: Any, ids: np.ndarray) -> np.ndarray:

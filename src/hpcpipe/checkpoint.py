@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             print(info(args.dir))
     except ConfigError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if args.command == "import" else 1    # a Hugging Face directory is input, not a checkpoint
     except BrokenPipeError:
         return reader_left()     # the reader (`| head`) left
     except OSError as exc:

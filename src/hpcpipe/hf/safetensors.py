@@ -22,6 +22,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import read_json_file
+from hpcpipe.hf.json_text import JSONTextError, loads
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -147,9 +148,9 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     except OSError as exc:
         raise ConfigError(f"{label} cannot be read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{label}: its header is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        header = loads(text)
+    except JSONTextError as exc:
+        raise ConfigError(f"{label}: its header {exc}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{label}: its header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", None) or {}

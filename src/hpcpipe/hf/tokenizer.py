@@ -25,6 +25,7 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf import backend
 from hpcpipe.hf.config import token_ids
+from hpcpipe.hf.json_text import JSONTextError, check_depth, loads
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "config.json")
@@ -51,8 +52,11 @@ class HFTokenizer:
             raise ConfigError(f"{source}: tokenizer_config.json and config.json must hold JSON objects")
         try:
             text = raw.decode("utf-8")
+            check_depth(text)     # the tokenizers package parses it: refused here in one line
         except UnicodeDecodeError:
             raise ConfigError(f"{source}: tokenizer.json is not UTF-8 text") from None
+        except JSONTextError as exc:
+            raise ConfigError(f"{source}: tokenizer.json {exc}") from None
         self.config = config
         self.backend_class = backend.tokenizer_class(config, model_config, text)
         doc = self._json("tokenizer.json") if self.backend_class in backend.CLASS_DEFAULTS else {}
@@ -92,9 +96,9 @@ class HFTokenizer:
         if data is None:
             return None
         try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{self.source}: {name} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+            return loads(data)
+        except JSONTextError as exc:
+            raise ConfigError(f"{self.source}: {name} {exc}") from None
 
     @property
     def vocab_size(self) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import check_links, member
+from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.tokenizer import KIND_JSON, from_files, plain_name, tokenizer_files
 
 KINDS = ("bytes", "chars")
@@ -109,9 +110,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"tokenizer: the attribute must be JSON text, got {type(text).__name__}")
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tokenizer: the attribute is not valid JSON ({exc})") from None
+            doc = loads(text)
+        except JSONTextError as exc:
+            raise ValueError(f"tokenizer: the attribute {exc}") from None
         if not isinstance(doc, dict):
             raise ValueError(f"tokenizer: the attribute must be a JSON object like {{\"kind\": \"bytes\"}}, "
                              f"got {text[:60]!r}")
@@ -218,8 +219,8 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
         except UnicodeDecodeError:
             raise ConfigError(f"{label}: root attribute tokenizer is not UTF-8 text") from None
     try:
-        doc = json.loads(value) if isinstance(value, str) else None
-    except json.JSONDecodeError:
+        doc = loads(value) if isinstance(value, str) else None
+    except JSONTextError:
         doc = None       # Tokenizer.from_json below says what is wrong
     if isinstance(doc, dict) and doc.get("kind") == HF_KIND:
         files = member(f, GROUP, label)   # a link that leads nowhere is named here, before the files are read
@@ -247,8 +248,8 @@ def read_stored(f: Any, label: str) -> StoredTokenizer | None:
 def from_hf_directory(directory: str | Path) -> StoredTokenizer:
     """Return the tokenizer of a Hugging Face model directory (its tokenizer files), checked by loading it."""
     stored = StoredTokenizer(KIND_JSON, tuple(sorted(tokenizer_files(directory).items())))
-    try:
-        stored.load()
+    try:    # loaded here, under the directory's name, so that a bad file is named with it
+        stored._loaded.append(from_files(dict(stored.files), f"Hugging Face model directory {str(directory)!r}"))
     except ValueError as exc:
         raise ConfigError(f"{str(Path(directory) / 'tokenizer.json')!r}: {exc}") from None
     return stored

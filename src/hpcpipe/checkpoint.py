@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
 import h5py
 
 from hpcpipe.cli import CommandParser, reader_left
-from hpcpipe.errors import ConfigError
+from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from hpcpipe.h5files import member
 from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
-from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
+from hpcpipe.state.hf_convert import OutOfRange, check_new_directory, export_hf, import_hf
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.outputs import check_writable, commit_output
 from hpcpipe.state.root_latest import lagging_root
@@ -93,14 +95,16 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     tokenizer = source.tokenizer()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")   # never a name a user file could have
-    try:
+
+    def write() -> None:
         write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
                       optimizer=optimizer, optimizer_attrs=attrs, tokenizer=tokenizer)
         cf.fsync_path(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
+
+    # HDF5 after a failed write (a full disk) crashes its process: the child's, and tmp is removed
+    write_in_child(tmp, write, f"export output {str(out)!r}")
+    with signals_held():
+        commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
     return source
 
 
@@ -195,6 +199,11 @@ def all_checkpoints(root: Path) -> list[Path]:
     return [d / cf.step_name(s) for d in [root] + cf.run_dirs(root) for s in cf.committed_steps(d)]
 
 
+def _stop_status(signum: int) -> int:
+    """75 (run it again) for SIGTERM and SIGUSR1, 130 for SIGINT, as every hpcpipe command."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.checkpoint``; returns the exit status."""
     parser = CommandParser(prog="python -m hpcpipe.checkpoint",
@@ -203,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  "followed), a run-NNNN or step-NNNNNNNN directory, a latest file, "
                                                  "or a weights file.",
                                      epilog="exit status: 0 ok, 1 the checkpoint is bad (the message names the "
-                                            "file), 2 usage error (including a PATH that does not exist)")
+                                            "file) or the output could not be written (nothing is left behind), 2 "
+                                            "usage error (a PATH that does not exist, a Hugging Face directory "
+                                            "import cannot use, a value --dtype cannot hold), 75 stopped by "
+                                            "SIGTERM/SIGUSR1 while writing (nothing written), 130 SIGINT")
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="check manifest, sizes, SHA-256, shapes and checksums")
     p_verify.add_argument("dir", metavar="PATH", help="checkpoint root, run or step directory, latest file, "
@@ -273,9 +285,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"to {args.out!r}")
         else:
             print(info(args.dir))
+    except Stopped as exc:
+        print(f"hpcpipe: stopped ({exc}) before the {args.command} output was whole: nothing was written; exit "
+              f"status {_stop_status(exc.signum)} (run the command again)", file=sys.stderr)
+        return _stop_status(exc.signum)
     except ConfigError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
-        return 2 if args.command == "import" else 1    # a Hugging Face directory is input, not a checkpoint
+        # a Hugging Face directory is input, not a checkpoint; a value --dtype cannot hold is the flag's
+        return 2 if args.command == "import" or isinstance(exc, OutOfRange) else 1
+    except WriteFailed as exc:
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return reader_left()     # the reader (`| head`) left
     except OSError as exc:

@@ -8,6 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.hf import bytelevel_tokenizer, save_model, save_tokenizer, tiny_model
 from support.launch import one_error, run_command, run_module
@@ -146,3 +147,94 @@ def test_start_up_at_the_layer_limit_is_quick(hf):
     proc = run_command(2, "hpcpipe.generate", ["--weights", str(hf), "--prompt", "hi", "--max-new-tokens", "2",
                                                "--set", "parallel.pp=2"], timeout=120)
     one_error(proc, "holds no tensor", "model.layers.2.")
+
+
+# ---- files outside the model directory, files that are no files ----------------------------------------------
+
+def test_a_link_out_of_the_model_directory_is_refused_and_nothing_is_read(hf, tmp_path):
+    """chat_template.jinja -> /etc/passwd was followed and its text embedded in the imported weights file."""
+    (hf / "chat_template.jinja").symlink_to("/etc/passwd")
+    out = tmp_path / "out.h5"
+    proc = run_module("hpcpipe.checkpoint", "import", hf, out, timeout=120)
+    one_error(proc, "chat_template.jinja", "symbolic link to '/etc/passwd'", "outside the model directory")
+    assert not out.exists()
+    proc = run_command(1, "hpcpipe.generate", ["--weights", str(hf), "--prompt", "hi", "--max-new-tokens", "2"],
+                       timeout=120)
+    one_error(proc, "chat_template.jinja", "outside the model directory")
+
+
+def test_links_inside_the_directory_and_the_hub_cache_layout_are_followed(hf, tmp_path):
+    """A snapshot of the hub cache links every file to ../../blobs/: that is the model's own folder."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for i, path in enumerate(sorted(hf.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(path, blob)
+        (snapshot / path.name).symlink_to(f"../../blobs/blob{i}")
+    (hf / "generation_config.json").rename(hf / "generation.json")
+    (hf / "generation_config.json").symlink_to("generation.json")      # a link inside the directory
+    for model in (snapshot, hf):
+        out = tmp_path / f"{model.name}.h5"
+        proc = run_module("hpcpipe.checkpoint", "import", model, out, timeout=120)
+        assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("how,words", [
+    ("dev-zero", ["model.safetensors", "symbolic link to '/dev/zero'", "outside the model directory"]),
+    ("fifo", ["model.safetensors", "is a named pipe, not a regular file"]),
+    ("directory", ["model.safetensors", "is a directory, not a regular file"]),
+    ("config-link", ["config.json", "outside the model directory"]),
+])
+def test_weights_and_config_that_are_no_regular_files_are_named(hf, tmp_path, how, words):
+    """model.safetensors -> /dev/zero was reported as missing ('holds neither model.safetensors nor ...')."""
+    import os
+    if how == "config-link":
+        outside = tmp_path / "elsewhere.json"
+        (hf / "config.json").rename(outside)
+        (hf / "config.json").symlink_to(outside)
+    else:
+        (hf / "model.safetensors").unlink()
+        {"dev-zero": lambda p: p.symlink_to("/dev/zero"), "fifo": os.mkfifo, "directory": Path.mkdir}[how](
+            hf / "model.safetensors")
+    proc = run_module("hpcpipe.checkpoint", "import", hf, tmp_path / "out.h5", timeout=120)
+    one_error(proc, *words)
+
+
+def test_a_safetensors_header_over_16_mib_is_refused_before_it_is_parsed(hf, tmp_path):
+    """An 82 MB header cost 1.3 GB on every rank to parse."""
+    raw = (hf / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {"format": "pt", "padding": "x" * (17 << 20)}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (hf / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    proc = run_module("hpcpipe.checkpoint", "import", hf, tmp_path / "out.h5", timeout=120)
+    one_error(proc, "model.safetensors", f"header is {len(text)} bytes", "limit of 16777216")
+
+
+def test_tensors_the_model_does_not_use_are_named_in_a_warning(hf, tmp_path):
+    """Extra tensors were ignored silently; transformers' own ignored buffers stay unmentioned."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.layers.0.mlp.extra_proj.weight"] = np.ones((4, 4), np.float32)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_module("hpcpipe.checkpoint", "import", hf, tmp_path / "out.h5", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: warning:")]
+    assert len(warnings) == 1 and "1 tensor(s)" in warnings[0], proc.stderr
+    assert "'model.layers.0.mlp.extra_proj.weight'" in warnings[0] and "inv_freq" not in warnings[0]
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_import(hf, tmp_path):
+    """Import accepted it and generate refused the import ('its tokenizer has 302 tokens'), unexplained."""
+    path = hf / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "extra_special_tokens": ["<tool>", "<call>"]}))
+    out = tmp_path / "out.h5"
+    proc = run_module("hpcpipe.checkpoint", "import", hf, out, timeout=120)
+    one_error(proc, "tokenizer has 302 token ids", "model.vocab_size = 300", "300 '<tool>'", "301 '<call>'",
+              "special tokens")
+    assert not out.exists()

@@ -9,12 +9,14 @@ quantized weights) is a one-line ConfigError naming the file and the value, neve
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.json_text import JSONTextError, loads
+from hpcpipe.hf.model_files import model_file
 from hpcpipe.nn.registry import hf_kind, hf_model_types
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -48,12 +50,11 @@ class HFModel:
 
 
 def read_json_file(path: Path, what: str = "file") -> Any:
-    """Return the parsed JSON of a file; ConfigError of one line naming it when it is unreadable or not JSON."""
+    """Return the parsed JSON of a model directory's file; ConfigError of one line naming it when it is missing, a
+    link out of the directory, not a regular file, unreadable or not JSON (nested too deep included)."""
     label = f"{what} {str(path)!r}"
-    if not path.exists():
+    if model_file(path.parent, path.name, what) is None:     # a link out of the model directory is refused
         raise ConfigError(f"{label} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{label} is not a regular file")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -119,7 +120,7 @@ def _dtype(cfg: dict, label: str) -> str | None:
 def _special_ids(directory: Path, cfg: dict, label: str) -> tuple[tuple[int, ...], int | None]:
     """Return (eos ids, bos id) from generation_config.json when it names them, else from config.json."""
     gen_path = directory / "generation_config.json"
-    gen = read_json_file(gen_path, "Hugging Face generation config") if gen_path.exists() else {}
+    gen = read_json_file(gen_path, "Hugging Face generation config") if os.path.lexists(gen_path) else {}
     if not isinstance(gen, dict):
         raise ConfigError(f"{str(gen_path)!r} must hold a JSON object, got {type(gen).__name__}")
     eos_source, eos_label = (gen, repr(str(gen_path))) if gen.get("eos_token_id") is not None else (cfg, label)

@@ -104,8 +104,9 @@ def _report(exc: BaseException) -> bytes:
             pass
     code = getattr(exc, "errno", None)
     if isinstance(exc, OSError) and code:
-        full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-        line = os.strerror(code) + (" (the disk or the quota is full)" if full else "")
+        why = {errno.ENOSPC: " (the disk is full)", errno.EDQUOT: " (the quota is full)",
+               errno.EFBIG: " (the file size limit, ulimit -f, was reached)"}.get(code, "")
+        line = os.strerror(code) + why
     else:
         line = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     return b"T" + line.encode("utf-8", "replace")

@@ -25,12 +25,14 @@ import numpy as np
 
 from hpcpipe.config import DECODERS, from_dict
 from hpcpipe.errors import ConfigError
+from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.names import group_pieces
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.child_write import check_space, signals_held, write_in_child
 from hpcpipe.state.hf_source import HFSource, hf_source
 from hpcpipe.state.outputs import commit_output
+from hpcpipe.state.tokenizer import check_vocabulary
 from hpcpipe.state.weights import FORMAT, FORMAT_VERSION, layer_group
 from hpcpipe.state.weights_source import WeightsSource
 
@@ -76,6 +78,7 @@ def import_hf(directory: str | Path, out: str | Path) -> HFSource:
     config = from_dict({"model": source.model, "parallel": {"pp": 1}})
     model = config.to_dict()["model"]
     source.check(model_def(config).specs)     # names and shapes from the headers: refused before anything is written
+    check_vocabulary(stored, config.model.vocab_size, source.describe())   # generate would refuse the import
     out = Path(out)
     what = f"import output {str(out)!r}"
     check_space(out.parent, _import_bytes(source, stored), what)
@@ -135,6 +138,32 @@ def _tokenizer_files(stored: Any, label: str) -> dict[str, bytes]:
     return {name: data for name, data in stored.files if name != "config.json"}
 
 
+def _original_context(stored: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """{"max_position_embeddings": the original model's context} when the model came from a Hugging Face directory
+    (its config.json travels with the tokenizer) with a longer context than the run's model.seq_len, else {}.
+
+    A fine-tuning run on 256-token windows of a 128k-context Llama must not shrink the model's declared
+    context: RoPE has no position table, the weights are the same shape at any context. Only a model of the
+    original's shape counts (a model trained from scratch with a borrowed tokenizer keeps its own seq_len).
+    """
+    if stored is None or stored.kind != "hf" or "max_position_embeddings" not in config:
+        return {}
+    raw = dict(stored.files).get("config.json")
+    try:
+        original = loads(raw) if raw is not None else None
+    except JSONTextError:
+        return {}
+    if not isinstance(original, dict):
+        return {}
+    same = all(original.get(key) == config.get(key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                                "num_attention_heads", "intermediate_size"))
+    context = original.get("max_position_embeddings")
+    if same and isinstance(context, int) and not isinstance(context, bool) and \
+            context > config["max_position_embeddings"]:
+        return {"max_position_embeddings": context}
+    return {}
+
+
 def export_hf(source: WeightsSource, out: str | Path, dtype: str = "float32") -> None:
     """Write the model of a source (checkpoint, weights file) as a new Hugging Face directory at out."""
     kind = source.model_kind
@@ -161,6 +190,7 @@ def export_hf(source: WeightsSource, out: str | Path, dtype: str = "float32") ->
         check_range(tensors, dtype, label)
         write_sharded(tmp, tensors, SHARD_BYTES, dtype=dtype)
         config = hf_config_dict(kind, keys, dtype, eos, bos)
+        config.update(_original_context(stored, config))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if "generation_config.json" not in files:
             generation = {"bos_token_id": bos, "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None)}

@@ -239,6 +239,29 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
     return StoredTokenizer(value)
 
 
+def check_vocabulary(stored: StoredTokenizer, vocab: int, label: str) -> None:
+    """Refuse a tokenizer that makes ids the model has no embedding row for, naming those ids and tokens.
+
+    A Hugging Face tokenizer's count is its largest id + 1 over tokenizer.json's vocabulary, its added tokens
+    and the special tokens tokenizer_config.json (or the tokenizer class, by default) adds: a class default
+    such as ``<unk>`` can push it past the model's vocabulary without any file listing it.
+    """
+    n = stored.vocab_size
+    if n <= vocab:
+        return
+    tokenizer = stored.load()
+    if stored.kind == HF_KIND:
+        shown = [f"{i} {tokenizer.id_to_token(i)!r}" for i in range(vocab, min(n, vocab + 4))]
+        more = f" and {n - vocab - len(shown)} more" if n - vocab > len(shown) else ""
+        why = (f"ids {', '.join(shown)}{more} come from tokenizer.json's added tokens or the special tokens "
+               f"tokenizer_config.json or the tokenizer class adds")
+    else:
+        why = f"a {stored.kind} tokenizer makes ids 0..{n - 1}"
+    raise ConfigError(f"{label}: its tokenizer has {n} token ids (0..{n - 1}) but the model's vocabulary is "
+                      f"model.vocab_size = {vocab} (ids 0..{vocab - 1}): {why}, and the model has no embedding "
+                      f"row for them")
+
+
 def read_stored(f: Any, label: str) -> StoredTokenizer | None:
     """Return the tokenizer stored in an open h5py file, None when it has none; ConfigError naming label."""
     value = f.attrs.get("tokenizer")

@@ -92,8 +92,7 @@ def format_summary(report: dict[str, Any]) -> str:
     """Return the one-line human summary rank 0 prints."""
     r, lat = report, report["latency_ms"]
     return (f"hpcpipe: inferred {r['rows']} rows in {r['elapsed_s']:.3f} s: {r['rows_per_s']:.0f} rows/s "
-            f"(dp={r['dp']} pp={r['pp']}, {r['micro_batches']} micro-batch{'es' if r['micro_batches'] != 1 else ''} "
-            f"of {r['micro_batch_size']}); "
+            f"(dp={r['dp']} pp={r['pp']}, {r['micro_batches']} micro-batches of {r['micro_batch_size']}); "
             f"latency p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms; fill {r['fill_ms']:.1f} ms "
             f"drain {r['drain_ms']:.1f} ms (together {100 * r['fill_drain_fraction']:.1f}% of the run); ranks "
             f"idle {100 * r['bubble']:.1f}% of the run (reading, writing, messages and the pipeline bubble, "

@@ -19,21 +19,27 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
 import h5py
 
 from hpcpipe.cli import CommandParser, reader_left
-from hpcpipe.errors import ConfigError
+from hpcpipe.config import from_dict
+from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from hpcpipe.h5files import member
+from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
-from hpcpipe.state.hf_convert import check_new_directory, export_hf, import_hf
+from hpcpipe.state.hf_convert import OutOfRange, check_new_directory, export_hf, import_hf
+from hpcpipe.state.hf_source import hf_source, is_hf_directory
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.outputs import check_writable, commit_output
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.sources import protected_paths, refuse_overwrite, resolve_step_dir, resolve_weights
+from hpcpipe.state.tokenizer import check_vocabulary
 from hpcpipe.state.weights import (
     check_weights,
     layer_group,
@@ -56,6 +62,8 @@ def verify(path: str | Path) -> WeightsSource:
     p = Path(path)
     if p.is_file() and p.name != cf.LATEST:
         return _verify_weights_file(p)
+    if _hf_directory(p):
+        return _verify_hf(p)
     source = checkpoint_source(resolve_step_dir(p))
     for entry in source.manifest["files"]:
         path_i = source.path / entry["name"]
@@ -82,6 +90,37 @@ def _verify_weights_file(path: Path) -> WeightsSource:
     return source
 
 
+def _hf_directory(p: Path) -> bool:
+    """A Hugging Face model directory (config.json), not a checkpoint that happens to hold one."""
+    return is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not os.path.lexists(p / cf.LATEST)
+
+
+def _verify_hf(path: Path) -> WeightsSource:
+    """Check a Hugging Face model directory as generate would read it: config.json, tokenizer, every tensor's name,
+    shape and values (finite), a layer group at a time."""
+    source = hf_source(path)
+    config = from_dict({"model": source.model, "parallel": {"pp": 1}})
+    source.check(model_def(config).specs)
+    stored = source.tokenizer()
+    check_vocabulary(stored, config.model.vocab_size, source.describe())
+    for index in range(source.n_layers):
+        source.read([index])
+    return source
+
+
+def _describe_hf(path: Path) -> list[str]:
+    """Lines about a Hugging Face model directory: its model, weights files and tokenizer."""
+    source = hf_source(path)
+    model, tokenizer = _model_lines(source)
+    tensors = source.tensors
+    files = sorted(set(tensors.weight_map.values()))
+    size = sum((path / name).stat().st_size for name in files)
+    return [f"Hugging Face model directory {str(path)!r} (model_type {source.hf.model_type}, not a checkpoint): "
+            f"{model}", f"  dtype {source.hf.dtype or 'not stated'}; {len(tensors.weight_map)} tensors in "
+            f"{', '.join(files) if len(files) <= 3 else f'{len(files)} safetensors shards'} ({size} bytes)",
+            *tokenizer]
+
+
 def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> WeightsSource:
     """Write every layer of a checkpoint (or weights file) into one weights file, atomically."""
     source = resolve_weights(path)
@@ -93,14 +132,16 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     tokenizer = source.tokenizer()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")   # never a name a user file could have
-    try:
+
+    def write() -> None:
         write_weights(tmp, arrays, n_layers=source.n_layers, model_config=source.model, step=source.step,
                       optimizer=optimizer, optimizer_attrs=attrs, tokenizer=tokenizer)
         cf.fsync_path(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
+
+    # HDF5 after a failed write (a full disk) crashes its process: the child's, and tmp is removed
+    write_in_child(tmp, write, f"export output {str(out)!r}")
+    with signals_held():
+        commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
     return source
 
 
@@ -174,6 +215,8 @@ def info(path: str | Path) -> str:
     p = Path(path)
     if p.is_file() and p.name != cf.LATEST:
         return "\n".join(_describe_weights_file(resolve_weights(p)))
+    if _hf_directory(p):
+        return "\n".join(_describe_hf(p))
     lines = _describe_dir(p) if p.is_dir() and not (p / cf.MANIFEST).exists() else []
     source = checkpoint_source(resolve_step_dir(p))
     m = source.manifest
@@ -195,6 +238,11 @@ def all_checkpoints(root: Path) -> list[Path]:
     return [d / cf.step_name(s) for d in [root] + cf.run_dirs(root) for s in cf.committed_steps(d)]
 
 
+def _stop_status(signum: int) -> int:
+    """75 (run it again) for SIGTERM and SIGUSR1, 130 for SIGINT, as every hpcpipe command."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.checkpoint``; returns the exit status."""
     parser = CommandParser(prog="python -m hpcpipe.checkpoint",
@@ -203,16 +251,21 @@ def main(argv: list[str] | None = None) -> int:
                                                  "followed), a run-NNNN or step-NNNNNNNN directory, a latest file, "
                                                  "or a weights file.",
                                      epilog="exit status: 0 ok, 1 the checkpoint is bad (the message names the "
-                                            "file), 2 usage error (including a PATH that does not exist)")
+                                            "file) or the output could not be written (nothing is left behind), 2 "
+                                            "usage error (a PATH that does not exist, a Hugging Face directory "
+                                            "import cannot use, a value --dtype cannot hold), 75 stopped by "
+                                            "SIGTERM/SIGUSR1 while writing (nothing written), 130 SIGINT")
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="check manifest, sizes, SHA-256, shapes and checksums")
     p_verify.add_argument("dir", metavar="PATH", help="checkpoint root, run or step directory, latest file, "
                                                        "or weights file")
     p_verify.add_argument("--all", action="store_true", help="with a root: verify every committed checkpoint of "
                                                              "every run")
-    p_export = sub.add_parser("export", help="write one weights file holding every layer: export PATH OUT")
+    p_export = sub.add_parser("export", help="write one weights file holding every layer (export PATH OUT), or a "
+                                             "Hugging Face model directory (export PATH OUT --format hf)")
     p_export.add_argument("dir", metavar="PATH")
-    p_export.add_argument("out", metavar="OUT", help="output HDF5 weights file")
+    p_export.add_argument("out", metavar="OUT", help="the output: a new HDF5 weights file, or with --format hf a new "
+                                                     "directory (never an existing one)")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
     p_export.add_argument("--format", choices=("hpcpipe", "hf"), default="hpcpipe",
                           help="hpcpipe: one HDF5 weights file (default); hf: a new Hugging Face model directory "
@@ -233,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             root = Path(args.dir)
             targets = all_checkpoints(root) if args.all and root.is_dir() and not (root / cf.MANIFEST).exists() \
-                else [root]
+                and not _hf_directory(root) else [root]
             if not targets:
                 raise ConfigError(f"{str(root)!r} holds no committed checkpoint")
             for target in targets:
                 source = verify(target)
-                files = f"{len(source.manifest['files'])} files, " if source.manifest else ""
+                manifest = getattr(source, "manifest", None)     # a Hugging Face directory has none
+                files = f"{len(manifest['files'])} files, " if manifest else ""
                 print(f"ok: {source.describe()} step {source.step}, {files}"
                       f"{count_text(source.model_kind, source.n_layers)}")
         elif args.command == "import":
@@ -273,7 +327,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"to {args.out!r}")
         else:
             print(info(args.dir))
+    except Stopped as exc:
+        print(f"hpcpipe: stopped ({exc}) before the {args.command} output was whole: nothing was written; exit "
+              f"status {_stop_status(exc.signum)} (run the command again)", file=sys.stderr)
+        return _stop_status(exc.signum)
     except ConfigError as exc:
+        print(f"hpcpipe: error: {exc}", file=sys.stderr)
+        # a Hugging Face directory is input, not a checkpoint; a value --dtype cannot hold is the flag's
+        return 2 if args.command == "import" or isinstance(exc, OutOfRange) else 1
+    except WriteFailed as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:

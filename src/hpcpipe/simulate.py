@@ -19,6 +19,7 @@ The simulator itself is :mod:`hpcpipe.schedule.event_sim` (per action) and
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from hpcpipe.cli import CommandParser, reader_left
@@ -63,6 +64,13 @@ def _listing(items: list[str], edge: int = 8) -> str:
     if len(items) <= 3 * edge:
         return " ".join(items)
     return " ".join(items[:edge]) + f" ... ({len(items) - 2 * edge} more) ... " + " ".join(items[-edge:])
+
+
+def _unit(args: argparse.Namespace) -> str:
+    """The step time's unit: a trace's costs are seconds; --costs are in whatever unit the user gave them."""
+    if args.calibrate:
+        return f"s (costs measured in {args.calibrate!r})"
+    return f"units of --costs (F,B[,W[,comm]] = {args.costs} per stage; seconds when they are seconds)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +136,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     print(f"schedule {args.schedule}  pp={args.pp}  micro-batches={args.micro_batches}  "
           f"virtual stages={args.virtual_stages}" + (f"  tp={args.tp}" if args.tp != 1 else ""))
-    print(f"step time        {result.step_time:.6g}")
+    print(f"step time        {result.step_time:.6g} {_unit(args)}")
     print(f"bubble           {result.bubble:.4f} of rank time ({result.bubble_over_compute:.4f} of compute)")
     print("peak stashed     " + _listing([f"r{r}:{n}" for r, n in enumerate(result.peak_stashed)])
           + ("  (micro-batches per rank)" if args.virtual_stages == 1 else

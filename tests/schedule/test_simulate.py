@@ -95,6 +95,16 @@ def test_cli_prints_step_time_bubble_and_peaks(capsys):
     assert "r0:8 r1:7" in out and "r7:1" in out
 
 
+def test_cli_says_the_unit_of_the_step_time(capsys, tmp_path):
+    """`step time 117` had no unit: --costs are in the user's unit, a trace's in seconds."""
+    assert main(["--pp", "4", "--costs", "1,2,1,0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step time"))
+    assert line.endswith("units of --costs (F,B[,W[,comm]] = 1,2,1,0 per stage; seconds when they are seconds)")
+    assert main(["--pp", "2", "--calibrate", str(_fake_trace(tmp_path / "t.json"))]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step time"))
+    assert " s (costs measured in " in line
+
+
 def test_cli_into_a_reader_that_left_stops_quietly():
     import subprocess
     import sys

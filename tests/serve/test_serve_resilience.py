@@ -253,6 +253,18 @@ def test_weights_that_overflow_in_the_forward_are_refused_at_load(tmp_path, modu
     assert "hpcpipe: serving" not in proc.stdout, line
 
 
+@pytest.mark.parametrize("ranks,pp", [(2, 1), (4, 2)])
+def test_weights_that_overflow_are_refused_at_load_under_tensor_parallelism(tmp_path, ranks, pp):
+    """Issue 40: at parallel.tp > 1 the probe was skipped and generate exited 0 with finish_reason error."""
+    path = tmp_path / "huge.h5"
+    poisoned(path, None)
+    args = ["--weights", str(path), "--prompt", "abc", "--max-new-tokens", "2", "--set", f"parallel.pp={pp}",
+            "--set", "parallel.tp=2"]
+    proc = run(command(ranks, "hpcpipe.generate", args), timeout=120)
+    one_error(proc, "not finite", str(path), "stage 0")
+    assert "finish_reason" not in proc.stderr
+
+
 # ---- item 5: who may reach the server -----------------------------------------------------------------------
 
 def test_a_non_loopback_bind_without_an_api_key_is_warned_about(model):

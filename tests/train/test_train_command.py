@@ -122,7 +122,8 @@ def _bad_data(tmp_path):
      "dataset 'x' in 'BAD' has shape (10, 8); model.dims[0] = 16 needs (N, 16)"),
     (2, ["--config", "/nonexistent/c.toml"], "config file '/nonexistent/c.toml' does not exist"),
     (2, ["--set", "parallel.pp=2", "--set", "model.init=\"/nonexistent/w.h5\""],
-     "model.init '/nonexistent/w.h5' does not exist (give a weights file or a checkpoint directory)"),
+     "model.init '/nonexistent/w.h5' does not exist (give a weights file, a checkpoint directory or a Hugging Face "
+     "model directory)"),
     (2, ["--set", "parallel.pp=2", "--set", "checkpoint.dir=\"nock\"", "--resume"],
      "checkpoint.dir 'nock' does not exist: nothing to resume (without --resume a fresh run starts there)"),
 ])

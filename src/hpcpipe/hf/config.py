@@ -9,15 +9,25 @@ quantized weights) is a one-line ConfigError naming the file and the value, neve
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.hf.json_text import JSONTextError, loads
+from hpcpipe.hf.model_files import model_file
 from hpcpipe.nn.registry import hf_kind, hf_model_types
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+# config.json's sizes, bounded before anything is built from them: far above every released model, far below
+# what would take gigabytes or minutes to refuse (num_hidden_layers = 10**8 took 3.7 GB before failing)
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 17
+SIZE_LIMITS = {"num_hidden_layers": MAX_LAYERS, "n_layer": MAX_LAYERS,
+               "hidden_size": MAX_WIDTH, "n_embd": MAX_WIDTH, "intermediate_size": 1 << 20, "n_inner": 1 << 20,
+               "num_attention_heads": 4096, "n_head": 4096, "num_key_value_heads": 4096, "head_dim": 4096,
+               "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24, "n_positions": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -40,22 +50,31 @@ class HFModel:
 
 
 def read_json_file(path: Path, what: str = "file") -> Any:
-    """Return the parsed JSON of a file; ConfigError of one line naming it when it is unreadable or not JSON."""
+    """Return the parsed JSON of a model directory's file; ConfigError of one line naming it when it is missing, a
+    link out of the directory, not a regular file, unreadable or not JSON (nested too deep included)."""
     label = f"{what} {str(path)!r}"
-    if not path.exists():
+    if model_file(path.parent, path.name, what) is None:     # a link out of the model directory is refused
         raise ConfigError(f"{label} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{label} is not a regular file")
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{label} cannot be read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{label} is not UTF-8 text") from None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{label} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        return loads(data)
+    except JSONTextError as exc:
+        raise ConfigError(f"{label} {exc}") from None
+
+
+def check_sizes(cfg: dict, label: str) -> None:
+    """Refuse a config.json size key above :data:`SIZE_LIMITS` (one line naming key, value and limit), before any
+    list, array or stage cut is built from it."""
+    for key, limit in SIZE_LIMITS.items():
+        value = cfg.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
+            text = repr(value)
+            shown = text if len(text) <= 40 else f"a number of {len(text)} digits"
+            raise ConfigError(f"{label}: {key} = {shown} is above hpcpipe's limit of {limit} (no released model "
+                              f"comes near it: a damaged or hostile config.json?)")
 
 
 def read_hf_config(directory: str | Path) -> HFModel:
@@ -80,6 +99,7 @@ def read_hf_config(directory: str | Path) -> HFModel:
             else None
         raise ConfigError(f"{label}: quantized weights (quantization_config, quant_method {method!r}) are not "
                           f"supported; use the model's float16, bfloat16 or float32 release")
+    check_sizes(cfg, label)
     keys = kind.hf.keys(cfg, label, model_type)
     eos, bos = _special_ids(d, cfg, label)
     return HFModel(directory=d, model_type=model_type, kind=kind.name, model=keys,
@@ -100,7 +120,7 @@ def _dtype(cfg: dict, label: str) -> str | None:
 def _special_ids(directory: Path, cfg: dict, label: str) -> tuple[tuple[int, ...], int | None]:
     """Return (eos ids, bos id) from generation_config.json when it names them, else from config.json."""
     gen_path = directory / "generation_config.json"
-    gen = read_json_file(gen_path, "Hugging Face generation config") if gen_path.exists() else {}
+    gen = read_json_file(gen_path, "Hugging Face generation config") if os.path.lexists(gen_path) else {}
     if not isinstance(gen, dict):
         raise ConfigError(f"{str(gen_path)!r} must hold a JSON object, got {type(gen).__name__}")
     eos_source, eos_label = (gen, repr(str(gen_path))) if gen.get("eos_token_id") is not None else (cfg, label)

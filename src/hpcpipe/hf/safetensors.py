@@ -22,10 +22,15 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import read_json_file
+from hpcpipe.hf.json_text import JSONTextError, loads
+from hpcpipe.hf.model_files import model_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100_000_000
+MAX_HEADER = 100_000_000   # the format's own limit
+# hpcpipe's: a header takes ~100 bytes a tensor (a real shard's is well under 1 MiB), and parsing takes ~14 times
+# its size on every rank that opens the file (an 82 MB header cost 1.3 GB a rank; 16 MiB peaks near 220 MB)
+HEADER_LIMIT = 16 << 20
 CHUNK_BYTES = 32 << 20     # stored bytes read and converted at a time
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -143,13 +148,17 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                                   f"({'an 8-byte header length' if n < 0 else f'a {n}-byte header, have {have}'})")
             if n > MAX_HEADER:
                 raise ConfigError(f"{label}: its header length {n} is over the format's limit of {MAX_HEADER} bytes")
+            if n > HEADER_LIMIT:
+                raise ConfigError(f"{label}: its header is {n} bytes, over hpcpipe's limit of {HEADER_LIMIT} (16 MiB; "
+                                  f"a header takes ~100 bytes a tensor and real shards' are under 1 MiB): shard the "
+                                  f"file (save_pretrained(max_shard_size=...))")
             text = f.read(n)
     except OSError as exc:
         raise ConfigError(f"{label} cannot be read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{label}: its header is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        header = loads(text)
+    except JSONTextError as exc:
+        raise ConfigError(f"{label}: its header {exc}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{label}: its header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", None) or {}
@@ -251,10 +260,10 @@ def open_tensors(directory: str | Path) -> TensorFiles:
     """Return the :class:`TensorFiles` of a model directory: ``model.safetensors`` or the sharded index's files."""
     d = Path(directory)
     single, index = d / SINGLE, d / INDEX
-    if single.is_file():
+    if model_file(d, SINGLE, "safetensors file") is not None:     # a link out of the directory is refused
         opened = SafetensorsFile(single)
         return TensorFiles(d, dict.fromkeys(opened.tensors, SINGLE), single, opened)
-    if not index.exists():
+    if not os.path.lexists(index):
         raise ConfigError(f"Hugging Face model directory {str(d)!r} holds neither {SINGLE} nor {INDEX} "
                           f"(hpcpipe reads safetensors weights only, not pytorch_model.bin)")
     doc = read_json_file(index, "safetensors index")
@@ -267,7 +276,7 @@ def open_tensors(directory: str | Path) -> TensorFiles:
                 or file_name in (".", "..")):
             raise ConfigError(f"{label}: tensor {name!r} is mapped to {file_name!r}, not a file name in the directory")
     for file_name in sorted(set(weight_map.values())):
-        if not (d / file_name).is_file():
+        if model_file(d, file_name, "safetensors shard") is None:
             raise ConfigError(f"{label} names shard {file_name!r}, which is missing from {str(d)!r}")
     return TensorFiles(d, dict(weight_map), index)
 

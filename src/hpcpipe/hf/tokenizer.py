@@ -25,6 +25,8 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf import backend
 from hpcpipe.hf.config import token_ids
+from hpcpipe.hf.json_text import JSONTextError, check_depth, loads
+from hpcpipe.hf.model_files import model_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "config.json")
@@ -51,8 +53,11 @@ class HFTokenizer:
             raise ConfigError(f"{source}: tokenizer_config.json and config.json must hold JSON objects")
         try:
             text = raw.decode("utf-8")
+            check_depth(text)     # the tokenizers package parses it: refused here in one line
         except UnicodeDecodeError:
             raise ConfigError(f"{source}: tokenizer.json is not UTF-8 text") from None
+        except JSONTextError as exc:
+            raise ConfigError(f"{source}: tokenizer.json {exc}") from None
         self.config = config
         self.backend_class = backend.tokenizer_class(config, model_config, text)
         doc = self._json("tokenizer.json") if self.backend_class in backend.CLASS_DEFAULTS else {}
@@ -92,14 +97,18 @@ class HFTokenizer:
         if data is None:
             return None
         try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{self.source}: {name} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+            return loads(data)
+        except JSONTextError as exc:
+            raise ConfigError(f"{self.source}: {name} {exc}") from None
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (largest id + 1, added tokens included)."""
         return self._vocab_size
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Return the text of a token id (added and special tokens included), or None."""
+        return self._tok.id_to_token(int(token_id))
 
     def token_to_id(self, token: str) -> int | None:
         """Return the id of a token's text, or None."""
@@ -234,13 +243,13 @@ def tokenizer_files(directory: str | Path) -> dict[str, bytes]:
     if not d.is_dir():
         raise ConfigError(f"Hugging Face model directory {str(d)!r} " + ("is not a directory" if d.exists()
                                                                           else "does not exist"))
-    if not (d / "tokenizer.json").is_file():
+    found = {name: model_file(d, name, "tokenizer file") for name in TOKENIZER_FILES}   # links out are refused
+    if found["tokenizer.json"] is None:
         raise ConfigError(f"{str(d)!r} has no tokenizer.json (hpcpipe reads fast tokenizers' tokenizer.json; "
                           f"a tokenizer.model or vocab.json alone is not enough)")
     files = {}
-    for name in TOKENIZER_FILES:
-        path = d / name
-        if path.is_file():
+    for name, path in found.items():
+        if path is not None:
             try:
                 files[name] = path.read_bytes()
             except OSError as exc:

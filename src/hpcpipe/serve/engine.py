@@ -128,9 +128,9 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     stage = build_stage(setup, topo, backend, world, poller, tp)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
     samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size, setup.tokenizer)   # grammars need it
-    # the tp ranks of a stage compute together only inside their serving loop: no probe there (yet)
-    problem = None if tp is not None else check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp,
-                                                        backend.to_host, samplers.vocab, poller.min_s)
+    # every tp rank of a stage runs the probe with the same tokens, each along its own pp link (SPMD)
+    problem = check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp, backend.to_host, samplers.vocab,
+                            poller.min_s)
     with together(world, poller, 2):
         if problem is not None:
             raise ConfigError(f"--weights {str(setup.weights.path)!r}: {problem}")

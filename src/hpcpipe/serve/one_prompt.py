@@ -29,7 +29,7 @@ DESCRIPTION = """Generate text from a GPT or Llama-family model (hpcpipe weights
 model directory) with pipeline (pp) x data (dp) x tensor (tp) parallelism over MPI: the prompt is
 prefilled through the pipeline, then each new token is decoded with a KV cache per stage (split over
 parallel.tp ranks by heads). The model and tokenizer are the ones stored with the weights; the layout comes
-from [parallel] (default pp=4, tp=1, dp=world/(pp x tp))."""
+from [parallel] (with no parallel key given: one stage per rank, as many as the layer groups allow)."""
 
 EPILOG = """examples:
   mpiexec -n 4 python -m hpcpipe.generate --weights gpt-text-ck --prompt "Q: What is" --max-new-tokens 60

@@ -6,8 +6,10 @@ Before the stages report ready, each replica runs one short probe prompt through
 embeds ``probe_ids`` (token ids spread over the vocabulary) in KV-cache slot 0 and every stage checks that
 its output is finite and hands it on. A stage that finds a problem hands the problem on instead, so every
 stage of the replica ends the probe and the job agrees on the first problem found (exit 2, one line). The
-slot is cleared afterwards. Overflow that only some tokens cause (one bad row of a table) is not always
-seen here: such a request fails alone while serving (hpcpipe.serve.roles, FAILED).
+slot is cleared afterwards. With tensor parallelism every tp rank of a stage runs the probe with the same
+tokens, each along its own pp link (its stage's collectives inside ``forward``), as it decodes when
+serving. Overflow that only some tokens cause (one bad row of a table) is not always seen here: such a
+request fails alone while serving (hpcpipe.serve.roles, FAILED).
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ Hugging Face directory's config.json) when they record one, else from ``--config
 config may restate a stored key but not contradict it, except ``model.seq_len`` of a Llama-family
 Hugging Face model, which may be set shorter than its config.json's context (the KV cache is
 allocated for ``serve.max_sequences`` sequences of ``seq_len`` tokens). The layout comes from
-``[parallel]`` (one stage per rank), the serving limits from ``[serve]``, and text is encoded and
-decoded with the tokenizer stored with the weights.
+``[parallel]``; when neither the config file nor ``--set`` gives a ``parallel`` key, every rank is a stage
+(pp = world size, or the largest divisor of it the layer count allows, dp the rest) instead of training's
+default pp = 4, so ``mpiexec -n 2 python -m hpcpipe.generate`` needs no ``--set parallel.pp=2``. The
+serving limits come from ``[serve]``, and text is encoded and decoded with the tokenizer stored with the
+weights.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
-from hpcpipe.state.tokenizer import StoredTokenizer
+from hpcpipe.state.tokenizer import StoredTokenizer, check_vocabulary
 from hpcpipe.state.weights_source import WeightsSource
 
 if TYPE_CHECKING:
@@ -75,9 +78,7 @@ def _tokenizer(source: WeightsSource, given: str, vocab: int) -> StoredTokenizer
         raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
                           f"tokens; train on data written by examples/text_to_hdf5.py (its tokenizer is saved "
                           f"with every checkpoint), or set the root attribute tokenizer = '{{\"kind\": \"bytes\"}}'")
-    if stored.vocab_size > vocab:
-        raise ConfigError(f"--weights {given!r}: its tokenizer has {stored.vocab_size} tokens but the model's "
-                          f"vocabulary is model.vocab_size = {vocab}")
+    check_vocabulary(stored, vocab, f"--weights {given!r}")
     return stored
 
 
@@ -112,12 +113,21 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
             f"(--set model.seq_len=4096), or use more stages")
 
 
+def stages_per_world(world_size: int, n_layers: int) -> int:
+    """Pipeline stages when the config gives no layout: one per rank, or as many as the layers allow (the
+    largest divisor of the world size not above the layer count; dp takes the rest)."""
+    return max(d for d in range(1, min(world_size, n_layers) + 1) if world_size % d == 0)
+
+
 def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,
             overrides: list[str] | tuple[str, ...] = ()) -> ServeSetup:
     """Check weights, model, layout, tokenizer and memory locally; ConfigError names what is wrong."""
     given = str(weights)
     source = resolve_weights(weights, "--weights")
-    cfg = from_dict(_model_config(source, given, load_raw(config, overrides)))
+    raw = _model_config(source, given, load_raw(config, overrides))
+    cfg = from_dict(raw)
+    if not raw.get("parallel"):    # no [parallel] key given: one stage per rank, not training's default pp
+        cfg = from_dict({**raw, "parallel": {"pp": stages_per_world(world_size, cfg.n_layers)}})
     if cfg.model.kind not in DECODERS:
         raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT or a Llama-family model "
                           f"(model.kind = \"gpt\" or \"llama\")")

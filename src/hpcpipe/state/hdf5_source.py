@@ -9,12 +9,12 @@ SHA-256, names, shapes) before its first use. Build it with :func:`file_source` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
 from hpcpipe.state.manifest import check_stage_file, manifest_specs, read_manifest
@@ -146,8 +146,8 @@ def file_source(path: Path) -> HDF5Source:
         layers = stored_layers(f)
         n_layers = int(f.attrs.get("n_layers", len(layers)))
         try:
-            model = json.loads(f.attrs.get("model", "{}"))
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
+            model = loads(f.attrs.get("model", "{}"))
+        except (JSONTextError, TypeError) as exc:
             raise ConfigError(f"weights file {str(path)!r}: root attribute model is not JSON text ({exc})") from None
         if not isinstance(model, dict):
             raise ConfigError(f"weights file {str(path)!r}: root attribute model must be a JSON object, "

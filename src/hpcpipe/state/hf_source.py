@@ -10,6 +10,9 @@ into the directory.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,17 +25,21 @@ from hpcpipe.hf.names import check_names, full_name, group_pieces, read_groups
 from hpcpipe.hf.pieces import param_shapes
 from hpcpipe.hf.safetensors import TensorFiles, open_tensors
 from hpcpipe.nn.core.half_table import HalfTable
+from hpcpipe.nn.registry import KINDS
+from hpcpipe.runtime.launcher import launcher_rank
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind
 from hpcpipe.state.tokenizer import StoredTokenizer, from_hf_directory
 from hpcpipe.state.weights_source import Shards
 
 CONFIG = "config.json"
+# buffers transformers itself skips when it loads (GPT-2's causal mask, old Llama files' RoPE frequencies)
+IGNORED = re.compile(r"(^|\.)attn\.(masked_)?bias$|(^|\.)rotary_emb\.inv_freq$")
 
 
 def is_hf_directory(path: str | Path) -> bool:
     """True when path is a directory holding a Hugging Face config.json (and no hpcpipe checkpoint)."""
     p = Path(path)
-    return p.is_dir() and (p / CONFIG).is_file()
+    return p.is_dir() and os.path.lexists(p / CONFIG)   # a config.json that is no file is named when it is read
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class HFSource:
     kind: str = field(default="hf", init=False)
     step: int = field(default=0, init=False)
     _tokenizer: list = field(default_factory=list, init=False, compare=False, repr=False)   # read once
+    _warned: list = field(default_factory=list, init=False, compare=False, repr=False)      # unused tensors said
 
     @property
     def n_layers(self) -> int:
@@ -81,6 +89,7 @@ class HFSource:
             raise ConfigError(f"{self.describe()} holds {count_text(specs_kind(specs), self.n_layers)} but the "
                               f"model config describes {len(specs)}")
         prefix = check_names(self.hf, self.tensors)
+        self._warn_unused(prefix)
         for spec in specs:
             want = dict(spec.shapes)
             pieces = group_pieces(self.hf.kind, self.hf.model, spec.index)
@@ -98,6 +107,26 @@ class HFSource:
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} gives {piece.name} of shape "
                                       f"{piece.shape}, this run's model needs {tuple(want[piece.name])} (a [model] "
                                       f"key contradicts config.json)")
+
+    def unused_tensors(self, prefix: str) -> list[str]:
+        """Names of the files' tensors the model does not read (transformers' own ignored buffers aside)."""
+        used = {full_name(piece.hf, prefix) for index in range(self.n_layers)
+                for piece in group_pieces(self.hf.kind, self.hf.model, index)}
+        used.update(prefix + name for index in range(self.n_layers)
+                    for name in KINDS[self.hf.kind].hf.zero_only(self.hf.model, index))
+        return [name for name in self.tensors.names() if name not in used and not IGNORED.search(name)]
+
+    def _warn_unused(self, prefix: str) -> None:
+        """Say once (rank 0) which tensors of the files are left unread: a model that differs from its files is
+        worth a line, and real files carry extras (a tied head saved anyway, an adapter merged in by hand)."""
+        if self._warned or launcher_rank() != 0:
+            return
+        self._warned.append(True)
+        unused = self.unused_tensors(prefix)
+        if unused:
+            shown = ", ".join(repr(n) for n in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            print(f"hpcpipe: warning: {self.describe()} holds {len(unused)} tensor(s) its config.json's model does "
+                  f"not use, ignored: {shown}", file=sys.stderr, flush=True)
 
     def tokenizer(self, verify: bool = True) -> StoredTokenizer | None:
         """Return the directory's tokenizer (tokenizer.json and the files beside it)."""

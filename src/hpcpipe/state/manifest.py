@@ -12,13 +12,13 @@ ConfigError naming the file.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink, member
+from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.kinds import config_specs, count_text, specs_kind
 from hpcpipe.state.weights import (
@@ -153,9 +153,11 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"checkpoint {str(step_dir)!r} has no {cf.MANIFEST} (incomplete or not a checkpoint)")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ConfigError(f"manifest {str(path)!r} is not valid JSON: {exc}") from None
+        manifest = loads(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"manifest {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    except JSONTextError as exc:
+        raise ConfigError(f"manifest {str(path)!r} {exc}") from None
     validate_manifest(manifest, step_dir, f"manifest {str(path)!r}")
     return manifest
 

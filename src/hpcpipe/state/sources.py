@@ -84,7 +84,7 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
     if broken:   # it would read as a path that does not exist
         raise ConfigError(f"{key or 'weights path'} {str(p)!r} {broken}")
     if key and not os.path.lexists(p):
-        hint = hint or " (give a weights file or a checkpoint directory)"
+        hint = hint or " (give a weights file, a checkpoint directory or a Hugging Face model directory)"
         raise ConfigError(f"{key} {str(p)!r} does not exist{hint}")
     if p.exists() and not (p.is_file() or p.is_dir()):   # a FIFO was reported as a checkpoint that does not exist
         raise ConfigError(f"{key or 'weights path'} {str(p)!r} is {file_kind(p)}, not a weights file or a checkpoint")
@@ -94,6 +94,10 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
         return file_source(p)
     if is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not (p / cf.LATEST).exists():
         return hf_source(p)
+    if key and p.is_dir() and not (p / cf.MANIFEST).exists() and not os.path.lexists(p / cf.LATEST):
+        raise ConfigError(f"{key} {str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint "
+                          f"root (no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)"
+                          f"{hint}")
     return checkpoint_source(resolve_step_dir(p))
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import check_links, member
+from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.tokenizer import KIND_JSON, from_files, plain_name, tokenizer_files
 
 KINDS = ("bytes", "chars")
@@ -109,9 +110,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"tokenizer: the attribute must be JSON text, got {type(text).__name__}")
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tokenizer: the attribute is not valid JSON ({exc})") from None
+            doc = loads(text)
+        except JSONTextError as exc:
+            raise ValueError(f"tokenizer: the attribute {exc}") from None
         if not isinstance(doc, dict):
             raise ValueError(f"tokenizer: the attribute must be a JSON object like {{\"kind\": \"bytes\"}}, "
                              f"got {text[:60]!r}")
@@ -218,8 +219,8 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
         except UnicodeDecodeError:
             raise ConfigError(f"{label}: root attribute tokenizer is not UTF-8 text") from None
     try:
-        doc = json.loads(value) if isinstance(value, str) else None
-    except json.JSONDecodeError:
+        doc = loads(value) if isinstance(value, str) else None
+    except JSONTextError:
         doc = None       # Tokenizer.from_json below says what is wrong
     if isinstance(doc, dict) and doc.get("kind") == HF_KIND:
         files = member(f, GROUP, label)   # a link that leads nowhere is named here, before the files are read
@@ -238,6 +239,29 @@ def from_attr(value: Any, f: Any, label: str) -> StoredTokenizer:
     return StoredTokenizer(value)
 
 
+def check_vocabulary(stored: StoredTokenizer, vocab: int, label: str) -> None:
+    """Refuse a tokenizer that makes ids the model has no embedding row for, naming those ids and tokens.
+
+    A Hugging Face tokenizer's count is its largest id + 1 over tokenizer.json's vocabulary, its added tokens
+    and the special tokens tokenizer_config.json (or the tokenizer class, by default) adds: a class default
+    such as ``<unk>`` can push it past the model's vocabulary without any file listing it.
+    """
+    n = stored.vocab_size
+    if n <= vocab:
+        return
+    tokenizer = stored.load()
+    if stored.kind == HF_KIND:
+        shown = [f"{i} {tokenizer.id_to_token(i)!r}" for i in range(vocab, min(n, vocab + 4))]
+        more = f" and {n - vocab - len(shown)} more" if n - vocab > len(shown) else ""
+        why = (f"ids {', '.join(shown)}{more} come from tokenizer.json's added tokens or the special tokens "
+               f"tokenizer_config.json or the tokenizer class adds")
+    else:
+        why = f"a {stored.kind} tokenizer makes ids 0..{n - 1}"
+    raise ConfigError(f"{label}: its tokenizer has {n} token ids (0..{n - 1}) but the model's vocabulary is "
+                      f"model.vocab_size = {vocab} (ids 0..{vocab - 1}): {why}, and the model has no embedding "
+                      f"row for them")
+
+
 def read_stored(f: Any, label: str) -> StoredTokenizer | None:
     """Return the tokenizer stored in an open h5py file, None when it has none; ConfigError naming label."""
     value = f.attrs.get("tokenizer")
@@ -247,8 +271,8 @@ def read_stored(f: Any, label: str) -> StoredTokenizer | None:
 def from_hf_directory(directory: str | Path) -> StoredTokenizer:
     """Return the tokenizer of a Hugging Face model directory (its tokenizer files), checked by loading it."""
     stored = StoredTokenizer(KIND_JSON, tuple(sorted(tokenizer_files(directory).items())))
-    try:
-        stored.load()
+    try:    # loaded here, under the directory's name, so that a bad file is named with it
+        stored._loaded.append(from_files(dict(stored.files), f"Hugging Face model directory {str(directory)!r}"))
     except ValueError as exc:
         raise ConfigError(f"{str(Path(directory) / 'tokenizer.json')!r}: {exc}") from None
     return stored

@@ -36,7 +36,7 @@ from hpcpipe.train.preflight import (
     check_memory,
     check_nothing_newer,
 )
-from hpcpipe.train.resume_config import resumed
+from hpcpipe.train.resume_config import resumed, saved_config
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,9 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     model = raw.get("model")
     init = model.get("init") if isinstance(model, dict) else None
     resume = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
-    if resume is True:
+    if resume is True and saved_config(raw) is not None:
         return resumed(raw, notes)
+    # a fresh run, or --resume with nothing saved yet (a first job of a requeued chain): model.init decides
     if isinstance(init, str) and init and is_hf_directory(init):
         raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
     return from_dict(raw)
@@ -159,8 +160,27 @@ def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokeniz
     """Return the tokenizer a decoder's run saves: data.path's, else its weights' (checked)."""
     if config.model.kind not in DECODERS:
         return None
+    own = source.tokenizer() if source is not None else None
     if config.data.path:
         found = data_tokenizer(config.data.path, config.model.vocab_size)
         if found:
+            check_same_tokenizer(found, own, config, source)
             return found
-    return source.tokenizer() if source is not None else None
+    return own
+
+
+def check_same_tokenizer(data: StoredTokenizer, own: StoredTokenizer | None, config: Config,
+                         source: WeightsSource | None) -> None:
+    """Refuse data tokenized otherwise than a Hugging Face model's own tokenizer: its ids would mean other tokens,
+    and the run's checkpoints would carry the data's tokenizer instead of the model's (it was replaced silently)."""
+    if own is None or own.kind != "hf" or source is None:
+        return
+    mine = dict(own.files).get("tokenizer.json")
+    if data.kind == "hf" and dict(data.files).get("tokenizer.json") == mine:
+        return
+    what = "another Hugging Face tokenizer" if data.kind == "hf" else f"the {data.kind} tokenizer"
+    model_dir = config.model.init if is_hf_directory(config.model.init) else "HF_DIR"
+    raise ConfigError(f"data.path {config.data.path!r} was tokenized with {what}, but the model ({source.describe()}) "
+                      f"has its own Hugging Face tokenizer: the data's token ids would mean other tokens to it; "
+                      f"tokenize the text with the model's: python examples/text_to_hdf5.py TEXT --tokenizer "
+                      f"{model_dir}")

@@ -57,9 +57,10 @@ def flops_per_token(m: GPTShape) -> int:
 
 
 def block_stash_values(m: GPTShape, b: int) -> int:
-    """Values one block keeps for its backward, per micro-batch of b sequences."""
+    """Values one block keeps for its backward, per micro-batch of b sequences (tiled attention: one
+    log-sum-exp a head and token, no T x T weights)."""
     t = m.seq_len
-    return b * t * (8 * m.d_model + 3 * m.ff + 2) + b * m.n_heads * t * t
+    return b * t * (8 * m.d_model + 3 * m.ff + 2) + b * m.n_heads * t
 
 
 def stage_stash_bytes(m: GPTShape, b: int, groups: range, itemsize: int = 4, token_bytes: int | None = None) -> int:

@@ -27,7 +27,8 @@ MAX_WIDTH = 1 << 17
 SIZE_LIMITS = {"num_hidden_layers": MAX_LAYERS, "n_layer": MAX_LAYERS,
                "hidden_size": MAX_WIDTH, "n_embd": MAX_WIDTH, "intermediate_size": 1 << 20, "n_inner": 1 << 20,
                "num_attention_heads": 4096, "n_head": 4096, "num_key_value_heads": 4096, "head_dim": 4096,
-               "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24, "n_positions": 1 << 24}
+               "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24, "n_positions": 1 << 24,
+               "num_local_experts": 4096, "num_experts": 4096, "moe_intermediate_size": 1 << 20}
 
 
 @dataclass(frozen=True)

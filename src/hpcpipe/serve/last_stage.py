@@ -48,11 +48,11 @@ def logit_rows(segments: list[Segment], echo: list[Echo]) -> list[int] | None:
 
 def forward_rows(stage: Any, x: Any, segments: list[Segment], rows: list[int] | None) -> Any:
     """``stage.forward(x, segments)``, the head applied to ``rows`` of the call instead of each segment's last."""
-    if rows is None or not stage.has_head:
+    if rows is None:
         return stage.forward(x, segments)
     if hasattr(stage, "forward_rows"):              # a tensor-parallel stage's tp rank 0 (serve.tp_stage)
         return stage.forward_rows(x, segments, rows)
-    return stage.forward(x, segments, rows=rows)
+    return stage.forward(x, segments, rows=rows) if stage.has_head else stage.forward(x, segments)
 
 
 class SamplerTable:

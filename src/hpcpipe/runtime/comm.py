@@ -88,8 +88,9 @@ class PipeComm:
         self.host_device_bytes = 0
 
     def tag(self, direction: int, stage: int, mb: int, n_micro: int) -> int:
-        """Return the MPI tag of a message (direction 0 = activation, 1 = gradient)."""
-        return ((stage * n_micro + mb) * 2 + direction) % self.tag_ub
+        """Return the MPI tag of a message (direction 0 = activation, 1 = gradient, 2 and 3: what travels beside
+        them, e.g. a mixture's router statistics forward and their gradient back)."""
+        return ((stage * n_micro + mb) * 4 + direction) % self.tag_ub
 
     def _wire(self, buf: Any) -> Any:
         if not self.backend.on_gpu or isinstance(buf, np.ndarray):

@@ -67,8 +67,10 @@ class Trainer:
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)
         self.specs = model.specs
-        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
         tr = cfg.train
+        # before the layers are built: a mixture's load-balancing loss, per (replica, micro-batch) chunk
+        ledger = model.router_ledger(tr.micro_batches, model.samples_norm(tr.micro_batch_size))
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         self.loss_norm = model.samples_norm(self.global_batch)
         replica_norm = model.samples_norm(tr.micro_batches * tr.micro_batch_size)
@@ -82,7 +84,7 @@ class Trainer:
         self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, boundaries=boundaries,
                              loss_fn=model.tp_loss(self.tp), loss_scale=1.0 / replica_norm,
                              keep_input_grads=keep_input_grads, record_events=record_events,
-                             recompute=tr.recompute == "stage", shared=shared)
+                             recompute=tr.recompute == "stage", shared=shared, ledger=ledger)
         self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
         # the last step's measures, for callers of train_step / compute_gradients (tests, benchmarks)

@@ -135,7 +135,8 @@ class HDF5Source:
             out.update(part)
         return attrs, out
 
-    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> HDF5Source:
+    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
+                     quantize: bool = False) -> HDF5Source:
         """This source itself: its arrays come as stored (float32) and the reader converts them."""
         return self
 

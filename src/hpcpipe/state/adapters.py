@@ -25,7 +25,7 @@ from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.lora import LoraSettings, block_maps
 from hpcpipe.nn.registry import KINDS, model_specs
-from hpcpipe.state.peft import check_adapter, read_adapter, read_arrays
+from hpcpipe.state.peft import check_adapter, check_targets, read_adapter, read_arrays, write_adapter
 from hpcpipe.state.weights_source import Shards, WeightsSource
 
 Adapters = Callable[[list[int]], dict[int, dict[str, np.ndarray]]]
@@ -36,8 +36,9 @@ def lora_settings(config: dict[str, Any]) -> LoraSettings | None:
     train = config.get("train", {})
     if not train.get("lora_rank"):
         return None
-    built = from_dict({"model": config["model"], "train": {key: train[key] for key in
-                                                             ("lora_rank", "lora_alpha", "lora_targets")}})
+    keys = ("lora_rank", "lora_alpha", "lora_targets")
+    built = from_dict({"model": config["model"], "parallel": {"pp": 1},
+                       "train": {key: train[key] for key in keys if key in train}})
     kind = built.model.kind
     targets = tuple(built.train.lora_targets) or KINDS[kind].hf.lora_targets
     return LoraSettings(built.train.lora_rank, built.train.lora_alpha, targets)
@@ -109,7 +110,10 @@ class MergedSource:
         return arrays
 
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> MergedSource:
-        """The merged view of the base's forward-only source (matrices as float arrays: they are sums)."""
+        """The merged view of the base's forward-only source (matrices as float arrays: they are sums); a LoRA
+        checkpoint's view itself (its base reads float32 as stored, and its own forward_only is this view)."""
+        if self.adapters is None:
+            return self
         return replace(self, base=self.base.forward_only(dtype, half_embedding, False))
 
 
@@ -137,8 +141,7 @@ def with_peft(source: WeightsSource, directory: str | Path, config: Any, label: 
     """A base source with a PEFT directory's adapters merged; ConfigError when the adapter does not fit the model."""
     adapter = read_adapter(directory, label)
     kind, keys = config.model.kind, config.to_dict()["model"]
-    if KINDS[kind].hf is None:
-        raise ConfigError(f"{label} {str(directory)!r}: model.kind = \"{kind}\" takes no LoRA adapters")
+    check_targets(adapter, kind, keys)
     lora = from_dict({**config.to_dict(), "train": {"lora_rank": adapter.settings.rank,
                                                     "lora_targets": list(adapter.settings.targets)}})
     specs = model_specs(lora)
@@ -149,3 +152,37 @@ def with_peft(source: WeightsSource, directory: str | Path, config: Any, label: 
 
     return MergedSource(source, adapter.settings, tuple(prefixes(adapter.settings, kind, keys)), keys["n_blocks"],
                         adapters, adapter.describe())
+
+
+def exported_source(source: WeightsSource, merge: bool) -> WeightsSource:
+    """What ``checkpoint export`` writes of a source: a LoRA run's checkpoint only merged (``--merge-adapter``);
+    ConfigError (a usage error) when merge does not fit the source."""
+    merged = merged_if_adapted(source)
+    if merged is source:
+        if merge:
+            raise ConfigError(f"{source.describe()} holds no LoRA adapters (its run had train.lora_rank = 0): "
+                              f"--merge-adapter has nothing to merge")
+        return source
+    if not merge:
+        raise ConfigError(f"{source.describe()} holds LoRA adapters (train.lora_rank = {merged.settings.rank}) beside "
+                          f"its frozen base: export --format peft writes the adapters as a PEFT directory, "
+                          f"--merge-adapter the merged model")
+    return merged
+
+
+def export_peft(source: WeightsSource, out: str | Path) -> LoraSettings:
+    """Write a LoRA run's checkpoint's adapters as a new PEFT directory (one block in memory at a time)."""
+    merged = merged_if_adapted(source)
+    if merged is source:
+        raise ConfigError(f"{source.describe()} holds no LoRA adapters (its run had train.lora_rank = 0): "
+                          f"export --format peft writes a LoRA run's adapters")
+    config = source.manifest["config"]
+    keys = from_dict({"model": config["model"], "parallel": {"pp": 1}}).to_dict()["model"]
+    adapters = {}
+    for i in range(1, merged.n_blocks + 1):
+        group = source.read([i])[i]
+        adapters[i] = {name: array for name, array in group.items() if _is_adapter(name)}
+    init = keys.get("init") or ""
+    base = init if init and (Path(init) / "config.json").is_file() else None    # a Hugging Face model it tuned
+    write_adapter(out, adapters, merged.settings, keys["kind"], keys, base)
+    return merged.settings

@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import read_json_file
 from hpcpipe.hf.safetensors import SafetensorsFile, write_safetensors
-from hpcpipe.nn.lora import LoraSettings, peft_names
+from hpcpipe.nn.lora import LoraSettings, block_maps, peft_names
 from hpcpipe.nn.registry import KINDS
 from hpcpipe.state import directory_protocol as cf
 
@@ -102,17 +103,21 @@ def expected_tensors(settings: LoraSettings, kind: str, keys: dict[str, Any], sp
     return out
 
 
-def check_adapter(adapter: PeftAdapter, kind: str, keys: dict[str, Any], specs: list[Any]) -> None:
-    """Raise ConfigError unless the adapter's tensors are exactly the model's adapters, each of its shape."""
+def check_targets(adapter: PeftAdapter, kind: str, keys: dict[str, Any]) -> None:
+    """Raise ConfigError unless the model's kind has every module the adapter targets."""
     hf = KINDS[kind].hf
-    if hf is None:
+    if hf is None or not hf.lora_targets:
         raise ConfigError(f"{adapter.describe()}: model.kind = \"{kind}\" takes no LoRA adapters")
-    from hpcpipe.nn.lora import block_maps
     modules = block_maps(hf, keys, kind)
     unknown = [t for t in adapter.settings.targets if t not in modules]
     if unknown:
         raise ConfigError(f"{adapter.describe()} targets {unknown[0]!r}, which model.kind = \"{kind}\" does not have "
                           f"(its modules: {', '.join(modules)}): it was made for another base model")
+
+
+def check_adapter(adapter: PeftAdapter, kind: str, keys: dict[str, Any], specs: list[Any]) -> None:
+    """Raise ConfigError unless the adapter's tensors are exactly the model's adapters, each of its shape."""
+    check_targets(adapter, kind, keys)
     want = expected_tensors(adapter.settings, kind, keys, specs)
     for name, shape in adapter.shapes.items():
         if name not in want:
@@ -176,7 +181,10 @@ def restate_adapter(raw: dict[str, Any]) -> dict[str, Any]:
     adapter = raw.get("model", {}).get("adapter") if isinstance(raw.get("model"), dict) else None
     if not isinstance(adapter, str) or not adapter:
         return raw
-    settings = read_adapter(adapter).settings
+    found = read_adapter(adapter)
+    settings = found.settings
+    model = from_dict({"model": raw["model"], "parallel": {"pp": 1}}).to_dict()["model"]
+    check_targets(found, model["kind"], model)
     raw = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()}
     train = raw.setdefault("train", {})
     if not isinstance(train, dict):

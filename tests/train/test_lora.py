@@ -1,8 +1,9 @@
 """LoRA (issue #38) through the pipeline engine on real MPI ranks: a tiny llama from a Hugging Face directory with a
 PEFT adapter on all seven of its maps (random A and B), in float64 at dp=2 x pp=2 and dp=2 x pp=2 x tp=2 (A and B
-split with their maps): the loss and every adapter gradient equal PEFT + PyTorch autograd on transformers' model
-to 1e-7 of the largest; after an update the base is bit for bit what was loaded and only the adapters moved;
-adapters start as PEFT starts them (B zero) without model.adapter; a GPT's c_attn/c_proj/c_fc adapters too."""
+split with their maps), with ZeRO-1, and under ZB-H1 with recomputation (the backward's two halves): the loss and
+every adapter gradient equal PEFT + PyTorch autograd on transformers' model to 1e-7 of the largest; after an update
+the base is bit for bit what was loaded and only the adapters moved; adapters start as PEFT starts them (B zero)
+without model.adapter; a GPT's c_attn/c_proj/c_fc adapters too."""
 
 import os
 from pathlib import Path
@@ -38,13 +39,14 @@ def _keys(hf_dir: str) -> dict:
     return {**hf_source(hf_dir).model, "seq_len": SEQ}
 
 
-def _sections(hf_dir, adapter, data, dp, pp, tp=1, zero=0):
+def _sections(hf_dir, adapter, data, dp, pp, tp=1, zero=0, schedule="gpipe", recompute="none"):
     targets = sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    return {"parallel": {"dp": dp, "pp": pp, "tp": tp},
+    return {"parallel": {"dp": dp, "pp": pp, "tp": tp, "schedule": schedule},
             "model": {**_keys(hf_dir), "init": hf_dir, "dtype": "float64", **({"adapter": adapter} if adapter else {})},
             "data": {"path": data},
             "train": {"micro_batches": 2, "micro_batch_size": WINDOWS // (2 * dp), "lora_rank": 4, "lora_alpha": 8.0,
-                      "lora_targets": targets, "optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "zero": zero},
+                      "lora_targets": targets, "optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "zero": zero,
+                      "recompute": recompute},
             "checkpoint": {"dir": ""}, "log": {"progress": False}}
 
 
@@ -64,13 +66,16 @@ def _reference(hf_dir, adapter, data):
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("dp,pp,tp,zero", [(2, 2, 1, 0), (2, 2, 2, 0), (2, 2, 2, 1), (1, 1, 1, 0)])
-def test_adapter_gradients_equal_peft_and_the_base_stays_bit_for_bit(world, shared_tmp, dp, pp, tp, zero):
+@pytest.mark.parametrize("dp,pp,tp,zero,schedule,recompute", [
+    (2, 2, 1, 0, "gpipe", "none"), (2, 2, 2, 0, "gpipe", "none"), (2, 2, 2, 1, "gpipe", "none"),
+    (1, 1, 1, 0, "gpipe", "none"), (2, 2, 1, 0, "zb-h1", "stage")])
+def test_adapter_gradients_equal_peft_and_the_base_stays_bit_for_bit(world, shared_tmp, dp, pp, tp, zero, schedule,
+                                                                      recompute):
     hf_dir, adapter, data = _files(world, shared_tmp)
     comm = sub_world(world, dp * pp * tp)
     if comm is None:
         return
-    trainer = make_trainer(comm, _sections(hf_dir, adapter, data, dp, pp, tp, zero))
+    trainer = make_trainer(comm, _sections(hf_dir, adapter, data, dp, pp, tp, zero, schedule, recompute))
     try:
         loss = trainer.compute_gradients(0)
         grads = trainer.gather("grads")

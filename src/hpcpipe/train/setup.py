@@ -88,10 +88,9 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     resume = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
     if resume is True:
         return resumed(raw, notes)
-    raw = restate_adapter(raw)       # model.adapter: train.lora_* from its adapter_config.json
     if isinstance(init, str) and init and is_hf_directory(init):
         raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
-    return from_dict(raw)
+    return from_dict(restate_adapter(raw))     # model.adapter: train.lora_* from its adapter_config.json
 
 
 def check_resume(config: Config, source: HDF5Source) -> None:

@@ -28,6 +28,7 @@ class GroupSpec:
     cost: int
     act_elements: int           # elements per sample (window) the group caches for its backward
     kind: str = "gpt"
+    frozen: frozenset[str] = frozenset()   # parameters that do not train (LoRA's base): no gradient, no optimizer state
 
     @property
     def n_params(self) -> int:

@@ -136,9 +136,11 @@ class HDF5Source:
         return attrs, out
 
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
-                     quantize: bool = False) -> HDF5Source:
-        """This source itself: its arrays come as stored (float32) and the reader converts them."""
-        return self
+                     quantize: bool = False) -> Any:
+        """This source itself: its arrays come as stored (float32) and the reader converts them; a checkpoint of a
+        LoRA run reads as its merged model (hpcpipe.state.adapters)."""
+        from hpcpipe.state.adapters import merged_if_adapted
+        return merged_if_adapted(self)
 
 
 def file_source(path: Path) -> HDF5Source:

@@ -57,7 +57,7 @@ class Engine:
                  shape: PipeShape, boundaries: list[tuple[tuple[int, ...], Any]],
                  loss_fn: Callable, loss_scale: float, keep_input_grads: bool = False,
                  record_events: bool = False, recompute: bool = False, shared: list[bool] | None = None,
-                 ledger: Any = None):
+                 sync: Any = None, ledger: Any = None):
         self.program = program
         self.params = params
         self.comm = comm
@@ -76,7 +76,7 @@ class Engine:
         self.ledger = ledger
         self.input_grads: dict[int, Any] = {}   # dL/dx of the model input per micro-batch (when kept)
         self.optimizer_step: Callable[[], StepDecision] | None = None   # the running step's: run()'s argument
-        self.tied_peer = self._tied_peer()
+        self.sync = sync     # the ALLREDUCE action's exchange (hpcpipe.train.zero: replicated or ZeRO-1)
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_f, "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
@@ -114,6 +114,26 @@ class Engine:
             else:
                 self.dispatch[action.op](action)
         return self.stats
+
+    def evaluate(self, feed: StepFeed, program: list[Action]) -> float:
+        """Run a forward-only program (F, SEND_F, RECV_F) over feed, keeping nothing for a backward; return this
+        rank's summed loss (a last stage's; 0 elsewhere). Held-out evaluation: hpcpipe.train.evaluation."""
+        self.feed, self.inputs, self.outputs = feed, {}, {}
+        total = 0.0
+        for a in program:
+            if a.op != "F":
+                self.dispatch[a.op](a)
+                continue
+            x = feed.x[a.mb] if a.stage == 0 else self.inputs.pop((a.stage, a.mb))
+            y, _ = self.params.stages[a.stage].forward(x)
+            if a.stage == self.n_stages - 1:
+                total += self.loss_fn(self.xp, y, feed.y[a.mb], self.loss_scale)[0]
+            elif self._local(a.stage, a.stage + 1):
+                self.inputs[(a.stage + 1, a.mb)] = y
+            else:
+                self.outputs[(a.stage, a.mb)] = y
+        self.comm.wait_sends()
+        return total
 
     # compute -----------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -188,17 +208,6 @@ class Engine:
         elif self.keep_input_grads:
             self.input_grads[a.mb] = gx
 
-    def _tied_peer(self) -> int | None:
-        """The pipeline rank holding the other end of a tied embedding, when it is not this rank."""
-        model = self.params.model
-        if not model.tied:
-            return None
-        first, last = self.shape.stage_rank(0), self.shape.stage_rank(self.n_stages - 1)
-        if first == last:
-            return None           # pp = 1 or zb-v: both ends share one table on this rank
-        mine = self.comm.pp_comm.Get_rank()
-        return last if mine == first else first if mine == last else None
-
     def _local(self, stage: int, other: int) -> bool:
         """Whether two stages live on the same rank (their hand-over needs no message)."""
         return self.shape.stage_rank(stage) == self.shape.stage_rank(other)
@@ -266,12 +275,18 @@ class Engine:
     def _allreduce(self, a: Action) -> None:
         self.comm.wait_sends()
         self.params.reduce_shared()      # parts several tp ranks hold: their gradients summed first
-        self.comm.average_over_dp(self.params.grad)
-        if self.tied_peer is not None:
-            # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and
-            # their copies of the table stay identical through every optimizer step
-            self.comm.sum_with_pp_peer(self.params.tied_grad(), self.tied_peer)
+        self.sync.reduce()               # over the replicas (and a tied embedding's two ends)
 
     def _opt_step(self, a: Action) -> None:
         if self.optimizer_step is not None:
             self.stats.decision = self.optimizer_step()
+
+
+def tied_peer(params: RankParameters, shape: PipeShape, pp_rank: int) -> int | None:
+    """The pipeline rank holding the other end of a tied embedding whose gradient trains, when it is not this rank."""
+    if not params.model.tied or not params.tied_trains:
+        return None
+    first, last = shape.stage_rank(0), shape.stage_rank(shape.n_stages - 1)
+    if first == last:
+        return None           # pp = 1 or zb-v: both ends share one table on this rank
+    return last if pp_rank == first else first if pp_rank == last else None

@@ -46,6 +46,9 @@ def validate(config: Config) -> None:
     kind.validate(mod)
     if par.tp > 1:
         kind.validate_tp(mod, par.tp)
+    _require(isinstance(par.ep, int) and par.ep >= 1, f"parallel.ep must be a positive integer, got {par.ep!r}")
+    if par.ep > 1:
+        kind.validate_ep(mod, par.ep)
     _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
     _require(mod.weight_format in WEIGHT_FORMATS,
              f"model.weight_format {mod.weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")

@@ -233,7 +233,7 @@ class Engine:
     def _allreduce(self, a: Action) -> None:
         self.comm.wait_sends()
         self.params.reduce_shared()      # parts several tp ranks hold: their gradients summed first
-        self.comm.average_over_dp(self.params.grad)
+        self.comm.average_over_dp(self.params.grad, self.params.expert_start)
         if self.tied_peer is not None:
             # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and
             # their copies of the table stay identical through every optimizer step

@@ -22,6 +22,7 @@ from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
+from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import nan_injection
 from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
@@ -53,7 +54,7 @@ class Trainer:
     def __init__(self, p: TrainSetup, world: Comm, keep_input_grads: bool = False, record_events: bool = False):
         cfg = p.config
         self.setup, self.config = p, cfg
-        self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp)
+        self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp, cfg.parallel.ep)
         self.backend = select_backend(cfg.run.backend, tf32=cfg.run.tf32)
         if world.Get_rank() == 0:
             for note in self.backend.notes:
@@ -61,13 +62,14 @@ class Trainer:
         xp = self.backend.xp
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
-                             tp_comm=self.topo.tp_comm)
+                             tp_comm=self.topo.tp_comm, expert_dp_comm=self.topo.expert_dp_comm)
         self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller) if self.topo.tp > 1 else None
+        self.ep = ExpertGroup(self.topo.ep_comm, self.backend, self.poller) if self.topo.ep > 1 else None
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)
         self.specs = model.specs
-        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp, ep=self.ep)
         tr = cfg.train
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         self.loss_norm = model.samples_norm(self.global_batch)
@@ -116,9 +118,8 @@ class Trainer:
             return
         resuming = source is self.setup.resume
         try:
-            # tensor parallelism: each rank reads only its parts of the tensors (hyperslabs)
-            tp = self.tp
-            shards = (lambda i, names: self.model.shards(i, tp.size, tp.rank)) if tp is not None else None
+            # tensor (expert) parallelism: each rank reads only its parts of the tensors (its experts)
+            shards = self.params.read_shards if self.params.cut_any else None
             state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
                                         clean_root=self.run_dir if resuming else None, shards=shards)
         except AgreedError as exc:
@@ -143,7 +144,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
         cfg, p = self.config, self.setup
-        layout = {"dp": p.dp, "pp": p.pp, "tp": cfg.parallel.tp, "schedule": cfg.parallel.schedule,
+        layout = {"dp": p.dp, "pp": p.pp, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep,
+                  "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
@@ -186,9 +188,13 @@ class Trainer:
             self.params.grad[...] = float("nan")
         elif poison == "loss":
             self.engine.stats.loss_sum = float("nan")
-        # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated
-        local = self.params.norm_sq()
-        mine = local_decision(local, self._loss_term(), self.topo.dp_rank == 0, stop_requested())
+        # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated;
+        # experts (ep) on each rank of the first ep group, the rest on the first replica
+        total = self.params.norm_sq()
+        experts = self.params.expert_norm_sq()
+        dense = total - experts if self.topo.dp_rank == 0 else 0.0
+        local = dense + (experts if self.topo.dp_rank < self.topo.ep else 0.0) if np.isfinite(total) else total
+        mine = local_decision(local, self._loss_term(), True, stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
         if decision.skip:
             return decision
@@ -240,7 +246,7 @@ class Trainer:
             local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, self.optimizer))
         else:
             local = self.params.whole(self.params.export() if what == "params" else self.params.export_grads())
-        mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp rank 0 holds the whole
+        mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp (ep) rank 0 holds the whole
         parts = gather_to_root(self.topo.world, mine, root)
         if parts is None:
             return None

@@ -2,8 +2,9 @@
 mixture of SwiGLU experts (hpcpipe.nn.core.moe) instead of the dense MLP (Mixtral; Qwen3-MoE).
 
 A token's forward cost counts only the experts it is routed to (k of E) and the router; memory counts them
-all. The experts are not split over tensor-parallel ranks; the compiled decode step does not compute them
-(a stage of this kind decodes on the NumPy path).
+all. The experts are not split over tensor-parallel ranks but over expert-parallel ones (``expert_shards``:
+whole experts, hpcpipe.nn.core.expert_parallel); the compiled decode step does not compute them (a stage of
+this kind decodes on the NumPy path).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.core.decoder_model import INIT_STD
 from hpcpipe.nn.core.moe import SparseMoE
+from hpcpipe.nn.core.sharding import Shard
 from hpcpipe.nn.llama.model import LlamaModel, llama_shape
 from hpcpipe.nn.moe.shape import MoEShape, group_params
 
@@ -73,10 +75,18 @@ class MoEModel(LlamaModel):
             return rng.standard_normal(dims) * INIT_STD
         return super().init_value(name, dims, rng)
 
-    def mlp(self, params, grads, xp, tp, index):
+    def mlp(self, params, grads, xp, tp, index, ep=None):
         if not self.shape.sparse(index):
             return super().mlp(params, grads, xp, tp, index)
-        return SparseMoE(params, grads, self.shape.experts_per_token, self.shape.norm_topk_prob, xp)
+        return SparseMoE(params, grads, self.shape.experts_per_token, self.shape.norm_topk_prob, xp, ep=ep)
+
+    def expert_shards(self, index, ep, rank):
+        """Whole experts split over the ep ranks in order: rank r holds experts [r E / ep, (r + 1) E / ep)."""
+        if not self.shape.sparse(index):
+            return {}
+        per = self.shape.n_experts // ep
+        part = Shard(0, slice(rank * per, (rank + 1) * per))
+        return {name: part for name in ("mlp/experts/gate", "mlp/experts/up", "mlp/experts/down")}
 
     def fusable(self):
         return False

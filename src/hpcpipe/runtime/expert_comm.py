@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcpipe.runtime.comm import Poller
+from hpcpipe.runtime.comm import MPI, Poller
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -80,6 +80,13 @@ class ExpertGroup:
             self.host_device_bytes += out.nbytes
             out = xp.asarray(out)
         self._timed(start)
+        return out
+
+    def agree(self, values: Any) -> np.ndarray:
+        """Return the element-wise sums of a small host vector over the ep ranks (serving's lockstep: which replicas
+        launch work this step, which are done); every ep rank calls it once a step."""
+        out = np.array(values, dtype=np.float64)
+        self.poller.wait([self.comm.Iallreduce(MPI.IN_PLACE, out, op=MPI.SUM)])
         return out
 
     def gather(self, obj: Any) -> list | None:

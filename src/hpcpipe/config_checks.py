@@ -108,6 +108,15 @@ def validate(config: Config) -> None:
              f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
 
 
+def ep_splits(mod: ModelConfig, ep: int) -> bool:
+    """Whether the model's experts split over ep expert-parallel ranks (the planner's filter; parallel.ep's checks)."""
+    try:
+        _KINDS[mod.kind].validate_ep(mod, ep)
+    except ConfigError:
+        return False
+    return True
+
+
 def tp_splits(mod: ModelConfig, tp: int) -> bool:
     """Whether the model splits over tp tensor-parallel ranks (the planner's filter; parallel.tp's checks)."""
     try:

@@ -8,6 +8,7 @@ layer profile measure stashes with :func:`cache_bytes`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +35,33 @@ class MemoryEstimate:
         return self.parameters + self.optimizer + self.activations + self.data
 
 
+def expert_elements(model: Any, index: int) -> int:
+    """Elements of layer group ``index``'s experts (the tensors expert parallelism splits; 0 without experts)."""
+    names = model.expert_shards(index, 1, 0)
+    return sum(math.prod(model.specs[index].shapes[name]) for name in names)
+
+
+def held_elements(model: Any, index: int, ep: int) -> int:
+    """Elements of layer group ``index`` one rank holds at expert parallelism ``ep``: its experts / ep, the rest."""
+    experts = expert_elements(model, index)
+    return model.specs[index].n_params - experts + experts // ep
+
+
 def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str) -> MemoryEstimate:
     """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
     import numpy as np
 
     specs = model_specs(config)
+    model = model_def(config) if config.parallel.ep > 1 else None
     itemsize = ITEMSIZE[config.model.dtype]
     tr = config.train
     buffers = len(make_optimizer(tr, np, 0, np.float32).state)
     rows = tr.micro_batches * tr.micro_batch_size
     worst = MemoryEstimate(0, 0, 0, 0)
     for rank in range(pp):
-        layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
-        n_params = sum(s.n_params for s in layers)
+        indices = [i for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
+        layers = [specs[i] for i in indices]
+        n_params = sum(held_elements(model, i, config.parallel.ep) if model else specs[i].n_params for i in indices)
         # each layer's cache holds its input and what its activation saved (one row of each per
         # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
         widths = sum(s.act_elements for s in layers)
@@ -67,7 +82,8 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
     per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens. With
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
-    (at least one) and its part of every matrix (norms are replicated but small).
+    (at least one) and its part of every matrix (norms are replicated but small). With expert parallelism
+    (parallel.ep) a rank holds 1/ep of every block's experts.
     """
     model = model_def(config)
     specs, shape = model.specs, model.shape
@@ -78,7 +94,7 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:
-        params = sum(specs[i].n_params for i in groups)
+        params = sum(held_elements(model, i, config.parallel.ep) for i in groups)
         if shape.tied and len(specs) - 1 in groups and 0 not in groups:
             params += specs[0].n_params
         blocks = sum(1 for i in groups if 1 <= i <= shape.n_blocks)

@@ -93,14 +93,19 @@ def test_expert_parallel_checkpoint_reshards_between_ep_1_and_2(world, shared_tm
             first = sorted(glob.glob(os.path.join(ck, "**", "step-00000002", "*.h5"), recursive=True))[0]
             with h5py.File(first) as f:
                 assert f["layers/0001/mlp/experts/gate"].shape == (4, 8, 10)
+        norms = []
         for dp, pp, ep in targets:
             comm = sub_world(world, dp * pp)
             if comm is not None:
                 trainer = make_trainer(comm, _sections(data, ck, dp, pp, ep, resume=True))
                 got = (trainer.gather("params"), trainer.gather("optimizer"))
+                norm = trainer.run_step(2).decision.grad_norm     # the next step's global norm (clipping's)
                 trainer.close()
                 if comm.Get_rank() == 0:
                     assert_nested_equal(got[0], params)
                     assert_nested_equal(got[1], opt)
                 comm.Free()
+            norms.append(world.bcast(norm if world.Get_rank() == 0 else None, root=0))
             world.Barrier()
+        # the same global batch at every layout: every expert counted once in the norm, whatever ep
+        assert all(abs(n - norms[0]) <= 1e-12 * norms[0] for n in norms), norms

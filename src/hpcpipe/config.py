@@ -34,6 +34,7 @@ class ParallelConfig:
     pp: int | str = 4
     dp: int | str = "auto"
     tp: int = 1                # tensor-parallel ranks per stage: world = dp x pp x tp
+    ep: int = 1                # expert-parallel: each MoE block's experts split over ep consecutive dp replicas
     schedule: str = "gpipe"
     virtual_stages: int = 1
     # explicit layers per stage; [] = balance by FLOPs; "profile" = balance by this host's measured costs
@@ -378,6 +379,10 @@ def resolve_layout(config: Config, world_size: int) -> tuple[int, int]:
         dp = grid // pp
     if dp * pp != grid:
         raise ConfigError(f"{cells} does not equal parallel.dp ({dp}) x parallel.pp ({pp}) = {dp * pp}")
+    ep = config.parallel.ep
+    if dp % ep:
+        raise ConfigError(f"parallel.ep ({ep}) does not divide parallel.dp ({dp}): the experts are split over ep "
+                          f"consecutive data-parallel replicas of a stage (world size {world_size} = dp x pp x tp)")
     vs = config.parallel.virtual_stages
     if pp * vs > config.n_layers:
         raise ConfigError(f"parallel.pp ({pp}) x parallel.virtual_stages ({vs}) exceeds the number of layers "

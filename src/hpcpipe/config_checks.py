@@ -47,6 +47,9 @@ def validate(config: Config) -> None:
     kind.validate(mod)
     if par.tp > 1:
         kind.validate_tp(mod, par.tp)
+    _require(isinstance(par.ep, int) and par.ep >= 1, f"parallel.ep must be a positive integer, got {par.ep!r}")
+    if par.ep > 1:
+        kind.validate_ep(mod, par.ep)
     _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
     _require(mod.weight_format in WEIGHT_FORMATS,
              f"model.weight_format {mod.weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
@@ -122,6 +125,14 @@ def _validate_recipes(config: Config) -> None:
              f"train.zero = 1 shards the optimizer state over the data-parallel replicas, and train.optimizer = "
              f"\"sgd\" with train.momentum = {tr.momentum} keeps none: nothing to shard (set train.momentum > 0, use "
              f"adam or adamw, or leave train.zero = 0)")
+    # the experts' gradients are averaged over their own replicas only, which ZeRO's blocks and LoRA's frozen
+    # buffer do not follow yet
+    _require(config.parallel.ep == 1 or not tr.zero,
+             f"train.zero = 1 with parallel.ep = {config.parallel.ep} is not supported (experts are averaged over "
+             f"their own replicas only): set train.zero = 0 or parallel.ep = 1")
+    _require(config.parallel.ep == 1 or not tr.lora_rank,
+             f"train.lora_rank = {tr.lora_rank} with parallel.ep = {config.parallel.ep} is not supported: set "
+             f"parallel.ep = 1 for LoRA")
     _require(tr.lora_rank >= 0, f"train.lora_rank must be >= 0 (0 = no LoRA), got {tr.lora_rank}")
     _require(tr.lora_alpha > 0, f"train.lora_alpha must be > 0, got {tr.lora_alpha}")
     _require(len(set(tr.lora_targets)) == len(tr.lora_targets),
@@ -134,6 +145,15 @@ def _validate_recipes(config: Config) -> None:
     _require(tr.eval_every >= 0, f"train.eval_every must be >= 0 (0 = only at the end), got {tr.eval_every}")
     _require(not tr.eval_every or bool(config.data.eval_path),
              f"train.eval_every = {tr.eval_every} needs data.eval_path (the held-out HDF5 file to evaluate)")
+
+
+def ep_splits(mod: ModelConfig, ep: int) -> bool:
+    """Whether the model's experts split over ep expert-parallel ranks (the planner's filter; parallel.ep's checks)."""
+    try:
+        _KINDS[mod.kind].validate_ep(mod, ep)
+    except ConfigError:
+        return False
+    return True
 
 
 def tp_splits(mod: ModelConfig, tp: int) -> bool:

@@ -107,10 +107,13 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                                   f"needs {piece.hf_shape}")
             part = cut.get(piece.name)
             if piece.stack is not None:          # one expert's tensor: a slice of the block's (E, ...) array
+                held = _held_experts(shapes[piece.name][0], part)
+                if piece.stack not in held:      # expert parallelism: another rank's expert, never read here
+                    continue
                 value = tensors.read(name, dtype, transpose=piece.transpose)
                 bad = _non_finite(value)
-                stacked = arrays.setdefault(piece.name, np.empty(shapes[piece.name], dtype=value.dtype))
-                stacked[piece.stack] = value
+                stacked = arrays.setdefault(piece.name, np.empty((len(held), *piece.shape), dtype=value.dtype))
+                stacked[held.index(piece.stack)] = value
                 if bad:
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s)")
                 continue
@@ -136,6 +139,15 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                                   f"llama kind has biases on q, k and v only (attention_bias also biases o_proj)")
         out[index] = arrays
     return out
+
+
+def _held_experts(n: int, part: Any) -> range:
+    """The experts of a stacked (E, ...) parameter a rank reads: all, or the contiguous ones its shard names."""
+    if part is None or part.axis is None:
+        return range(n)
+    if part.axis != 0 or not isinstance(part.index, slice):
+        raise ValueError(f"stacked experts are cut by whole experts (axis 0, a slice), not {part!r}")
+    return range(n)[part.index]
 
 
 def _stored_rows(tensors: TensorFiles, name: str, stored: str, piece: Piece) -> RowWeight:

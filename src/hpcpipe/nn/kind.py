@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcpipe.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Key:
@@ -28,6 +30,14 @@ class Key:
 
 def _none(keys: dict[str, Any], index: int) -> list[str]:
     return []
+
+
+def no_experts(name: str) -> Callable[[Any, int], None]:
+    """The ep check of a kind without experts: parallel.ep > 1 is refused, naming the kind."""
+    def refuse(mod: Any, ep: int) -> None:
+        raise ConfigError(f"parallel.ep = {ep}: model.kind = \"{name}\" has no experts to split; expert "
+                          f"parallelism needs model.kind = \"moe\" (leave parallel.ep = 1)")
+    return refuse
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,11 @@ class Kind:
     decoder: bool = False                              # a language model: tokens, a tokenizer, generate and serve
     seq_len_free: bool = False                         # seq_len sizes no parameter (RoPE): may run shorter than stored
     hf: HFMap | None = None
+    validate_ep: Callable[[Any, int], None] | None = None   # (ModelConfig, ep) -> None; None: no experts, ep refused
+
+    def __post_init__(self):
+        if self.validate_ep is None:
+            object.__setattr__(self, "validate_ep", no_experts(self.name))
 
     @property
     def key_names(self) -> tuple[str, ...]:

@@ -214,11 +214,11 @@ class LoraModel(ModelDef):
                     out[i][f"{prefix}/lora_b"] = np.zeros((self.settings.rank, n_out), dtype=dtype)
         return out
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None):
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None, ep=None):
         if not self.adapted(index):
-            return Frozen(self.base.build_layer(index, params, grads, xp, tok_emb, grad_tok_emb, tp))
+            return Frozen(self.base.build_layer(index, params, grads, xp, tok_emb, grad_tok_emb, tp, ep))
         wrap = partial(self._wrap, params, grads)
-        return self.base.build_layer(index, {**params, ADAPTER: wrap}, grads, xp, tok_emb, grad_tok_emb, tp)
+        return self.base.build_layer(index, {**params, ADAPTER: wrap}, grads, xp, tok_emb, grad_tok_emb, tp, ep)
 
     def _wrap(self, params: dict[str, Any], grads: dict[str, Any], dense: Dense, prefix: str) -> LoraDense:
         a, b = f"{prefix}/lora_a", f"{prefix}/lora_b"

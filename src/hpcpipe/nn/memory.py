@@ -35,6 +35,18 @@ class MemoryEstimate:
         return self.parameters + self.optimizer + self.activations + self.data
 
 
+def expert_elements(model: Any, index: int) -> int:
+    """Elements of layer group ``index``'s experts (the tensors expert parallelism splits; 0 without experts)."""
+    names = model.expert_shards(index, 1, 0)
+    return sum(math.prod(model.specs[index].shapes[name]) for name in names)
+
+
+def held_elements(model: Any, index: int, ep: int) -> int:
+    """Elements of layer group ``index`` one rank holds at expert parallelism ``ep``: its experts / ep, the rest."""
+    experts = expert_elements(model, index)
+    return model.specs[index].n_params - experts + experts // ep
+
+
 def trained_params(spec: Any) -> int:
     """Scalars of a layer group that train (all but LoRA's frozen base): they have gradients and optimizer state."""
     frozen = getattr(spec, "frozen", ())
@@ -58,14 +70,18 @@ def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, plac
     """Return the largest per-rank memory need over the pipeline ranks of a planned layout (dp: its replicas,
     among which train.zero = 1 shards the optimizer state)."""
     specs = model_specs(config)
+    model = model_def(config) if config.parallel.ep > 1 else None
     itemsize = ITEMSIZE[config.model.dtype]
     tr = config.train
     rows = tr.micro_batches * tr.micro_batch_size
     worst = MemoryEstimate(0, 0, 0, 0)
     for rank in range(pp):
-        layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
-        params, optimizer = state_bytes(sum(s.n_params for s in layers), sum(trained_params(s) for s in layers),
-                                        tr, dp, itemsize)
+        indices = [i for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
+        layers = [specs[i] for i in indices]
+        # expert parallelism: a rank holds (and trains) 1/ep of every block's experts
+        unheld = [specs[i].n_params - held_elements(model, i, config.parallel.ep) if model else 0 for i in indices]
+        params, optimizer = state_bytes(sum(s.n_params for s in layers) - sum(unheld),
+                                        sum(trained_params(s) for s in layers) - sum(unheld), tr, dp, itemsize)
         # each layer's cache holds its input and what its activation saved (one row of each per
         # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
         widths = sum(s.act_elements for s in layers)
@@ -86,7 +102,8 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
     per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens. With
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
-    (at least one) and its part of every matrix (norms are replicated but small).
+    (at least one) and its part of every matrix (norms are replicated but small). With expert parallelism
+    (parallel.ep) a rank holds 1/ep of every block's experts.
     """
     model = model_def(config)
     specs, shape = model.specs, model.shape
@@ -97,7 +114,7 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:
-        params = sum(specs[i].n_params for i in groups)
+        params = sum(held_elements(model, i, config.parallel.ep) for i in groups)
         if shape.tied and len(specs) - 1 in groups and 0 not in groups:
             params += specs[0].n_params
         blocks = sum(1 for i in groups if 1 <= i <= shape.n_blocks)

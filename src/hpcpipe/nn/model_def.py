@@ -54,10 +54,15 @@ class ModelDef:
         raise NotImplementedError
 
     def build_layer(self, index: int, params: dict[str, Any], grads: dict[str, Any], xp: Any,
-                    tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None) -> Layer:
+                    tok_emb: Any = None, grad_tok_emb: Any = None, tp: Any = None, ep: Any = None) -> Layer:
         """Return the layer of group ``index`` over its parameter and gradient views (``tp``: the stage's
-        tensor-parallel group, whose rank holds the parts :meth:`shards` names)."""
+        tensor-parallel group, whose rank holds the parts :meth:`shards` names; ``ep``: its expert-parallel
+        group, whose rank holds the experts :meth:`expert_shards` names)."""
         raise NotImplementedError
+
+    def expert_shards(self, index: int, ep: int, rank: int) -> dict[str, Shard]:
+        """The experts of group ``index`` ep rank ``rank`` holds, by parameter ({}: the group has none)."""
+        return {}
 
     def shards(self, index: int, tp: int, rank: int) -> dict[str, Shard]:
         """The part of each parameter of group ``index`` tp rank ``rank`` holds (hpcpipe.nn.core.sharding)."""

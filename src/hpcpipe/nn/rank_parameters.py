@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.nn.core.sharding import assemble
+from hpcpipe.nn.core.sharding import Shard, assemble
 from hpcpipe.nn.protocol import Layer
 
 
@@ -83,27 +83,37 @@ class RankParameters:
 
     With tensor parallelism (``tp``: the stage's group), the buffers hold this rank's part of each
     parameter (``model.shards``); ``load`` takes whole tensors or parts, ``export`` returns the parts.
+    With expert parallelism (``ep``: the stage's runtime.expert_comm.ExpertGroup) they hold this rank's experts
+    (``model.expert_shards``), after every other parameter (from ``expert_start`` on), so that the
+    data-parallel average can sum those over the replicas holding the same experts only.
     """
 
-    def __init__(self, model: Any, stage_ranges: dict[int, range], xp: Any, dtype: str, tp: Any = None):
+    def __init__(self, model: Any, stage_ranges: dict[int, range], xp: Any, dtype: str, tp: Any = None,
+                 ep: Any = None):
         self.xp = xp
         self.model = model
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.ep = ep if ep is not None and ep.size > 1 else None
         self.specs = {i: model.specs[i] for r in stage_ranges.values() for i in r}
         last = model.n_layers - 1
         self.tied_copy = bool(model.tied) and last in self.specs and 0 not in self.specs
         held = sorted(set(self.specs) | ({0} if self.tied_copy else set()))
         self.shards = {i: model.shards(i, self.tp.size, self.tp.rank) for i in held} if self.tp else {}
+        self.experts = {i: model.expert_shards(i, self.ep.size, self.ep.rank) for i in held} if self.ep else {}
         layout: list[tuple[int, str, tuple[int, ...]]] = [
             (i, name, self.local_shape(i, name)) for i in sorted(self.specs) for name in self.specs[i].shapes]
         if self.tied_copy:
             layout.append((TIED, "tok_emb", self.local_shape(0, "tok_emb")))
         # a frozen parameter (its spec's ``frozen``: LoRA's base) lives in its own buffer, with no gradient and no
-        # optimizer state; flat and grad hold the trained ones only
+        # optimizer state; flat and grad hold the trained ones only, this rank's experts (ep) last
         frozen = [(i, name, shape) for i, name, shape in layout if name in frozen_names(model, i)]
         trained = [entry for entry in layout if entry not in frozen]
+        trained.sort(key=lambda entry: self.is_expert(entry[0], entry[1]))    # stable: experts last
         self.flat, self.views = self._buffer(trained, dtype, sorted(self.specs))
         self.grad = xp.zeros(self.flat.size, dtype=dtype)
+        # where this rank's experts begin in the flat buffers (flat.size: none)
+        self.expert_start = min((self.views[i][name][0] for i, name, _ in trained if self.is_expert(i, name)),
+                                default=int(self.flat.size))
         self.frozen, self.frozen_views = self._buffer(frozen, dtype)
         tok = grad_tok = None
         self.tied_trains = bool(model.tied) and "tok_emb" not in frozen_names(model, 0)
@@ -112,7 +122,8 @@ class RankParameters:
             tok = self.param(owner, "tok_emb")
             grad_tok = self.grad_of(owner, "tok_emb") if self.tied_trains else None
         self.stages = {stage: StageModule(stage, [model.build_layer(i, self._params_group(i), self._grads_group(i), xp,
-                                                                    tok, grad_tok, tp=self.tp) for i in r])
+                                                                    tok, grad_tok, tp=self.tp, ep=self.ep)
+                                                  for i in r])
                        for stage, r in stage_ranges.items()}
 
     def _buffer(self, layout: list[tuple[int, str, tuple[int, ...]]], dtype: str,
@@ -126,16 +137,43 @@ class RankParameters:
             offset += int(np.prod(shape))
         return self.xp.zeros(offset, dtype=dtype), views
 
+    def is_expert(self, index: int, name: str) -> bool:
+        """Whether parameter ``name`` of group ``index`` is cut by experts over the ep ranks."""
+        return name in self.experts.get(index, {})
+
+    def cut(self, index: int, name: str) -> Shard | None:
+        """The part of a parameter this rank holds (None: the whole tensor)."""
+        if self.is_expert(index, name):
+            return self.experts[index][name]
+        return self.shards[index][name] if self.tp else None
+
+    def read_shards(self, index: int, names: list[str]) -> dict[str, Shard]:
+        """{name: Shard} of group ``index`` for reading only this rank's parts (weights sources' ``shards``)."""
+        return {name: part for name in names if (part := self.cut(index, name)) is not None}
+
+    @property
+    def cut_any(self) -> bool:
+        """Whether this rank holds parts of some tensors (tensor or expert parallelism), so reads need shards."""
+        return bool(self.tp or self.ep)
+
     def local_shape(self, index: int, name: str) -> tuple[int, ...]:
-        """The shape of this rank's part of parameter ``name`` of group ``index`` (the whole at tp = 1)."""
+        """The shape of this rank's part of parameter ``name`` of group ``index`` (the whole at tp = ep = 1)."""
         full = tuple(self.model.specs[index].shapes[name])
-        return self.shards[index][name].shape(full) if self.tp else full
+        part = self.cut(index, name)
+        return part.shape(full) if part is not None else full
 
     def _part(self, index: int, name: str, array: Any) -> Any:
         """This rank's part of an array that is either the whole tensor or already the part."""
-        if not self.tp or tuple(array.shape) == self.local_shape(index, name):
+        part = self.cut(index, name)
+        if part is None or tuple(array.shape) == self.local_shape(index, name):
             return array
-        return self.shards[index][name].take(array)
+        return part.take(array)
+
+    def expert_norm_sq(self) -> float:
+        """Squared norm of the gradients of the experts this rank holds (0 without expert parallelism)."""
+        terms = [self.xp.vdot(self.grad_of(i, name), self.grad_of(i, name))
+                 for i in self.layer_indices() for name in self.experts.get(i, {})]
+        return sum(self.xp.stack(terms).astype("float64").tolist()) if terms else 0.0
 
     def norm_sq(self) -> float:
         """Squared norm of the gradient as one term of a sum over the tp ranks: every parameter counted once.
@@ -250,20 +288,38 @@ class RankParameters:
         return {i: {name: self.host(self.param(i, name)) for name in self.names(i)} for i in self.layer_indices()}
 
     def whole(self, local: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]] | None:
-        """Whole tensors from this stage's tp ranks' parts of ``local`` (export-shaped) on tp rank 0, None on the
-        others (collective over the tp ranks); ``local`` itself without tensor parallelism."""
+        """Whole tensors from this stage's tp (or ep) ranks' parts of ``local`` (export-shaped) on tp (ep) rank 0,
+        None on the others (collective over those ranks); ``local`` itself without tensor or expert parallelism."""
+        if self.ep:
+            return self._whole_experts(local)
         if not self.tp:
             return local
         parts = self.tp.gather(local)
         return None if parts is None else assemble(self.model, parts)
 
+    def _whole_experts(self, local: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]] | None:
+        """Every expert of ``local``'s groups on ep rank 0 (the ep ranks' experts in rank order), None elsewhere;
+        only the experts travel (the other parameters are the same on every ep rank)."""
+        mine = {i: {name: local[i][name] for name in self.experts.get(i, {})} for i in local}
+        parts = self.ep.gather(mine)
+        if parts is None:
+            return None
+        return {i: {name: np.concatenate([part[i][name] for part in parts]) if name in mine[i] else value
+                    for name, value in group.items()} for i, group in local.items()}
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank is the one of its stage's tp and ep ranks holding the whole tensors after
+        :meth:`whole` (a checkpoint's writer among a stage's first replicas)."""
+        return not ((self.tp and self.tp.rank) or (self.ep and self.ep.rank))
+
     def whole_states(self, local: dict[int, dict[str, dict[str, np.ndarray]]]) -> dict | None:
-        """:meth:`whole` of optimizer state ({group: {state: {name: part}}}), on tp rank 0."""
-        if not self.tp:
+        """:meth:`whole` of optimizer state ({group: {state: {name: part}}}), on tp (ep) rank 0."""
+        if not self.cut_any:
             return local
         states = sorted({state for per in local.values() for state in per})
         wholes = {state: self.whole({i: local[i][state] for i in local}) for state in states}   # collective
-        if self.tp.rank:
+        if not self.writes:
             return None
         return {i: {state: wholes[state][i] for state in states} for i in local}
 

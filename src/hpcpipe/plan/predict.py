@@ -18,6 +18,12 @@ ring-allreduce time of the probe's fit over tp ranks. Parameters, gradients,
 optimizer state and layer caches count 1/tp per rank (the replicated norms,
 biases and residual streams are small beside them and not counted twice).
 
+Expert parallelism (ep > 1, a mixture-of-experts model) leaves the measured compute as it is (a rank computes
+its experts over the rows of its ep peers: the same products in total) and adds each sparse block's four
+all-to-alls (rows out and results back, forward and backward) of its (rows, T, k, d) choices, (ep - 1) / ep of
+them leaving the rank, at the probe's point-to-point time; a rank holds 1/ep of the experts, whose gradients
+are averaged over dp / ep replicas.
+
 Memory per rank counts what the engine holds at its peak: the process's
 baseline (interpreter, libraries, MPI, BLAS), parameters and gradients,
 optimizer state, the stashed caches of as many micro-batches as the simulator
@@ -33,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpcpipe.config import DECODERS, Config
-from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes, state_bytes, trained_params
+from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes, expert_elements, state_bytes, trained_params
 from hpcpipe.nn.partition import layer_ranges
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.profile import Profile
@@ -59,6 +65,7 @@ class Candidate:
     stage_layers: tuple[int, ...]
     cut: str = "profile"        # how the cut was chosen: "profile" (measured costs) or "flops"
     tp: int = 1                 # tensor-parallel ranks per stage
+    ep: int = 1                 # expert-parallel replicas (a mixture of experts' blocks split over them)
 
 
 @dataclass
@@ -157,8 +164,31 @@ class Predictor:
                 out[(op, s)] = per[(op, s)] / tp + extra
         return out
 
-    def _rank_params(self, layers: list[int], trained: bool = False) -> int:
-        n = sum(self.trained[i] if trained else self.profile.params(i) for i in layers)
+    def ep_seconds(self, index: int, rows: int, ep: int) -> float:
+        """Seconds of one all-to-all of layer group ``index``'s routed rows at ``rows`` (0 without experts or ep)."""
+        if ep == 1 or not expert_elements(self.model, index):
+            return 0.0
+        cfg = self.config.model
+        leaving = rows * cfg.seq_len * cfg.experts_per_token * cfg.d_model * self.itemsize * (ep - 1) // ep
+        return self.profile.comm.p2p(leaving) + self.profile.comm.allreduce(8 * cfg.n_experts, ep)
+
+    def _exchange(self, per: dict[tuple[str, int], float], ranges: list[range], rows: int, ep: int
+                  ) -> dict[tuple[str, int], float]:
+        """Per-stage costs with the experts' all-to-alls: two a sparse block forward, two backward (I or B)."""
+        if ep == 1:
+            return per
+        out = dict(per)
+        for s, r in enumerate(ranges):
+            two = 2 * sum(self.ep_seconds(i, rows, ep) for i in r)
+            for op, extra in (("F", two), ("I", two + (two if self.recompute else 0.0)),
+                              ("B", two + (two if self.recompute else 0.0))):
+                out[(op, s)] = per[(op, s)] + extra
+        return out
+
+    def _rank_params(self, layers: list[int], trained: bool = False, ep: int = 1) -> int:
+        # expert parallelism: 1/ep of every block's experts on a rank
+        n = sum((self.trained[i] if trained else self.profile.params(i))
+                - expert_elements(self.model, i) * (ep - 1) // ep for i in layers)
         if self.tok_emb and self.model.n_layers - 1 in layers and 0 not in layers:
             # a tied head away from the embedding holds its own copy of the table (trained unless frozen)
             n += self.tok_emb if not trained or self.trained[0] else 0
@@ -170,12 +200,13 @@ class Predictor:
         rows = c.micro_batch_size
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages
-        per = self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp)
+        per = self._exchange(self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp), ranges,
+                             rows, c.ep)
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
         comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
-        params = [-(-self._rank_params(layers) // c.tp) for layers in rank_layers]
-        trained = [-(-self._rank_params(layers, True) // c.tp) for layers in rank_layers]
+        params = [-(-self._rank_params(layers, ep=c.ep) // c.tp) for layers in rank_layers]
+        trained = [-(-self._rank_params(layers, True, c.ep) // c.tp) for layers in rank_layers]
         opt = self.profile.optimizer(self.config.train)
         tied_apart = bool(self.tok_emb) and bool(self.trained[0]) and \
             not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)

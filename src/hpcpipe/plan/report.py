@@ -42,8 +42,10 @@ def describe(p: Prediction) -> str:
 
 
 def layout(c: Any) -> str:
-    """A candidate's grid: 'dp=2 x pp=4', with ' x tp=2' under tensor parallelism."""
-    return f"dp={c.dp} x pp={c.pp}" + (f" x tp={c.tp}" if c.tp > 1 else "")
+    """A candidate's grid: 'dp=2 x pp=4', with ' x tp=2' under tensor parallelism and ' (ep=2)' under expert
+    parallelism (over the dp replicas)."""
+    ep = getattr(c, "ep", 1)
+    return f"dp={c.dp} x pp={c.pp}" + (f" x tp={c.tp}" if c.tp > 1 else "") + (f" (ep={ep})" if ep > 1 else "")
 
 
 def table(best: list[Prediction], gpt: bool) -> str:
@@ -94,7 +96,7 @@ def reason(best: Prediction, feasible: list[Prediction], over_budget: int) -> st
 def plan_dict(p: Prediction) -> dict[str, Any]:
     """A plan as JSON: what to run and what it is predicted to do."""
     c = p.candidate
-    return {"dp": c.dp, "pp": c.pp, "tp": c.tp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+    return {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
             "micro_batches": c.micro_batches, "micro_batch_size": c.micro_batch_size,
             "stage_layers": list(c.stage_layers), "cut": c.cut, "step_time_s": p.step_time_s,
             "samples_per_s": p.samples_per_s, "tokens_per_s": p.tokens_per_s, "bubble": p.bubble,
@@ -106,7 +108,7 @@ def planned_config(config: Config, p: Prediction) -> dict[str, dict[str, Any]]:
     """The config with the plan's layout, schedule, micro-batching and stage cut in place."""
     c = p.candidate
     out = config.to_dict()
-    out["parallel"].update(pp=c.pp, dp=c.dp, tp=c.tp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+    out["parallel"].update(pp=c.pp, dp=c.dp, tp=c.tp, ep=c.ep, schedule=c.schedule, virtual_stages=c.virtual_stages,
                            stage_layers=list(c.stage_layers) if c.pp * c.virtual_stages > 1 else [])
     out["train"].update(micro_batches=c.micro_batches, micro_batch_size=c.micro_batch_size)
     return out

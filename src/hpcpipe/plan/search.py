@@ -1,7 +1,8 @@
 """Search the plans for a global batch on N ranks: layouts, schedules, micro-batching and stage cuts.
 
 Every (dp, pp, tp) with dp x pp x tp = N, pp no more than the layer groups and a tp the model splits
-over (parallel.tp's checks: heads, key/value heads, MLP widths); every
+over (parallel.tp's checks: heads, key/value heads, MLP widths); for a mixture of experts every ep dividing
+dp and the experts (parallel.ep's checks); every
 schedule with the virtual stages it can take (interleaved 1F1B: 2 to 4 layer
 groups' worth, ZB-V: 2); every micro-batch count that divides the replica's
 batch (up to ``max_micro``); and two stage cuts: balanced on the measured F + B
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from hpcpipe.config import Config
-from hpcpipe.config_checks import tp_splits
+from hpcpipe.config_checks import ep_splits, tp_splits
 from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_specs
@@ -56,6 +57,11 @@ def layouts(config: Config, ranks: int, global_batch: int) -> list[tuple[int, in
     return out
 
 
+def expert_layouts(config: Config, grid: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Every (dp, pp, tp, ep) of the layouts: ep over divisors of dp that split the experts (1 for a model without)."""
+    return [(dp, pp, tp, ep) for dp, pp, tp in grid for ep in divisors(dp) if ep == 1 or ep_splits(config.model, ep)]
+
+
 def micro_batch_rows(config: Config, global_batch: int, ranks: int, max_micro: int) -> list[int]:
     """Every micro-batch size some candidate uses (what the profile must measure)."""
     rows = set()
@@ -84,7 +90,7 @@ def search(config: Config, profile: Profile, ranks: int, global_batch: int, budg
     specs = model_specs(config)
     predictions: list[Prediction] = []
     skipped = 0
-    for dp, pp, tp in layouts(config, ranks, global_batch):
+    for dp, pp, tp, ep in expert_layouts(config, layouts(config, ranks, global_batch)):
         replica = global_batch // dp
         for schedule, virtual in schedule_variants(pp, n_layers):
             n_stages = pp * virtual
@@ -97,7 +103,7 @@ def search(config: Config, profile: Profile, ranks: int, global_batch: int, budg
                 cuts = {measured_cut(profile, n_stages, rows): "profile"}
                 cuts.setdefault(flops_cache[n_stages], "flops")
                 for counts, how in cuts.items():
-                    candidate = Candidate(dp, pp, schedule, virtual, m, rows, counts, how, tp)
+                    candidate = Candidate(dp, pp, schedule, virtual, m, rows, counts, how, tp, ep)
                     try:
                         predictions.append(predictor.predict(candidate))
                     except ScheduleError:

@@ -75,8 +75,10 @@ class PipeComm:
     """Activation/gradient exchange along one pipeline and gradient averaging across replicas."""
 
     def __init__(self, pp_comm: Comm, dp_comm: Comm, world: Comm, backend: Backend, poller: Poller,
-                 gpu_direct: bool | None = None, tp_comm: Comm | None = None):
+                 gpu_direct: bool | None = None, tp_comm: Comm | None = None, expert_dp_comm: Comm | None = None):
         self.pp_comm, self.dp_comm, self.world = pp_comm, dp_comm, world
+        # expert parallelism: the replicas holding the same experts as this rank (their gradients' average)
+        self.expert_dp_comm = expert_dp_comm
         # tensor parallel: an activation every tp rank holds travels once per stage, a share from each rank
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.Get_size() > 1 else None
         self.backend = backend
@@ -169,12 +171,22 @@ class PipeComm:
             buf[...] = self.backend.xp.asarray(wire)
             self.host_device_bytes += buf.nbytes
 
-    def average_over_dp(self, buf: Any) -> None:
-        """Replace buf with its mean over the data-parallel replicas of this stage."""
+    def average_over_dp(self, buf: Any, experts_from: int | None = None) -> None:
+        """Replace buf with its mean over the data-parallel replicas of this stage.
+
+        ``experts_from`` (expert parallelism): buf[experts_from:] holds this rank's experts' gradients, which
+        already sum the rows of every ep peer (they came through the all-to-all); those are summed over the
+        dp / ep replicas holding the same experts only, and divided by dp like the rest.
+        """
         n = self.dp_comm.Get_size()
-        if n > 1:
+        if n == 1:
+            return
+        if experts_from is None or self.expert_dp_comm is None:
             self._allreduce_inplace(buf, self.dp_comm)
-            buf /= n
+        else:
+            self._allreduce_inplace(buf[:experts_from], self.dp_comm)
+            self._allreduce_inplace(buf[experts_from:], self.expert_dp_comm)
+        buf /= n
 
     def reduce_scatter_dp(self, parts: list[tuple[Any, Any, list[int]]]) -> None:
         """ZeRO's gradient exchange: for each (buf, out, counts), out = this replica's block of buf summed over the

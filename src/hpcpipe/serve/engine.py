@@ -30,11 +30,13 @@ from hpcpipe.kernels.formats import inference_format
 from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
+from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import fault_step
 from hpcpipe.runtime.topology import Topology, make_topology
 from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.serve.dispatch import Controller, Dispatcher, Loopback, Source
+from hpcpipe.serve.ep_lockstep import Lockstep
 from hpcpipe.serve.probe import check_forward
 from hpcpipe.serve.protocol import Drain, send
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
@@ -51,7 +53,7 @@ STOP_GRACE_S = 20.0
 
 
 def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, poller: Poller,
-                tp: TPGroup | None = None) -> DecodeStage:
+                tp: TPGroup | None = None, ep: ExpertGroup | None = None) -> DecodeStage:
     """Load this rank's layer groups (collective, agreed) and return its KV-cached stage (its tp part)."""
     pp_rank = topo.pp_rank
     mine = setup.stage_ranges[pp_rank]
@@ -62,18 +64,19 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     gathered_only = 0 in mine and not holds_head and tp is None
     fmt = inference_format(setup.config.model.weight_format)
     weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only,
-                                         stored=fmt != "float32" and tp is None,
-                                         quantize=fmt == "q8_0" and tp is None)
-    # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
+                                         stored=fmt != "float32" and tp is None and ep is None,
+                                         quantize=fmt == "q8_0" and tp is None and ep is None)
+    # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs); expert parallelism: its experts
     model = setup.model
-    shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else None
+    shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else \
+        (lambda i, names: model.expert_shards(i, ep.size, ep.rank)) if ep is not None else None
     arrays = checkpoint_mpi.load(world, poller, weights, indices, with_optimizer=False, shards=shards).arrays
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
         stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype,
                             setup.config.serve.max_sequences, tok_emb=table, tp=tp, weight_format=fmt,
-                            release=True)
+                            release=True, ep=ep)
     return stage
 
 
@@ -115,7 +118,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     """
     cfg = setup.config
     poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
-    topo = make_topology(world, setup.dp, setup.pp, setup.tp)
+    topo = make_topology(world, setup.dp, setup.pp, setup.tp, cfg.parallel.ep)
     rank = world.Get_rank()
     source = None
     with together(world, poller, 2):
@@ -126,7 +129,8 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
         for note in backend.notes:
             print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
     tp = TPGroup(topo.tp_comm, backend, poller) if setup.tp > 1 else None
-    stage = build_stage(setup, topo, backend, world, poller, tp)
+    ep = ExpertGroup(topo.ep_comm, backend, poller) if topo.ep > 1 else None
+    stage = build_stage(setup, topo, backend, world, poller, tp, ep)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
     samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size, setup.tokenizer)   # grammars need it
     # every tp rank of a stage runs the probe with the same tokens, each along its own pp link (SPMD)
@@ -160,7 +164,11 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     else:
         scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
                                      cfg.serve.prefill_tokens, setup.stop_ids, depth=setup.pp)
-        head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events))
+        # expert parallelism: the heads of an ep group agree every step and leave together (serve.ep_lockstep)
+        lockstep = Lockstep(ep, lambda: control.finished) if ep is not None else None
+        head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events),
+                    lockstep)
+        finished = (lambda: lockstep.done) if lockstep is not None else (lambda: control.finished)
         # rank 0 judges every replica (its own too) by its messages: one at least every sixteenth of the stall timeout
         beat_s = min(1.0, max(0.05, cfg.run.stall_timeout / 16)) if cfg.run.stall_timeout > 0 else 1.0
         control = Controller(world_box, scheduler, topo.dp_rank, lambda: head.progress_at, beat_s)
@@ -175,16 +183,14 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
             beat = Heartbeat(watchdog, lambda: dispatcher.pending or head.pending, dispatcher.moved_at,
                              "serving: waiting for the replicas' tokens", source.progressed)
             # replica 0's control messages and events go to this rank itself (Loopback), each polled a step later
-            loop([dispatcher.step, control.step, head.step, control.flush, watch, beat],
-                 lambda: control.finished, poller)
+            loop([dispatcher.step, control.step, head.step, control.flush, watch, beat], finished, poller)
             reason = dispatcher.draining or "done"
             if closing is not None:
                 closing()
         else:
             beat = Heartbeat(watchdog, lambda: head.pending, lambda: head.progress_at,
                              f"serving: replica {topo.dp_rank} waits for its pipeline")
-            loop([control.step, head.step, control.flush, relay, beat],
-                 lambda: control.finished, poller)
+            loop([control.step, head.step, control.flush, relay, beat], finished, poller)
         head.stop()
         tokens = head.tokens_out
     # leaving includes rank 0's HTTP shutdown (HttpServer.stop: up to 15 s): allowed for on top of the timeout

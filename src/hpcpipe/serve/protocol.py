@@ -9,7 +9,7 @@ head; replica d's head is world rank d * pp * tp (its first stage's tp rank 0)::
       rank 0: Dispatcher <--------------------------Drain----- any rank: SignalRelay (a stop signal came)
 
     pp communicator of replica d (PipeTag)
-      head (stage 0) --Work + x | Idle | StopPipeline--> stage 1 --> ... --> last stage (samples)
+      head (stage 0) --Work + x | Idle | Join | StopPipeline--> stage 1 --> ... --> last stage (samples)
       head <-------------------------------------Result------------------- last stage
       stage k --Probe (+ x)--> stage k + 1                                  (once, before serving)
 
@@ -53,7 +53,7 @@ class WorldTag(IntEnum):
 class PipeTag(IntEnum):
     """Tags on a replica's pp communicator: its stages."""
 
-    WORK = 21       # Work | Idle | StopPipeline (Work's activations on 22)
+    WORK = 21       # Work | Idle | Join | StopPipeline (Work's activations on 22)
     RESULT = 23     # Result
     PROBE = 25      # Probe (its activations on 26)
 
@@ -175,6 +175,15 @@ class Idle(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Join(Message):
+    """A replica's head -> stage 1 -> ... -> last stage (pp, WORK), expert parallelism: this step an ep peer
+    replica has work and this one none; every stage exchanges zero rows of its own (its experts still compute the
+    peers' rows), so that the peers' all-to-alls pair up. Nothing comes back."""
+
+    TAG: ClassVar[int] = PipeTag.WORK
+
+
+@dataclass(frozen=True, slots=True)
 class StopPipeline(Message):
     """A replica's head -> stage 1 -> ... -> last stage (pp, WORK): leave the serving loop."""
 
@@ -234,7 +243,7 @@ class StopTP(Message):
     TAG: ClassVar[int] = TPTag.CALL
 
 
-MESSAGES = (Submit, Cancel, StopReplica, Events, Drain, Work, Idle, StopPipeline, Result, Probe, Forward,
+MESSAGES = (Submit, Cancel, StopReplica, Events, Drain, Work, Idle, Join, StopPipeline, Result, Probe, Forward,
             ClearSlot, StopTP)
 
 

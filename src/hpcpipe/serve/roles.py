@@ -26,7 +26,7 @@ from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.runtime.faults import step_sleep
 from hpcpipe.serve.broker import Event
 from hpcpipe.serve.last_stage import SamplerTable, forward_rows, logit_rows
-from hpcpipe.serve.protocol import Idle, PipeTag, Result, StopPipeline, Work, from_rows, receive, send, to_rows
+from hpcpipe.serve.protocol import Idle, Join, PipeTag, Result, StopPipeline, Work, from_rows, receive, send, to_rows
 from hpcpipe.serve.scheduler import ReplicaScheduler
 
 __all__ = ["Follower", "Head", "SamplerTable"]
@@ -48,8 +48,9 @@ class Head:
     """First stage of a replica: its scheduler, its layers and, at pp = 1, the sampling too."""
 
     def __init__(self, stage: DecodeStage, scheduler: ReplicaScheduler, link: Any, pp: int, xp: Any,
-                 samplers: SamplerTable, report: Callable[[list[Event]], None]):
+                 samplers: SamplerTable, report: Callable[[list[Event]], None], lockstep: Any = None):
         self.stage, self.scheduler, self.link, self.pp, self.xp = stage, scheduler, link, pp, xp
+        self.lockstep = lockstep     # expert parallelism: the ep group's heads step together (serve.ep_lockstep)
         self.samplers, self.report = samplers, report
         self.tokens_out = 0
         self.items = 0
@@ -66,6 +67,9 @@ class Head:
                 self._finish(result.group, result.tokens, result.details)
                 busy = True
         item = self.scheduler.next_item()
+        if self.lockstep is not None and self.lockstep.agree(item is not None) and item is None:
+            self._join()
+            return True
         if item is None:
             if busy:
                 self.progress_at = time.monotonic()
@@ -88,6 +92,13 @@ class Head:
             self.announced = True
         self.progress_at = time.monotonic()
         return True
+
+    def _join(self) -> None:
+        """An ep peer launches work and this replica has none: exchange zero rows, and have every stage do so."""
+        self.stage.join()
+        if self.pp > 1:
+            send(self.link, 1, Join())
+        self.lockstep.joins += 1
 
     @property
     def pending(self) -> bool:
@@ -128,6 +139,11 @@ class Follower:
             return False
         message, x, _ = got
         self.progress_at = time.monotonic()
+        if isinstance(message, Join):              # expert parallelism: an ep peer's step, no rows of this replica
+            self.stage.join()
+            if not self.last:
+                send(self.link, self.k + 1, message)
+            return True
         if not isinstance(message, Work):          # Idle or StopPipeline: hand it on, rest
             if not self.last:
                 send(self.link, self.k + 1, message)

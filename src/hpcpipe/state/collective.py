@@ -177,11 +177,12 @@ def save(world: Comm, poller: Poller, root: str | Path, step: int, *, run_dir: P
     path = tmp / cf.stage_file(pp_rank)
 
     # 1. every writer (a stage's first replica; with tensor parallelism its tp rank 0, which gathers the whole
-    # tensors from the stage's tp ranks: a stage file holds whole tensors) builds its file in memory; rank 0
+    # tensors from the stage's tp ranks; with expert parallelism ep rank 0 of the first ep group, which gathers
+    # the experts of the stage's ep ranks: a stage file holds whole tensors) builds its file in memory; rank 0
     # checks there is room for all of them
     image, entry, layers, opt = None, None, None, None
-    if dp_rank == 0:
-        layers = params.whole(params.export())                                  # collective over the tp ranks
+    if dp_rank < (params.ep.size if getattr(params, "ep", None) else 1):     # with ep: the first ep group
+        layers = params.whole(params.export())                                  # collective over the tp/ep ranks
         opt = params.whole_states(optimizer_arrays(params, optimizer))
     with together(world, poller, 1, lambda e: f"cannot build checkpoint file {str(path)!r}: {type(e).__name__}: {e}",
                   abandon):

@@ -49,7 +49,8 @@ class Progress:
 
     def log(self, step: int, result: StepResult, seconds: float, peaks: list | None = None,
             rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None,
-            memory_by_rank: list[tuple[int, int]] | None = None, evaluated: dict | None = None) -> None:
+            memory_by_rank: list[tuple[int, int]] | None = None, evaluated: dict | None = None,
+            ep_comm_s: float | None = None) -> None:
         """Record one step's result: metrics line always, console line every log.every steps."""
         tr, stats, decision, loss = self.trainer, result.stats, result.decision, result.loss
         record = {"step": step, "loss": loss, "step_time_s": seconds,
@@ -67,6 +68,8 @@ class Progress:
             record["peak_stash_bytes_by_stage"] = {str(s): n for p in peaks for s, n in sorted(p[1].items())}
         if tp_comm_s is not None:    # the slowest rank's seconds in tp collectives (on its critical path)
             record["tp_comm_s"] = tp_comm_s
+        if ep_comm_s is not None:    # the slowest rank's seconds in the experts' all-to-alls
+            record["ep_comm_s"] = ep_comm_s
         if rss_by_rank is not None:
             record["peak_rss_bytes"] = max(rss_by_rank)
             record["peak_rss_bytes_by_rank"] = rss_by_rank
@@ -134,11 +137,12 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
         stop.check_interrupt()   # a dropped Ctrl-C still stops the job at the next step
         return stop.requested
     traced: list[tuple[int, list]] = []
-    tp = trainer.tp
-    if tp is not None:
-        tp.take_seconds()      # the steps' own collectives only, not those of setting up
-        if cfg.log.trace:
-            tp.events = []
+    tp, ep = trainer.tp, trainer.ep
+    for group in (tp, ep):
+        if group is not None:
+            group.take_seconds()      # the steps' own collectives only, not those of setting up
+            if cfg.log.trace:
+                group.events = []
     dp0 = trainer.topo.dp_rank == 0
     start = time.perf_counter()
     try:
@@ -157,20 +161,22 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
                 beat(f"held-out loss after step {step + 1}")
                 evaluated = last_eval = trainer.evaluator.run()
             tp_s = tp.take_seconds() if tp is not None else None
+            ep_s = ep.take_seconds() if ep is not None else None
             if cfg.log.trace:
-                traced.append((step, stats.events + tp_trace_events(tp)))
-            peaks = rss_by_rank = tp_comm_s = memory = None
+                traced.append((step, stats.events + tp_trace_events(tp) + tp_trace_events(ep, "ep all-to-all")))
+            peaks = rss_by_rank = tp_comm_s = ep_comm_s = memory = None
             if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s, trainer.memory_bytes()), 0)
+                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s, trainer.memory_bytes(), ep_s), 0)
                 if gathered:
                     peaks = [g[0] for g in gathered if g[0] is not None]
                     rss_by_rank = [g[1] for g in gathered]
                     tp_comm_s = None if tp_s is None else max(g[2] for g in gathered)
                     memory = [g[3] for g in gathered]
+                    ep_comm_s = None if ep_s is None else max(g[4] for g in gathered)
             if progress:
-                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s, memory, evaluated)
+                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s, memory, evaluated, ep_comm_s)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
@@ -213,11 +219,11 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss, "eval": last_eval}
 
 
-def tp_trace_events(tp: Any) -> list[tuple[str, float, float]]:
-    """The tp collectives of the last step as trace events ("tp allreduce", start, end); [] without tp or tracing."""
+def tp_trace_events(tp: Any, name: str = "tp allreduce") -> list[tuple[str, float, float]]:
+    """The tp (or ep) collectives of the last step as trace events (name, start, end); [] without them or tracing."""
     if tp is None or tp.events is None:
         return []
-    events, tp.events = [("tp allreduce", start, end) for start, end in tp.events], []
+    events, tp.events = [(name, start, end) for start, end in tp.events], []
     return events
 
 

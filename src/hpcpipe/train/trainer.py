@@ -21,6 +21,7 @@ from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
+from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import nan_injection
 from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
@@ -57,7 +58,7 @@ class Trainer:
     def __init__(self, p: TrainSetup, world: Comm, keep_input_grads: bool = False, record_events: bool = False):
         cfg = p.config
         self.setup, self.config = p, cfg
-        self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp)
+        self.topo = make_topology(world, p.dp, p.pp, cfg.parallel.tp, cfg.parallel.ep)
         self.backend = select_backend(cfg.run.backend, tf32=cfg.run.tf32)
         if world.Get_rank() == 0:
             for note in self.backend.notes:
@@ -65,8 +66,9 @@ class Trainer:
         xp = self.backend.xp
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
-                             tp_comm=self.topo.tp_comm)
+                             tp_comm=self.topo.tp_comm, expert_dp_comm=self.topo.expert_dp_comm)
         self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller) if self.topo.tp > 1 else None
+        self.ep = ExpertGroup(self.topo.ep_comm, self.backend, self.poller) if self.topo.ep > 1 else None
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)
@@ -74,7 +76,7 @@ class Trainer:
         tr = cfg.train
         # before the layers are built: a mixture's load-balancing loss, per (replica, micro-batch) chunk
         ledger = model.router_ledger(tr.micro_batches, model.samples_norm(tr.micro_batch_size))
-        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp, ep=self.ep)
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         self.loss_norm = model.samples_norm(self.global_batch)
         replica_norm = model.samples_norm(tr.micro_batches * tr.micro_batch_size)
@@ -126,9 +128,8 @@ class Trainer:
             return
         resuming = source is self.setup.resume
         try:
-            # tensor parallelism: each rank reads only its parts of the tensors (hyperslabs)
-            tp = self.tp
-            shards = (lambda i, names: self.model.shards(i, tp.size, tp.rank)) if tp is not None else None
+            # tensor (expert) parallelism: each rank reads only its parts of the tensors (its experts)
+            shards = self.params.read_shards if self.params.cut_any else None
             state = checkpoint_mpi.load(world, self.poller, source, indices, with_optimizer=resuming,
                                         clean_root=self.run_dir if resuming else None, shards=shards)
         except AgreedError as exc:
@@ -172,7 +173,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
         cfg, p = self.config, self.setup
-        layout = {"dp": p.dp, "pp": p.pp, "tp": cfg.parallel.tp, "schedule": cfg.parallel.schedule,
+        layout = {"dp": p.dp, "pp": p.pp, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep,
+                  "schedule": cfg.parallel.schedule,
                   "virtual_stages": cfg.parallel.virtual_stages,
                   "stage_layers": [list(r) for r in p.stage_ranges]}
         info = checkpoint_mpi.SaveInfo(layout, cfg.to_dict(), self.feeder.position(step), self.global_batch,
@@ -215,7 +217,8 @@ class Trainer:
             self.sync.grad[...] = float("nan")
         elif poison == "loss":
             self.engine.stats.loss_sum = float("nan")
-        # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated
+        # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated;
+        # experts (ep) on each rank of the first ep group, the rest on the first replica
         local = self.sync.norm_sq()
         mine = local_decision(local, self._loss_term(), self.sync.counts_norm, stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
@@ -276,13 +279,14 @@ class Trainer:
             raise ValueError(f"gather: what must be params, grads or optimizer, got {what!r}")
         if what == "optimizer":
             saved = self.sync.saved_optimizer()          # whole on dp rank 0 (collective over dp under zero = 1)
-            local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, saved)) \
-                if self.topo.dp_rank == 0 else None
+            # with ep the first ep group's replicas gather their experts together (collective over them)
+            first = self.topo.dp_rank < (self.params.ep.size if self.params.ep else 1)
+            local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, saved)) if first else None
         else:
             if what == "grads":
                 self.sync.gather_grads()                 # under zero = 1 each replica holds its block only
             local = self.params.whole(self.params.export() if what == "params" else self.params.export_grads())
-        mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp rank 0 holds the whole
+        mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp (ep) rank 0 holds the whole
         parts = gather_to_root(self.topo.world, mine, root)
         if parts is None:
             return None

@@ -44,8 +44,9 @@ class Replicated:
     """train.zero = 0: the whole gradient averaged over the replicas, every replica updates everything."""
 
     def __init__(self, params: RankParameters, comm: PipeComm, train: Any, dp_rank: int, tied_peer: int | None):
-        self.params, self.comm, self.tied_peer = params, comm, tied_peer
-        self.counts_norm = dp_rank == 0        # every replica holds the same averaged gradient: count it once
+        self.params, self.comm, self.tied_peer, self.dp_rank = params, comm, tied_peer, dp_rank
+        # every replica holds the same averaged gradient: count it once (with experts, see norm_sq)
+        self.counts_norm = dp_rank == 0 or params.ep is not None
         self.optimizer: Optimizer = make_optimizer(train, params.xp, params.flat.size, params.flat.dtype)
 
     @property
@@ -55,15 +56,24 @@ class Replicated:
 
     def reduce(self) -> None:
         """Average the gradient over the replicas; sum a tied embedding's two ends."""
-        self.comm.average_over_dp(self.params.grad)
+        self.comm.average_over_dp(self.params.grad, self.params.expert_start)
         if self.tied_peer is not None:
             # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and
             # their copies of the table stay identical through every optimizer step
             self.comm.sum_with_pp_peer(self.params.tied_grad(), self.tied_peer)
 
     def norm_sq(self) -> float:
-        """This rank's term of the squared global gradient norm."""
-        return self.params.norm_sq()
+        """This rank's term of the squared global gradient norm.
+
+        With expert parallelism each rank of the first ep group (dp ranks 0 .. ep - 1) counts its experts, and
+        the first replica everything else, so every parameter counts once over the world.
+        """
+        total = self.params.norm_sq()
+        if self.params.ep is None or not math.isfinite(total):
+            return total
+        experts = self.params.expert_norm_sq()
+        dense = total - experts if self.dp_rank == 0 else 0.0
+        return dense + (experts if self.dp_rank < self.params.ep.size else 0.0)
 
     def step(self, grad_norm: float, max_norm: float, lr: float) -> None:
         """Clip by the global norm and update every parameter."""

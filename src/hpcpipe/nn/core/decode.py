@@ -43,6 +43,8 @@ class DecodeStage:
     group ``tp`` (hpcpipe.nn.core.tensor_parallel.Group) ``arrays`` hold the rank's parts of each parameter
     (hpcpipe.nn.core.sharding), the cache the rank's key/value heads, and the head stage returns the logits of
     the rank's token ids only; every tp rank of the stage calls ``forward`` with the same tokens and rows.
+    With an expert-parallel group ``ep`` (hpcpipe.runtime.expert_comm.ExpertGroup) ``arrays`` hold the rank's
+    experts, and each forward (or :meth:`join`) exchanges rows with the ep peers', which call it in step.
 
     ``weight_format`` (float32 | stored | q8_0, hpcpipe.kernels.formats) says how the weights are kept; the
     arrays are float (in, out) or :class:`hpcpipe.kernels.formats.RowWeight` (out, in) as stored. ``compiled``:
@@ -53,11 +55,12 @@ class DecodeStage:
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
-                 weight_format: str = "float32", compiled: bool | None = None, release: bool = False):
+                 weight_format: str = "float32", compiled: bool | None = None, release: bool = False,
+                 ep: Any = None):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
-        self.steps = DecoderSteps(model, xp, tp)
+        self.steps = DecoderSteps(model, xp, tp, ep)
         if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
                 or groups.start < 0 or groups.stop > shape.n_groups:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
@@ -275,6 +278,11 @@ class DecodeStage:
             xp.take(source.reshape(-1, dh), rows, axis=0, out=buf[:n_rows], **self._take_mode)
             out.append(buf[:n_rows].reshape(dec.n, self.n_kv_heads, dec.keys, dh))
         return tuple(out)
+
+    def join(self) -> None:
+        """An expert-parallel step with no rows here (an idle serving replica): the stage's sparse blocks still
+        exchange with their ep peers, whose forward of the same step needs this rank's experts."""
+        self.steps.join()
 
     def forward(self, x: Any, segments: list[Segment], rows: list[int] | None = None) -> Any:
         """Run the stage over the new tokens of several sequences at once.

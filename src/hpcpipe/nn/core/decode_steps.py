@@ -36,9 +36,10 @@ def forward_only(params: dict[str, Any]) -> dict[str, None]:
 class DecoderSteps:
     """The layers of one decode stage of a decoder model (hpcpipe.nn.core.decoder_model.DecoderModel)."""
 
-    def __init__(self, model: Any, xp: Any, tp: Any = None):
+    def __init__(self, model: Any, xp: Any, tp: Any = None, ep: Any = None):
         self.model, self.shape, self.xp = model, model.shape, xp
         self.tp = tp if is_split(tp) else None
+        self.ep = ep if ep is not None and ep.size > 1 else None     # an expert-parallel group: this rank's experts
         self.n_heads, self.n_kv_heads = model.local_heads(self.tp)
         self.head_dim = model.shape.head_dim
         self.lo = model.vocab_lo(self.tp)
@@ -48,6 +49,9 @@ class DecoderSteps:
     def group_params(self, index: int) -> list[tuple[str, tuple[int, ...]]]:
         """Names and shapes of group ``index``'s arrays (this rank's parts under tensor parallelism)."""
         full = self.model.group_params(index)
+        if self.ep is not None:
+            experts = self.model.expert_shards(index, self.ep.size, self.ep.rank)
+            full = [(name, experts[name].shape(dims) if name in experts else dims) for name, dims in full]
         if self.tp is None:
             return full
         cut = self.model.shards(index, self.tp.size, self.tp.rank)
@@ -58,7 +62,7 @@ class DecoderSteps:
         model, xp, n_blocks = self.model, self.xp, self.shape.n_blocks
         if 0 in params:
             self.tok_emb, self.pos_emb = params[0]["tok_emb"], params[0].get("pos_emb")
-        self.blocks = [model.block(p, forward_only(p), xp, self.tp, i) for i, p in sorted(params.items())
+        self.blocks = [model.block(p, forward_only(p), xp, self.tp, i, self.ep) for i, p in sorted(params.items())
                        if 1 <= i <= n_blocks]
         if self.blocks:
             self.rope = self.blocks[0].attn.rope
@@ -109,6 +113,13 @@ class DecoderSteps:
         y, _ = block.mlp.forward(u)
         y += a
         return y
+
+    def join(self) -> None:
+        """Take part in an expert-parallel step without rows of this rank's own: each sparse block, in order,
+        exchanges (and computes its experts' share of the peers' rows) as a forward would."""
+        for block in self.blocks:
+            if hasattr(block.mlp, "join"):
+                block.mlp.join()
 
     def head_logits(self, h: Any) -> Any:
         """Return the logits of the rows ``h`` (of the rank's token ids under tensor parallelism): norm, then head."""

@@ -108,8 +108,9 @@ class DecoderModel(ModelDef):
         """Return block ``index``'s attention (hpcpipe.nn.core.attention.CausalAttention) over this rank's heads."""
         raise NotImplementedError
 
-    def mlp(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any, index: int) -> Any:
-        """Return block ``index``'s MLP over this rank's hidden columns."""
+    def mlp(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any, index: int, ep: Any = None) -> Any:
+        """Return block ``index``'s MLP over this rank's hidden columns (``ep``: the expert-parallel group, for a
+        kind with experts)."""
         raise NotImplementedError
 
     def local_heads(self, tp: Any) -> tuple[int, int]:
@@ -150,18 +151,19 @@ class DecoderModel(ModelDef):
         """The sliding attention window of layer group ``index`` (a block): 0 when it sees the whole context."""
         return 0
 
-    def block(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any = None, index: int = 1) -> Block:
+    def block(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, tp: Any = None, index: int = 1,
+              ep: Any = None) -> Block:
         """Return decoder block ``index`` (a layer group) over its parameter and gradient views (gradients None:
         forward only)."""
         first, second, _ = self.NORMS
         return Block(self.norm(params, grads, first, xp), self.attention(params, grads, xp, tp, index),
-                     self.norm(params, grads, second, xp), self.mlp(params, grads, xp, tp, index))
+                     self.norm(params, grads, second, xp), self.mlp(params, grads, xp, tp, index, ep))
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None) -> Layer:
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None, ep=None) -> Layer:
         if index == 0:
             return Embedding(params, grads, self.shape.seq_len, xp, tp, self.vocab_lo(tp))
         if index <= self.shape.n_blocks:
-            return self.block(params, grads, xp, tp, index)
+            return self.block(params, grads, xp, tp, index, ep)
         return OutputHead(self.norm(params, grads, self.NORMS[2], xp), params, grads, xp, tok_emb, grad_tok_emb, tp)
 
     def tp_loss(self, tp):

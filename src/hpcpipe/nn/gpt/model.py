@@ -97,7 +97,7 @@ class GPTModel(DecoderModel):
         return CausalAttention(FusedQKV(params, grads, xp, "attn", tp), proj, heads, heads, self.shape.head_dim,
                                None, xp)
 
-    def mlp(self, params, grads, xp, tp, index):
+    def mlp(self, params, grads, xp, tp, index, ep=None):
         return GeluMLP(params, grads, xp, tp=tp)
 
     def fused_kind(self):

@@ -117,7 +117,7 @@ class LlamaModel(DecoderModel):
         return CausalAttention(qkv, o, heads, kv, self.shape.head_dim, self.rope(xp, qkv.weight.dtype), xp, *norms,
                                window=self.shape.window(index))
 
-    def mlp(self, params, grads, xp, tp, index):
+    def mlp(self, params, grads, xp, tp, index, ep=None):
         return SwiGLU(params, grads, xp, tp=tp)
 
     def fused_kind(self):

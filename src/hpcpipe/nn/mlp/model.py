@@ -107,7 +107,7 @@ class MLPModel(ModelDef):
     def init_arrays(self, indices, seed, dtype):
         return initial_arrays(self.specs, indices, seed, dtype)
 
-    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None):
+    def build_layer(self, index, params, grads, xp, tok_emb=None, grad_tok_emb=None, tp=None, ep=None):
         s = self.specs[index]
         split = tp if tp is not None and tp.size > 1 else None
         # even layers column-parallel (their input gradient summed), odd layers row-parallel (output summed)

@@ -2,8 +2,8 @@
 
 from hpcpipe.nn.kind import Kind
 from hpcpipe.nn.moe.hf import HF
-from hpcpipe.nn.moe.keys import KEYS, validate, validate_tp
+from hpcpipe.nn.moe.keys import KEYS, validate, validate_ep, validate_tp
 from hpcpipe.nn.moe.model import MoEModel
 
 KIND = Kind(name="moe", title="a mixture-of-experts model", keys=KEYS, model=MoEModel.from_config, validate=validate,
-            validate_tp=validate_tp, decoder=True, seq_len_free=True, hf=HF)
+            validate_tp=validate_tp, validate_ep=validate_ep, decoder=True, seq_len_free=True, hf=HF)

@@ -37,3 +37,9 @@ def validate_tp(mod: Any, tp: int) -> None:
     """Experts are not split over tensor-parallel ranks (their axis is ep): refuse tp > 1."""
     require(tp == 1, f"parallel.tp = {tp}: the moe kind (model.n_experts = {mod.n_experts}) runs at parallel.tp = 1; "
                      f"spread a large mixture-of-experts model over stages (parallel.pp)")
+
+
+def validate_ep(mod: Any, ep: int) -> None:
+    """Every rank of an expert-parallel group holds n_experts / ep whole experts of each block: ep must divide them."""
+    require(mod.n_experts % ep == 0, f"parallel.ep ({ep}) does not divide model.n_experts ({mod.n_experts}): each of "
+                                     f"the ep ranks holds the same number of whole experts")

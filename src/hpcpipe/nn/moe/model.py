@@ -2,8 +2,9 @@
 mixture of SwiGLU experts (hpcpipe.nn.core.moe) instead of the dense MLP (Mixtral; Qwen3-MoE).
 
 A token's forward cost counts only the experts it is routed to (k of E) and the router; memory counts them
-all. The experts are not split over tensor-parallel ranks; the compiled decode step does not compute them
-(a stage of this kind decodes on the NumPy path).
+all. The experts are not split over tensor-parallel ranks but over expert-parallel ones (``expert_shards``:
+whole experts, hpcpipe.nn.core.expert_parallel); the compiled decode step does not compute them (a stage of
+this kind decodes on the NumPy path).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.nn.core.decoder_model import INIT_STD
 from hpcpipe.nn.core.moe import SparseMoE
 from hpcpipe.nn.core.router_ledger import RouterLedger
+from hpcpipe.nn.core.sharding import Shard
 from hpcpipe.nn.llama.model import LlamaModel, llama_shape
 from hpcpipe.nn.moe.shape import MoEShape, group_params
 
@@ -75,17 +77,25 @@ class MoEModel(LlamaModel):
             return rng.standard_normal(dims) * INIT_STD
         return super().init_value(name, dims, rng)
 
-    def mlp(self, params, grads, xp, tp, index):
+    def mlp(self, params, grads, xp, tp, index, ep=None):
         if not self.shape.sparse(index):
             return super().mlp(params, grads, xp, tp, index)
         return SparseMoE(params, grads, self.shape.experts_per_token, self.shape.norm_topk_prob, xp,
-                         ledger=self.ledger, layer=index)
+                         ledger=self.ledger, layer=index, ep=ep)
 
     def router_ledger(self, n_micro, chunk_tokens):
         """With model.router_aux_loss_coef > 0: the ledger the sparse layers built after this call record into."""
         coef = self.shape.router_aux_loss_coef
         self.ledger = RouterLedger(self.shape.n_experts, coef, n_micro, chunk_tokens) if coef > 0 else None
         return self.ledger
+
+    def expert_shards(self, index, ep, rank):
+        """Whole experts split over the ep ranks in order: rank r holds experts [r E / ep, (r + 1) E / ep)."""
+        if not self.shape.sparse(index):
+            return {}
+        per = self.shape.n_experts // ep
+        part = Shard(0, slice(rank * per, (rank + 1) * per))
+        return {name: part for name in ("mlp/experts/gate", "mlp/experts/up", "mlp/experts/down")}
 
     def fusable(self):
         return False

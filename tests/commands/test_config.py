@@ -38,6 +38,8 @@ def test_file_and_overrides(tmp_path):
     (["steps=3"], "--set key must be section.key, got 'steps'"),
     (["train.steps"], "--set expects section.key=value"),
     (["parallel.pp=\"auto\""], "parallel.pp and parallel.dp cannot both be \"auto\""),
+    (["model.kind=moe", "parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "train.zero=1", "train.optimizer=adam"],
+     r"train.zero = 1 with parallel.ep = 2 is not supported"),
 ])
 def test_bad_values_are_refused_with_a_message_naming_them(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,4 +1,4 @@
-"""MPI test: comm.Mailbox moves (header, array) messages between ranks and polls without blocking."""
+"""MPI test: runtime.mailbox.Mailbox moves (header, array) messages between ranks and polls without blocking."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hpcpipe.runtime.backend import select_backend
-from hpcpipe.runtime.comm import Mailbox, Poller, barrier
+from hpcpipe.runtime.comm import Poller, barrier
+from hpcpipe.runtime.mailbox import Mailbox
 
 pytestmark = pytest.mark.mpi
 

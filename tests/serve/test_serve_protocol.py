@@ -321,7 +321,8 @@ def test_loopback_keeps_messages_to_its_own_rank_in_order_and_passes_the_rest_on
 @pytest.mark.mpi
 def test_over_mpi_every_replica_is_served_through_the_mailbox_and_nothing_is_left_unreceived(world):
     from hpcpipe.runtime.backend import select_backend
-    from hpcpipe.runtime.comm import Mailbox, Poller, barrier
+    from hpcpipe.runtime.comm import Poller, barrier
+    from hpcpipe.runtime.mailbox import Mailbox
     from hpcpipe.serve.engine import loop
 
     size, rank = world.Get_size(), world.Get_rank()

@@ -195,7 +195,7 @@ class Controller:
 
 
 class Loopback:
-    """A rank's mailbox (hpcpipe.runtime.comm.Mailbox) whose messages to its own rank stay in this process.
+    """A rank's mailbox (hpcpipe.runtime.mailbox.Mailbox) whose messages to its own rank stay in this process.
 
     World rank 0 is the dispatcher and replica 0's head: their messages to each other are the same messages,
     sent and received the same way as every other replica's, but handed over in place (no pickling, no MPI),

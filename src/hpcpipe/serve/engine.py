@@ -29,9 +29,10 @@ from hpcpipe.errors import ConfigError
 from hpcpipe.kernels.formats import inference_format
 from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.runtime.backend import select_backend
-from hpcpipe.runtime.comm import Mailbox, Poller, abort, barrier, gather_to_root, together
+from hpcpipe.runtime.comm import Poller, abort, barrier, gather_to_root, together
 from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import fault_step
+from hpcpipe.runtime.mailbox import Mailbox
 from hpcpipe.runtime.topology import Topology, make_topology
 from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.runtime.watchdog import Watchdog

@@ -25,7 +25,7 @@ receiver, so neither ever blocks on the other.
 A message is pickled by mpi4py (lower-case isend) as its class and its field values (``__reduce__``: no
 field names, no instance dict) and holds only ints, strings, lists and the broker's small dataclasses.
 Activations never travel inside one: a class with ``BUFFER`` is followed by its array as a raw buffer on
-``TAG + 1`` (hpcpipe.runtime.comm.Mailbox), so every tag that carries one leaves the next value free.
+``TAG + 1`` (hpcpipe.runtime.mailbox.Mailbox), so every tag that carries one leaves the next value free.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def send(box: Any, dest: int, message: Message, array: Any = None) -> None:
 def receive(box: Any, source: int | None, tag: int) -> tuple[Message, Any, int] | None:
     """Return (message, its array or None, sender) of the next message on tag from source (ANY: any rank).
 
-    None when no such message is waiting: it never blocks (a matched probe; hpcpipe.runtime.comm.Mailbox).
+    None when no such message is waiting: it never blocks (a matched probe; hpcpipe.runtime.mailbox.Mailbox).
     """
     got = box.poll(source, int(tag))
     if got is None:

@@ -225,3 +225,16 @@ def test_a_broker_that_is_not_ready_says_so_until_set_ready():
     assert not b.ready
     b.set_ready()
     assert b.ready and Broker(2).ready
+
+
+def test_a_cancelled_request_leaves_the_running_count_before_the_engine_frees_it():
+    """A stop string ends a response right after its cancel: the gauge must not count it until the next take."""
+    b = Broker(4)
+    b.submit([req("a"), req("b"), req("c")], lambda e: None)
+    b.take()
+    b.set_running(2)                                   # c taken, not admitted yet
+    b.cancel("a")
+    assert (b.running, b.queue_depth) == (1, 1)
+    b.take()                                           # handed over: the engine frees it and reports
+    b.set_running(1)
+    assert (b.running, b.queue_depth, b.outstanding) == (1, 1, 2)

@@ -13,8 +13,8 @@ Contract for the engine, which polls without blocking between decode steps:
   and that was not cancelled must end with exactly one final event.
 - ``set_running(n)`` reports how many sequences the engine has admitted (the rest of the outstanding
   requests are waiting: the queue depth shown by /metrics). ``running`` never counts more than the requests
-  the engine took and that are still outstanding, so it is settled the moment a final event ends a request,
-  before its response completes (the engine's next report may come a step later).
+  the engine took that are still outstanding and not cancelled, so it is settled the moment a final event or a
+  cancel ends a request, before its response completes (the engine's next report may come a step later).
 - ``set_ready()``: every rank has loaded its stage (a broker made with ``ready=False`` answers /health 503
   "starting" until then; the port is bound before the stages load).
 - ``progressed(at)`` records when the engine's pending work last moved (time.monotonic(); the engine
@@ -218,7 +218,8 @@ class Broker:
     def queue_depth(self) -> int:
         """Outstanding requests the engine has not admitted yet."""
         with self._lock:
-            return max(0, len(self._entries) - self._admitted())
+            live = sum(1 for e in self._entries.values() if e.sink is not _drop)
+            return max(0, live - self._admitted())
 
     @property
     def ready(self) -> bool:
@@ -227,9 +228,12 @@ class Broker:
             return self._ready
 
     def _admitted(self) -> int:
-        # a final event removes its entry before its sink runs: the count is right before the response completes,
-        # whenever the engine's next set_running comes
-        return min(self._running, sum(1 for e in self._entries.values() if e.taken))
+        # Settled before a response completes, whenever the engine's next set_running comes: a final event removes
+        # its entry before its sink runs, and a cancel (a stop string seen, the client gone) drops its sink before
+        # the response ends; the engine's last report still counts a cancelled sequence (it was decoding) until
+        # it frees it, so those are taken off it.
+        dropped = [e.sink is _drop for e in self._entries.values() if e.taken]
+        return max(0, min(self._running - sum(dropped), len(dropped) - sum(dropped)))
 
     def stalled_for(self) -> float:
         """Seconds since the engine's pending work last moved while requests are outstanding; 0 when none are."""

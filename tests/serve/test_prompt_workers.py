@@ -26,6 +26,7 @@ from hpcpipe.hf.tokenizer import from_files  # noqa: E402
 from hpcpipe.serve.broker import Broker, Event  # noqa: E402
 from hpcpipe.serve.http_api import HttpServer, make_app  # noqa: E402
 from hpcpipe.serve.metrics import Metrics  # noqa: E402
+from hpcpipe.serve.openai_schema import check_limits  # noqa: E402
 from hpcpipe.serve.prompt_pool import PromptPool, check_chat_template  # noqa: E402
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -95,12 +96,18 @@ class Served:
     def __init__(self, limits: dict):
         self.broker = Broker(64)
         self.engine = EchoEngine(self.broker)
-        app = make_app(self.broker, Metrics(), tokenizer(HOSTILE, backtracking=True), "m", 4096, limits)
+        tok = tokenizer(HOSTILE, backtracking=True)
+        full = check_limits(limits)
+        # started before serving, as serve does: a test that kills the workers finds them running, not starting
+        self.prompts = PromptPool(tok, full["prompt_workers"], full["prompt_seconds"], full["max_chat_chars"])
+        self.prompts.start()
+        app = make_app(self.broker, Metrics(), tok, "m", 4096, limits, prompts=self.prompts)
         self.server = HttpServer(app, "127.0.0.1", 0)
         _, self.port = self.server.start()
 
     def close(self) -> None:
         self.server.stop(2.0)
+        self.prompts.close()
         self.engine.stop()
 
 
@@ -231,11 +238,16 @@ def test_a_worker_that_dies_fails_its_request_alone_with_a_500(server):
     while not _workers() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
-    for pid in _workers():
+    killed = _workers()
+    for pid in killed:
         os.kill(pid, signal.SIGKILL)
     looping.join(60)
     refused(answers[0], 500, "the process preparing this request's prompt ended (killed by SIGKILL)",
             "the server carries on")
+    deadline = time.monotonic() + 60          # its replacement starts at once, before any request asks for it
+    while not set(_workers()) - set(killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(_workers()) - set(killed), "no new prompt worker started after one died"
     served_alone(server)
 
 

@@ -112,12 +112,19 @@ class _Worker:
                 future.set_result(self.run(jobs, payload))
             except BaseException as exc:      # noqa: BLE001 - handed to the request that asked
                 future.set_exception(exc)
+            if self.pool.processes and self.proc is None:
+                try:                          # its child was killed: the next request need not wait for a new one
+                    self.start()
+                except RuntimeError:
+                    pass                      # the next request says why
 
     def start(self) -> None:
         """Start the child if it is not running: spawn it, send the tokenizer, wait until it says ready."""
         with self.lock:
             if self.proc is not None and self.proc.poll() is None:
                 return
+            if self.pool._queue.closed:       # checked under the lock stop() takes: no child outlives close()
+                raise RuntimeError("the prompt workers are closed")
             env = dict(os.environ, RUST_BACKTRACE="0",      # the child runs this very hpcpipe, whatever its cwd
                        PYTHONPATH=os.pathsep.join([str(Path(hpcpipe.__file__).parents[1]),
                                                    os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))

@@ -13,8 +13,8 @@ Roughly::
        large requests                   ->  the ``workers`` general workers, oldest first
     a worker's thread: send the jobs, wait for the answer until the deadline (``seconds``)
        answer   -> the Future's result (token ids, texts) or its ApiError (400: what the request holds)
-       deadline -> kill the child, ApiError(400) naming the limit; the next request starts a new child
-       EOF      -> the child died (a Rust abort, the OOM killer): ApiError(500) naming how; a new child next time
+       deadline -> kill the child, ApiError(400) naming the limit; a new child starts at once
+       EOF      -> the child died (a Rust abort, the OOM killer): ApiError(500) naming how; a new child at once
 
 The express worker keeps a 2-token completion from waiting behind ten 1 MiB prompts. Children start lazily (the
 server starts them all at once with :meth:`PromptPool.start`, before it serves).

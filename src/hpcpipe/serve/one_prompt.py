@@ -73,8 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
-    """Return the request the arguments describe; ConfigError names a bad value."""
+def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True) -> Request | None:
+    """Return the request the arguments describe; ConfigError names a bad value. With ``tokenize`` False only the
+    options are checked and None is returned (every rank's setup does that; world rank 0 alone, which holds the
+    source, prepares the prompt then: once, not in a prompt worker per rank)."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -90,6 +92,8 @@ def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
     if args.json is not None:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path", "generate")
+    if not tokenize:
+        return None
     ids = prompt_ids(args.prompt, args.chat, p.tokenizer)
     if len(ids) > p.shape.seq_len:
         raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
@@ -205,17 +209,19 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
     state: dict = {}
     completion_out = sys.stdout     # stdout holds the completion alone: everything else goes to stderr
 
-    def setup() -> tuple[ServeSetup, Request]:
+    def setup() -> tuple[ServeSetup, None]:
         p = prepare(args.weights, world.Get_size(), args.config, args.overrides)
-        return p, check_request(args, p)
+        return p, check_request(args, p, tokenize=False)
 
-    def body(prepared: tuple[ServeSetup, Request]) -> int:
-        p, request = prepared
+    def body(prepared: tuple[ServeSetup, None]) -> int:
+        p = prepared[0]
 
-        def open_source() -> OneShot:
-            state["source"] = OneShot(request, TextStream(p.tokenizer), completion_out)
+        def open_source() -> OneShot:     # rank 0, in an agreement: a prompt refused is every rank's one error line
+            state["request"] = check_request(args, p)
+            state["source"] = OneShot(state["request"], TextStream(p.tokenizer), completion_out)
             return state["source"]
         counts = run(p, world, open_source, stop)
+        request = state.get("request")     # rank 0's
         stopped = world.Get_rank() == 0 and state["source"].finish == "cancelled"
         if broadcast(world, stopped):          # every rank exits 75, as rank 0 decides
             if stopped:

@@ -3,6 +3,8 @@
     python -m hpcpipe.checkpoint verify PATH         # manifest, sizes, SHA-256, shapes, checksums; exit 1: bad file
     python -m hpcpipe.checkpoint export PATH out.h5  # one weights file holding every layer
     python -m hpcpipe.checkpoint export PATH DIR --format hf   # a Hugging Face directory transformers loads
+    python -m hpcpipe.checkpoint export PATH DIR --format peft # a LoRA run's adapters as a PEFT directory
+    python -m hpcpipe.checkpoint export PATH OUT --merge-adapter   # a LoRA run's model, adapters merged (any format)
     python -m hpcpipe.checkpoint import HF_DIR out.h5          # a Hugging Face model as one weights file
     python -m hpcpipe.checkpoint info PATH           # runs, step, layout, optimizer, files (or a weights file's layers)
 
@@ -31,6 +33,7 @@ from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from hpcpipe.h5files import member
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
+from hpcpipe.state.adapters import export_peft, exported_source
 from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
 from hpcpipe.state.hf_convert import OutOfRange, check_new_directory, export_hf, import_hf
@@ -121,9 +124,10 @@ def _describe_hf(path: Path) -> list[str]:
             *tokenizer]
 
 
-def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> WeightsSource:
-    """Write every layer of a checkpoint (or weights file) into one weights file, atomically."""
-    source = resolve_weights(path)
+def export(path: str | Path, out: str | Path, with_optimizer: bool = False, merge: bool = False) -> WeightsSource:
+    """Write every layer of a checkpoint (or weights file) into one weights file, atomically (``merge``: a LoRA
+    run's checkpoint with its adapters merged, hpcpipe.state.adapters)."""
+    source = exported_source(resolve_weights(path), merge)
     indices = list(range(source.n_layers))
     arrays = source.read(indices)
     optimizer, attrs = None, None
@@ -143,6 +147,18 @@ def export(path: str | Path, out: str | Path, with_optimizer: bool = False) -> W
     with signals_held():
         commit_output(tmp, out, None, "export output")   # a refusal keeps the result at tmp and says so
     return source
+
+
+def _merge_error(args) -> str | None:
+    """Why a LoRA run's checkpoint cannot be exported as asked (None if it can): a usage error, status 2."""
+    try:
+        exported_source(resolve_weights(args.dir), args.merge_adapter)
+        if args.merge_adapter and args.optimizer:
+            raise ConfigError("--merge-adapter writes a model; its adapters' optimizer state (--optimizer) has no "
+                              "place in it")
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def export_output_error(out: str, protected: tuple | None = None) -> str | None:
@@ -267,9 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("out", metavar="OUT", help="the output: a new HDF5 weights file, or with --format hf a new "
                                                      "directory (never an existing one)")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
-    p_export.add_argument("--format", choices=("hpcpipe", "hf"), default="hpcpipe",
+    p_export.add_argument("--format", choices=("hpcpipe", "hf", "peft"), default="hpcpipe",
                           help="hpcpipe: one HDF5 weights file (default); hf: a new Hugging Face model directory "
-                               "(config.json, safetensors, tokenizer) for GPT and Llama-family models")
+                               "(config.json, safetensors, tokenizer) for GPT and Llama-family models; peft: a LoRA "
+                               "run's adapters as a new PEFT directory (adapter_config.json, "
+                               "adapter_model.safetensors)")
+    p_export.add_argument("--merge-adapter", action="store_true",
+                          help="a LoRA run's checkpoint: write its model with the adapters merged (W + s A B)")
     p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                           help="with --format hf: the safetensors' dtype (default float32)")
     p_import = sub.add_parser("import", help="write a Hugging Face model directory as one hpcpipe weights file: "
@@ -304,13 +324,22 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             source = import_hf(args.dir, args.out)
             print(f"imported {source.describe()} ({count_text(source.model_kind, source.n_layers)}) to {args.out!r}")
-        elif args.command == "export" and args.format == "hf":
+        elif args.command == "export" and args.format in ("hf", "peft"):
             try:
-                check_new_directory(args.out)
+                check_new_directory(args.out, args.format)
+                if args.merge_adapter and args.format == "peft":
+                    raise ConfigError("--merge-adapter writes a merged model: --format hpcpipe or hf, not peft")
+                source = resolve_weights(args.dir)
+                if args.format == "hf":
+                    source = exported_source(source, args.merge_adapter)
             except ConfigError as exc:
                 print(f"hpcpipe: error: {exc}", file=sys.stderr)
                 return 2
-            source = resolve_weights(args.dir)
+            if args.format == "peft":
+                settings = export_peft(source, args.out)
+                print(f"exported the LoRA adapters (r = {settings.rank}, {', '.join(settings.targets)}) of "
+                      f"{source.describe()} step {source.step} as a PEFT directory to {args.out!r}")
+                return 0
             export_hf(source, args.out, args.dtype)
             print(f"exported {source.describe()} step {source.step} as a Hugging Face model to {args.out!r}")
         elif args.command == "export":
@@ -319,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
             refused = export_output_error(args.out)
             if refused is None:
                 refused = export_output_error(args.out, protected_paths(args.dir, resolve_weights(args.dir)))
+            if refused is None:
+                refused = _merge_error(args)
             if refused is not None:
                 print(f"hpcpipe: error: {refused}", file=sys.stderr)
                 return 2
-            source = export(args.dir, args.out, args.optimizer)
+            source = export(args.dir, args.out, args.optimizer, args.merge_adapter)
             print(f"exported {source.describe()} step {source.step} ({count_text(source.model_kind, source.n_layers)}) "
                   f"to {args.out!r}")
         else:

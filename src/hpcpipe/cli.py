@@ -76,6 +76,14 @@ def add_print_config(parser: argparse.ArgumentParser) -> None:
                         help="print the effective configuration (file, --set, defaults) as TOML and exit")
 
 
+def with_adapter(args: argparse.Namespace) -> argparse.Namespace:
+    """``--adapter DIR`` as the override ``model.adapter = DIR`` (generate and serve merge it into --weights)."""
+    if getattr(args, "adapter", None):
+        import json
+        args.overrides.append(f"model.adapter={json.dumps(args.adapter)}")
+    return args
+
+
 def print_config(config_dict: dict, what: str) -> int:
     """Print a configuration as TOML on stdout (world rank 0 only); return exit status 0."""
     from hpcpipe.config_toml import to_toml

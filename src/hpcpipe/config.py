@@ -54,7 +54,9 @@ ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
     [("kind", str, field(default="mlp")), *(_model_field(key) for key in model_keys()),
      ("init", str, field(default="")), ("seed", int, field(default=0)), ("dtype", str, field(default="float32")),
-     ("weight_format", str, field(default="auto"))],
+     ("weight_format", str, field(default="auto")),
+     # a PEFT LoRA adapter directory: trained further (train.lora_*), or served on the base (generate/serve --adapter)
+     ("adapter", str, field(default=""))],
     frozen=True)
 ModelConfig.__module__ = __name__
 
@@ -67,6 +69,7 @@ class DataConfig:
     shuffle: bool = False
     seed: int = 0
     synthetic_samples: int = 4096
+    eval_path: str = ""        # held-out HDF5 file (datasets x and y): its loss every train.eval_every steps
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,14 @@ class TrainConfig:
     eps: float = 1e-8
     max_bad_steps: int = 5     # skipped (non-finite) steps in a row before the run stops with exit 77
     recompute: str = "none"    # "stage": keep only each stage's input per micro-batch, re-run its forward
+    lr_schedule: str = "constant"   # constant | linear | cosine, after train.warmup_steps of linear warmup from 0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # linear and cosine decay end at lr x min_lr_ratio (transformers' cosine_with_min_lr)
+    zero: int = 0              # 1: Adam(W)'s moments / SGD's momentum and the update sharded over the dp replicas
+    lora_rank: int = 0         # > 0: train LoRA adapters of this rank on lora_targets; the base stays frozen
+    lora_alpha: float = 8.0    # the adapters' output is scaled by lora_alpha / lora_rank (PEFT's default 8)
+    lora_targets: list[str] = field(default_factory=list)   # PEFT's target_modules; [] = the kind's PEFT default
+    eval_every: int = 0        # steps between held-out losses over data.eval_path (0 = only at the end)
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,9 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
                 isinstance(v, (str, int, float, bool)) for v in value.values()):
             return dict(value)
         raise ConfigError(f"{where} must be a table of keys and plain values, got {value!r}")
+    elif text == "list[str]":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
     elif text in ("list[int]", "list[int] | str"):
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return list(value)

@@ -16,6 +16,7 @@ BACKENDS = ("auto", "numpy", "cupy")
 DTYPES = ("float32", "float64")
 WEIGHT_FORMATS = ("auto", "float32", "stored", "q8_0")
 RECOMPUTE = ("none", "stage")
+LR_SCHEDULES = ("constant", "linear", "cosine")   # hpcpipe.train.lr_schedule
 
 
 def _require(ok: bool, message: str) -> None:
@@ -77,6 +78,7 @@ def validate(config: Config) -> None:
              f"train.beta1/beta2 must be in [0, 1), got {tr.beta1}/{tr.beta2}")
     _require(tr.eps > 0, f"train.eps must be > 0, got {tr.eps}")
     _require(tr.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {tr.max_bad_steps}")
+    _validate_recipes(config)
     for key, seed in (("model.seed", mod.seed), ("data.seed", config.data.seed)):
         _require(seed >= 0, f"{key} must be >= 0, got {seed}")
     _require(config.data.synthetic_samples >= 1,
@@ -103,6 +105,35 @@ def validate(config: Config) -> None:
              f"({config.run.poll_max_us})")
     _require(config.run.stall_timeout >= 0,
              f"run.stall_timeout must be >= 0 seconds (0 = no watchdog), got {config.run.stall_timeout}")
+
+
+def _validate_recipes(config: Config) -> None:
+    """The learning-rate schedule, ZeRO, LoRA and held-out evaluation keys (docs/recipes.md)."""
+    tr = config.train
+    _require(tr.lr_schedule in LR_SCHEDULES,
+             f"train.lr_schedule {tr.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")
+    _require(0 <= tr.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {tr.min_lr_ratio}")
+    _require(tr.min_lr_ratio == 0 or tr.lr_schedule != "constant",
+             f"train.min_lr_ratio = {tr.min_lr_ratio} is where linear and cosine decay end; train.lr_schedule = "
+             f"\"constant\" never decays (set train.lr_schedule = \"cosine\" or \"linear\", or drop min_lr_ratio)")
+    _require(tr.zero in (0, 1), f"train.zero must be 0 or 1, got {tr.zero}")
+    _require(not tr.zero or tr.optimizer != "sgd" or tr.momentum > 0,
+             f"train.zero = 1 shards the optimizer state over the data-parallel replicas, and train.optimizer = "
+             f"\"sgd\" with train.momentum = {tr.momentum} keeps none: nothing to shard (set train.momentum > 0, use "
+             f"adam or adamw, or leave train.zero = 0)")
+    _require(tr.lora_rank >= 0, f"train.lora_rank must be >= 0 (0 = no LoRA), got {tr.lora_rank}")
+    _require(tr.lora_alpha > 0, f"train.lora_alpha must be > 0, got {tr.lora_alpha}")
+    _require(len(set(tr.lora_targets)) == len(tr.lora_targets),
+             f"train.lora_targets names a module twice: {tr.lora_targets}")
+    _require(tr.lora_rank > 0 or not tr.lora_targets,
+             f"train.lora_targets = {tr.lora_targets} needs train.lora_rank > 0 (the adapters' rank)")
+    if tr.lora_rank:      # a kind without those modules, or a target it does not have: one line naming them
+        from hpcpipe.nn.lora import settings_of
+        settings_of(tr, _KINDS[config.model.kind].hf, config.to_dict()["model"], config.model.kind)
+    _require(tr.eval_every >= 0, f"train.eval_every must be >= 0 (0 = only at the end), got {tr.eval_every}")
+    _require(not tr.eval_every or bool(config.data.eval_path),
+             f"train.eval_every = {tr.eval_every} needs data.eval_path (the held-out HDF5 file to evaluate)")
 
 
 def tp_splits(mod: ModelConfig, tp: int) -> bool:

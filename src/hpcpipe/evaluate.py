@@ -117,8 +117,8 @@ def evaluate(weights: str | Path, data: str | Path, x_name: str = "x", y_name: s
     every element (as ``train.loss = "mse"``).
     """
     source = resolve_weights(weights, "--weights")
-    if source.model_kind in DECODERS:
-        return evaluate_tokens(source, data, x_name, y_name, weight_format)
+    if source.model_kind in DECODERS:   # a LoRA run's checkpoint: its merged model (forward_only)
+        return evaluate_tokens(source.forward_only("float32"), data, x_name, y_name, weight_format)
     arrays = source.read(list(range(source.n_layers)))
     odd = [i for i in (0, source.n_layers - 1) if "weight" not in arrays[i]]
     if odd:     # no model attribute recorded, and not an MLP's layers: e.g. a GPT's written by hand

@@ -40,9 +40,10 @@ def test_print_config_of_a_bad_config_is_one_error(tmp_path):
                timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("hpcpipe: error: unknown key train.setps: did you mean train.steps? (known keys "
-                                   "in [train]: beta1, beta2, eps, grad_clip, loss, lr, max_bad_steps, "
-                                   "micro_batch_size, micro_batches, momentum, optimizer, recompute, steps, "
-                                   "weight_decay)")
+                                   "in [train]: beta1, beta2, eps, eval_every, grad_clip, lora_alpha, lora_rank, "
+                                   "lora_targets, loss, lr, lr_schedule, max_bad_steps, micro_batch_size, "
+                                   "micro_batches, min_lr_ratio, momentum, optimizer, recompute, steps, "
+                                   "warmup_steps, weight_decay, zero)")
 
 
 def test_an_option_declared_so_takes_a_value_starting_with_a_dash():

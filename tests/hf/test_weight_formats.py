@@ -45,7 +45,7 @@ def _stage_logits(directory, tokens, fmt, compiled):
     from hpcpipe.nn.registry import model_def
     from hpcpipe.state.sources import resolve_weights
 
-    source = resolve_weights(directory).forward_only("float32", stored=fmt != "float32")
+    source = resolve_weights(directory).forward_only("float32", stored=fmt != "float32", quantize=fmt == "q8_0")
     model = model_def(from_dict({"model": source.model, "parallel": {"pp": 1}}))
     arrays = source.read(list(range(model.n_layers)))
     stage = DecodeStage(model, range(model.n_layers), arrays, np, "float32", len(tokens), weight_format=fmt,
@@ -76,8 +76,19 @@ def test_q8_0_is_close_and_small(checkpoints, name):
     tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 9))
     with torch.no_grad():
         want = model(torch.tensor(tokens)).logits.numpy()
-    got, _ = _stage_logits(directory, tokens, "q8_0", cpu.library() is not None)
+    got, arrays = _stage_logits(directory, tokens, "q8_0", cpu.library() is not None)
     err = np.abs(got - want).max() / np.abs(want).max()
+    # each matrix became q8_0 as it was read (no stored copy of the whole model held), the same values as
+    # quantizing the stored matrix afterwards
+    from hpcpipe.kernels.formats import row_weight
+    from hpcpipe.state.sources import resolve_weights
+    stored = resolve_weights(directory).forward_only("float32", stored=True).read([1])[1]
+    quantized = resolve_weights(directory).forward_only("float32", stored=True, quantize=True).read([1])[1]
+    for name_, value in stored.items():
+        if isinstance(value, RowWeight):
+            want_q = row_weight(value, "q8_0")
+            assert quantized[name_].kind == "q8_0" and np.array_equal(quantized[name_].data, want_q.data)
+            assert np.array_equal(quantized[name_].scales, want_q.scales)
     # quantized, not exact; on these tiny random models (weights 0.2 N(0, 1): far larger activations than a trained
     # model's) the largest logit error measured 1.0-5.0 % and 89-100 % of the argmaxes agree; a trained model's
     # numbers are bench/bench_weight_formats.py's

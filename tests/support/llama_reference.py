@@ -26,8 +26,21 @@ def torch_inv_freq(hd, theta, scaling):
     return inv
 
 
-def torch_llama(shape, groups, tokens, targets):
-    """(mean loss, grads by group, logits) of the contract's model in PyTorch float64 autograd."""
+def load_balancing(probs, top_k, n_experts, chunks):
+    """The mean over ``chunks`` equal runs of samples of transformers' load-balancing loss, from every sparse
+    layer's router probabilities (batch, t, E): E sum_e (chosen_e / R)(summed p_e / R), R = layers x tokens."""
+    total = 0.0
+    for c in range(chunks):
+        rows = [p[c * len(p) // chunks:(c + 1) * len(p) // chunks].reshape(-1, n_experts) for p in probs]
+        every = torch.cat(rows)
+        chosen = torch.nn.functional.one_hot(torch.topk(every, top_k, -1).indices, n_experts).sum((0, 1))
+        total = total + n_experts * ((chosen / len(every)) * (every.sum(0) / len(every))).sum()
+    return total / chunks
+
+
+def torch_llama(shape, groups, tokens, targets, chunks=1):
+    """(mean loss, grads by group, logits) of the contract's model in PyTorch float64 autograd; a mixture with
+    router_aux_loss_coef adds it times the load-balancing loss averaged over ``chunks`` (replica x micro-batch)."""
     tg = [{k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in g.items()} for g in groups]
     n_h, n_kv, hd, eps = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.norm_eps
     b, t = tokens.shape
@@ -63,9 +76,12 @@ def torch_llama(shape, groups, tokens, targets):
         out = torch.softmax(scores, -1) @ v
         return out.transpose(1, 2).reshape(b, t, n_h * hd) @ p["attn/o/weight"]
 
+    routers = []
+
     def experts(u, p):                               # a sparse mixture of experts, as transformers routes
         x = u.reshape(-1, u.shape[-1])
         probs = torch.softmax(x @ p["mlp/router/weight"], -1)
+        routers.append(probs.reshape(*u.shape[:-1], -1))
         w, top = torch.topk(probs, shape.experts_per_token, dim=-1)
         if shape.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
@@ -90,5 +106,8 @@ def torch_llama(shape, groups, tokens, targets):
     u = rmsnorm(h, tg[-1]["norm/weight"])
     logits = u @ (tg[0]["tok_emb"].T if shape.tied else tg[-1]["head/weight"])
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab), torch.as_tensor(targets).reshape(-1))
+    if routers and getattr(shape, "router_aux_loss_coef", 0):
+        loss = loss + shape.router_aux_loss_coef * load_balancing(routers, shape.experts_per_token,
+                                                                  shape.n_experts, chunks)
     loss.backward()
     return loss.item(), [{k: v.grad.numpy() for k, v in g.items()} for g in tg], logits.detach().numpy()

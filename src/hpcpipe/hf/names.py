@@ -18,7 +18,7 @@ from hpcpipe.hf.config import HFModel
 from hpcpipe.hf.pieces import HEAD, Piece, param_shapes
 from hpcpipe.hf.safetensors import TensorFiles
 from hpcpipe.hf.safetensors_part import read_part
-from hpcpipe.kernels.formats import RowWeight
+from hpcpipe.kernels.formats import RowWeight, row_weight
 from hpcpipe.nn.registry import KINDS
 
 
@@ -78,7 +78,8 @@ def _non_finite(value: np.ndarray, block: int = 1 << 22) -> int:
 
 
 def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.float32,
-                skip: tuple[str, ...] = (), shards: Any = None, stored: bool = False) -> dict[int, dict[str, Any]]:
+                skip: tuple[str, ...] = (), shards: Any = None, stored: bool = False,
+                quantize: bool = False) -> dict[int, dict[str, Any]]:
     """Return {group: {hpcpipe name: array (in, out)}} of the given layer groups, read from only their tensors.
 
     Each tensor's shape is checked against the config (one-line ConfigError naming tensor, file, got and
@@ -86,7 +87,8 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
     named in ``skip`` are left out (read another way by the caller). ``shards(index, names)`` (tensor
     parallelism: {name: hpcpipe.nn.core.sharding.Shard}) makes each tensor come back as the rank's part only,
     read without the rest. ``stored`` (whole tensors only): matrices come back as they are stored, as (out, in)
-    :class:`hpcpipe.kernels.formats.RowWeight` (a 16-bit matrix in its own bits: no widened copy).
+    :class:`hpcpipe.kernels.formats.RowWeight` (a 16-bit matrix in its own bits: no widened copy); with
+    ``quantize`` each is made q8_0 right after it is read, so the stage never holds the stored model whole.
     """
     prefix = check_names(hf, tensors)
     out: dict[int, dict[str, Any]] = {}
@@ -115,6 +117,8 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
             if stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
                 value = _stored_rows(tensors, name, info.dtype, piece)
                 bad = value.non_finite()
+                if quantize and not bad:
+                    value = row_weight(value, "q8_0")
             elif part is not None and part.axis is not None:
                 value = read_part(tensors.holder(name), name, dtype, piece.transpose, part.axis, part.index)
                 bad = _non_finite(value)

@@ -98,21 +98,32 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32)
 
 
-def quantize_q8_0(w: np.ndarray) -> RowWeight:
-    """Return GGUF's q8_0 of a float (out, in) matrix (in a multiple of 32), block by block along ``in``."""
+def quantize_q8_0(w: Any, widen: Any = None) -> RowWeight:
+    """Return GGUF's q8_0 of a float (out, in) matrix (in a multiple of 32), block by block along ``in``.
+
+    Rows are quantized a chunk at a time (``widen(start, stop)`` gives rows [start, stop) as float32 when
+    ``w`` is stored otherwise), so the float temporaries stay a few MiB whatever the matrix: a 49152 x 576
+    head quantized at once took ~20 bytes a weight (560 MB) above the model.
+    """
     rows, cols = w.shape
     if cols % Q8_BLOCK:
         raise ValueError(f"q8_0: the input width {cols} is not a multiple of {Q8_BLOCK}")
-    blocks = np.asarray(w, dtype=np.float32).reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
-    amax = np.abs(blocks).max(axis=2)
-    d32 = amax / np.float32(127.0)
-    d = d32.astype(np.float16)
-    # as llama.cpp: values scaled by the inverse of the float32 scale, the scale stored rounded to float16
-    inv = np.divide(np.float32(1.0), d32, out=np.zeros_like(amax), where=d32 != 0)
-    scaled = blocks * inv[:, :, None]
-    q = np.trunc(scaled + np.copysign(0.5, scaled))            # round half away from zero (C's roundf)
-    q = np.clip(q, -127, 127).astype(np.int8)
-    return RowWeight("q8_0", np.ascontiguousarray(q.reshape(rows, cols)), np.ascontiguousarray(d.view(np.uint16)))
+    q = np.empty((rows, cols), dtype=np.int8)
+    d = np.empty((rows, cols // Q8_BLOCK), dtype=np.float16)
+    step = max(1, (1 << 20) // cols)                                 # ~4 MiB of float32 a chunk
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunk = widen(start, stop) if widen is not None else np.asarray(w[start:stop], dtype=np.float32)
+        blocks = chunk.reshape(stop - start, cols // Q8_BLOCK, Q8_BLOCK)
+        amax = np.abs(blocks).max(axis=2)
+        d32 = amax / np.float32(127.0)
+        d[start:stop] = d32
+        # as llama.cpp: values scaled by the inverse of the float32 scale, the scale stored rounded to float16
+        inv = np.divide(np.float32(1.0), d32, out=np.zeros_like(amax), where=d32 != 0)
+        scaled = blocks * inv[:, :, None]
+        rounded = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))   # half away from zero (C's roundf)
+        q[start:stop] = np.clip(rounded, -127, 127).reshape(stop - start, cols)
+    return RowWeight("q8_0", q, d.view(np.uint16))
 
 
 def row_weight(value: Any, fmt: str) -> RowWeight:
@@ -124,7 +135,7 @@ def row_weight(value: Any, fmt: str) -> RowWeight:
     """
     if isinstance(value, RowWeight):
         if fmt == "q8_0" and value.kind != "q8_0" and value.shape[1] % Q8_BLOCK == 0:
-            return quantize_q8_0(value.dense())
+            return quantize_q8_0(value.data, lambda start, stop: value.rows(start, stop).dense())
         return value
     rows = np.ascontiguousarray(np.asarray(value, dtype=np.float32).T)
     return quantize_q8_0(rows) if fmt == "q8_0" and rows.shape[1] % Q8_BLOCK == 0 else RowWeight("float32", rows)

@@ -47,6 +47,7 @@ class HFMap:
     zero_only: Callable[[dict, int], list[str]] = _none
     tokenizer_classes: dict[str, str] = field(default_factory=dict)   # model_type -> transformers' registered class
     forced_tokenizer: tuple[str, ...] = ()             # model_types whose registered class wins over the declared one
+    lora_targets: tuple[str, ...] = ()                 # PEFT's default target_modules for the model_types (LoRA)
 
 
 @dataclass(frozen=True)

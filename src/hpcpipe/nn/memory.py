@@ -8,6 +8,7 @@ layer profile measure stashes with :func:`cache_bytes`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,8 @@ ITEMSIZE = {"float32": 4, "float64": 8}
 class MemoryEstimate:
     """Bytes one rank needs at most (the pipeline rank with the most), by what holds them."""
 
-    parameters: int    # parameters and their gradients
-    optimizer: int     # optimizer state buffers (SGD momentum: 1, Adam(W): 2)
+    parameters: int    # parameters and the trained ones' gradients (LoRA: the adapters'; ZeRO-1: + 1/dp block)
+    optimizer: int     # optimizer state buffers (SGD momentum: 1, Adam(W): 2) of the trained ones (ZeRO-1: 1/dp)
     activations: int   # layer caches of every micro-batch held at once (an upper bound)
     data: int          # the synthetic data set, built on every rank
 
@@ -34,23 +35,41 @@ class MemoryEstimate:
         return self.parameters + self.optimizer + self.activations + self.data
 
 
-def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str) -> MemoryEstimate:
-    """Return the largest per-rank memory need over the pipeline ranks of a planned layout."""
+def trained_params(spec: Any) -> int:
+    """Scalars of a layer group that train (all but LoRA's frozen base): they have gradients and optimizer state."""
+    frozen = getattr(spec, "frozen", ())
+    return sum(math.prod(shape) for name, shape in spec.shapes.items() if name not in frozen)
+
+
+def state_bytes(n_params: int, n_trained: int, train: Any, dp: int, itemsize: int) -> tuple[int, int]:
+    """(parameter and gradient bytes, optimizer state bytes) of a rank holding n_params scalars of which n_trained
+    train: frozen ones without a gradient (LoRA), the state of 1/dp of the trained ones under train.zero = 1 (and
+    that block of the averaged gradient besides)."""
     import numpy as np
 
+    buffers = len(make_optimizer(train, np, 0, np.float32).state)
+    share = -(-n_trained // dp) if train.zero else n_trained
+    grads = n_trained + (share if train.zero else 0)
+    return (n_params + grads) * itemsize, buffers * share * itemsize
+
+
+def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, placement: str,
+                        dp: int = 1) -> MemoryEstimate:
+    """Return the largest per-rank memory need over the pipeline ranks of a planned layout (dp: its replicas,
+    among which train.zero = 1 shards the optimizer state)."""
     specs = model_specs(config)
     itemsize = ITEMSIZE[config.model.dtype]
     tr = config.train
-    buffers = len(make_optimizer(tr, np, 0, np.float32).state)
     rows = tr.micro_batches * tr.micro_batch_size
     worst = MemoryEstimate(0, 0, 0, 0)
     for rank in range(pp):
         layers = [specs[i] for s in rank_stages(rank, pp, len(stage_ranges), placement) for i in stage_ranges[s]]
-        n_params = sum(s.n_params for s in layers)
+        params, optimizer = state_bytes(sum(s.n_params for s in layers), sum(trained_params(s) for s in layers),
+                                        tr, dp, itemsize)
         # each layer's cache holds its input and what its activation saved (one row of each per
         # sample), and GPipe holds every micro-batch at once: an upper bound for every schedule
         widths = sum(s.act_elements for s in layers)
-        mine = MemoryEstimate(2 * n_params * itemsize, buffers * n_params * itemsize, rows * widths * itemsize, 0)
+        mine = MemoryEstimate(params, optimizer, rows * widths * itemsize, 0)
         worst = max(worst, mine, key=lambda e: e.total)
     data = 0
     if not config.data.path and config.model.kind in DECODERS:   # int64 windows, x and y views of one stream

@@ -28,6 +28,7 @@ class GroupSpec:
     cost: int
     act_elements: int           # elements per sample (window) the group caches for its backward
     kind: str = "gpt"
+    frozen: frozenset[str] = frozenset()   # parameters that do not train (LoRA's base): no gradient, no optimizer state
 
     @property
     def n_params(self) -> int:
@@ -65,6 +66,11 @@ class ModelDef:
     def boundary_shared(self, index: int) -> bool:
         """Whether the activation entering group ``index`` is the same on every tp rank (else each holds a part)."""
         return True
+
+    def router_ledger(self, n_micro: int, chunk_tokens: int) -> Any:
+        """The statistics an auxiliary loss gathers across stages (a RouterLedger) for layers built after this
+        call, or None when the model has no such loss; ``n_micro`` chunks of ``chunk_tokens`` a replica."""
+        return None
 
     def tp_loss(self, tp: Any) -> Callable:
         """The loss function of a last stage whose tp ranks hold parts of the output (loss_fn at tp = 1)."""

@@ -15,39 +15,60 @@ from hpcpipe.config import TrainConfig
 
 
 class Optimizer:
-    """Base class: ``step(params, grads)`` updates params in place; ``state`` names the buffers."""
+    """Base class: ``step(params, grads, lr)`` updates params in place; ``state`` names the buffers.
+
+    The update is element-wise, so it runs on any part of the buffers alike: ``step_parts`` updates
+    several slices of them as one step (ZeRO-1: a data-parallel rank's shares, :mod:`hpcpipe.train.zero`),
+    with the state buffers holding just those slices, end to end.
+    """
 
     def __init__(self, cfg: TrainConfig, xp: Any, size: int, dtype: Any):
         self.cfg, self.xp = cfg, xp
         self.steps = 0
         self.state: dict[str, Any] = {}
 
-    def step(self, params: Any, grads: Any) -> None:
-        """Apply one update to params (in place) from grads."""
+    def step(self, params: Any, grads: Any, lr: float | None = None) -> None:
+        """Apply one update to params (in place) from grads, at rate lr (default train.lr)."""
+        self.step_parts([(params, grads)], lr)
+
+    def step_parts(self, parts: list[tuple[Any, Any]], lr: float | None = None) -> None:
+        """Apply one update to every (params, grads) slice; the state buffers hold the slices one after another."""
+        self.steps += 1
+        rate = self.cfg.lr if lr is None else lr
+        offset = 0
+        for params, grads in parts:
+            n = params.size
+            self._update(params, grads, {k: v[offset:offset + n] for k, v in self.state.items()}, rate)
+            offset += n
+
+    def _update(self, params: Any, grads: Any, state: dict[str, Any], lr: float) -> None:
         raise NotImplementedError
 
 
 class SGD(Optimizer):
+    """PyTorch's SGD: weight decay added to the gradient, then ``buf = momentum * buf + g``."""
+
     def __init__(self, cfg, xp, size, dtype):
         super().__init__(cfg, xp, size, dtype)
         if cfg.momentum:
             self.state["momentum"] = xp.zeros(size, dtype=dtype)
 
-    def step(self, params, grads):
+    def _update(self, params, grads, state, lr):
         cfg = self.cfg
         g = grads
         if cfg.weight_decay:
             g = grads + cfg.weight_decay * params
         if cfg.momentum:
-            buf = self.state["momentum"]
+            buf = state["momentum"]
             buf *= cfg.momentum
             buf += g
             g = buf
-        params -= cfg.lr * g
-        self.steps += 1
+        params -= lr * g
 
 
 class Adam(Optimizer):
+    """PyTorch's Adam (L2 weight decay added to the gradient); :class:`AdamW` decays the weights instead."""
+
     decoupled = False
 
     def __init__(self, cfg, xp, size, dtype):
@@ -55,16 +76,15 @@ class Adam(Optimizer):
         self.state["exp_avg"] = xp.zeros(size, dtype=dtype)
         self.state["exp_avg_sq"] = xp.zeros(size, dtype=dtype)
 
-    def step(self, params, grads):
+    def _update(self, params, grads, state, lr):
         cfg, xp = self.cfg, self.xp
-        self.steps += 1
         g = grads
         if cfg.weight_decay:
             if self.decoupled:
-                params *= 1 - cfg.lr * cfg.weight_decay
+                params *= 1 - lr * cfg.weight_decay
             else:
                 g = grads + cfg.weight_decay * params
-        m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
         m *= cfg.beta1
         m += (1 - cfg.beta1) * g
         v *= cfg.beta2
@@ -72,10 +92,12 @@ class Adam(Optimizer):
         bias1 = 1 - cfg.beta1 ** self.steps
         bias2 = 1 - cfg.beta2 ** self.steps
         denom = xp.sqrt(v) / math.sqrt(bias2) + cfg.eps
-        params -= (cfg.lr / bias1) * (m / denom)
+        params -= (lr / bias1) * (m / denom)
 
 
 class AdamW(Adam):
+    """PyTorch's AdamW: decoupled weight decay."""
+
     decoupled = True
 
 

@@ -68,6 +68,11 @@ class StageModule:
 TIED = -1   # views key of a tok_emb copy held by the last stage when the first stage lives on another rank
 
 
+def frozen_names(model: Any, index: int) -> frozenset[str]:
+    """The parameters of group ``index`` (TIED: the embedding's) that do not train (LoRA's base)."""
+    return getattr(model.specs[0 if index == TIED else index], "frozen", frozenset())
+
+
 class RankParameters:
     """Flat parameter/gradient buffers of all stages one pipeline rank owns, with per-parameter views.
 
@@ -93,22 +98,33 @@ class RankParameters:
             (i, name, self.local_shape(i, name)) for i in sorted(self.specs) for name in self.specs[i].shapes]
         if self.tied_copy:
             layout.append((TIED, "tok_emb", self.local_shape(0, "tok_emb")))
-        total = sum(int(np.prod(shape)) for _, _, shape in layout)
-        self.flat = xp.zeros(total, dtype=dtype)
-        self.grad = xp.zeros(total, dtype=dtype)
-        self.views: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
-        offset = 0
-        for i, name, shape in layout:
-            self.views.setdefault(i, {})[name] = (offset, shape)
-            offset += int(np.prod(shape))
+        # a frozen parameter (its spec's ``frozen``: LoRA's base) lives in its own buffer, with no gradient and no
+        # optimizer state; flat and grad hold the trained ones only
+        frozen = [(i, name, shape) for i, name, shape in layout if name in frozen_names(model, i)]
+        trained = [entry for entry in layout if entry not in frozen]
+        self.flat, self.views = self._buffer(trained, dtype, sorted(self.specs))
+        self.grad = xp.zeros(self.flat.size, dtype=dtype)
+        self.frozen, self.frozen_views = self._buffer(frozen, dtype)
         tok = grad_tok = None
+        self.tied_trains = bool(model.tied) and "tok_emb" not in frozen_names(model, 0)
         if model.tied and last in self.specs:
             owner = TIED if self.tied_copy else 0
-            tok, grad_tok = self.param(owner, "tok_emb"), self.grad_of(owner, "tok_emb")
-        self.stages = {stage: StageModule(stage, [model.build_layer(i, self._group(self.flat, i),
-                                                                    self._group(self.grad, i), xp, tok, grad_tok,
-                                                                    tp=self.tp) for i in r])
+            tok = self.param(owner, "tok_emb")
+            grad_tok = self.grad_of(owner, "tok_emb") if self.tied_trains else None
+        self.stages = {stage: StageModule(stage, [model.build_layer(i, self._params_group(i), self._grads_group(i), xp,
+                                                                    tok, grad_tok, tp=self.tp) for i in r])
                        for stage, r in stage_ranges.items()}
+
+    def _buffer(self, layout: list[tuple[int, str, tuple[int, ...]]], dtype: str,
+                groups: list[int] = ()) -> tuple[Any, dict]:
+        """One zeroed flat buffer for the layout's parameters, and their views {index: {name: (offset, shape)}}
+        (an entry, maybe empty, for each of ``groups``)."""
+        views: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {i: {} for i in groups}
+        offset = 0
+        for i, name, shape in layout:
+            views.setdefault(i, {})[name] = (offset, shape)
+            offset += int(np.prod(shape))
+        return self.xp.zeros(offset, dtype=dtype), views
 
     def local_shape(self, index: int, name: str) -> tuple[int, ...]:
         """The shape of this rank's part of parameter ``name`` of group ``index`` (the whole at tp = 1)."""
@@ -130,7 +146,7 @@ class RankParameters:
         if not self.tp:
             return float(self.xp.vdot(self.grad, self.grad)) - self.copy_norm_sq()
         counted = [(i, name) for i in self.layer_indices() for name in self.views[i]
-                   if self.shards[i][name].counts_on(self.tp.rank)]
+                   if self.shards[i][name].counts_on(self.tp.rank)]     # trained parameters only
         terms = [self.xp.vdot(self.grad_of(i, name), self.grad_of(i, name)) for i, name in counted]
         if not terms:
             return 0.0
@@ -144,9 +160,11 @@ class RankParameters:
         updates with the whole gradient."""
         for i in self.layer_indices() if self.tp else ():
             for name, shard in self.shards[i].items():
-                if shard.shared and shard.axis is None:
+                if not shard.shared or name not in self.views[i]:      # a frozen parameter has no gradient
+                    continue
+                if shard.axis is None:
                     self.tp.sum_(self.grad_of(i, name))
-                elif shard.shared:
+                else:
                     full = self.xp.zeros(tuple(self.model.specs[i].shapes[name]), dtype=self.grad.dtype)
                     key = [slice(None)] * full.ndim
                     key[shard.axis] = shard.index
@@ -154,11 +172,19 @@ class RankParameters:
                     self.tp.sum_(full)
                     self.grad_of(i, name)[...] = full[tuple(key)]
 
-    def _group(self, buf: Any, index: int) -> dict[str, Any]:
-        return {name: self._view(buf, index, name) for name in self.views[index]}
+    def _params_group(self, index: int) -> dict[str, Any]:
+        """Views of every parameter of a group, trained or frozen."""
+        frozen = {name: self._view(self.frozen, index, name, self.frozen_views)
+                  for name in self.frozen_views.get(index, {})}
+        return {**{name: self._view(self.flat, index, name) for name in self.views.get(index, {})}, **frozen}
 
-    def _view(self, buf: Any, index: int, name: str) -> Any:
-        offset, shape = self.views[index][name]
+    def _grads_group(self, index: int) -> dict[str, Any]:
+        """Gradient views of a group's parameters; None for a frozen one (its layer accumulates nothing)."""
+        frozen = dict.fromkeys(self.frozen_views.get(index, {}))
+        return {**{name: self._view(self.grad, index, name) for name in self.views.get(index, {})}, **frozen}
+
+    def _view(self, buf: Any, index: int, name: str, views: dict | None = None) -> Any:
+        offset, shape = (self.views if views is None else views)[index][name]
         size = int(np.prod(shape))
         return buf[offset:offset + size].reshape(shape)
 
@@ -171,8 +197,14 @@ class RankParameters:
         return array.get() if hasattr(array, "get") else np.array(array)
 
     def param(self, index: int, name: str) -> Any:
-        """Return the live view of a parameter of a global layer."""
-        return self._view(self.flat, index, name)
+        """Return the live view of a parameter of a global layer (trained or frozen)."""
+        if name in self.views.get(index, {}):
+            return self._view(self.flat, index, name)
+        return self._view(self.frozen, index, name, self.frozen_views)
+
+    def names(self, index: int) -> list[str]:
+        """Every parameter name of a group this rank holds: the trained ones, then the frozen ones."""
+        return [*self.views.get(index, {}), *self.frozen_views.get(index, {})]
 
     def grad_of(self, index: int, name: str) -> Any:
         """Return the live view of a parameter's gradient."""
@@ -184,7 +216,7 @@ class RankParameters:
 
     def copy_norm_sq(self) -> float:
         """Squared norm of the tied copy's gradient (0 without one): the global norm counts the table once."""
-        if not self.tied_copy:
+        if not self.tied_copy or not self.tied_trains:
             return 0.0
         g = self.grad_of(TIED, "tok_emb")
         return float(self.xp.vdot(g, g))
@@ -198,9 +230,9 @@ class RankParameters:
         return sorted(set(self.specs) | ({0} if self.tied_copy else set()))
 
     def load(self, arrays: dict[int, dict[str, np.ndarray]]) -> None:
-        """Copy host arrays {layer: {name: array}} into the parameter buffer (and the tied copy from group 0)."""
+        """Copy host arrays {layer: {name: array}} into the parameter buffers (and the tied copy from group 0)."""
         for i in self.layer_indices():
-            for name in self.views[i]:
+            for name in self.names(i):
                 self.param(i, name)[...] = self.xp.asarray(self._part(i, name, arrays[i][name]))
         if self.tied_copy:
             self.param(TIED, "tok_emb")[...] = self.xp.asarray(self._part(0, "tok_emb", arrays[0]["tok_emb"]))
@@ -210,12 +242,12 @@ class RankParameters:
         for i in self.layer_indices():
             for name in self.views[i]:
                 self.slice_of(buf, i, name)[...] = self.xp.asarray(self._part(i, name, arrays[i][name]))
-        if self.tied_copy:
+        if self.tied_copy and TIED in self.views:
             self.slice_of(buf, TIED, "tok_emb")[...] = self.xp.asarray(self._part(0, "tok_emb", arrays[0]["tok_emb"]))
 
     def export(self) -> dict[int, dict[str, np.ndarray]]:
-        """Return host copies of this rank's parameters by global layer index."""
-        return {i: {name: self.host(self.param(i, name)) for name in self.views[i]} for i in self.layer_indices()}
+        """Return host copies of this rank's parameters (trained and frozen) by global layer index."""
+        return {i: {name: self.host(self.param(i, name)) for name in self.names(i)} for i in self.layer_indices()}
 
     def whole(self, local: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]] | None:
         """Whole tensors from this stage's tp ranks' parts of ``local`` (export-shaped) on tp rank 0, None on the
@@ -237,4 +269,5 @@ class RankParameters:
 
     def export_grads(self) -> dict[int, dict[str, np.ndarray]]:
         """Return host copies of this rank's gradients by global layer index."""
-        return {i: {name: self.host(self.grad_of(i, name)) for name in self.views[i]} for i in self.layer_indices()}
+        return {i: {name: self.host(self.grad_of(i, name)) for name in self.views.get(i, {})}
+                for i in self.layer_indices()}

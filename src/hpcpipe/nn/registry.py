@@ -43,8 +43,14 @@ def model_keys() -> list[Key]:
 
 
 def model_def(config: Any) -> ModelDef:
-    """Return the model definition of config.model.kind."""
-    return KINDS[config.model.kind].model(config)
+    """Return the model definition of config.model.kind (with train.lora_rank, its LoRA adapters: hpcpipe.nn.lora)."""
+    kind = KINDS[config.model.kind]
+    model = kind.model(config)
+    train = getattr(config, "train", None)
+    if train is not None and train.lora_rank:
+        from hpcpipe.nn.lora import with_adapters
+        model = with_adapters(model, kind.hf, config)
+    return model
 
 
 def model_specs(config: Any) -> list:

@@ -19,7 +19,7 @@ import numpy as np
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
+from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes, trained_params
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.registry import model_def
 from hpcpipe.plan.layer_profile import bench_indices
@@ -61,7 +61,12 @@ def plan_floor(config: Config, ranks: int, global_batch: int) -> Floor:
     pp = largest_pp(config, ranks, global_batch)
     params = max(max(counts), math.ceil(sum(counts) / pp))
     buffers = len(make_optimizer(config.train, np, 0, np.float32).state)
-    param_bytes = params * (2 + buffers) * ITEMSIZE[config.model.dtype]
+    # the trained share of them (LoRA: the adapters) has gradients and state; under ZeRO-1 the state of the whole
+    # model is held once over all ranks, so some rank holds at least 1/ranks of it
+    total_trained = sum(trained_params(spec) for spec in specs)
+    trained = math.ceil(params * total_trained / max(sum(counts), 1))
+    state = -(-total_trained // ranks) if config.train.zero else trained
+    param_bytes = (params + trained + buffers * state) * ITEMSIZE[config.model.dtype]
     data = estimate_rank_bytes(config, [range(len(specs))], 1, "interleaved").data
     largest = max(range(len(counts)), key=counts.__getitem__)
     return Floor(param_bytes + data, params, param_bytes, data, pp, buffers, counts[largest], largest)

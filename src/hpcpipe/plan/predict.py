@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpcpipe.config import DECODERS, Config
-from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes
+from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes, state_bytes, trained_params
 from hpcpipe.nn.partition import layer_ranges
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.profile import Profile
@@ -96,6 +96,8 @@ class Predictor:
         self.recompute = config.train.recompute == "stage"
         self.data_bytes = estimate_rank_bytes(config, [range(config.n_layers)], 1, "interleaved").data
         self.tok_emb = math.prod(self.model.specs[0].shapes["tok_emb"]) if self.model.tied else 0
+        # what trains of each group (LoRA: the adapters): gradients, the exchange, the update, the optimizer state
+        self.trained = [trained_params(spec) for spec in self.model.specs]
 
     def _boundary_bytes(self, index: int, rows: int) -> int:
         shape, dtype = self.model.boundary(index, rows)
@@ -155,10 +157,11 @@ class Predictor:
                 out[(op, s)] = per[(op, s)] / tp + extra
         return out
 
-    def _rank_params(self, layers: list[int]) -> int:
-        n = sum(self.profile.params(i) for i in layers)
+    def _rank_params(self, layers: list[int], trained: bool = False) -> int:
+        n = sum(self.trained[i] if trained else self.profile.params(i) for i in layers)
         if self.tok_emb and self.model.n_layers - 1 in layers and 0 not in layers:
-            n += self.tok_emb     # a tied head away from the embedding holds its own copy of the table
+            # a tied head away from the embedding holds its own copy of the table (trained unless frozen)
+            n += self.tok_emb if not trained or self.trained[0] else 0
         return n
 
     def predict(self, c: Candidate) -> Prediction:
@@ -172,11 +175,15 @@ class Predictor:
         comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
         params = [-(-self._rank_params(layers) // c.tp) for layers in rank_layers]
+        trained = [-(-self._rank_params(layers, True) // c.tp) for layers in rank_layers]
         opt = self.profile.optimizer(self.config.train)
-        tied_apart = bool(self.tok_emb) and not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
+        tied_apart = bool(self.tok_emb) and bool(self.trained[0]) and \
+            not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
+        # ZeRO-1's reduce-scatter and allgather move what one allreduce does; each replica updates 1/dp
+        updated = c.dp if self.config.train.zero else 1
         step_end = max(self.profile.comm.allreduce(n * self.itemsize, c.dp)
                        + (self.profile.comm.p2p(self.tok_emb * self.itemsize) if tied_apart else 0.0)
-                       + opt["seconds_per_param"] * n for n in params)
+                       + opt["seconds_per_param"] * n / updated for n in trained)
         step_end += self.profile.comm.allreduce(32, c.dp * c.pp * c.tp)      # the agreed step decision
         costs = Costs(comm=comm, step=step_end, per_stage=per)
         shared, costs = self._shared_cores(c, costs)
@@ -185,7 +192,7 @@ class Predictor:
         worst: dict[str, int] = {}
         for p in range(c.pp):
             mine = self._memory(c, ranges, rank_stages(p, c.pp, n_stages, placement), params[p],
-                                result.peak_stashed_stage, cut_bytes)
+                                result.peak_stashed_stage, cut_bytes, trained[p])
             if sum(mine.values()) > sum(worst.values()):
                 worst = mine
         samples = c.dp * c.micro_batches * c.micro_batch_size
@@ -218,7 +225,7 @@ class Predictor:
         return (per_replica if per_replica < c.pp else None), costs
 
     def _memory(self, c: Candidate, ranges: list[range], stages: list[int], n_params: int,
-                peak_stage: dict[int, int], cut_bytes: int) -> dict[str, int]:
+                peak_stage: dict[int, int], cut_bytes: int, n_trained: int) -> dict[str, int]:
         rows = c.micro_batch_size
         prof, opt = self.profile, self.profile.optimizer(self.config.train)
         layers = [i for s in stages for i in ranges[s]]
@@ -230,7 +237,8 @@ class Predictor:
             stash = sum(peak_stage.get(s, 0) * sum(prof.stash_bytes(i, rows) for i in ranges[s])
                         for s in stages) / c.tp
         sends = min(2 * c.virtual_stages * c.micro_batches, MAX_SENDS_KEPT) * cut_bytes if c.pp > 1 else 0
-        work = max(max(prof.work_bytes(i, rows) for i in layers) / c.tp, opt["work_bytes_per_param"] * n_params * 1.0)
+        updated = -(-n_trained // c.dp) if self.config.train.zero else n_trained     # what this rank's update reads
+        work = max(max(prof.work_bytes(i, rows) for i in layers) / c.tp, opt["work_bytes_per_param"] * updated * 1.0)
         if len(ranges) - 1 in stages:
             # the loss gradient (the model output's size) waits from each forward of the last stage to its backward
             stash += peak_stage.get(len(ranges) - 1, 0) * self._boundary_bytes(self.model.n_layers, rows)
@@ -239,9 +247,10 @@ class Predictor:
             feed += self._boundary_bytes(0, rows) * c.micro_batches
         if len(ranges) - 1 in stages:
             feed += self._target_bytes(rows) * c.micro_batches
+        params, _ = state_bytes(n_params, n_trained, self.config.train, c.dp, self.itemsize)
         parts = {"baseline": prof.baseline_bytes,
-                 "parameters": 2 * n_params * self.itemsize,
-                 "optimizer": int(opt["state_buffers"]) * n_params * self.itemsize,
+                 "parameters": params,
+                 "optimizer": int(opt["state_buffers"]) * updated * self.itemsize,
                  "activations": int(stash), "messages": int(sends), "workspace": int(work),
                  "batch": int(feed), "data": int(self.data_bytes)}
         # the heap keeps some freed blocks it cannot return (measured: up to ~10 % above the live arrays)

@@ -36,7 +36,10 @@ def _backend_name(choice: str) -> str:
 
 def layer_key(config: Config, threads: int) -> dict[str, Any]:
     """The key of a layer profile: what changes the measured costs."""
-    model = {k: v for k, v in config.to_dict()["model"].items() if k not in ("init", "seed")}
+    model = {k: v for k, v in config.to_dict()["model"].items() if k not in ("init", "seed", "adapter")}
+    tr = config.train
+    if tr.lora_rank:    # adapters change a block's products and drop the base's weight gradients
+        model["lora"] = [tr.lora_rank, tr.lora_alpha, sorted(tr.lora_targets)]
     if config.model.kind == "mlp":     # the last layer's forward includes the loss (a GPT's is always token CE)
         model["loss"] = config.train.loss
     # TF32 changes the measured costs; the key of a full-float32 profile stays what it always was

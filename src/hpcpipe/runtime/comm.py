@@ -88,8 +88,9 @@ class PipeComm:
         self.host_device_bytes = 0
 
     def tag(self, direction: int, stage: int, mb: int, n_micro: int) -> int:
-        """Return the MPI tag of a message (direction 0 = activation, 1 = gradient)."""
-        return ((stage * n_micro + mb) * 2 + direction) % self.tag_ub
+        """Return the MPI tag of a message (direction 0 = activation, 1 = gradient, 2 and 3: what travels beside
+        them, e.g. a mixture's router statistics forward and their gradient back)."""
+        return ((stage * n_micro + mb) * 4 + direction) % self.tag_ub
 
     def _wire(self, buf: Any) -> Any:
         if not self.backend.on_gpu or isinstance(buf, np.ndarray):
@@ -174,6 +175,57 @@ class PipeComm:
         if n > 1:
             self._allreduce_inplace(buf, self.dp_comm)
             buf /= n
+
+    def reduce_scatter_dp(self, parts: list[tuple[Any, Any, list[int]]]) -> None:
+        """ZeRO's gradient exchange: for each (buf, out, counts), out = this replica's block of buf summed over the
+        data-parallel replicas (blocks of counts[r] elements, in replica order); all parts in flight at once."""
+        if self.dp_comm.Get_size() == 1:
+            for buf, out, _ in parts:
+                out[...] = buf
+            return
+        wires = [(self._wire(buf), self._wire(out)) for buf, out, _ in parts]
+        self.poller.wait([self.dp_comm.Ireduce_scatter(w_in, w_out, counts, op=MPI.SUM)
+                          for (w_in, w_out), (_, _, counts) in zip(wires, parts, strict=True)])
+        for (_, w_out), (_, out, _) in zip(wires, parts, strict=True):
+            if w_out is not out:
+                out[...] = self.backend.xp.asarray(w_out)
+                self.host_device_bytes += out.nbytes
+
+    def allgather_dp(self, parts: list[tuple[Any, list[int]]]) -> None:
+        """ZeRO's parameter exchange, in place: each replica's block of every buf (counts[r] elements in replica
+        order) to every replica; all parts in flight at once."""
+        if self.dp_comm.Get_size() == 1:
+            return
+        wires = [self._wire(buf) for buf, _ in parts]
+        requests = []
+        for wire, (_, counts) in zip(wires, parts, strict=True):
+            displs = [sum(counts[:r]) for r in range(len(counts))]
+            requests.append(self.dp_comm.Iallgatherv(MPI.IN_PLACE, [wire, (counts, displs)]))
+        self.poller.wait(requests)
+        for wire, (buf, _) in zip(wires, parts, strict=True):
+            if wire is not buf:
+                buf[...] = self.backend.xp.asarray(wire)
+                self.host_device_bytes += buf.nbytes
+
+    def gather_dp(self, parts: list[tuple[Any, Any, list[int]]]) -> None:
+        """For each (block, whole, counts): every replica's block into whole on data-parallel rank 0 (whole None
+        elsewhere); ZeRO's optimizer state for a checkpoint."""
+        if self.dp_comm.Get_size() == 1:
+            for block, whole, _ in parts:
+                whole[...] = block
+            return
+        root = self.dp_comm.Get_rank() == 0
+        requests, copies = [], []
+        for block, whole, counts in parts:
+            displs = [sum(counts[:r]) for r in range(len(counts))]
+            host = np.empty(whole.shape, whole.dtype) if root and self.backend.on_gpu else whole
+            requests.append(self.dp_comm.Igatherv(self.backend.to_host(block) if self.backend.on_gpu else block,
+                                                  [host, (counts, displs)] if root else None, root=0))
+            copies.append((host, whole))
+        self.poller.wait(requests)
+        for host, whole in copies:
+            if root and host is not whole:
+                whole[...] = self.backend.xp.asarray(host)
 
     def sum_with_pp_peer(self, buf: Any, peer: int) -> None:
         """Add a same-shaped array of pipeline rank peer into buf, which peer receives in turn (tied embeddings).

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 
-from hpcpipe.cli import CommandParser
+from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
@@ -49,12 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, metavar="PATH",
                         help="GPT weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
+    parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) served on the --weights base, merged (same as --set model.adapter)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
-    args = parser.parse_args(argv)
+    args = with_adapter(parser.parse_args(argv))
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     args.api_key = os.environ.get(API_KEY_ENV, "")

@@ -62,7 +62,8 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     gathered_only = 0 in mine and not holds_head and tp is None
     fmt = inference_format(setup.config.model.weight_format)
     weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only,
-                                         stored=fmt != "float32" and tp is None)
+                                         stored=fmt != "float32" and tp is None,
+                                         quantize=fmt == "q8_0" and tp is None)
     # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs)
     model = setup.model
     shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else None

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 
-from hpcpipe.cli import CommandParser
+from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import EXIT_PREEMPTED, ConfigError, HpcpipeError
 from hpcpipe.infer.rows import check_output
 from hpcpipe.runtime.job import run_job
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weights", required=True, metavar="PATH",
                         help="weights file, checkpoint directory, step-NNNNNNNN directory, latest file, or a "
                              "Hugging Face model directory")
+    parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) served on the --weights base, merged (same as --set model.adapter)")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (with --chat: the user's "
                                                                        "message)")
     parser.add_argument("--chat", action="store_true",
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one config key (TOML value syntax); repeatable")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
-    return parser.parse_args(argv)
+    return with_adapter(parser.parse_args(argv))
 
 
 def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True) -> Request | None:

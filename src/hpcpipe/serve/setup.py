@@ -26,6 +26,7 @@ from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
+from hpcpipe.state.adapters import with_peft
 from hpcpipe.state.kinds import restate_stored_shape
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.tokenizer import StoredTokenizer, check_vocabulary
@@ -151,6 +152,8 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
         raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
     source = source.forward_only(cfg.model.dtype)    # a Hugging Face model is read in the run's dtype
+    if cfg.model.adapter:                             # --adapter: a PEFT directory merged into the base
+        source = with_peft(source, cfg.model.adapter, cfg)
     dp, pp = resolve_layout(cfg, world_size)
     model = model_def(cfg)
     specs = model.specs

@@ -135,9 +135,12 @@ class HDF5Source:
             out.update(part)
         return attrs, out
 
-    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> HDF5Source:
-        """This source itself: its arrays come as stored (float32) and the reader converts them."""
-        return self
+    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
+                     quantize: bool = False) -> Any:
+        """This source itself: its arrays come as stored (float32) and the reader converts them; a checkpoint of a
+        LoRA run reads as its merged model (hpcpipe.state.adapters)."""
+        from hpcpipe.state.adapters import merged_if_adapted
+        return merged_if_adapted(self)
 
 
 def file_source(path: Path) -> HDF5Source:

@@ -112,13 +112,13 @@ def _import_bytes(source: HFSource, stored: Any) -> int:
     return 4 * values + files + values // 64 + (1 << 20)
 
 
-def check_new_directory(out: str | Path) -> None:
+def check_new_directory(out: str | Path, fmt: str = "hf") -> None:
     """Raise ConfigError unless out is a new path in an existing, writable directory (export never writes into one)."""
     p = Path(out)
     if not str(out):
         raise ConfigError("export output is empty: name the directory to create")
     if p.exists() or p.is_symlink():
-        raise ConfigError(f"export output {str(p)!r} already exists; export --format hf creates a new directory "
+        raise ConfigError(f"export output {str(p)!r} already exists; export --format {fmt} creates a new directory "
                           f"and never writes into an existing one: give a new path")
     parent = p.parent
     if not parent.is_dir():

@@ -52,6 +52,7 @@ class HFSource:
     dtype: str = "float32"
     half_embedding: bool = False    # read tok_emb as a HalfTable when it is stored in 16 bits (forward-only use)
     stored: bool = False            # read matrices as stored: (out, in) RowWeights (forward-only, whole tensors)
+    quantize: bool = False          # and each of them made q8_0 once read
     kind: str = field(default="hf", init=False)
     step: int = field(default=0, init=False)
     _tokenizer: list = field(default_factory=list, init=False, compare=False, repr=False)   # read once
@@ -145,7 +146,8 @@ class HFSource:
         """
         indices = list(indices)
         if self.stored and shards is None:
-            return dict(sorted(read_groups(self.hf, self.tensors, indices, np.dtype(self.dtype), stored=True).items()))
+            return dict(sorted(read_groups(self.hf, self.tensors, indices, np.dtype(self.dtype), stored=True,
+                                           quantize=self.quantize).items()))
         half = self._half_table() if self.half_embedding and 0 in indices and shards is None else None
         rest = [i for i in indices if not (half is not None and i == 0)]
         out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype), shards=shards)
@@ -173,10 +175,11 @@ class HFSource:
         raise ConfigError(f"{self.describe()} holds no optimizer state (it can start a run: model.init, not "
                           f"--resume)")
 
-    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> HFSource:
-        """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored and
-        ``stored`` every matrix (whole tensors only)."""
-        return replace(self, dtype=dtype, half_embedding=half_embedding, stored=stored)
+    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
+                     quantize: bool = False) -> HFSource:
+        """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored,
+        ``stored`` every matrix (whole tensors only), and ``quantize`` each of them as q8_0 once read."""
+        return replace(self, dtype=dtype, half_embedding=half_embedding, stored=stored, quantize=quantize)
 
 
 def hf_source(path: str | Path, dtype: str = "float32") -> HFSource:

@@ -26,8 +26,8 @@ from hpcpipe.state.weights import (
     check_layers,
     open_checked,
     optimizer_group,
-    param_shapes,
     state_names,
+    state_shapes,
     stored_layers,
     version_problem,
 )
@@ -182,6 +182,6 @@ def check_stage_file(step_dir: Path, entry: dict[str, Any], manifest: dict[str, 
                 raise ConfigError(f"{label}: layer {i} has optimizer state {found}, the manifest says {states}")
             for state in states:   # each state mirrors the parameters: same (nested) names and shapes
                 name = f"{group}/{state}"
-                check_group(member(f, name, label), name, i, param_shapes(specs[i]), label,
+                check_group(member(f, name, label), name, i, state_shapes(specs[i]), label,
                             what=f"the {state} state of layer")
     return path

@@ -65,6 +65,11 @@ def param_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
     return dict(spec.shapes)
 
 
+def state_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
+    """The parameters of a layer group that have optimizer state: all but the frozen ones (LoRA's base)."""
+    return {name: shape for name, shape in spec.shapes.items() if name not in getattr(spec, "frozen", ())}
+
+
 def members(group: h5py.Group, depth: int = MAX_DEPTH, prefix: str = "", label: str = "") -> dict[str, Any]:
     """Return {nested name: object} of everything below a group that is not a group.
 

@@ -81,9 +81,11 @@ class WeightsSource(Protocol):
     def read_optimizer(self, indices: list[int], shards: Shards | None = None) -> OptimizerState:
         """Return (optimizer attributes, per-layer optimizer state); ConfigError unless the source holds some."""
 
-    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False) -> WeightsSource:
+    def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
+                     quantize: bool = False) -> WeightsSource:
         """Return this source as a forward-only reader wants it: parameters in ``dtype`` where the source converts
         (a Hugging Face model's 16-bit tensors), with ``half_embedding`` a 16-bit embedding table kept as stored
         (a rank that only gathers rows from it), and with ``stored`` every matrix as stored, an (out, in)
-        RowWeight (hpcpipe.kernels.formats; whole tensors only). Sources that hold float32 arrays return
-        themselves."""
+        RowWeight (hpcpipe.kernels.formats; whole tensors only), with ``quantize`` each such matrix turned to
+        q8_0 as soon as it is read (the stored copy of one matrix at a time). Sources that hold float32 arrays
+        return themselves."""

@@ -104,6 +104,11 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
           f"stage_layers={[len(r) for r in p.stage_ranges]} "
           f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
           f"{summary['elapsed_s']:.2f} s){rss_text(summary.get('peak_rss_bytes_by_rank'))}", flush=True)
+    if summary.get("eval"):
+        held = summary["eval"]
+        ppl = f" (perplexity {held['eval_perplexity']:.4g})" if "eval_perplexity" in held else ""
+        print(f"hpcpipe: held-out loss {held['eval_loss']:.6g}{ppl} over data.eval_path {c.data.eval_path!r}",
+              flush=True)
     if summary["skipped"]:
         print(f"hpcpipe: {summary['skipped']} step(s) skipped for a non-finite loss or gradient", flush=True)
     if summary["checkpoints"]:
@@ -176,6 +181,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         if world.Get_rank() == 0:
             for note in notes:       # which config a resumed run continues under
                 print(note, file=sys.stderr, flush=True)
+            from hpcpipe.train.lr_schedule import schedule_warning
+            warning = schedule_warning(p.config.train)
+            if warning:
+                print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:
             # a finished run: nothing to train, nothing to save (every rank decides the same from the setup)
             if world.Get_rank() == 0:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hpcpipe.nn.memory import cache_bytes
 from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.runtime.comm import PipeComm
@@ -54,7 +56,8 @@ class Engine:
     def __init__(self, program: list[Action], params: RankParameters, comm: PipeComm, *,
                  shape: PipeShape, boundaries: list[tuple[tuple[int, ...], Any]],
                  loss_fn: Callable, loss_scale: float, keep_input_grads: bool = False,
-                 record_events: bool = False, recompute: bool = False, shared: list[bool] | None = None):
+                 record_events: bool = False, recompute: bool = False, shared: list[bool] | None = None,
+                 sync: Any = None, ledger: Any = None):
         self.program = program
         self.params = params
         self.comm = comm
@@ -69,9 +72,11 @@ class Engine:
         self.keep_input_grads = keep_input_grads
         self.record_events = record_events
         self.xp = params.xp
+        # an auxiliary loss's per-chunk statistics (RouterLedger), travelling beside activations and gradients
+        self.ledger = ledger
         self.input_grads: dict[int, Any] = {}   # dL/dx of the model input per micro-batch (when kept)
         self.optimizer_step: Callable[[], StepDecision] | None = None   # the running step's: run()'s argument
-        self.tied_peer = self._tied_peer()
+        self.sync = sync     # the ALLREDUCE action's exchange (hpcpipe.train.zero: replicated or ZeRO-1)
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_f, "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
@@ -96,6 +101,8 @@ class Engine:
         self.held: dict[int, int] = {}
         self.held_bytes: dict[int, int] = {}
         self.params.grad[...] = 0
+        if self.ledger is not None:
+            self.ledger.reset()
         clock, cpu = time.perf_counter, time.process_time
         for action in self.program:
             if self.record_events:
@@ -108,10 +115,31 @@ class Engine:
                 self.dispatch[action.op](action)
         return self.stats
 
+    def evaluate(self, feed: StepFeed, program: list[Action]) -> float:
+        """Run a forward-only program (F, SEND_F, RECV_F) over feed, keeping nothing for a backward; return this
+        rank's summed loss (a last stage's; 0 elsewhere). Held-out evaluation: hpcpipe.train.evaluation."""
+        self.feed, self.inputs, self.outputs = feed, {}, {}
+        total = 0.0
+        for a in program:
+            if a.op != "F":
+                self.dispatch[a.op](a)
+                continue
+            x = feed.x[a.mb] if a.stage == 0 else self.inputs.pop((a.stage, a.mb))
+            y, _ = self.params.stages[a.stage].forward(x)
+            if a.stage == self.n_stages - 1:
+                total += self.loss_fn(self.xp, y, feed.y[a.mb], self.loss_scale)[0]
+            elif self._local(a.stage, a.stage + 1):
+                self.inputs[(a.stage + 1, a.mb)] = y
+            else:
+                self.outputs[(a.stage, a.mb)] = y
+        self.comm.wait_sends()
+        return total
+
     # compute -----------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         key = (a.stage, a.mb)
         x = self.feed.x[a.mb] if a.stage == 0 else self.inputs.pop(key)
+        self._begin(key)
         y, caches = self.params.stages[a.stage].forward(x)
         if self.recompute:
             caches = Recompute(x)     # the forward's caches are dropped here and rebuilt before the backward
@@ -129,11 +157,20 @@ class Engine:
         if a.stage == self.n_stages - 1:
             loss, grad = self.loss_fn(self.xp, y, self.feed.y[a.mb], self.loss_scale)
             self.stats.loss_sum += loss
+            if self.ledger is not None:
+                self.stats.loss_sum += self.ledger.finish(a.stage, a.mb)
             self.out_grads[key] = grad
         elif self._local(a.stage, a.stage + 1):
             self.inputs[(a.stage + 1, a.mb)] = y
+            if self.ledger is not None:
+                self.ledger.receive_forward(a.stage + 1, a.mb, self.ledger.forward_message(a.stage, a.mb))
         else:
             self.outputs[key] = y
+
+    def _begin(self, key: tuple[int, int]) -> None:
+        """Tell the auxiliary loss's ledger which (stage, micro-batch) the layers compute next."""
+        if self.ledger is not None:
+            self.ledger.begin(*key)
 
     def _release(self, key: tuple[int, int]) -> list:
         caches = self.stash.pop(key)
@@ -171,17 +208,6 @@ class Engine:
         elif self.keep_input_grads:
             self.input_grads[a.mb] = gx
 
-    def _tied_peer(self) -> int | None:
-        """The pipeline rank holding the other end of a tied embedding, when it is not this rank."""
-        model = self.params.model
-        if not model.tied:
-            return None
-        first, last = self.shape.stage_rank(0), self.shape.stage_rank(self.n_stages - 1)
-        if first == last:
-            return None           # pp = 1 or zb-v: both ends share one table on this rank
-        mine = self.comm.pp_comm.Get_rank()
-        return last if mine == first else first if mine == last else None
-
     def _local(self, stage: int, other: int) -> bool:
         """Whether two stages live on the same rank (their hand-over needs no message)."""
         return self.shape.stage_rank(stage) == self.shape.stage_rank(other)
@@ -191,12 +217,14 @@ class Engine:
 
     def _backward(self, a: Action) -> None:
         key = (a.stage, a.mb)
+        self._begin(key)
         caches = self._release(key)
         gx = self.params.stages[a.stage].backward(caches, self.out_grads.pop(key), self._needs_input_grad(a.stage))
         self._hand_back(a, gx)
 
     def _backward_input(self, a: Action) -> None:
         key = (a.stage, a.mb)
+        self._begin(key)
         caches = self._caches_for_split(key)
         gx, dzs = self.params.stages[a.stage].backward_input(caches, self.out_grads.pop(key),
                                                             self._needs_input_grad(a.stage))
@@ -213,32 +241,52 @@ class Engine:
     def _send_f(self, a: Action) -> None:
         self.comm.isend(self.outputs.pop((a.stage, a.mb)), a.peer, self.comm.tag(0, a.stage, a.mb, self.n_micro),
                         self.shared[a.stage + 1])
+        if self.ledger is not None:
+            self.comm.isend(self.xp.asarray(self.ledger.forward_message(a.stage, a.mb)), a.peer,
+                            self.comm.tag(2, a.stage, a.mb, self.n_micro))
 
     def _recv_f(self, a: Action) -> None:
         shape, dtype = self.boundaries[a.stage]
         self.inputs[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
                                                       self.comm.tag(0, a.stage - 1, a.mb, self.n_micro),
                                                       self.shared[a.stage])
+        if self.ledger is not None:
+            sums = self.comm.recv((self.ledger.forward_size,), np.float64, a.peer,
+                                  self.comm.tag(2, a.stage - 1, a.mb, self.n_micro))
+            self.ledger.receive_forward(a.stage, a.mb, sums)
 
     def _send_b(self, a: Action) -> None:
         self.comm.isend(self.in_grads.pop((a.stage, a.mb)), a.peer, self.comm.tag(1, a.stage, a.mb, self.n_micro),
                         self.shared[a.stage])
+        if self.ledger is not None:
+            self.comm.isend(self.xp.asarray(self.ledger.backward_message(a.mb)), a.peer,
+                            self.comm.tag(3, a.stage, a.mb, self.n_micro))
 
     def _recv_b(self, a: Action) -> None:
         shape, dtype = self.boundaries[a.stage + 1]
         self.out_grads[(a.stage, a.mb)] = self.comm.recv(shape, dtype, a.peer,
                                                          self.comm.tag(1, a.stage + 1, a.mb, self.n_micro),
                                                          self.shared[a.stage + 1])
+        if self.ledger is not None:
+            grad = self.comm.recv((self.ledger.n_experts,), np.float64, a.peer,
+                                  self.comm.tag(3, a.stage + 1, a.mb, self.n_micro))
+            self.ledger.receive_backward(a.mb, grad)
 
     def _allreduce(self, a: Action) -> None:
         self.comm.wait_sends()
         self.params.reduce_shared()      # parts several tp ranks hold: their gradients summed first
-        self.comm.average_over_dp(self.params.grad)
-        if self.tied_peer is not None:
-            # after the dp average, so both ends add the same two arrays (a + b == b + a bit for bit) and
-            # their copies of the table stay identical through every optimizer step
-            self.comm.sum_with_pp_peer(self.params.tied_grad(), self.tied_peer)
+        self.sync.reduce()               # over the replicas (and a tied embedding's two ends)
 
     def _opt_step(self, a: Action) -> None:
         if self.optimizer_step is not None:
             self.stats.decision = self.optimizer_step()
+
+
+def tied_peer(params: RankParameters, shape: PipeShape, pp_rank: int) -> int | None:
+    """The pipeline rank holding the other end of a tied embedding whose gradient trains, when it is not this rank."""
+    if not params.model.tied or not params.tied_trains:
+        return None
+    first, last = shape.stage_rank(0), shape.stage_rank(shape.n_stages - 1)
+    if first == last:
+        return None           # pp = 1 or zb-v: both ends share one table on this rank
+    return last if pp_rank == first else first if pp_rank == last else None

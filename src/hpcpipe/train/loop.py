@@ -14,6 +14,7 @@ from hpcpipe.runtime.rss import peak_rss_bytes
 from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.trace import rank_events, training_trace, write_json
+from hpcpipe.train.evaluation import due
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -47,14 +48,15 @@ class Progress:
         self.metrics = open(path, "a") if path else None
 
     def log(self, step: int, result: StepResult, seconds: float, peaks: list | None = None,
-            rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None) -> None:
+            rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None,
+            memory_by_rank: list[tuple[int, int]] | None = None, evaluated: dict | None = None) -> None:
         """Record one step's result: metrics line always, console line every log.every steps."""
         tr, stats, decision, loss = self.trainer, result.stats, result.decision, result.loss
         record = {"step": step, "loss": loss, "step_time_s": seconds,
                   "samples_per_s": tr.global_batch / seconds if seconds > 0 else 0.0,
                   "grad_norm": decision.grad_norm, "peak_stashed_microbatches": stats.peak_stashed,
                   "peak_stash_bytes": stats.peak_stash_bytes, "comm_wait_s": tr.poller.waited_s,
-                  "host_device_bytes": result.host_device_bytes}
+                  "host_device_bytes": result.host_device_bytes, "lr": result.lr}
         skipped = bool(decision and decision.skip)
         if skipped:   # strict JSON has no NaN: a skipped step's non-finite loss is null
             record.update(loss=loss if loss == loss and abs(loss) != float("inf") else None, grad_norm=None,
@@ -68,15 +70,25 @@ class Progress:
         if rss_by_rank is not None:
             record["peak_rss_bytes"] = max(rss_by_rank)
             record["peak_rss_bytes_by_rank"] = rss_by_rank
-        if self.metrics and logged_step(step, self.cfg.log.every, self.total):
+        if evaluated:    # the held-out loss of the parameters after this step's update (data.eval_path)
+            record.update(evaluated)
+        if memory_by_rank is not None:   # what the arrays of parameters and optimizer state hold (train.zero, LoRA)
+            record["parameter_bytes"] = max(m[0] for m in memory_by_rank)
+            record["peak_optimizer_bytes"] = max(m[1] for m in memory_by_rank)
+            record["optimizer_bytes_by_rank"] = [m[1] for m in memory_by_rank]
+        if self.metrics and (logged_step(step, self.cfg.log.every, self.total) or evaluated):
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         done = step + 1
-        if self.cfg.log.progress and (done % self.cfg.log.every == 0 or done == self.total):
+        if self.cfg.log.progress and (done % self.cfg.log.every == 0 or done == self.total or evaluated):
             width = 20
             bar = "#" * (width * done // max(self.total, 1))
-            line = (f"[{bar:<{width}}] step {done}/{self.total} loss {loss:.6g} "
+            scheduled = self.cfg.train.lr_schedule != "constant" or self.cfg.train.warmup_steps   # the rate moves
+            rate = f" lr {result.lr:.3g}" if scheduled and result.lr is not None else ""
+            line = (f"[{bar:<{width}}] step {done}/{self.total} loss {loss:.6g}{rate} "
                     f"{seconds * 1e3:.1f} ms/step {record['samples_per_s']:.0f} samples/s")
+            if evaluated:
+                line += f" eval_loss {evaluated['eval_loss']:.6g}"
             if skipped:
                 line += f" SKIPPED (non-finite loss or gradient on {decision.bad_ranks} rank(s))"
             self.line.show(line, (done - self.first) / max(self.total - self.first, 1), force=True)
@@ -112,6 +124,7 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
     data_hint = f", or look for extreme values in data.path {cfg.data.path!r}" if cfg.data.path else ""
     skipped = 0
     stopped = ""
+    last_eval: dict | None = None
     beat = watchdog.beat if watchdog else (lambda phase: None)
 
     def stop_requested() -> bool:
@@ -139,20 +152,25 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             seconds = time.perf_counter() - t0
             decision, stats = result.decision, result.stats
             losses.append(result.loss)
+            evaluated = None
+            if trainer.evaluator is not None and due(cfg, step + 1):   # after the update, before the next step
+                beat(f"held-out loss after step {step + 1}")
+                evaluated = last_eval = trainer.evaluator.run()
             tp_s = tp.take_seconds() if tp is not None else None
             if cfg.log.trace:
                 traced.append((step, stats.events + tp_trace_events(tp)))
-            peaks = rss_by_rank = tp_comm_s = None
+            peaks = rss_by_rank = tp_comm_s = memory = None
             if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s), 0)
+                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s, trainer.memory_bytes()), 0)
                 if gathered:
                     peaks = [g[0] for g in gathered if g[0] is not None]
                     rss_by_rank = [g[1] for g in gathered]
                     tp_comm_s = None if tp_s is None else max(g[2] for g in gathered)
+                    memory = [g[3] for g in gathered]
             if progress:
-                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s)
+                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s, memory, evaluated)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
@@ -192,7 +210,7 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             "final_loss": losses[-1] if losses else float("nan"),
             "samples_per_s": steps * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed, "checkpoints": saves, "checkpoint_s": save_s, "skipped": skipped,
-            "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss}
+            "stopped": stopped, "saved_step": saved, "peak_rss_bytes_by_rank": rss, "eval": last_eval}
 
 
 def tp_trace_events(tp: Any) -> list[tuple[str, float, float]]:

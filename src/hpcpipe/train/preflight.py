@@ -18,7 +18,7 @@ from pathlib import Path
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink
-from hpcpipe.nn.memory import ITEMSIZE, MemoryEstimate, estimate_rank_bytes
+from hpcpipe.nn.memory import ITEMSIZE, MemoryEstimate, estimate_rank_bytes, trained_params
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.registry import model_specs
 from hpcpipe.runtime.host_memory import rank_share
@@ -29,6 +29,7 @@ from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder
 from hpcpipe.state.sources import protected_paths, refuse_overwrite, same_file
+from hpcpipe.state.weights import state_shapes
 from hpcpipe.state.weights_source import WeightsSource
 
 GIB = 1024 ** 3
@@ -51,7 +52,8 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
     on a GPU (run.backend cupy, or auto with CuPy installed) or when the memory
     cannot be read.
     """
-    need = estimate_rank_bytes(config, stage_ranges, pp, placement)
+    dp = max(1, world_size // (pp * config.parallel.tp))
+    need = estimate_rank_bytes(config, stage_ranges, pp, placement, dp)
     backend = config.run.backend
     if backend == "cupy" or (backend == "auto" and importlib.util.find_spec("cupy") is not None):
         return need
@@ -63,9 +65,17 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
             f"{_gib(need.parameters)}, optimizer {_gib(need.optimizer)}, activations {_gib(need.activations)}, "
             f"data {_gib(need.data)}) with {config.layers_text()}, parallel.pp = {pp}, "
             f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
-            f"{config.train.micro_batch_size}; {where}: use more pipeline stages or nodes, or a smaller model "
-            f"or micro-batch")
+            f"{config.train.micro_batch_size}; {where}: use more pipeline stages or nodes{_zero_hint(config, dp)}, "
+            f"or a smaller model or micro-batch")
     return need
+
+
+def _zero_hint(config: Config, dp: int) -> str:
+    """', train.zero = 1 (optimizer state / dp)' where it would shrink the need, else ''."""
+    train = config.train
+    if dp > 1 and not train.zero and (train.optimizer != "sgd" or train.momentum):
+        return f", train.zero = 1 (the optimizer state / {dp})"
+    return ""
 
 
 def check_checkpoint_dir(directory: str, resume: bool) -> None:
@@ -123,10 +133,10 @@ def check_checkpoint_space(config: Config, n_files: int) -> None:
         return
     specs = model_specs(config)
     buffers = len(make_optimizer(config.train, np, 0, np.float32).state)
-    copies = 1 + buffers      # the parameters and each optimizer state buffer, as datasets of the same shapes
-    data = sum(spec.n_params for spec in specs) * ITEMSIZE[config.model.dtype] * copies
+    # the parameters, and each optimizer state buffer of the trained ones (LoRA: the adapters), as datasets
+    data = sum(spec.n_params + buffers * trained_params(spec) for spec in specs) * ITEMSIZE[config.model.dtype]
     # HDF5's own bytes: measured 4.1-5.4 KiB per dataset (object header, B-tree, groups), the lower end taken
-    datasets = sum(len(spec.shapes) for spec in specs) * copies
+    datasets = sum(len(spec.shapes) + buffers * len(state_shapes(spec)) for spec in specs)
     one = space_needed([(data + HDF5_BYTES_PER_DATASET * datasets) // n_files] * n_files)
     where = f"checkpoint.dir {config.checkpoint.dir!r}"
     if free < one:
@@ -225,6 +235,8 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: HDF5Sour
     dirs: list[tuple[str, Path]] = []
     if config.data.path:
         files.append((f"the data file data.path {config.data.path!r}", Path(config.data.path)))
+    if config.data.eval_path:
+        files.append((f"the held-out file data.eval_path {config.data.eval_path!r}", Path(config.data.eval_path)))
     for source, given in ((init, config.model.init), (resume, config.checkpoint.dir)):
         if source is not None:
             more_files, more_dirs = protected_paths(given, source)

@@ -9,11 +9,13 @@ reaches a collective; the :class:`TrainSetup` it returns is what
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hpcpipe.config import DECODERS, KIND_KEYS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError, ScheduleError
+from hpcpipe.nn.lora import base_specs
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
@@ -22,13 +24,16 @@ from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
 from hpcpipe.schedule.validate_programs import validate_programs
+from hpcpipe.state.adapters import merged_if_adapted
 from hpcpipe.state.hdf5_source import HDF5Source
 from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import check_kind, restate_stored_shape
+from hpcpipe.state.peft import check_adapter, read_adapter, restate_adapter
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.tokenizer import StoredTokenizer
 from hpcpipe.state.weights_source import WeightsSource
 from hpcpipe.train.data import check_data_file, data_tokenizer
+from hpcpipe.train.evaluation import check_eval_data
 from hpcpipe.train.preflight import (
     check_checkpoint_dir,
     check_checkpoint_space,
@@ -52,6 +57,8 @@ class TrainSetup:
     resume: HDF5Source | None = None       # checkpoint.dir/latest when resuming (always a checkpoint)
 
     tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
+    adapter: Any = None                    # model.adapter's PEFT directory (hpcpipe.state.peft), checked; fresh runs
+    eval_rows: int = 0                     # data.eval_path's samples evaluated (whole global batches)
 
     @property
     def pp(self) -> int:
@@ -84,7 +91,7 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     # a fresh run, or --resume with nothing saved yet (a first job of a requeued chain): model.init decides
     if isinstance(init, str) and init and is_hf_directory(init):
         raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
-    return from_dict(raw)
+    return from_dict(restate_adapter(raw))     # model.adapter: train.lora_* from its adapter_config.json
 
 
 def check_resume(config: Config, source: HDF5Source) -> None:
@@ -104,6 +111,14 @@ def check_resume(config: Config, source: HDF5Source) -> None:
     if stored != expected:
         raise ConfigError(f"cannot resume from {source.describe()}: it holds optimizer state {stored}, this run's "
                           f"optimizer settings need {expected} (train.momentum changed?)")
+    lora = {key: saved.get("train", {}).get(key, 0 if key == "lora_rank" else None)
+            for key in ("lora_rank", "lora_alpha", "lora_targets")}
+    if lora["lora_rank"] != config.train.lora_rank or (config.train.lora_rank and (
+            lora["lora_alpha"], lora["lora_targets"]) != (config.train.lora_alpha, config.train.lora_targets)):
+        raise ConfigError(f"cannot resume from {source.describe()}: it was saved with train.lora_rank = "
+                          f"{lora['lora_rank']}, lora_alpha = {lora['lora_alpha']}, lora_targets = "
+                          f"{lora['lora_targets']}; this run has {config.train.lora_rank}, {config.train.lora_alpha}, "
+                          f"{config.train.lora_targets} (export --format peft and start from model.adapter instead)")
     if source.step > config.train.steps:
         raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
                           f"train.steps = {config.train.steps}")
@@ -139,8 +154,13 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
         check_resume(config, resume)
         resume.check(specs, "checkpoint.dir")
     elif config.model.init:
-        init = resolve_weights(config.model.init, "model.init")
-        init.check(specs, "model.init")
+        # a LoRA run's checkpoint starts a run as its merged model; a LoRA run's base holds no adapters
+        init = merged_if_adapted(resolve_weights(config.model.init, "model.init"))
+        init.check(base_specs(specs), "model.init")
+    adapter = None
+    if config.model.adapter and not config.checkpoint.resume:
+        adapter = read_adapter(config.model.adapter)
+        check_adapter(adapter, config.model.kind, config.to_dict()["model"], specs)
     check_log_files(config, init, resume)
     try:
         shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
@@ -153,7 +173,8 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     check_memory(config, ranges, pp, shape.placement, world_size)
     if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
         check_checkpoint_space(config, pp)
-    return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume))
+    return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume),
+                      adapter, check_eval_data(config, dp))
 
 
 def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokenizer | None:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError
-from hpcpipe.nn.optim import clip_factor, make_optimizer
 from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
@@ -27,11 +26,15 @@ from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.runtime.tp_group import TPGroup
 from hpcpipe.state import collective as checkpoint_mpi
+from hpcpipe.state.peft import read_arrays
 from hpcpipe.state.run_lock import RunLock
 from hpcpipe.train import shuffle
 from hpcpipe.train.data import ReplicaFeeder, open_data
-from hpcpipe.train.engine import Engine, StepFeed, StepStats
+from hpcpipe.train.engine import Engine, StepFeed, StepStats, tied_peer
+from hpcpipe.train.evaluation import Evaluator
+from hpcpipe.train.lr_schedule import lr_at
 from hpcpipe.train.setup import TrainSetup
+from hpcpipe.train.zero import make_sync
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -45,6 +48,7 @@ class StepResult:
     decision: StepDecision | None    # skip, stop, gradient norm (None: gradients only, no update ran)
     stats: StepStats                 # this rank's stash peaks and timed actions
     host_device_bytes: int           # arrays copied between host and GPU in the step (0 on NumPy)
+    lr: float | None = None          # the learning rate the step's update used (None: no update ran)
 
 
 class Trainer:
@@ -67,8 +71,10 @@ class Trainer:
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)
         self.specs = model.specs
-        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
         tr = cfg.train
+        # before the layers are built: a mixture's load-balancing loss, per (replica, micro-batch) chunk
+        ledger = model.router_ledger(tr.micro_batches, model.samples_norm(tr.micro_batch_size))
+        self.params = RankParameters(model, self.my_stages, xp, cfg.model.dtype, tp=self.tp)
         self.global_batch = p.dp * tr.micro_batches * tr.micro_batch_size
         self.loss_norm = model.samples_norm(self.global_batch)
         replica_norm = model.samples_norm(tr.micro_batches * tr.micro_batch_size)
@@ -77,17 +83,20 @@ class Trainer:
         boundaries = [model.boundary(i, tr.micro_batch_size, self.topo.tp, self.topo.tp_rank) for i in starts]
         boundaries = [(shape, np.dtype(kind) if kind else dtype) for shape, kind in boundaries]
         shared = [self.topo.tp > 1 and model.boundary_shared(i) for i in starts]
+        # the gradient exchange over the replicas and the update (train.zero: replicated or ZeRO-1 sharded)
+        self.sync = make_sync(tr, self.params, self.comm, self.topo.dp_rank, tied_peer(self.params, p.shape, pp_rank))
         self.first = 0 in self.my_stages
         self.last = p.n_stages - 1 in self.my_stages
         self.engine = Engine(p.programs[pp_rank], self.params, self.comm, shape=p.shape, boundaries=boundaries,
                              loss_fn=model.tp_loss(self.tp), loss_scale=1.0 / replica_norm,
                              keep_input_grads=keep_input_grads, record_events=record_events,
-                             recompute=tr.recompute == "stage", shared=shared)
-        self.optimizer = make_optimizer(tr, xp, self.params.flat.size, self.params.flat.dtype)
+                             recompute=tr.recompute == "stage", shared=shared, sync=self.sync, ledger=ledger)
         self.feeder = ReplicaFeeder(open_data(cfg), cfg, p.dp, self.topo.dp_rank, self.first, self.last)
+        self.evaluator = Evaluator(self) if p.eval_rows else None    # data.eval_path's held-out loss
         # the last step's measures, for callers of train_step / compute_gradients (tests, benchmarks)
         self.last_stats: StepStats | None = None
         self.last_host_device_bytes = 0   # arrays copied between host and GPU in the last step (0 on NumPy)
+        self.last_lr: float | None = None  # the learning rate of the last update
         self.start_step = 0
         # the run directory under checkpoint.dir this run saves into: the resumed checkpoint's,
         # or (a fresh run) made by its first save
@@ -112,7 +121,8 @@ class Trainer:
         cfg, indices = self.config, self.params.read_indices()
         source = self.setup.resume or self.setup.init
         if source is None:
-            self.params.load(self.model.init_arrays(indices, cfg.model.seed, cfg.model.dtype))
+            self.params.load(self._start_adapters(world, self.model.init_arrays(indices, cfg.model.seed,
+                                                                                 cfg.model.dtype), indices))
             return
         resuming = source is self.setup.resume
         try:
@@ -125,11 +135,11 @@ class Trainer:
             if resuming:
                 raise
             raise AgreedError(f"model.init: {exc}", exc.code) from None   # say which key named the bad file
-        self.params.load(state.arrays)
         if not resuming:
+            self.params.load(self._start_adapters(world, state.arrays, indices))
             return
-        for name, buf in self.optimizer.state.items():
-            self.params.load_state(buf, {i: state.optimizer[i][name] for i in indices})
+        self.params.load(state.arrays)
+        self.sync.load_state({name: {i: state.optimizer[i][name] for i in indices} for name in self.optimizer.state})
         self.optimizer.steps = int(source.manifest["optimizer"]["steps"])
         self.start_step = source.step
         self.feeder.offset = int(source.manifest["data"]["samples_seen"]) - source.step * self.global_batch
@@ -139,6 +149,25 @@ class Trainer:
             print(f"hpcpipe: warning: {source.describe()} was taken with the sample order {saved_order!r}; this "
                   f"run shuffles with {shuffle.ORDER!r}, so until the current epoch ends some samples may repeat "
                   f"and others be skipped (later epochs are unaffected)", file=sys.stderr, flush=True)
+
+    def _start_adapters(self, world: Comm, arrays: dict[int, dict[str, Any]], indices: list[int]) -> dict:
+        """A fresh LoRA run's adapters in ``arrays``: model.adapter's (a PEFT directory), else PEFT's initial values
+        (A uniform, B zero); ``arrays`` as they are without LoRA."""
+        model, cfg = self.model, self.config
+        if not hasattr(model, "adapter_arrays"):
+            return arrays
+        adapter = self.setup.adapter
+        if adapter is None:
+            start = model.adapter_arrays(indices, cfg.model.seed, cfg.model.dtype)
+        else:
+            start = {}
+            with together(world, self.poller, EXIT_CONFIG, lambda e: f"model.adapter: cannot read "
+                                                                       f"{adapter.describe()}: {e}"):
+                start = read_arrays(adapter, cfg.model.kind, cfg.to_dict()["model"], model.specs, indices,
+                                    cfg.model.dtype)
+        for i, group in start.items():
+            arrays[i].update(group)
+        return arrays
 
     def save_checkpoint(self, step: int) -> Any:
         """Write a checkpoint of `step` completed steps into this run's directory (collective); return it."""
@@ -150,7 +179,7 @@ class Trainer:
                                        shuffle.ORDER if cfg.data.shuffle else "file", p.tokenizer)
         final = checkpoint_mpi.save(self.topo.world, self.poller, cfg.checkpoint.dir, step, run_dir=self.run_dir,
                                     dp_rank=self.topo.dp_rank, pp_rank=self.topo.pp_rank, params=self.params,
-                                    optimizer=self.optimizer, n_layers=len(self.specs), info=info,
+                                    optimizer=self.sync.saved_optimizer(), n_layers=len(self.specs), info=info,
                                     keep=cfg.checkpoint.keep)
         if self.run_lock is None and self.topo.world.Get_rank() == 0:
             # a fresh run's first save made its directory: hold it as a resumed run would
@@ -183,30 +212,39 @@ class Trainer:
         """
         poison = nan_injection(self.topo.world.Get_rank(), step)
         if poison == "grad":
-            self.params.grad[...] = float("nan")
+            self.sync.grad[...] = float("nan")
         elif poison == "loss":
             self.engine.stats.loss_sum = float("nan")
         # every parameter counted once: a tied head's copy of tok_emb and a tp-replicated tensor are not repeated
-        local = self.params.norm_sq()
-        mine = local_decision(local, self._loss_term(), self.topo.dp_rank == 0, stop_requested())
+        local = self.sync.norm_sq()
+        mine = local_decision(local, self._loss_term(), self.sync.counts_norm, stop_requested())
         decision = decide(self.comm.sum_over_world(mine))
         if decision.skip:
             return decision
-        factor = clip_factor(decision.grad_norm, self.config.train.grad_clip)
-        if factor != 1.0:
-            self.params.grad *= factor
-        self.optimizer.step(self.params.flat, self.params.grad)
+        self.last_lr = lr_at(self.config.train, step)
+        self.sync.step(decision.grad_norm, self.config.train.grad_clip, self.last_lr)
         return decision
+
+    @property
+    def optimizer(self) -> Any:
+        """This rank's optimizer (its state: this replica's blocks under train.zero = 1)."""
+        return self.sync.optimizer
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(parameter and gradient bytes, optimizer state bytes) this rank holds."""
+        held = [self.params.flat, self.params.grad, self.params.frozen, getattr(self.sync, "share", None)]
+        return sum(int(a.nbytes) for a in held if a is not None), self.sync.state_bytes()
 
     def _run(self, step: int, optimizer_step: Callable[[], StepDecision] | None) -> StepResult:
         """Run the step's program (``optimizer_step`` at its OPT_STEP, None: gradients only); return its result."""
         before = self._staged_bytes()
         feed, fed = self._feed(step)
+        self.last_lr = None
         stats = self.last_stats = self.engine.run(feed, optimizer_step)
         # arrays only: the loss and norm scalars that come back each micro-batch / step (8 bytes each) are not counted
         moved = self.last_host_device_bytes = fed + self._staged_bytes() - before
         if stats.decision is not None:   # the step decision already summed the loss
-            return StepResult(stats.decision.loss_sum / self.loss_norm, stats.decision, stats, moved)
+            return StepResult(stats.decision.loss_sum / self.loss_norm, stats.decision, stats, moved, self.last_lr)
         total = self.comm.sum_over_world(np.array([self._loss_term()]))[0]
         return StepResult(float(total) / self.loss_norm, None, stats, moved)
 
@@ -237,8 +275,12 @@ class Trainer:
         if what not in ("params", "grads", "optimizer"):
             raise ValueError(f"gather: what must be params, grads or optimizer, got {what!r}")
         if what == "optimizer":
-            local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, self.optimizer))
+            saved = self.sync.saved_optimizer()          # whole on dp rank 0 (collective over dp under zero = 1)
+            local = self.params.whole_states(checkpoint_mpi.optimizer_arrays(self.params, saved)) \
+                if self.topo.dp_rank == 0 else None
         else:
+            if what == "grads":
+                self.sync.gather_grads()                 # under zero = 1 each replica holds its block only
             local = self.params.whole(self.params.export() if what == "params" else self.params.export_grads())
         mine = local if self.topo.dp_rank == 0 and local is not None else {}   # tp rank 0 holds the whole
         parts = gather_to_root(self.topo.world, mine, root)

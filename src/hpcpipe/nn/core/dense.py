@@ -88,7 +88,9 @@ class Dense:
         return gx, dz
 
     def backward_weight(self, cache: tuple[Any, Any], dz: Any) -> None:
-        """Accumulate dL/dweight and dL/dbias for this micro-batch."""
+        """Accumulate dL/dweight and dL/dbias for this micro-batch (nothing for a frozen layer: LoRA's base)."""
+        if self.grad_weight is None:
+            return
         x = cache[0]
         if self._gemm is not None and x.flags.c_contiguous and dz.flags.c_contiguous:
             # grad_weight += x.T @ dz in one BLAS call (beta = 1): no (in, out) temporary and no
@@ -107,17 +109,23 @@ class Dense:
         return gx
 
 
+ADAPTER = "adapter"   # a parameter group's key for hpcpipe.nn.lora's wrapper of the maps that carry adapters
+
+
 def linear(params: dict[str, Any], grads: dict[str, Any], prefix: str, xp: Any, bias: bool = True,
-           reduce_out: Any = None, reduce_input_grad: Any = None) -> Dense:
-    """Return ``x @ params[prefix/weight] (+ params[prefix/bias])`` accumulating into the matching grads.
+           reduce_out: Any = None, reduce_input_grad: Any = None, activation: Activation | None = None) -> Dense:
+    """Return ``act(x @ params[prefix/weight] (+ params[prefix/bias]))`` accumulating into the matching grads.
 
     ``reduce_out`` / ``reduce_input_grad``: the tp group of a row- / column-parallel layer (see Dense).
     A decoder holds (micro-batch, T, d) blocks and flattens them to rows (:func:`rows`) for these maps, so
-    the weight gradient is one GEMM over every token of the micro-batch.
+    the weight gradient is one GEMM over every token of the micro-batch. A group holding ``prefix/lora_a``
+    and ``prefix/lora_b`` (LoRA) has the map wrapped by its ``ADAPTER`` (the kinds' code does not change).
     """
-    return Dense(-1, params[f"{prefix}/weight"], params[f"{prefix}/bias"] if bias else None,
-                 grads[f"{prefix}/weight"], grads[f"{prefix}/bias"] if bias else None, Activation(), xp,
-                 reduce_out, reduce_input_grad)
+    dense = Dense(-1, params[f"{prefix}/weight"], params[f"{prefix}/bias"] if bias else None,
+                  grads[f"{prefix}/weight"], grads[f"{prefix}/bias"] if bias else None, activation or Activation(), xp,
+                  reduce_out, reduce_input_grad)
+    adapter = params.get(ADAPTER)
+    return adapter(dense, prefix) if adapter is not None and f"{prefix}/lora_a" in params else dense
 
 
 def rows(x: Any) -> Any:

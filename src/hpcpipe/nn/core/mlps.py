@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcpipe.nn.core.activations import GELU
-from hpcpipe.nn.core.dense import Dense, linear, rows
+from hpcpipe.nn.core.dense import linear, rows
 from hpcpipe.nn.core.tensor_parallel import is_split
 
 
@@ -21,8 +21,7 @@ class GeluMLP:
     def __init__(self, params: dict[str, Any], grads: dict[str, Any], xp: Any, prefix: str = "mlp", tp: Any = None):
         fc = f"{prefix}/fc"
         split = tp if is_split(tp) else None     # fc column-parallel, proj row-parallel
-        self.fc = Dense(-1, params[f"{fc}/weight"], params[f"{fc}/bias"], grads[f"{fc}/weight"],
-                        grads[f"{fc}/bias"], GELU(), xp, reduce_input_grad=split)
+        self.fc = linear(params, grads, fc, xp, reduce_input_grad=split, activation=GELU())
         self.proj = linear(params, grads, f"{prefix}/proj", xp, reduce_out=split)
 
     def forward(self, u: Any) -> tuple[Any, tuple]:

@@ -10,7 +10,8 @@ For token rows x (N, d), E experts, k of them a token::
 Each expert multiplies the rows routed to it in one product (never one product a token). Backward, per
 expert with a = silu(g), s = sigmoid(g): dh = (w * dy) @ Wd^T, d_up = dh a, d_g = dh up (s + a (1 - s)); the
 router: dw = rowsum(dy * y_e) of each choice, through the normalisation (dp_j = (dw_j - sum_k dw_k w_k) / S)
-and the softmax (dlogits = p (dp - sum p dp)). An auxiliary load-balancing term adds its own dp (``aux``).
+and the softmax (dlogits = p (dp - sum p dp)). A load-balancing loss (``ledger``, a RouterLedger) records each
+forward's expert counts and summed probabilities and adds its own dp in the backward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class SparseMoE:
     """Router ``prefix/router/weight`` (d, E); experts ``prefix/experts/{gate,up}`` (E, d, ff), ``down`` (E, ff, d)."""
 
     def __init__(self, params: dict[str, Any], grads: dict[str, Any], top_k: int, norm_topk: bool, xp: Any,
-                 prefix: str = "mlp"):
+                 prefix: str = "mlp", ledger: Any = None, layer: int = 0):
         self.router, self.gate = params[f"{prefix}/router/weight"], params[f"{prefix}/experts/gate"]
         self.up, self.down = params[f"{prefix}/experts/up"], params[f"{prefix}/experts/down"]
         self.g_router, self.g_gate = grads[f"{prefix}/router/weight"], grads[f"{prefix}/experts/gate"]
@@ -42,7 +43,7 @@ class SparseMoE:
         if not 1 <= top_k <= self.n_experts:
             raise ValueError(f"mixture of experts: top_k {top_k} must be in 1..{self.n_experts} (the experts)")
         self.top_k, self.norm_topk, self.xp = top_k, norm_topk, xp
-        self.aux = None       # set by the model when a load-balancing loss adds its gradient (see backward_input)
+        self.ledger, self.layer = ledger, layer    # the load-balancing loss's statistics (None: no such loss)
 
     def route(self, x: Any) -> tuple[Any, Any, Any]:
         """Return (probabilities (N, E), chosen experts (N, k) best first, their weights (N, k)) of rows x."""
@@ -76,6 +77,9 @@ class SparseMoE:
         xp = self.xp
         x = rows(u)
         p, top, w = self.route(x)
+        if self.ledger is not None:
+            counts = xp.bincount(top.reshape(-1), minlength=self.n_experts)
+            self.ledger.record(self.layer, counts, p.sum(axis=0), x.shape[0])
         out = xp.zeros(x.shape, dtype=x.dtype)
         experts = []
         for e, tokens, choice in self._expert_rows(top):
@@ -119,8 +123,8 @@ class SparseMoE:
             total = xp.take_along_axis(p, top, axis=-1).sum(axis=-1, keepdims=True)
             dw = (dw - (dw * w).sum(axis=-1, keepdims=True)) / total
         xp.put_along_axis(dp, top, dw, axis=-1)
-        if self.aux is not None:
-            dp += self.aux(p)                                      # the load-balancing loss's share
+        if self.ledger is not None:
+            dp += self.ledger.aux_grad(p)                          # the load-balancing loss's share
         d_logits = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
         gx += d_logits @ self.router.T
         return gx.reshape(g.shape), (d_logits, state)

@@ -54,7 +54,9 @@ class LayerNorm:
         return gx, g
 
     def backward_weight(self, cache: tuple[Any, Any], g: Any) -> None:
-        """Accumulate dL/dweight and dL/dbias."""
+        """Accumulate dL/dweight and dL/dbias (nothing when frozen: LoRA's base)."""
+        if self.grad_weight is None:
+            return
         self.grad_weight += rows(g * cache[0]).sum(axis=0)
         self.grad_bias += rows(g).sum(axis=0)
 
@@ -100,7 +102,9 @@ class RMSNorm:
         return g_hat, g
 
     def backward_weight(self, cache: tuple[Any, Any], g: Any) -> None:
-        """Accumulate dL/dweight."""
+        """Accumulate dL/dweight (nothing when frozen: LoRA's base)."""
+        if self.grad_weight is None:
+            return
         self.grad_weight += rows(g * cache[0]).sum(axis=0)
 
     def backward(self, cache: tuple[Any, Any], g: Any, need_input_grad: bool = True) -> Any:

@@ -76,4 +76,4 @@ def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
 
 
 HF = HFMap(model_types=("gpt2",), prefix="transformer.", keys=keys_of, pieces=pieces, config_json=config_json,
-           tokenizer_classes={"gpt2": "GPT2Tokenizer"})
+           tokenizer_classes={"gpt2": "GPT2Tokenizer"}, lora_targets=("c_attn",))

@@ -221,4 +221,4 @@ def config_json(m: dict[str, Any], special: dict[str, Any]) -> dict[str, Any]:
 HF = HFMap(model_types=("llama", "mistral", "qwen2", "qwen3"), prefix="model.", keys=keys_of, pieces=pieces,
            config_json=config_json, zero_only=zero_only,
            tokenizer_classes={"mistral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"},
-           forced_tokenizer=("qwen2",))
+           forced_tokenizer=("qwen2",), lora_targets=("q_proj", "v_proj"))

@@ -14,6 +14,7 @@ from typing import Any
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.core.decoder_model import INIT_STD
 from hpcpipe.nn.core.moe import SparseMoE
+from hpcpipe.nn.core.router_ledger import RouterLedger
 from hpcpipe.nn.llama.model import LlamaModel, llama_shape
 from hpcpipe.nn.moe.shape import MoEShape, group_params
 
@@ -32,6 +33,7 @@ class MoEModel(LlamaModel):
 
     kind = "moe"
     shape: MoEShape
+    ledger: RouterLedger | None = None     # training's load-balancing statistics (router_ledger)
 
     @classmethod
     def from_config(cls, config: Any) -> MoEModel:
@@ -76,7 +78,14 @@ class MoEModel(LlamaModel):
     def mlp(self, params, grads, xp, tp, index):
         if not self.shape.sparse(index):
             return super().mlp(params, grads, xp, tp, index)
-        return SparseMoE(params, grads, self.shape.experts_per_token, self.shape.norm_topk_prob, xp)
+        return SparseMoE(params, grads, self.shape.experts_per_token, self.shape.norm_topk_prob, xp,
+                         ledger=self.ledger, layer=index)
+
+    def router_ledger(self, n_micro, chunk_tokens):
+        """With model.router_aux_loss_coef > 0: the ledger the sparse layers built after this call record into."""
+        coef = self.shape.router_aux_loss_coef
+        self.ledger = RouterLedger(self.shape.n_experts, coef, n_micro, chunk_tokens) if coef > 0 else None
+        return self.ledger
 
     def fusable(self):
         return False

@@ -191,3 +191,83 @@ def test_reasoning_fields_and_special_tokens_as_transformers(tok_dir):
     assert json.loads(render_chat("{{ messages | tojson }}", [{"role": "u", "content": "é😀<b>"}])) == \
         [{"role": "u", "content": "é😀<b>"}]
     assert "é😀<b>" in render_chat("{{ messages | tojson }}", [{"role": "u", "content": "é😀<b>"}])
+
+
+# ---- issue 40: templates and messages from hostile authors and clients --------------------------------------
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 'x' * 10**9 }}", "a product of 1 x 1000000000 items"),
+    ("{{ [1, 2] * 10**9 }}", "a product of 2 x 1000000000 items"),
+    ("{{ messages | tojson(indent=100000000) }}", "tojson(indent=100000000)"),
+    ("{{ messages | tojson(indent=1000) }}", "tojson(indent=1000) of its list"),
+    ("{% for i in range(100000) %}{{ 'abcdefghij' * 10 }}{% endfor %}", "its output as written"),
+    ("{{ 7 ** 100000 }}", "the power 7 ** 100000"),
+])
+def test_output_is_bounded_while_it_renders_not_after(template, words):
+    """'x' * 10**9 rendered 1 GB and tokenizers aborted the server (exit 6); now refused before it is built."""
+    with pytest.raises(ChatError) as info:
+        render_chat(template, CHATS[0], max_chars=4096)
+    message = str(info.value)
+    assert message.startswith("the model's chat template renders more than 4096 characters for these messages")
+    assert words in message and "\n" not in message
+
+
+def test_a_budget_does_not_change_what_a_template_renders(tok_dir):
+    d = tok_dir(LLAMA31_STYLE, "b", bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    ours = load_tokenizer(d)
+    for messages in CHATS:
+        assert apply_chat_template(ours, messages, max_chars=1 << 20) == apply_chat_template(ours, messages)
+    assert render_chat("{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ [0] * 2 }}", CHATS[0], max_chars=100) == "ababab1024[0, 0]"
+
+
+def test_running_out_of_memory_while_rendering_is_this_render_s_error(monkeypatch):
+    from hpcpipe.hf import chat
+
+    def greedy(pieces, max_chars):
+        raise MemoryError
+    monkeypatch.setattr(chat, "_bounded", greedy)
+    with pytest.raises(ChatError, match="ran out of memory rendering these messages"):
+        render_chat("{{ messages[0].content }}", CHATS[0], max_chars=100)
+
+
+@pytest.mark.parametrize("name", [["default"], {"a": 1}, 5, None])
+def test_a_template_list_entry_whose_name_is_not_a_string_is_named(tok_dir, name):
+    """A list or object as name was a TypeError (unhashable) and a 500 on every chat request."""
+    d = tok_dir([{"name": name, "template": "x"}, {"name": "default", "template": CHATML}], f"n{type(name).__name__}")
+    with pytest.raises(ChatError) as info:
+        chat_template(tokenizer_files(d))
+    assert str(info.value) == (f"tokenizer_config.json: chat_template[0] must be an object with a string name and a "
+                               f"template, got a {type(name).__name__} name")
+    assert not isinstance(info.value, NoChatTemplate)
+
+
+def test_a_template_list_entry_that_is_not_an_object_is_named():
+    files = {"tokenizer_config.json": json.dumps({"chat_template": [{"name": "default", "template": "x"}, 3]}).encode()}
+    with pytest.raises(ChatError, match=r"chat_template\[1\] must be an object with a string name and a template, "
+                                        r"got int"):
+        chat_template(files)
+
+
+def test_a_deeply_nested_tokenizer_config_is_no_recursion_error():
+    assert chat_template({"tokenizer_config.json": b"[" * 100_000}) is None
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "user", "content": "a\ud800b"}], "messages[0].content holds a lone surrogate U+D800 at position 1"),
+    ([{"role": "us\udc00er", "content": "ab"}], "messages[0].role holds a lone surrogate U+DC00 at position 2"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+     "messages[0].content[0].text holds a lone surrogate U+DFFF at position 0"),
+    ([{"role": "user", "content": "x", "name": "\ud83d"}], "messages[0].name holds a lone surrogate U+D83D"),
+])
+def test_a_lone_surrogate_in_a_message_is_named(messages, words):
+    """A lone surrogate reached the tokenizer: TypeError 'TextInputSequence must be str', a 500."""
+    with pytest.raises(ChatError) as info:
+        render_chat("{% for m in messages %}{{ m.role }}{{ m.content }}{{ m.name }}{% endfor %}", messages)
+    assert words in str(info.value) and "not valid Unicode text" in str(info.value)
+
+
+def test_a_syntax_error_is_found_without_rendering():
+    from hpcpipe.hf.chat import check_template
+    with pytest.raises(ChatError, match=r"invalid: .*line 1"):
+        check_template("{% for m in messages %}")
+    check_template(CHATML)

@@ -193,3 +193,48 @@ def test_close_from_a_signal_handler_while_the_engine_holds_the_lock_does_not_de
     t.start()
     assert finished.wait(2), "close() deadlocked against the lock its own thread holds"
     assert b.closed == "SIGTERM"
+
+
+def test_running_is_settled_when_a_final_event_ends_a_request_before_the_engine_reports_again():
+    """CI once read running_sequences 2 right after both responses: the engine's next report had not come yet."""
+    b = Broker(4)
+    b.submit([req("a"), req("b"), req("c")], lambda e: None)
+    b.take()
+    b.set_running(3)
+    assert (b.running, b.queue_depth) == (3, 0)
+    b.deliver([Event("a", [1], "length"), Event("b", [1], "stop")])
+    assert (b.running, b.queue_depth) == (1, 0)        # before any set_running: settled with the responses
+    b.cancel("c")
+    b.take()
+    assert (b.running, b.queue_depth, b.outstanding) == (0, 0, 0)
+    b.submit([req("d")], lambda e: None)               # waiting, not taken: never counted as running
+    b.set_running(1)
+    assert (b.running, b.queue_depth) == (0, 1)
+
+
+def test_a_request_without_a_prompt_is_refused_at_submit():
+    """It could never start: it held its place until the watchdog aborted the server (issue 40, item 1)."""
+    b = Broker(4)
+    with pytest.raises(ValueError, match="broker: request e has an empty prompt"):
+        b.submit([req("a"), Request("e", [], 3, SamplingParams(), 0.0)], lambda e: None)
+    assert b.outstanding == 0
+
+
+def test_a_broker_that_is_not_ready_says_so_until_set_ready():
+    b = Broker(2, ready=False)
+    assert not b.ready
+    b.set_ready()
+    assert b.ready and Broker(2).ready
+
+
+def test_a_cancelled_request_leaves_the_running_count_before_the_engine_frees_it():
+    """A stop string ends a response right after its cancel: the gauge must not count it until the next take."""
+    b = Broker(4)
+    b.submit([req("a"), req("b"), req("c")], lambda e: None)
+    b.take()
+    b.set_running(2)                                   # c taken, not admitted yet
+    b.cancel("a")
+    assert (b.running, b.queue_depth) == (1, 1)
+    b.take()                                           # handed over: the engine frees it and reports
+    b.set_running(1)
+    assert (b.running, b.queue_depth, b.outstanding) == (1, 1, 2)

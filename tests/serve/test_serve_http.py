@@ -447,7 +447,7 @@ def test_an_unexpected_failure_is_a_json_500_and_counted(served, monkeypatch, ca
 
     def broken(*args):
         raise KeyError("a bug")
-    monkeypatch.setattr(http_api, "parse_completion", broken)
+    monkeypatch.setattr(http_api, "check_completion", broken)
     s = served(engine=False)
     status, _, body = s.post({"prompt": "hi", "max_tokens": 1})
     assert status == 500 and body["error"]["type"] == "server_error" and "KeyError" in body["error"]["message"]
@@ -543,6 +543,25 @@ def test_metrics_count_requests_tokens_and_latencies(served):
     assert m[("hpcpipe_inter_token_seconds_count", "")] == 11 - 3
     assert m[("hpcpipe_queue_depth", "")] == 0 and m[("hpcpipe_running_sequences", "")] == 0
     assert 0 < m[("hpcpipe_time_to_first_token_seconds_sum", "")] < 5
+
+
+def test_running_sequences_is_settled_when_the_responses_are(served):
+    """The CI flake made certain: the engine reports its count a while after it delivered the final events."""
+    s = served(step=0.01)
+    report = s.broker.set_running
+
+    def late(n):
+        time.sleep(0.5)
+        report(n)
+    s.broker.set_running = late
+    threads = [threading.Thread(target=s.client.completions.create, kwargs={"model": MODEL, "prompt": p,
+                                                                             "max_tokens": 3}) for p in ("ab", "cd")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    m = s.scrape()
+    assert m[("hpcpipe_running_sequences", "")] == 0 and m[("hpcpipe_queue_depth", "")] == 0
 
 
 def test_start_on_a_taken_port_says_so(served):
@@ -757,3 +776,22 @@ def test_health_is_503_when_pending_work_has_not_moved_for_a_quarter_of_the_stal
     assert "run.stall_timeout = 2 s" in body["reason"], body
     s.broker.progressed()                               # the engine stepped again
     assert s.request("GET", "/health")[::2] == (200, {"status": "ok"})
+
+
+def test_health_says_starting_until_the_engine_serves():
+    """/health said ok before the "serving" line: the port is bound before the stages load."""
+    broker = Broker(4, ready=False)
+    server = HttpServer(make_app(broker, Metrics(), Tokenizer("bytes"), MODEL, 64), "127.0.0.1", 0)
+    port = server.start()[1]
+
+    def health():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    try:
+        assert health() == (503, {"status": "starting"})
+        broker.set_ready()
+        assert health() == (200, {"status": "ok"})
+    finally:
+        server.stop(2.0)

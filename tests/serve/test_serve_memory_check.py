@@ -31,3 +31,19 @@ def test_an_address_space_limit_below_the_share_is_what_a_rank_may_use():
     with pytest.raises(ConfigError, match=r"each rank has .* left under its address-space limit \(ulimit -v"):
         check_decode_memory(cfg, [range(4)], 1, available=64 * GIB, headroom=need - 1)
     check_decode_memory(cfg, [range(4)], 1, available=64 * GIB, headroom=need + 1)
+
+
+def test_the_hint_names_values_that_fit_below_the_ones_given():
+    """It suggested --set model.seq_len=4096 whatever the model's context (above it for a 1024-token model)."""
+    from hpcpipe.nn.memory import decode_rank_bytes
+    cfg = load_config(None, GPT)
+    params, cache = decode_rank_bytes(cfg, [range(4)])
+    with pytest.raises(ConfigError) as info:
+        check_decode_memory(cfg, [range(4)], 1, available=params + cache // 2 + 1)
+    message = str(info.value)
+    assert "--set model.seq_len=512" in message and "--set serve.max_sequences=32" in message, message
+    assert "4096" not in message and "\n" not in message
+    for fix in ("model.seq_len=512", "serve.max_sequences=32"):      # what it names fits
+        check_decode_memory(load_config(None, [*GPT, fix]), [range(4)], 1, available=params + cache // 2 + 1)
+    with pytest.raises(ConfigError, match=r"the parameters alone do not fit: use more stages \(parallel.pp\)"):
+        check_decode_memory(cfg, [range(4)], 1, available=params - 1)

@@ -12,7 +12,11 @@ Contract for the engine, which polls without blocking between decode steps:
   is not None ends the request (removes it from the outstanding count). Every request the engine took
   and that was not cancelled must end with exactly one final event.
 - ``set_running(n)`` reports how many sequences the engine has admitted (the rest of the outstanding
-  requests are waiting: the queue depth shown by /metrics).
+  requests are waiting: the queue depth shown by /metrics). ``running`` never counts more than the requests
+  the engine took that are still outstanding and not cancelled, so it is settled the moment a final event or a
+  cancel ends a request, before its response completes (the engine's next report may come a step later).
+- ``set_ready()``: every rank has loaded its stage (a broker made with ``ready=False`` answers /health 503
+  "starting" until then; the port is bound before the stages load).
 - ``progressed(at)`` records when the engine's pending work last moved (time.monotonic(); the engine
   calls it every loop round, with the current time while nothing is pending there). ``stalled_for()``
   is how long ago that was while requests are outstanding (0 when none are): /health turns 503 on it.
@@ -81,10 +85,11 @@ class _Entry:
 class Broker:
     """The only channel between the HTTP thread(s) and the engine's MPI thread; every method is thread-safe."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, ready: bool = True):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"broker: capacity must be an integer >= 1, got {capacity!r}")
         self.capacity = capacity
+        self._ready = bool(ready)
         # Reentrant: a SIGTERM handler calling close() runs on the main (engine) thread, possibly while
         # that thread is inside take() or deliver() holding the lock.
         self._lock = threading.RLock()
@@ -114,6 +119,9 @@ class Broker:
             ids = [r.id for r in requests]
             if len(set(ids)) != len(ids) or any(i in self._entries for i in ids):
                 raise ValueError(f"broker: request ids must be unique, got {ids}")
+            empty = [r.id for r in requests if not r.prompt]
+            if empty:    # it could never start: it would hold its place until the watchdog aborted the server
+                raise ValueError(f"broker: request {empty[0]} has an empty prompt")
             if len(self._entries) + len(requests) > self.capacity:
                 raise QueueFull(f"{len(self._entries)} requests outstanding; capacity {self.capacity}")
             for r in requests:
@@ -176,6 +184,11 @@ class Broker:
         with self._lock:
             self._running = int(n)
 
+    def set_ready(self) -> None:
+        """Record that the engine serves (every rank loaded its stage): /health may answer ok."""
+        with self._lock:
+            self._ready = True
+
     def progressed(self, at: float | None = None) -> None:
         """Record that the engine's pending work last moved at ``at`` (time.monotonic(); default now)."""
         with self._lock:
@@ -197,15 +210,30 @@ class Broker:
 
     @property
     def running(self) -> int:
-        """The engine's last reported count of admitted sequences."""
+        """Sequences the engine decodes: its last report, at most the requests it took that are still outstanding."""
         with self._lock:
-            return self._running
+            return self._admitted()
 
     @property
     def queue_depth(self) -> int:
         """Outstanding requests the engine has not admitted yet."""
         with self._lock:
-            return max(0, len(self._entries) - self._running)
+            live = sum(1 for e in self._entries.values() if e.sink is not _drop)
+            return max(0, live - self._admitted())
+
+    @property
+    def ready(self) -> bool:
+        """Whether the engine serves yet (see set_ready)."""
+        with self._lock:
+            return self._ready
+
+    def _admitted(self) -> int:
+        # Settled before a response completes, whenever the engine's next set_running comes: a final event removes
+        # its entry before its sink runs, and a cancel (a stop string seen, the client gone) drops its sink before
+        # the response ends; the engine's last report still counts a cancelled sequence (it was decoding) until
+        # it frees it, so those are taken off it.
+        dropped = [e.sink is _drop for e in self._entries.values() if e.taken]
+        return max(0, min(self._running - sum(dropped), len(dropped) - sum(dropped)))
 
     def stalled_for(self) -> float:
         """Seconds since the engine's pending work last moved while requests are outstanding; 0 when none are."""

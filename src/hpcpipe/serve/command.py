@@ -83,23 +83,33 @@ class Frontend:
 
     def __init__(self, p: ServeSetup, host: str, port: int, api_key: str = ""):
         self.setup, self.host, self.port, self.api_key = p, host, port, api_key
-        self.server = None
+        self.server = self.prompts = self.broker = None
 
     def open(self):
-        """Bind the port and start the HTTP thread; return the broker (the engine's source)."""
+        """Start the prompt workers (the chat template proven to render), bind the port and start the HTTP
+        thread; return the broker (the engine's source). /health answers 503 "starting" until ready()."""
         from hpcpipe.serve.broker import Broker
         from hpcpipe.serve.http_api import HttpServer, make_app
         from hpcpipe.serve.metrics import Metrics
-        srv = self.setup.config.serve
-        broker = Broker(self.setup.dp * srv.max_sequences + srv.max_queue)
-        app = make_app(broker, Metrics(), self.setup.tokenizer, self.setup.model_name, self.setup.shape.seq_len,
-                       api_key=self.api_key, stall_timeout=self.setup.config.run.stall_timeout)
+        from hpcpipe.serve.openai_schema import check_limits
+        from hpcpipe.serve.prompt_pool import PromptPool, check_chat_template
+        srv, tokenizer, limits = self.setup.config.serve, self.setup.tokenizer, check_limits(None)
+        self.prompts = PromptPool(tokenizer, limits["prompt_workers"], limits["prompt_seconds"],
+                                  limits["max_chat_chars"])
+        try:     # a template that cannot render is the model's fault: refused now, not blamed on every client
+            self.prompts.start()
+            check_chat_template(self.prompts)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"--weights {str(self.setup.weights.path)!r}: {exc}") from None
+        self.broker = Broker(self.setup.dp * srv.max_sequences + srv.max_queue, ready=False)
+        app = make_app(self.broker, Metrics(), tokenizer, self.setup.model_name, self.setup.shape.seq_len,
+                       api_key=self.api_key, stall_timeout=self.setup.config.run.stall_timeout, prompts=self.prompts)
         self.server = HttpServer(app, self.host, self.port)
         try:
             self.host, self.port = self.server.start()
         except OSError as exc:
             raise ConfigError(str(exc.strerror or exc).removeprefix("hpcpipe: error: ")) from None
-        return broker
+        return self.broker
 
     def ready(self) -> None:
         """Say where the server listens (every rank has loaded its stage)."""
@@ -112,12 +122,16 @@ class Frontend:
         print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}"
               f"{f' x tp={p.tp}' if p.tp > 1 else ''}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
+        self.broker.set_ready()      # after the serving line: a probe that sees ok finds the line printed
 
     def close(self) -> None:
-        """Stop the HTTP thread (after the engine drained)."""
+        """Stop the HTTP thread (after the engine drained), then the prompt workers."""
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.prompts is not None:
+            self.prompts.close()
+            self.prompts = None
 
 
 def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:

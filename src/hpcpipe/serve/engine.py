@@ -133,7 +133,13 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     ep = ExpertGroup(topo.ep_comm, backend, poller) if topo.ep > 1 else None
     stage = build_stage(setup, topo, backend, world, poller, tp, ep)
     pp_box, world_box = Mailbox(topo.pp_comm, backend, poller), Loopback(Mailbox(world, backend, poller), rank)
-    samplers = SamplerTable(backend.to_host, setup.tokenizer.vocab_size, setup.tokenizer)   # grammars need it
+    tokenizer = setup.tokenizer
+    samplers = SamplerTable(backend.to_host, tokenizer.vocab_size, tokenizer)   # grammars need the tokenizer
+    if rank == 0 and setup.shape.vocab > tokenizer.vocab_size:     # said once: the text would not say it
+        print(f"hpcpipe: note: the model has {setup.shape.vocab} output ids, its tokenizer names "
+              f"{tokenizer.vocab_size}: sampling (greedy too) draws from the first {tokenizer.vocab_size} only, so "
+              f"the {setup.shape.vocab - tokenizer.vocab_size} ids no text maps to are never generated",
+              file=sys.stderr, flush=True)
     # every tp rank of a stage runs the probe with the same tokens, each along its own pp link (SPMD)
     problem = check_forward(stage, pp_box, topo.pp_rank, setup.pp, backend.xp, backend.to_host, samplers.vocab,
                             poller.min_s)

@@ -3,7 +3,8 @@
 aiohttp because one well-kept dependency gives an asyncio server, streamed responses (server-sent
 events) and client-disconnect detection without a separate ASGI server, and it runs happily in one
 background thread of rank 0 while every MPI call stays on the main thread. The app talks to the engine
-only through the thread-safe Broker.
+only through the thread-safe Broker. The event loop only checks fields: prompts are rendered and tokenized
+by prompt workers (hpcpipe.serve.prompt_pool), so no request's text or template can stall it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import uuid
 from aiohttp import web
 
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
-from hpcpipe.serve.chat_schema import parse_chat
+from hpcpipe.serve.chat_schema import check_chat
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import ApiError, check_limits, parse_completion, usage
+from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, usage
+from hpcpipe.serve.prompt_pool import PromptPool
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.request_body import ClientGone, read_spec
 from hpcpipe.serve.request_options import choice_params
@@ -45,12 +47,15 @@ API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open 
 
 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
-             limits: dict | None = None, api_key: str = "", stall_timeout: float = 0.0) -> web.Application:
+             limits: dict | None = None, api_key: str = "", stall_timeout: float = 0.0,
+             prompts: PromptPool | None = None) -> web.Application:
     """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models, /health, /metrics.
 
     With an ``api_key``, every /v1/ request must carry ``Authorization: Bearer <api_key>`` (what the
     OpenAI clients send) or is answered 401. With a ``stall_timeout`` (run.stall_timeout, s), /health
     answers 503 once requests are outstanding and the engine's work has not moved for a quarter of it.
+    Prompts are rendered and tokenized by ``prompts`` (made here from ``limits`` when not given, its workers
+    started on first use, closed with the app), never on the event loop.
     """
     limits = check_limits(limits)
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
@@ -59,10 +64,13 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
         raise ValueError(f"serve: stall_timeout must be a number of seconds >= 0, got {stall_timeout!r}")
     app = web.Application(client_max_size=int(limits["max_body_bytes"]),
                           middlewares=[_json_errors, _require_api_key])
+    if prompts is None:
+        prompts = PromptPool(tokenizer, limits["prompt_workers"], limits["prompt_seconds"], limits["max_chat_chars"])
+        app.on_cleanup.append(lambda app: asyncio.to_thread(prompts.close))
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
                    "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog(),
-                   "texts": TokenTexts(tokenizer)}
+                   "texts": TokenTexts(tokenizer), "prompts": prompts}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -125,6 +133,8 @@ async def _health(request: web.Request) -> web.Response:
     broker, limit = s["broker"], s["stall_timeout"]
     if broker.closed is not None:
         return web.json_response({"status": "draining"}, status=503)
+    if not broker.ready:     # the port is bound before the stages load: requests wait, probes must too
+        return web.json_response({"status": "starting"}, status=503)
     stalled = broker.stalled_for()
     if limit > 0 and stalled > limit / 4:     # a probe sees it long before the watchdog aborts the job
         return web.json_response({"status": "stalled", "reason": (
@@ -141,11 +151,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, TextShape())
+    return await _generate(request, check_completion, TextShape())
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, ChatShape())
+    return await _generate(request, check_chat, ChatShape())
 
 
 async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
@@ -154,7 +164,9 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
     broker, metrics = s["broker"], s["metrics"]
     arrival = time.monotonic()
     try:
-        spec = await read_spec(request, s, parse, BODY_TIMEOUT_S)
+        draft = await read_spec(request, s, parse, BODY_TIMEOUT_S)
+        # rendered and tokenized by a prompt worker within its budget: the event loop goes on serving
+        spec = draft.finish(await s["prompts"].prepare(draft.jobs))
     except ApiError as err:
         metrics.count_request(err.status)
         return _error(err)

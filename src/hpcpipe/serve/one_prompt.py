@@ -75,8 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return with_adapter(parser.parse_args(argv))
 
 
-def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
-    """Return the request the arguments describe; ConfigError names a bad value."""
+def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True) -> Request | None:
+    """Return the request the arguments describe; ConfigError names a bad value. With ``tokenize`` False only the
+    options are checked and None is returned (every rank's setup does that; world rank 0 alone, which holds the
+    source, prepares the prompt then: once, not in a prompt worker per rank)."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -92,23 +94,37 @@ def check_request(args: argparse.Namespace, p: ServeSetup) -> Request:
     if args.json is not None:   # refused now, not after generating: never into the weights or a checkpoint
         files, dirs = protected_paths(args.weights, p.weights)
         check_output(args.json, args.weights, files, dirs, "--json path", "generate")
-    if args.chat:
-        from hpcpipe.serve.chat_schema import chat_prompt
-        from hpcpipe.serve.openai_schema import ApiError
-        try:
-            ids = chat_prompt(p.tokenizer, [{"role": "user", "content": args.prompt}])
-        except ApiError as exc:
-            raise ConfigError(f"--chat: {exc.message}") from None
-    else:
-        try:
-            ids = p.tokenizer.encode(args.prompt)
-        except ValueError as exc:
-            raise ConfigError(f"--prompt cannot be encoded: {exc}") from None
+    if not tokenize:
+        return None
+    ids = prompt_ids(args.prompt, args.chat, p.tokenizer)
     if len(ids) > p.shape.seq_len:
         raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
                           f"{p.shape.seq_len} tokens")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
+
+
+def prompt_ids(prompt: str, chat: bool, tokenizer) -> list[int]:
+    """Return the token ids of --prompt (with --chat: one user message through the model's chat template) as the
+    server makes them: in a prompt worker, under its time and size budgets, a Rust panic of the tokenizer kept
+    out of the terminal; ConfigError of one line when impossible."""
+    from hpcpipe.serve.api_error import ApiError
+    from hpcpipe.serve.openai_schema import check_limits
+    from hpcpipe.serve.prompt_jobs import unicode_problem
+    from hpcpipe.serve.prompt_pool import PromptPool
+    problem = unicode_problem(prompt)
+    if problem is not None:     # the command line's bytes that are not UTF-8 arrive as U+DC80..U+DCFF
+        at, code = problem
+        what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ConfigError(f"--prompt is not valid UTF-8 text: {what} at position {at} (check the terminal's or "
+                          f"the file's encoding)")
+    job = {"chat": [{"role": "user", "content": prompt}]} if chat else {"text": prompt, "where": "--prompt"}
+    limits = check_limits(None)
+    try:
+        with PromptPool(tokenizer, 1, limits["prompt_seconds"], limits["max_chat_chars"]) as pool:
+            return pool.run([job])[0]
+    except ApiError as exc:
+        raise ConfigError(f"--chat: {exc.message}" if chat else exc.message) from None
 
 
 def full_context_note(source: OneShot, request: Request, p: ServeSetup) -> str:
@@ -195,17 +211,19 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
     state: dict = {}
     completion_out = sys.stdout     # stdout holds the completion alone: everything else goes to stderr
 
-    def setup() -> tuple[ServeSetup, Request]:
+    def setup() -> tuple[ServeSetup, None]:
         p = prepare(args.weights, world.Get_size(), args.config, args.overrides)
-        return p, check_request(args, p)
+        return p, check_request(args, p, tokenize=False)
 
-    def body(prepared: tuple[ServeSetup, Request]) -> int:
-        p, request = prepared
+    def body(prepared: tuple[ServeSetup, None]) -> int:
+        p = prepared[0]
 
-        def open_source() -> OneShot:
-            state["source"] = OneShot(request, TextStream(p.tokenizer), completion_out)
+        def open_source() -> OneShot:     # rank 0, in an agreement: a prompt refused is every rank's one error line
+            state["request"] = check_request(args, p)
+            state["source"] = OneShot(state["request"], TextStream(p.tokenizer), completion_out)
             return state["source"]
         counts = run(p, world, open_source, stop)
+        request = state.get("request")     # rank 0's
         stopped = world.Get_rank() == 0 and state["source"].finish == "cancelled"
         if broadcast(world, stopped):          # every rank exits 75, as rank 0 decides
             if stopped:

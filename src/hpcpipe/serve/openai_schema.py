@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpcpipe.serve.api_error import ApiError
@@ -21,6 +22,9 @@ from hpcpipe.serve.sampling import SamplingParams
 DEFAULT_LIMITS = {
     "max_prompts": 32,          # prompts in one request's list
     "max_body_bytes": 1 << 20,  # request body size
+    "prompt_seconds": 10,       # rendering and tokenizing one request's prompts (the worker is killed past it)
+    "max_chat_chars": 4 << 20,  # characters a chat template may write for one request (counted as it renders)
+    "prompt_workers": 2,        # worker processes for large requests (plus one for small ones)
 }
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
@@ -78,14 +82,34 @@ def _get(body: dict, key: str, default):
     return default if value is None else value
 
 
+@dataclass
+class Draft:
+    """A request whose fields are checked, its prompts not yet token ids: the ``jobs`` a prompt worker runs
+    (:mod:`hpcpipe.serve.prompt_jobs`), then ``finish(results)`` for the checks that need the ids."""
+
+    jobs: list[dict]
+    finish: Callable[[list], CompletionSpec]
+
+    def run_here(self, tokenizer, limits: dict | None = None) -> CompletionSpec:
+        """Return the spec with the jobs run in this thread (tests and tools: nothing waits on it)."""
+        from hpcpipe.serve.prompt_jobs import run_jobs
+        return self.finish(run_jobs(tokenizer, self.jobs, check_limits(limits)["max_chat_chars"]))
+
+
 def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> CompletionSpec:
-    """Validate a POST /v1/completions body; raise ApiError(400) naming the field and values at fault."""
+    """Validate a POST /v1/completions body and tokenize its prompts here; ApiError(400) naming what is wrong."""
+    return check_completion(body, tokenizer, seq_len, limits).run_here(tokenizer, limits)
+
+
+def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> Draft:
+    """Check a POST /v1/completions body field by field (cheap: the HTTP event loop does it); ApiError(400) naming
+    the field; its text prompts become jobs, the lengths are checked once they are token ids."""
     limits = check_limits(limits)
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
     refuse_unknown(body, COMPLETION_FIELDS)
     refuse_unsupported(body, _NEUTRAL)
-    prompts = _prompts(body, limits["max_prompts"], tokenizer)
+    entries = _prompts(body, limits["max_prompts"], tokenizer)     # text (to encode) or checked token ids
     echo = _get(body, "echo", False)
     if not isinstance(echo, bool):
         raise _bad(f"echo must be true or false, got {echo!r}", "echo")
@@ -93,25 +117,30 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     if not _is_int(max_tokens) or max_tokens < (0 if echo else 1):
         raise _bad(f"max_tokens must be an integer >= 1, got {max_tokens!r} (0 only with echo: the prompt "
                    f"alone)", "max_tokens")
-    n = parse_n(body, len(prompts), limits["max_prompts"])
+    n = parse_n(body, len(entries), limits["max_prompts"])
     logprobs = parse_completion_logprobs(body, tokenizer)
     params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=logprobs,
                                  prompt_logprobs=echo and logprobs >= 0, grammar=parse_format(body, tokenizer))
     stop = stop_strings(body.get("stop"))
     stream, include_usage = stream_options(body)
-    given = body["prompt"]
-    single = isinstance(given, str) or _is_int(given[0])        # one prompt, not a list of them
-    for i, ids in enumerate(prompts):
-        where = "prompt" if single else f"prompt[{i}]"
-        if len(ids) + max_tokens > seq_len:
-            raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + {max_tokens} "
-                       f"= {len(ids) + max_tokens} exceeds the model's context length of {seq_len} tokens; "
-                       f"shorten the prompt or lower max_tokens", "max_tokens")
-    texts = None
+    single = isinstance(body["prompt"], str) or _is_int(body["prompt"][0])       # one prompt, not a list of them
+    names = ["prompt" if single else f"prompt[{i}]" for i in range(len(entries))]
+    jobs = [{"text": e, "where": w} for e, w in zip(entries, names, strict=True) if isinstance(e, str)]
     if echo:       # a text prompt is echoed as sent, a token-id prompt as its ids decode
-        sent = [given] if isinstance(given, str) else given if isinstance(given[0], str) else [None] * len(prompts)
-        texts = [tokenizer.decode(ids) if text is None else text for text, ids in zip(sent, prompts, strict=True)]
-    return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage, n, texts)
+        jobs += [{"decode": e} for e in entries if not isinstance(e, str)]
+
+    def finish(results: list) -> CompletionSpec:
+        texts = sum(isinstance(e, str) for e in entries)       # the text jobs come first, then the decode jobs
+        encoded, decoded = iter(results[:texts]), iter(results[texts:])
+        prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
+        for where, ids in zip(names, prompts, strict=True):
+            if len(ids) + max_tokens > seq_len:
+                raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + "
+                           f"{max_tokens} = {len(ids) + max_tokens} exceeds the model's context length of {seq_len} "
+                           f"tokens; shorten the prompt or lower max_tokens", "max_tokens")
+        echoed = [e if isinstance(e, str) else next(decoded) for e in entries] if echo else None
+        return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage, n, echoed)
+    return Draft(jobs, finish)
 
 
 def parse_sampling(body: dict, tokenizer) -> SamplingParams:
@@ -149,13 +178,14 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _prompts(body: dict, max_prompts: int, tokenizer) -> list[list[int]]:
-    """Return the prompts' token ids: a string, a list of strings, a list of token ids or a list of such lists."""
+def _prompts(body: dict, max_prompts: int, tokenizer) -> list[str | list[int]]:
+    """Return the prompts: texts (a string or a list of them, encoded later) or checked token ids (a list of ids or
+    a list of such lists)."""
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("prompt is missing; send \"prompt\": a string or a list of strings", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return [_encode(prompt, "prompt", tokenizer)]
+        return [_text(prompt, "prompt")]
     if not isinstance(prompt, list):
         raise _bad(f"prompt must be a string or a list of strings (or token ids), got {type(prompt).__name__}",
                    "prompt")
@@ -175,18 +205,15 @@ def _prompts(body: dict, max_prompts: int, tokenizer) -> list[list[int]]:
         raise _bad(f"prompt has {len(prompt)} {'strings' if kind is str else 'token-id lists'}; at most "
                    f"{max_prompts} per request", "prompt")
     if kind is str:
-        return [_encode(text, f"prompt[{i}]", tokenizer) for i, text in enumerate(prompt)]
+        return [_text(text, f"prompt[{i}]") for i, text in enumerate(prompt)]
     return [_token_ids(ids, f"prompt[{i}]", tokenizer) for i, ids in enumerate(prompt)]
 
 
-def _encode(text: str, where: str, tokenizer) -> list[int]:
-    """The token ids of one text prompt."""
+def _text(text: str, where: str) -> str:
+    """One text prompt, to be encoded by a prompt worker (empty text is refused here already)."""
     if text == "":
         raise _bad(f"{where} is empty; a prompt needs at least one token", "prompt")
-    try:
-        return [int(t) for t in tokenizer.encode(text)]
-    except ValueError as exc:
-        raise _bad(f"{where} cannot be encoded: {str(exc).removeprefix('tokenizer: ')}", "prompt") from None
+    return text
 
 
 def _token_ids(ids: list, where: str, tokenizer) -> list[int]:

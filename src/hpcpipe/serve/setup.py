@@ -110,8 +110,24 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
             f"{cache / GIB:.3g} GiB for serve.max_sequences = {cfg.serve.max_sequences} sequences of model.seq_len = "
-            f"{cfg.model.seq_len} tokens); {how}: lower model.seq_len or serve.max_sequences "
-            f"(--set model.seq_len=4096), or use more stages")
+            f"{cfg.model.seq_len} tokens); {how}: {_memory_hint(cfg, params, cache, share)}")
+
+
+def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
+    """What would fit in a rank's share: the KV cache grows linearly in seq_len and in max_sequences, so the values
+    named are below the ones given (a fixed example once suggested a seq_len above the model's context)."""
+    if params >= share or cache == 0:
+        return "the parameters alone do not fit: use more stages (parallel.pp) or tensor parallelism (parallel.tp)"
+    seq_len, sequences = cfg.model.seq_len, cfg.serve.max_sequences
+    fits_len = seq_len * (share - params) // cache
+    fits_len = fits_len // 256 * 256 if fits_len >= 512 else fits_len      # a round number when there is room
+    fits_seq = sequences * (share - params) // cache
+    ways = []
+    if fits_seq >= 1:
+        ways.append(f"lower serve.max_sequences (at most {fits_seq} fit: --set serve.max_sequences={fits_seq})")
+    if fits_len >= 2:
+        ways.append(f"lower model.seq_len (at most {fits_len} tokens fit: --set model.seq_len={fits_len})")
+    return ", or ".join([*ways, "use more stages"])
 
 
 def stages_per_world(world_size: int, n_layers: int) -> int:

@@ -92,18 +92,32 @@ def wide_float(model):
         module.torch, torch.Tensor.float = saved, saved_float
 
 
-def torch_moe(model, tokens: np.ndarray, targets: np.ndarray) -> tuple[float, list[dict[str, np.ndarray]]]:
-    """(mean cross-entropy over every target token, gradients by group) of a transformers MoE model in float64."""
+def torch_moe(model, tokens: np.ndarray, targets: np.ndarray,
+              chunks: int = 1) -> tuple[float, list[dict[str, np.ndarray]]]:
+    """(mean cross-entropy over every target token, gradients by group) of a transformers MoE model in float64;
+    with ``output_router_logits`` the model's router_aux_loss_coef times transformers' load-balancing loss, averaged
+    over ``chunks`` equal runs of samples (hpcpipe's (replica, micro-batch) chunks)."""
     import copy
 
     import torch
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     m = copy.deepcopy(model).double()
     m.config._experts_implementation = "eager"      # the grouped product kernel has no float64
     m.zero_grad()
+    aux = bool(getattr(m.config, "output_router_logits", False))
     with wide_float(m):
-        logits = m(torch.as_tensor(tokens, dtype=torch.long)).logits
+        out = m(torch.as_tensor(tokens, dtype=torch.long), output_router_logits=aux)
+    logits = out.logits
     assert logits.dtype == torch.float64
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              torch.as_tensor(targets, dtype=torch.long).reshape(-1))
+    if aux:
+        b, t = tokens.shape
+        n_experts = out.router_logits[0].shape[-1]
+        per = b // chunks
+        balance = sum(load_balancing_loss_func(
+            tuple(r.reshape(b, t, n_experts)[c * per:(c + 1) * per].reshape(-1, n_experts) for r in out.router_logits),
+            n_experts, m.config.num_experts_per_tok) for c in range(chunks)) / chunks
+        loss = loss + m.config.router_aux_loss_coef * balance
     loss.backward()
     return loss.item(), hf_grads(m)

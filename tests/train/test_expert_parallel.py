@@ -21,20 +21,23 @@ TOLERANCE = 1e-7     # of the largest reference gradient
 WINDOWS, T = 24, 8   # 24 windows of 8 tokens: dp 4 x 3 micro-batches x 2 (interleaved: x 2 x 3)
 
 
-def _setup(world, tmp: str, arch: str) -> tuple[str, str, tuple | None]:
-    """Rank 0 writes the transformers model's directory and the tokens, and computes the reference (loss, grads)."""
-    hf, data = os.path.join(tmp, f"hf-{arch}"), os.path.join(tmp, f"tokens-{arch}.h5")
+def _setup(world, tmp: str, arch: str, aux: float = 0.0) -> tuple[str, str, tuple | None]:
+    """Rank 0 writes the transformers model's directory and the tokens, and computes the reference (loss, grads);
+    ``aux``: the model's router_aux_loss_coef (its load-balancing loss over hpcpipe's (replica, micro-batch) chunks
+    of 1f1b and zb-h1: dp 4 x 3 micro-batches)."""
+    hf, data = os.path.join(tmp, f"hf-{arch}-{aux}"), os.path.join(tmp, f"tokens-{arch}.h5")
     reference = None
     if world.Get_rank() == 0:
         from support.moe_reference import moe_directory, torch_moe
-        model, _ = moe_directory(arch, Path(hf))
+        extra = {"output_router_logits": True, "router_aux_loss_coef": aux} if aux else {}
+        model, _ = moe_directory(arch, Path(hf), **extra)
         rng = np.random.default_rng(3)
         vocab = model.config.vocab_size
         x = rng.integers(0, vocab, (WINDOWS, T))
         y = np.where(rng.random(x.shape) < 0.5, (x * 3 + 1) % vocab, rng.integers(0, vocab, x.shape))
         with h5py.File(data, "w") as f:
             f["x"], f["y"] = x.astype(np.int32), y.astype(np.int32)
-        reference = torch_moe(model, x, y)
+        reference = torch_moe(model, x, y, chunks=4 * 3)
     world.Barrier()
     return hf, data, reference
 
@@ -77,11 +80,11 @@ def _compare(world, sections: dict, reference: tuple | None, label: str) -> None
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_expert_parallel_gradients_equal_transformers(world, shared_tmp, arch):
-    """dp=4 (ep=2) x pp=2 under 1f1b and zb-h1: loss and every gradient (experts, routers, dense blocks) equal
-    transformers' autograd."""
+    """dp=4 (ep=2) x pp=2 under 1f1b and zb-h1, with the load-balancing loss: loss and every gradient (experts,
+    routers, dense blocks) equal transformers' autograd."""
     if world.Get_size() != 8:
         pytest.skip("runs on exactly 8 ranks (dp 4 with ep 2, pp 2)")
-    hf, data, reference = _setup(world, shared_tmp, arch)
+    hf, data, reference = _setup(world, shared_tmp, arch, aux=0.3)
     for schedule in ("1f1b", "zb-h1"):
         _compare(world, _sections(hf, data, schedule), reference, f"{arch} {schedule}")
         world.Barrier()

@@ -38,20 +38,37 @@ def _next(tokens: list[int], vocab: int) -> int:
 
 
 def _drive(seed: int) -> None:
-    """Run 30 random requests through a random layout; check every read, every completion and the end state."""
+    """Run 30 random requests through a random layout; check every read, every completion and the end state.
+
+    Each stage's cache is simulated KV block by KV block, filled through the block tables the work items
+    carry: position p of a sequence must hold exactly its own tokens 0..p whenever it is read (a prefix
+    another request computed included), whatever the KV-block size, pool size and prefix caching.
+    """
     rng = random.Random(seed)
     depth = rng.choice([1, 2, 3, 4])
     groups = rng.choice([depth, depth + 1, 2 * depth])
     slots, seq_len, vocab = rng.randint(groups, 3 * groups), 40, 50
     kv_cache = rng.random() < 0.9
     stop_ids = (rng.randrange(vocab),) if rng.random() < 0.3 else ()
-    s = ReplicaScheduler(slots, groups, seq_len, kv_cache, rng.choice([0, 1, 2, 3, 8]), stop_ids, depth=depth)
-    requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randint(1, seq_len - 1))],
-                        rng.randint(1, 10), GREEDY, 0.0) for i in range(30)]
+    page = rng.choice([1, 2, 4, 16])
+    whole = -(-seq_len // page)
+    pool = rng.choice([whole, 2 * whole, slots * whole])           # small pools make requests wait and evict
+    s = ReplicaScheduler(slots, groups, seq_len, kv_cache, rng.choice([0, 1, 2, 3, 8]), stop_ids, depth=depth,
+                         kv_block=page, kv_blocks=pool, prefix_cache=rng.random() < 0.8)
+    # prompts often share a prefix (a system prompt), so that prefix caching has something to find
+    bases = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+
+    def prompt():
+        head = rng.choice(bases)[:rng.randint(0, 30)] if rng.random() < 0.7 else []
+        tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        return (head + tail)[:seq_len - 1]
+    requests = [Request(f"r{i}", prompt(), rng.randint(1, 10), GREEDY, 0.0) for i in range(30)]
+    prompts = {r.id: list(r.prompt) for r in requests}
     failing = {r.id for r in requests if rng.random() < 0.1}          # their sampled token is FAILED
     p_cancel = rng.choice([0.0, 0.01, 0.05, 0.2])
     stages = [deque() for _ in range(depth)]       # each stage runs its items in the order they came
-    caches = [{} for _ in range(depth)]            # stage -> slot -> [(request id, token) per position]
+    caches = [{} for _ in range(depth)]            # stage -> KV block -> [the prefix its position encodes]
+    tables = [{} for _ in range(depth)]            # stage -> slot -> its KV blocks
     results, waiting = deque(), deque(requests)
     out, final, cancelled = {r.id: [] for r in requests}, {}, set()
 
@@ -82,17 +99,24 @@ def _drive(seed: int) -> None:
                 stages[0].append((item, [m.request.id for m in members]))
         elif stages[k := rng.randrange(depth)]:    # stage k runs its oldest item
             item, ids = stages[k].popleft()
-            cache, off, tokens = caches[k], 0, []
-            for slot in item.clear:
-                cache[slot] = [("cleared", 0)] * seq_len
+            cache, table, off, tokens = caches[k], tables[k], 0, []
+            for slot, first, blocks in item.pages:
+                row = table.setdefault(slot, [None] * whole)
+                row[first:first + len(blocks)] = blocks
+            for block in item.clear:
+                cache[block] = [("cleared",)] * page
             for seg, rid, sample in zip(item.segments, ids, item.sample, strict=True):
-                row = cache.setdefault(seg.slot, [(None, 0)] * seq_len)
+                full, row = prompts[rid] + out[rid], table[seg.slot]
                 for j, t in enumerate(item.tokens[off:off + seg.length].tolist()):
-                    row[seg.start + j] = (rid, t)
+                    p = seg.start + j
+                    assert t == full[p], f"seed {seed}: stage {k} {rid} {seg} sends {t} at {p}, not {full[p]}"
+                    cache.setdefault(row[p // page], [None] * page)[p % page] = tuple(full[:p + 1])
                 off += seg.length
-                seen = row[:seg.start + seg.length]
-                assert all(owner == rid for owner, _ in seen), f"seed {seed}: stage {k} {rid} {seg} reads {seen}"
-                tokens.append((FAILED if rid in failing else _next([t for _, t in seen], vocab)) if sample else -1)
+                end = seg.start + seg.length
+                seen = [cache.get(row[p // page], [None] * page)[p % page] for p in range(end)]
+                assert all(seen[p] == tuple(full[:p + 1]) for p in range(end)), \
+                    f"seed {seed}: stage {k} {rid} {seg} reads {seen}, not its tokens {full[:end]}"
+                tokens.append((FAILED if rid in failing else _next(full[:end], vocab)) if sample else -1)
             if k + 1 < depth:
                 stages[k + 1].append((item, ids))
             else:
@@ -110,11 +134,13 @@ def _drive(seed: int) -> None:
         want = expected if finish in ("stop", "length") else expected[:len(out[r.id])] if finish != "error" else []
         assert out[r.id] == want, (seed, r.id, finish, out[r.id], expected)
     assert s.idle and sorted(sum(s.free, [])) == list(range(slots)), (seed, s.free)
+    assert s.kv.pool.in_use == 0 and s.kv.pool.reserved == 0, (seed, s.kv.pool.refs, s.kv.pool.reserved)
+    return s.kv.stats.cached_tokens
 
 
 def test_random_traffic_through_a_model_pipeline_reads_only_its_own_keys_and_gives_the_reference():
-    for seed in range(400):
-        _drive(seed)
+    cached = [_drive(seed) for seed in range(400)]
+    assert sum(c > 0 for c in cached) > 100          # prefix caching was exercised, not just allowed
 
 
 # ---- the real server --------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class Broker:
         self._new: list[Request] = []
         self._cancelled: list[str] = []
         self._running = 0
+        self._stats: tuple[int, ...] = ()
         self._closed: str | None = None
         self._progress_at = time.monotonic()
 
@@ -175,6 +176,17 @@ class Broker:
         """Record the engine's count of admitted sequences (for the queue depth in /metrics)."""
         with self._lock:
             self._running = int(n)
+
+    def set_engine_stats(self, stats: tuple[int, ...]) -> None:
+        """Record the engine's KV-block, prefix-cache and speculation numbers (hpcpipe.serve.engine_stats)."""
+        with self._lock:
+            self._stats = tuple(stats)
+
+    @property
+    def engine_stats(self) -> tuple[int, ...]:
+        """The engine's last reported numbers (empty before the first report)."""
+        with self._lock:
+            return self._stats
 
     def progressed(self, at: float | None = None) -> None:
         """Record that the engine's pending work last moved at ``at`` (time.monotonic(); default now)."""

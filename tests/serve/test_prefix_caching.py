@@ -14,7 +14,8 @@ import time
 import urllib.request
 
 import pytest
-from support.serve import CHARS, Server, encode, make_weights
+from support.launch import one_error
+from support.serve import CHARS, Server, encode, generate, make_weights
 
 from hpcpipe.serve.reference import reference_generate
 from hpcpipe.serve.sampling import SamplingParams
@@ -163,3 +164,32 @@ def test_prompt_lookup_speculation_gives_the_plain_text(model, n, pp, tp):
         assert m["hpcpipe_generated_tokens_total"] == 90
         s.signal()
         assert s.stopped_cleanly(), s.output()
+
+
+def test_a_draft_model_proposes_and_the_text_stays_the_reference(model, tmp_path):
+    # the model as its own draft: every proposal is the model's own greedy choice, so nearly all are accepted
+    # (only the draft's cache bookkeeping could make them differ); a smaller draft: the text is still the model's
+    path, gpt = model
+    small = tmp_path / "small.h5"
+    make_weights(small, seq_len=SEQ_LEN, d_model=8, n_blocks=1, seed=5)
+    prompt = SYSTEM + "what is a cat?"
+    for draft in (path, small):
+        with Server(2, path, "--set", "parallel.pp=2", "--set", "serve.speculate=draft",
+                    "--set", f"serve.draft={draft}", "--set", "serve.speculate_tokens=3",
+                    "--set", f"serve.kv_block={BLOCK}") as s:
+            assert ask(s, prompt, 24) == reference(gpt, prompt, 24)
+            assert ask(s, SYSTEM + "what is a dog?", 12) == reference(gpt, SYSTEM + "what is a dog?", 12)  # a hit
+            m = metrics(s.url)
+            proposed, accepted = m["hpcpipe_spec_proposed_tokens_total"], m["hpcpipe_spec_accepted_tokens_total"]
+            assert proposed > 0 and (accepted == proposed if draft == path else accepted <= proposed), m
+            s.signal()
+            assert s.stopped_cleanly(), s.output()
+
+
+def test_a_draft_model_with_another_tokenizer_is_one_line_and_exit_2(model, tmp_path):
+    path, _ = model
+    other = tmp_path / "bytes.h5"
+    make_weights(other, seq_len=SEQ_LEN, tokenizer={"kind": "bytes"})
+    proc, _ = generate(tmp_path, 1, path, "abc", "--max-new-tokens", "2", "--set", "serve.speculate=draft",
+                       "--set", f"serve.draft={other}")
+    one_error(proc, "serve.draft", "another tokenizer")

@@ -94,6 +94,10 @@ def test_a_failed_sequence_leaves_its_blocks_unkeyed_and_dirty():
     ([1, 2, 3, 4], 3, []),                       # nothing repeats
     ([7], 3, []),
     ([1, 2, 1, 2, 1, 2], 2, [1, 2]),             # the latest occurrence
+    ([3, 1, 2, 8, 1, 2, 9, 1, 2], 3, [9, 1, 2]),   # the latest with k tokens after it (into the suffix)
+    ([3, 1, 2, 8, 1, 2, 9, 1, 2], 7, [8, 1, 2, 9, 1, 2]),   # none has 7 after it: the earliest
+    ([5] + [7] * 9, 3, [7, 7, 7]),               # a run: not the single token before the suffix
+    ([5, 7, 7, 7, 7, 7], 3, [7, 7]),
 ])
 def test_ngram_proposals_follow_the_latest_earlier_occurrence(tokens, k, want):
     assert ngram_proposal(tokens, k) == want

@@ -15,8 +15,9 @@ speculation. Proposals are deterministic (a draft model proposes its argmax), so
 accept d with probability min(1, p(d) / q(d)) with q one-hot, accepts d with probability p(d): exactly the
 chance that the target's own draw is d, which is what accepting "t_j == d_(j+1)" does.
 
-``NgramProposer`` finds the latest earlier occurrence of the sequence's last n tokens (n = 3, 2, 1) and
-proposes what followed it (prompt lookup: code edits, quotes, summaries repeat their input).
+``NgramProposer`` finds the latest earlier occurrence of the sequence's last n tokens (n = 3, 2, 1) with k
+tokens after it (else the earliest) and proposes what followed it (prompt lookup: code edits, quotes,
+summaries repeat their input).
 ``DraftProposer`` runs a smaller model with the same tokenizer (serve.draft) over the replica's head's own
 KV cache pages (the same block tables as the target, its own arrays): it catches up on the tokens it has
 not seen, then proposes k tokens greedily, one batched forward per token for every speculating sequence.
@@ -35,7 +36,12 @@ NGRAM_MIN = 1
 
 
 def ngram_proposal(tokens: list[int], k: int, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens (longest n first)."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the last n tokens (longest n first).
+
+    The latest occurrence with k tokens after it is taken, else the earliest (the most tokens after it): in a
+    run that repeats itself ("////", a loop of lines) the latest occurrence ends right before the suffix and
+    would propose a single token.
+    """
     n_tokens = len(tokens)
     if k < 1 or n_tokens < 2:
         return []
@@ -46,7 +52,8 @@ def ngram_proposal(tokens: list[int], k: int, longest: int = NGRAM_MAX, shortest
         windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tokens - 1], n)
         found = np.flatnonzero((windows == suffix).all(axis=1))
         if found.size:
-            start = int(found[-1]) + n
+            full = found[found + n + k <= n_tokens]
+            start = int(full[-1] if full.size else found[0]) + n
             return [int(t) for t in arr[start:start + k]]
     return []
 

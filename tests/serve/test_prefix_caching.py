@@ -193,3 +193,9 @@ def test_a_draft_model_with_another_tokenizer_is_one_line_and_exit_2(model, tmp_
     proc, _ = generate(tmp_path, 1, path, "abc", "--max-new-tokens", "2", "--set", "serve.speculate=draft",
                        "--set", f"serve.draft={other}")
     one_error(proc, "serve.draft", "another tokenizer")
+
+
+def test_a_pool_smaller_than_one_context_is_one_line_and_exit_2(model, tmp_path):
+    path, _ = model
+    proc, _ = generate(tmp_path, 1, path, "abc", "--max-new-tokens", "2", "--set", "serve.kv_blocks=9")
+    one_error(proc, "serve.kv_blocks = 9", "at least 10")

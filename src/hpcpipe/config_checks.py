@@ -100,6 +100,14 @@ def validate(config: Config) -> None:
     _require(srv.prefill_tokens >= 0,
              f"serve.prefill_tokens must be >= 0 (0 = whole prompts), got {srv.prefill_tokens}")
     _require(srv.micro_batches >= 0, f"serve.micro_batches must be >= 0 (0 = parallel.pp), got {srv.micro_batches}")
+    _require(srv.kv_block >= 1, f"serve.kv_block must be >= 1 (positions per KV block), got {srv.kv_block}")
+    _require(srv.kv_blocks >= 0, f"serve.kv_blocks must be >= 0 (0 = serve.max_sequences whole contexts), got "
+                                 f"{srv.kv_blocks}")
+    _require(srv.speculate in ("", "ngram", "draft"),
+             f"serve.speculate must be '', 'ngram' or 'draft', got {srv.speculate!r}")
+    _require(1 <= srv.speculate_tokens <= 16, f"serve.speculate_tokens must be in 1..16, got {srv.speculate_tokens}")
+    _require(srv.speculate != "draft" or bool(srv.draft),
+             "serve.speculate = 'draft' needs serve.draft (a Hugging Face model directory with the same tokenizer)")
     _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
     _require(config.run.backend in BACKENDS,
              f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -152,7 +152,7 @@ def test_cache_bytes_formula():
         for dtype in ("float32", "float64"):
             stage = _stage(model, groups, slots=3, dtype=dtype)
             item = np.dtype(dtype).itemsize
-            assert stage.cache_bytes == 2 * blocks * 3 * shape.seq_len * shape.d_model * item
+            assert stage.cache_bytes == 2 * blocks * 3 * -(-shape.seq_len // 16) * 16 * shape.d_model * item
 
 
 def test_segment_past_seq_len_is_refused():

@@ -131,7 +131,7 @@ def test_a_prompt_whose_logits_are_not_finite_fails_alone(capfd):
     logits = np.random.default_rng(1).standard_normal((4, 10)).astype(np.float32)
     logits[2, 3] = np.nan                                      # an echo row of slot 0
     segments = [Segment(0, 0, 3), Segment(1, 0, 1)]
-    tokens, details = table.pick(logits, segments, [True, True], [(0, 0, [4, 5])])
+    tokens, details, _ = table.pick(logits, segments, [True, True], [(0, 0, [4, 5])])
     assert tokens[0] == FAILED and 0 not in details and tokens[1] == int(np.argmax(logits[1]))
     assert details[1][1][0] == tokens[1] and details[1][0] is None
     assert "slot 0" in capfd.readouterr().err

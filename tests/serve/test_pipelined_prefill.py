@@ -37,21 +37,77 @@ def _next(tokens: list[int], vocab: int) -> int:
     return hash(tuple(tokens)) % vocab
 
 
+class _Proposer:
+    """Speculation's proposals for the model pipeline: its own greedy continuation, often cut or corrupted."""
+
+    def __init__(self, rng: random.Random, vocab: int):
+        self.rng, self.vocab = rng, vocab
+
+    def tables(self, updates, clear):
+        """No cache of its own."""
+
+    def propose(self, wanted):
+        out = []
+        for seq, k in wanted:
+            tokens, proposed = list(seq.tokens), []
+            for _ in range(self.rng.randint(0, k)):
+                good = _next(tokens, self.vocab)
+                proposed.append(good if self.rng.random() < 0.7 else self.rng.randrange(self.vocab))
+                tokens.append(proposed[-1])
+            out.append(proposed)
+        return out
+
+    def rolled_back(self, seq, kept):
+        """No cache of its own."""
+
+
+def _verify(tokens: list[int], proposed: list[int], vocab: int) -> list[int]:
+    """The tokens the last stage keeps for a speculating segment whose rows hold ``tokens`` (last: the
+    sequence's last token) then ``proposed``: draws while each equals the proposal, every draw kept."""
+    kept = [_next(tokens, vocab)]
+    while len(kept) <= len(proposed) and kept[-1] == proposed[len(kept) - 1]:
+        kept.append(_next(tokens + proposed[:len(kept)], vocab))
+    return kept
+
+
 def _drive(seed: int) -> None:
-    """Run 30 random requests through a random layout; check every read, every completion and the end state."""
+    """Run 30 random requests through a random layout; check every read, every completion and the end state.
+
+    Each stage's cache is simulated KV block by KV block, filled through the block tables the work items
+    carry: position p of a sequence must hold exactly its own tokens 0..p whenever it is read (a prefix
+    another request computed included), whatever the KV-block size, pool size and prefix caching. With
+    speculation a decode row carries proposals after it: those positions hold the proposals, and a rejected
+    one must never be read as the sequence's own token later.
+    """
     rng = random.Random(seed)
     depth = rng.choice([1, 2, 3, 4])
     groups = rng.choice([depth, depth + 1, 2 * depth])
     slots, seq_len, vocab = rng.randint(groups, 3 * groups), 40, 50
     kv_cache = rng.random() < 0.9
     stop_ids = (rng.randrange(vocab),) if rng.random() < 0.3 else ()
-    s = ReplicaScheduler(slots, groups, seq_len, kv_cache, rng.choice([0, 1, 2, 3, 8]), stop_ids, depth=depth)
-    requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randint(1, seq_len - 1))],
-                        rng.randint(1, 10), GREEDY, 0.0) for i in range(30)]
+    page = rng.choice([1, 2, 4, 16])
+    whole = -(-seq_len // page)
+    pool = rng.choice([whole, 2 * whole, slots * whole])           # small pools make requests wait and evict
+    speculate = rng.choice([0, 0, 1, 3])
+    s = ReplicaScheduler(slots, groups, seq_len, kv_cache, rng.choice([0, 1, 2, 3, 8]), stop_ids, depth=depth,
+                         kv_block=page, kv_blocks=pool, prefix_cache=rng.random() < 0.8,
+                         proposer=_Proposer(rng, vocab) if speculate else None, speculate_tokens=speculate)
+    # prompts often share a prefix (a system prompt), so that prefix caching has something to find
+    bases = [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+
+    def prompt():
+        head = rng.choice(bases)[:rng.randint(0, 30)] if rng.random() < 0.7 else []
+        tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        return (head + tail)[:seq_len - 1]
+    requests = [Request(f"r{i}", prompt(), rng.randint(1, 10), GREEDY, 0.0) for i in range(30)]
+    prompts = {r.id: list(r.prompt) for r in requests}
     failing = {r.id for r in requests if rng.random() < 0.1}          # their sampled token is FAILED
     p_cancel = rng.choice([0.0, 0.01, 0.05, 0.2])
+    # only these are ever cancelled: one that stops moving is then never hidden by a cancel, it never finishes
+    doomed = {r.id for r in requests if rng.random() < 0.3}
     stages = [deque() for _ in range(depth)]       # each stage runs its items in the order they came
-    caches = [{} for _ in range(depth)]            # stage -> slot -> [(request id, token) per position]
+    caches = [{} for _ in range(depth)]            # stage -> KV block -> [the prefix its position encodes]
+    tables = [{} for _ in range(depth)]            # stage -> slot -> its KV blocks
     results, waiting = deque(), deque(requests)
     out, final, cancelled = {r.id: [] for r in requests}, {}, set()
 
@@ -69,7 +125,7 @@ def _drive(seed: int) -> None:
         if a < 0.1 and waiting:
             s.submit(waiting.popleft())
         elif a < 0.1 + p_cancel:
-            live = [r.id for r in requests if r.id not in final and r not in waiting]
+            live = [r.id for r in requests if r.id not in final and r not in waiting and r.id in doomed]
             if live:
                 cancelled.add(rid := rng.choice(live))
                 take(s.cancel(rid))
@@ -82,21 +138,36 @@ def _drive(seed: int) -> None:
                 stages[0].append((item, [m.request.id for m in members]))
         elif stages[k := rng.randrange(depth)]:    # stage k runs its oldest item
             item, ids = stages[k].popleft()
-            cache, off, tokens = caches[k], 0, []
-            for slot in item.clear:
-                cache[slot] = [("cleared", 0)] * seq_len
-            for seg, rid, sample in zip(item.segments, ids, item.sample, strict=True):
-                row = cache.setdefault(seg.slot, [(None, 0)] * seq_len)
+            cache, table, off, tokens, spec = caches[k], tables[k], 0, [], {}
+            drafts = dict(item.drafts)
+            for slot, first, blocks in item.pages:
+                row = table.setdefault(slot, [None] * whole)
+                row[first:first + len(blocks)] = blocks
+            for block in item.clear:
+                cache[block] = [("cleared",)] * page
+            for index, (seg, rid, sample) in enumerate(zip(item.segments, ids, item.sample, strict=True)):
+                full, row = prompts[rid] + out[rid], table[seg.slot]
+                if index in drafts:           # a decode row, then its proposals
+                    assert len(full) == seg.start + 1 and seg.length == 1 + len(drafts[index]), (seed, rid, seg)
+                    full = full + drafts[index]
                 for j, t in enumerate(item.tokens[off:off + seg.length].tolist()):
-                    row[seg.start + j] = (rid, t)
+                    p = seg.start + j
+                    assert t == full[p], f"seed {seed}: stage {k} {rid} {seg} sends {t} at {p}, not {full[p]}"
+                    cache.setdefault(row[p // page], [None] * page)[p % page] = tuple(full[:p + 1])
                 off += seg.length
-                seen = row[:seg.start + seg.length]
-                assert all(owner == rid for owner, _ in seen), f"seed {seed}: stage {k} {rid} {seg} reads {seen}"
-                tokens.append((FAILED if rid in failing else _next([t for _, t in seen], vocab)) if sample else -1)
+                end = seg.start + seg.length
+                seen = [cache.get(row[p // page], [None] * page)[p % page] for p in range(end)]
+                assert all(seen[p] == tuple(full[:p + 1]) for p in range(end)), \
+                    f"seed {seed}: stage {k} {rid} {seg} reads {seen}, not its tokens {full[:end]}"
+                if index in drafts and rid not in failing:
+                    spec[index] = _verify(full[:seg.start + 1], drafts[index], vocab)
+                    tokens.append(spec[index][0])
+                    continue
+                tokens.append((FAILED if rid in failing else _next(full[:end], vocab)) if sample else -1)
             if k + 1 < depth:
                 stages[k + 1].append((item, ids))
             else:
-                results.append((item.group, tokens))
+                results.append((item.group, tokens, None, spec))
     else:
         raise AssertionError(f"seed {seed}: the requests never all finished ({len(final)} of {len(requests)})")
     for r in requests:
@@ -110,11 +181,14 @@ def _drive(seed: int) -> None:
         want = expected if finish in ("stop", "length") else expected[:len(out[r.id])] if finish != "error" else []
         assert out[r.id] == want, (seed, r.id, finish, out[r.id], expected)
     assert s.idle and sorted(sum(s.free, [])) == list(range(slots)), (seed, s.free)
+    assert s.kv.pool.in_use == 0 and s.kv.pool.reserved == 0, (seed, s.kv.pool.refs, s.kv.pool.reserved)
+    return s.kv.stats.cached_tokens, s.spec_accepted, s.spec_proposed - s.spec_accepted
 
 
 def test_random_traffic_through_a_model_pipeline_reads_only_its_own_keys_and_gives_the_reference():
-    for seed in range(400):
-        _drive(seed)
+    counts = [_drive(seed) for seed in range(400)]
+    # prefix caching and speculation (proposals accepted and rejected) were exercised, not just allowed
+    assert all(sum(c[i] > 0 for c in counts) > 100 for i in range(3)), counts
 
 
 # ---- the real server --------------------------------------------------------------------------------------

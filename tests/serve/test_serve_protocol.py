@@ -19,11 +19,12 @@ import pytest
 from hpcpipe.serve import protocol
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.dispatch import Controller, Dispatcher, Loopback
+from hpcpipe.serve.engine_stats import STATS
 from hpcpipe.serve.protocol import (
     MESSAGES,
     TAGS,
     Cancel,
-    ClearSlot,
+    ClearPages,
     Drain,
     Events,
     Forward,
@@ -31,6 +32,7 @@ from hpcpipe.serve.protocol import (
     Join,
     Probe,
     Result,
+    SetPages,
     StopPipeline,
     StopReplica,
     StopTP,
@@ -48,8 +50,9 @@ SAMPLES = [
     StopReplica(),
     Events(1, [Event("cmpl-1-0", [7], None), Event("cmpl-2-0", [], "cancelled")], 3),
     Events(0, [], 0),
+    Events(0, [], 0, (3, 1, 0, 2)),
     Drain("SIGTERM"),
-    Work(2, [(0, 0, 3), (1, 5, 1)], [(0, PARAMS)], [True, False], [4]),
+    Work(2, [(0, 0, 3), (1, 5, 1)], [(0, PARAMS)], [True, False], [4], [], [(0, 0, [3, 4])]),
     Idle(),
     Join(),
     StopPipeline(),
@@ -57,7 +60,8 @@ SAMPLES = [
     Probe(None),
     Probe("the model's forward is not finite: stage 1"),
     Forward([(3, 9, 1)]),
-    ClearSlot(3),
+    ClearPages([3, 4]),
+    SetPages(2, 1, [7, 8]),
     StopTP(),
 ]
 
@@ -186,6 +190,9 @@ class Source:
                 self.finish[e.request_id] = e.finish
                 self.outstanding -= e.finish != "cancelled"
 
+    def set_engine_stats(self, stats):
+        pass
+
     def set_running(self, n):
         self.running = n
 
@@ -272,7 +279,8 @@ def test_a_head_that_moves_without_tokens_is_seen_moving_through_an_empty_events
     before = dispatcher.moved_at()
     time.sleep(0.02)
     assert head.step() and not control.flush()        # a chunk moved, no token: a heartbeat, not work
-    assert [m for _, _, m in net.log][-1] == Events(0, [], 1)
+    last = [m for _, _, m in net.log][-1]
+    assert (last.replica, last.events, last.running) == (0, [], 1) and len(last.stats) == len(STATS)
     dispatcher.step()
     assert dispatcher.pending and dispatcher.moved_at() > before     # the watchdog of rank 0 sees it move
     # a replica that does not move sends nothing: its time stays, so a stall would be seen

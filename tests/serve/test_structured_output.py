@@ -82,7 +82,7 @@ def test_seeded_sampling_under_a_schema_gives_valid_json_every_time():
         table.start([(0, SamplingParams(temperature=1.0, seed=seed, grammar=grammar))])
         out = []
         for _ in range(200):
-            tokens, details = table.pick(rng.standard_normal((1, 256)) * 3, [Segment(0, len(out), 1)], [True])
+            tokens, details, _ = table.pick(rng.standard_normal((1, 256)) * 3, [Segment(0, len(out), 1)], [True])
             out.append(tokens[0])
             if details[0][2]:
                 break

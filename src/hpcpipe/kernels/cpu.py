@@ -38,13 +38,14 @@ class Block(ctypes.Structure):
 
 
 class Stage(ctypes.Structure):
-    """hp_stage: a decode stage's sizes, kind flags, RoPE tables and blocks."""
+    """hp_stage: a decode stage's sizes, kind flags, RoPE tables, blocks and KV block tables."""
 
     _fields_ = [("n_blocks", _i64), ("d", _i64), ("n_heads", _i64), ("n_kv", _i64), ("hd", _i64), ("ff", _i64),
                 ("slots", _i64), ("seq_len", _i64), ("norm", ctypes.c_int32), ("act", ctypes.c_int32),
                 ("rope", ctypes.c_int32), ("pad", ctypes.c_int32), ("eps", ctypes.c_float),
                 ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("pad2", ctypes.c_float),
-                ("cos", _ptr), ("sin", _ptr), ("blocks", ctypes.POINTER(Block))]
+                ("cos", _ptr), ("sin", _ptr), ("blocks", ctypes.POINTER(Block)), ("page", _i64), ("pages", _i64),
+                ("max_pages", _i64), ("tables", _ptr)]
 
 
 _LIB: list = []

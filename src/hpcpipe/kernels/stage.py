@@ -3,7 +3,9 @@
 The kind says what its blocks are made of (:class:`FusedKind`: norm, MLP, RoPE; :class:`FusedBlock`: the
 block's norms, fused q|k|v, output projection, fused gate|up or fc, down projection, biases, q/k norms)
 and where its KV cache lives; :class:`StagePlan` keeps the ctypes structs and the arrays they point to
-alive together, and a scratch buffer grown to the largest call.
+alive together, and a scratch buffer grown to the largest call. The KV cache is paged: each block's keys and
+values are (n_kv, pages, page, head_dim) and a row finds its sequence's KV block of position t in
+``tables[slot, t // page]`` (hpcpipe.nn.core.decode, docs/decode.md).
 """
 
 from __future__ import annotations
@@ -68,16 +70,21 @@ class StagePlan:
     """Every block of a decode stage as one ``hp_stage``: ``forward`` runs them all over the rows in one call."""
 
     def __init__(self, kind: FusedKind, blocks: list[FusedBlock], d: int, n_heads: int, n_kv: int, hd: int, ff: int,
-                 cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None):
+                 cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None, tables: np.ndarray, seq_len: int):
         self.lib = library()
         if self.lib is None:
             raise RuntimeError("stage plan: the compiled kernels are not available")
-        n, two, slots, kv, seq_len, width = cache.shape
+        n, two, kv, pages, page, width = cache.shape
         if (n, two, kv, width) != (len(blocks), 2, n_kv, hd) or cache.dtype != np.float32 \
                 or not cache.flags.c_contiguous:
             raise ValueError(f"stage plan: cache of shape {cache.shape} {cache.dtype} does not hold {len(blocks)} "
                              f"blocks of {n_kv} kv heads of {hd}")
+        slots, max_pages = tables.shape
+        if tables.dtype != np.int64 or not tables.flags.c_contiguous or max_pages * page < seq_len:
+            raise ValueError(f"stage plan: block tables {tables.dtype} {tables.shape} do not cover {seq_len} "
+                             f"positions in blocks of {page}")
         self.d, self.slots, self.seq_len = d, slots, seq_len
+        self.tables = tables                          # the stage's, updated in place: the struct points at it
         self.cache = cache
         self._keep: list = [blocks]                   # every array a struct points to stays alive with the plan
         self.rope = None if rope is None else tuple(np.ascontiguousarray(t, dtype=np.float32) for t in rope)
@@ -96,7 +103,8 @@ class StagePlan:
         self._stage = Stage(len(blocks), d, n_heads, n_kv, hd, ff, slots, seq_len, _NORMS[kind.norm],
                             _ACTS[kind.act], int(kind.rope), 0, kind.eps, kind.qk_eps, 1.0 / np.sqrt(hd), 0.0,
                             None if cos is None else cos.ctypes.data, None if sin is None else sin.ctypes.data,
-                            ctypes.cast(self._blocks, ctypes.POINTER(Block)))
+                            ctypes.cast(self._blocks, ctypes.POINTER(Block)), page, pages, max_pages,
+                            tables.ctypes.data)
         self._scratch = np.empty(0, dtype=np.float32)
 
     def forward(self, h: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:

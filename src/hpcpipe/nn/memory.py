@@ -100,7 +100,8 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
 
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
-    per block, keys and values of ``serve.max_sequences`` slots of ``seq_len`` tokens. With
+    per block, keys and values of its KV-block pool (``serve.kv_blocks`` of ``serve.kv_block`` positions; 0:
+    ``serve.max_sequences`` whole contexts of ``seq_len`` tokens). With
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
     (at least one) and its part of every matrix (norms are replicated but small). With expert parallelism
     (parallel.ep) a rank holds 1/ep of every block's experts.
@@ -111,7 +112,9 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     tp = config.parallel.tp
     kv_heads = -(-shape.n_kv_heads // tp)
     head_dim = shape.head_dim
-    per_block = 2 * config.serve.max_sequences * kv_heads * shape.seq_len * head_dim * itemsize
+    srv = config.serve
+    pages = srv.kv_blocks or srv.max_sequences * -(-shape.seq_len // srv.kv_block)
+    per_block = 2 * pages * srv.kv_block * kv_heads * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:
         params = sum(held_elements(model, i, config.parallel.ep) for i in groups)

@@ -97,6 +97,7 @@ class Broker:
         self._new: list[Request] = []
         self._cancelled: list[str] = []
         self._running = 0
+        self._stats: tuple[int, ...] = ()
         self._closed: str | None = None
         self._progress_at = time.monotonic()
 
@@ -188,6 +189,17 @@ class Broker:
         """Record that the engine serves (every rank loaded its stage): /health may answer ok."""
         with self._lock:
             self._ready = True
+
+    def set_engine_stats(self, stats: tuple[int, ...]) -> None:
+        """Record the engine's KV-block, prefix-cache and speculation numbers (hpcpipe.serve.engine_stats)."""
+        with self._lock:
+            self._stats = tuple(stats)
+
+    @property
+    def engine_stats(self) -> tuple[int, ...]:
+        """The engine's last reported numbers (empty before the first report)."""
+        with self._lock:
+            return self._stats
 
     def progressed(self, at: float | None = None) -> None:
         """Record that the engine's pending work last moved at ``at`` (time.monotonic(); default now)."""

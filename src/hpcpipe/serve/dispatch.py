@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.engine_stats import total
 from hpcpipe.serve.protocol import ANY, Cancel, Events, StopReplica, Submit, WorldTag, receive, send
 from hpcpipe.serve.scheduler import ReplicaScheduler
 
@@ -58,6 +59,7 @@ class Dispatcher:
         self.owner: dict[str, int] = {}
         self.load = [0] * dp
         self.running = [0] * dp
+        self.stats: list[tuple[int, ...]] = [()] * dp    # each replica's latest engine numbers (serve.engine_stats)
         self.draining = ""          # why the source was closed ("" while open)
         self.drains = 0             # drain requests received from other ranks
         self.stopped = False        # every replica was told to stop
@@ -121,6 +123,9 @@ class Dispatcher:
             if event.finish is not None and self.owner.pop(event.request_id, None) is not None:
                 self.load[replica] -= 1
         self.running[replica] = message.running
+        if message.stats:
+            self.stats[replica] = message.stats
+            self.source.set_engine_stats(total(self.stats))
         self.moved[replica] = time.monotonic()        # no events: a heartbeat, its head moved anyway
         if message.events:
             self.source.deliver(message.events)
@@ -180,10 +185,10 @@ class Controller:
             # no heartbeat once stopped: rank 0 no longer listens, and it would be left unreceived
             if (not self.stopping and self.moved_at is not None and self.moved_at() > self.sent_at
                     and now - self.sent_at >= self.beat_s):
-                send(self.box, 0, Events(self.replica, [], self.scheduler.running))
+                send(self.box, 0, Events(self.replica, [], self.scheduler.running, self.scheduler.stats()))
                 self.sent_at = now
             return False             # a heartbeat is not work: the loop's sleeping is unchanged
-        send(self.box, 0, Events(self.replica, self.pending, self.scheduler.running))
+        send(self.box, 0, Events(self.replica, self.pending, self.scheduler.running, self.scheduler.stats()))
         self.pending = []
         self.sent_at = now
         return True

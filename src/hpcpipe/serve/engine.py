@@ -43,6 +43,7 @@ from hpcpipe.serve.protocol import Drain, send
 from hpcpipe.serve.roles import Follower, Head, SamplerTable
 from hpcpipe.serve.scheduler import ReplicaScheduler
 from hpcpipe.serve.setup import ServeSetup
+from hpcpipe.serve.speculate import DraftProposer, NgramProposer
 from hpcpipe.serve.stall import Heartbeat
 from hpcpipe.serve.tp_stage import TPDriver, TPWorker
 from hpcpipe.state import collective as checkpoint_mpi
@@ -75,10 +76,26 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     table = arrays.pop(0)["tok_emb"] if needs_table else None
     stage = None
     with together(world, poller, 1, lambda e: f"cannot build stage {pp_rank}: {type(e).__name__}: {e}"):
-        stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype,
-                            setup.config.serve.max_sequences, tok_emb=table, tp=tp, weight_format=fmt,
-                            release=True, ep=ep)
+        srv = setup.config.serve
+        stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype, srv.max_sequences,
+                            tok_emb=table, tp=tp, weight_format=fmt, release=True, kv_block=srv.kv_block,
+                            kv_blocks=setup.kv_blocks, ep=ep)
     return stage
+
+
+def build_proposer(setup: ServeSetup, backend: Any, vocab: int) -> Any:
+    """The head's speculation proposer (serve.speculate): prompt lookup, a draft model read here whole, or None."""
+    srv = setup.config.serve
+    if srv.speculate == "ngram":
+        return NgramProposer()
+    if srv.speculate != "draft":
+        return None
+    draft = setup.draft
+    source = draft.weights.forward_only(setup.config.model.dtype)
+    arrays = source.read(list(range(draft.shape.n_groups)))
+    stage = DecodeStage(draft.model, range(draft.shape.n_groups), arrays, backend.xp, setup.config.model.dtype,
+                        srv.max_sequences, release=True, kv_block=srv.kv_block, kv_blocks=setup.kv_blocks)
+    return DraftProposer(stage, vocab)
 
 
 TP_YIELD_S = 0.005      # a tp worker polls by yielding this long after its last call before it sleeps
@@ -169,8 +186,12 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
                          f"serving: stage {topo.pp_rank} waits for its pipeline's work")
         loop([follower.step, relay, beat], lambda: follower.done, poller)
     else:
-        scheduler = ReplicaScheduler(cfg.serve.max_sequences, setup.groups, setup.shape.seq_len, cfg.serve.kv_cache,
-                                     cfg.serve.prefill_tokens, setup.stop_ids, depth=setup.pp)
+        srv = cfg.serve
+        scheduler = ReplicaScheduler(srv.max_sequences, setup.groups, setup.shape.seq_len, srv.kv_cache,
+                                     srv.prefill_tokens, setup.stop_ids, depth=setup.pp, kv_block=srv.kv_block,
+                                     kv_blocks=setup.kv_blocks, prefix_cache=srv.prefix_cache,
+                                     proposer=build_proposer(setup, backend, samplers.vocab),
+                                     speculate_tokens=srv.speculate_tokens if srv.speculate else 0)
         # expert parallelism: the heads of an ep group agree every step and leave together (serve.ep_lockstep)
         lockstep = Lockstep(ep, lambda: control.finished) if ep is not None else None
         head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events),

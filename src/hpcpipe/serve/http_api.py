@@ -147,6 +147,7 @@ async def _metrics(request: web.Request) -> web.Response:
     s = request.app[_STATE]
     broker, metrics = s["broker"], s["metrics"]
     metrics.set_gauges(queue_depth=broker.queue_depth, running=broker.running)
+    metrics.set_engine(broker.engine_stats)
     return web.Response(body=metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

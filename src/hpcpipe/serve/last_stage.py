@@ -2,12 +2,15 @@
 
 Roughly, per work item (one forward of a micro-batch group)::
 
-    rows = each segment's last row, then the echo rows       (logit_rows; None: the last rows only)
+    rows = each segment's last row, then the echo rows, then the rows of each speculating segment but its last
+                                                             (logit_rows; None: the last rows only)
     logits = forward over the segments, head applied to rows  (forward_rows)
     for each flagged segment: mask = its grammar's next ids  (Constraint; none: every id)
                               token = its sampler on logits[last row] + mask
                               entry = log-softmax32 of logits[last row] at token, top k   (when asked)
     for each echo block: the prompt tokens' entries from their rows' logits
+    for each speculating segment: its sampler draws from its rows in order while the draws equal the
+                                  proposals (hpcpipe.serve.speculate): every token drawn is kept
 
 The forward of a decode stage returns the logits of each segment's last row only; a request with ``echo``
 and ``logprobs`` needs the rows of its prompt too. ``forward_rows`` asks the stage for exactly those rows:
@@ -25,24 +28,28 @@ import numpy as np
 from hpcpipe.nn.core.decode import Segment
 from hpcpipe.serve.grammar import Constraint
 from hpcpipe.serve.logprobs import entries
-from hpcpipe.serve.protocol import Detail, Echo
+from hpcpipe.serve.protocol import Detail, Draft, Echo
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.sampling import Sampler, SamplingParams
 from hpcpipe.serve.scheduler import FAILED
 
 
-def logit_rows(segments: list[Segment], echo: list[Echo]) -> list[int] | None:
-    """Rows of a forward call whose logits the last stage needs: each segment's last, then the echo rows in order.
+def logit_rows(segments: list[Segment], echo: list[Echo], drafts: list[Draft] = ()) -> list[int] | None:
+    """Rows of a forward call whose logits the last stage needs: each segment's last, then the echo rows in order,
+    then each speculating segment's rows but its last (those verify its proposals).
 
-    None when there is no echo: the forward's own choice (each segment's last row) is what sampling needs.
+    None when there is neither: the forward's own choice (each segment's last row) is what sampling needs.
     """
-    if not echo:
+    if not echo and not drafts:
         return None
     ends = np.cumsum([s.length for s in segments])
     rows = [int(e) - 1 for e in ends]
     for index, offset, targets in echo:
         first = int(ends[index]) - segments[index].length + offset
         rows.extend(range(first, first + len(targets)))
+    for index, proposed in drafts:
+        first = int(ends[index]) - segments[index].length
+        rows.extend(range(first, first + len(proposed)))
     return rows
 
 
@@ -81,8 +88,8 @@ class SamplerTable:
         """Return the next token of each flagged segment's sequence from its logits row, -1 for the others."""
         return self.pick(logits, segments, flags)[0]
 
-    def pick(self, logits: Any, segments: list[Segment], flags: list[bool],
-             echo: list[Echo] = ()) -> tuple[list[int], dict[int, Detail]]:
+    def pick(self, logits: Any, segments: list[Segment], flags: list[bool], echo: list[Echo] = (),
+             drafts: list[Draft] = ()) -> tuple[list[int], dict[int, Detail], dict[int, list[int]]]:
         """Return (a token per segment: -1 where not sampled, FAILED where that request fails; details by segment).
 
         ``logits`` holds each segment's last row, then the echo rows (:func:`logit_rows`). A prompt chunk
@@ -91,9 +98,11 @@ class SamplerTable:
         (its logits are NaN, its grammar failed) gets FAILED: it alone ends, with an error.
         """
         raw = np.asarray(self.to_host(logits))[:, :self.vocab]
-        tokens, details = [], {}
+        tokens, details, spec = [], {}, {}
+        speculating = {index for index, _ in drafts}
         for i, (seg, flag) in enumerate(zip(segments, flags, strict=True)):
-            token, detail = self._one(seg.slot, raw[i]) if flag else (-1, None)
+            # a speculating segment draws from its first row first: below, once the echo rows are passed
+            token, detail = self._one(seg.slot, raw[i]) if flag and i not in speculating else (-1, None)
             tokens.append(token)
             if detail is not None:
                 details[i] = detail
@@ -112,7 +121,24 @@ class SamplerTable:
                 continue
             _, entry, done = details.get(index, (None, None, False))
             details[index] = (got, entry, done)
-        return tokens, details
+        for index, proposed in drafts:
+            block = raw[at:at + len(proposed)]
+            at += len(proposed)
+            kept = self._verify(segments[index].slot, list(block) + [raw[index]], proposed)
+            tokens[index] = kept[0] if kept[-1] != FAILED else FAILED
+            if tokens[index] != FAILED:
+                spec[index] = kept
+        return tokens, details, spec
+
+    def _verify(self, slot: int, rows: list[np.ndarray], proposed: list[int]) -> list[int]:
+        """Draw from ``rows`` in order while each draw equals the proposal; every draw is kept (FAILED ends it)."""
+        kept = []
+        for j, row in enumerate(rows):
+            token, _ = self._one(slot, row)
+            kept.append(token)
+            if token == FAILED or j == len(proposed) or token != proposed[j]:
+                break
+        return kept
 
     def _one(self, slot: int, raw: np.ndarray) -> tuple[int, Detail | None]:
         try:

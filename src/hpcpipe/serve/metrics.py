@@ -10,6 +10,8 @@ import bisect
 import math
 import threading
 
+from hpcpipe.serve import engine_stats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds, 1 ms to 30 s: decode steps take milliseconds, a queued first token may take many seconds.
@@ -56,6 +58,7 @@ class Metrics:
         self._running = 0
         self._ttft = Histogram()
         self._inter_token = Histogram()
+        self._engine = (0,) * len(engine_stats.STATS)
 
     def count_request(self, status: int | str) -> None:
         """Count one completion request answered with this HTTP status (499: the client left first)."""
@@ -82,6 +85,12 @@ class Metrics:
         """Set the queue depth (outstanding, not admitted) and the running sequences."""
         with self._lock:
             self._queue_depth, self._running = int(queue_depth), int(running)
+
+    def set_engine(self, values: tuple[int, ...]) -> None:
+        """Set the engine's KV-block, prefix-cache and speculation numbers (zeros until the engine reports)."""
+        if len(values) == len(engine_stats.STATS):
+            with self._lock:
+                self._engine = tuple(int(v) for v in values)
 
     def observe_ttft(self, seconds: float) -> None:
         """Record one time to first token (first token's arrival at the front end - request arrival)."""
@@ -120,6 +129,7 @@ class Metrics:
                  "Gap between successive generated tokens of one request reaching the front end."),
             ):
                 out += [f"# HELP {name} {text}", f"# TYPE {name} histogram"] + hist.lines(name)
+            out += engine_stats.render(self._engine)
             return "\n".join(out) + "\n"
 
 

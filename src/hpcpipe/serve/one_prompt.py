@@ -179,6 +179,9 @@ class OneShot:
     def set_running(self, n: int) -> None:
         """Nothing to show."""
 
+    def set_engine_stats(self, stats: tuple[int, ...]) -> None:
+        """Nothing to show."""
+
     def progressed(self, at: float) -> None:
         """Nothing to show (no /health here)."""
 

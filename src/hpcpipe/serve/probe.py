@@ -45,6 +45,7 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
     saying which stage first gave non-finite values.
     """
     ids = probe_ids(vocab, stage.shape.seq_len)
+    pages = list(range(-(-len(ids) // stage.paged.page)))     # the pool holds at least one whole context
     problem, out = None, None
     if pp_rank == 0:
         x = xp.asarray(np.asarray(ids, dtype=np.int64))
@@ -54,6 +55,7 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
     if problem is None:
         try:
             with np.errstate(all="ignore"):       # the overflow is reported below, once, as one line
+                stage.set_pages(0, 0, pages)
                 out = stage.forward(x, [Segment(0, 0, len(ids))])
                 bad = int(np.size(host := np.asarray(to_host(out)))) - int(np.isfinite(host).sum())
             if bad:
@@ -64,7 +66,7 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
                            f"for {stage.dtype} overflow (e.g. |w| near 3e38): check or rescale the weights")
         except Exception as exc:  # noqa: BLE001 - reported as this stage's finding, agreed on by every rank
             problem = f"the probe forward failed on stage {pp_rank}: {type(exc).__name__}: {exc}"
-    stage.clear_slot(0)
+    stage.clear_pages(pages)
     if pp_rank < pp - 1:
         send(link, pp_rank + 1, Probe(problem), out if problem is None else None)
     link.flush()

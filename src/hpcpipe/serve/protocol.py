@@ -14,7 +14,7 @@ head; replica d's head is world rank d * pp * tp (its first stage's tp rank 0)::
       stage k --Probe (+ x)--> stage k + 1                                  (once, before serving)
 
     tp communicator of stage (d, k) (TPTag)
-      tp rank 0: TPDriver --Forward + x | ClearSlot | StopTP--> tp rank r > 0: TPWorker
+      tp rank 0: TPDriver --Forward + x | SetPages | ClearPages | StopTP--> tp rank r > 0: TPWorker
 
 Replica 0's head is on rank 0 with the dispatcher, and its messages are the same as every replica's, sent
 and received the same way: every replica is driven and judged by the same messages (its tokens, or a
@@ -61,13 +61,14 @@ class PipeTag(IntEnum):
 class TPTag(IntEnum):
     """Tags on a stage's tp communicator: its tensor-parallel ranks (values apart from the others' too)."""
 
-    CALL = 41       # Forward | ClearSlot | StopTP (Forward's input on 42)
+    CALL = 41       # Forward | SetPages | ClearPages | StopTP (Forward's input on 42)
 
 
 TAGS = (WorldTag, PipeTag, TPTag)
 
 Row = tuple[int, int, int]     # a Segment as (slot, start, length): plain ints pickle cheaper than Segments
 Echo = tuple[int, int, list[int]]     # (segment index, its first row to report, the prompt ids that follow those rows)
+Draft = tuple[int, list[int]]         # (segment index, the proposed tokens its rows after the first verify)
 # per segment with something to report: (its prompt tokens' log-probabilities, its sampled token's, grammar complete)
 Detail = tuple[list[Logprob] | None, Logprob | None, bool]
 
@@ -133,6 +134,7 @@ class Events(Message):
     replica: int
     events: list[Event]
     running: int           # sequences holding a slot there now
+    stats: tuple[int, ...] = ()   # its KV-block, prefix-cache and speculation numbers (serve.engine_stats.STATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +161,13 @@ class Work(Message):
     rows: list[Row]                              # the segments of the forward
     new: list[tuple[int, SamplingParams]]        # slots whose sequence starts now: a fresh sampler each
     sample: list[bool]                           # per segment: it ends its sequence's known tokens, sample one
-    clear: list[int]                             # slots to zero before the forward (a failed sequence's)
+    clear: list[int]                             # KV blocks to zero before the forward (a failed sequence's)
     # prompt rows whose tokens' log-probabilities the last stage reports (echo), with the ids that follow them
     echo: list[Echo] = field(default_factory=list)
+    # block-table updates every stage applies before the forward: (slot, first block index, KV block ids)
+    pages: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # speculating segments: (segment index, the proposed tokens its rows after the first verify)
+    drafts: list[Draft] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +208,7 @@ class Result(Message):
     group: int
     tokens: list[int]
     details: dict[int, Detail] = field(default_factory=dict)
+    spec: dict[int, list[int]] = field(default_factory=dict)   # by speculating segment: every token it kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,11 +236,21 @@ class Forward(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class ClearSlot(Message):
-    """A stage's tp rank 0 -> each of its other tp ranks (tp, CALL): zero this KV-cache slot."""
+class ClearPages(Message):
+    """A stage's tp rank 0 -> each of its other tp ranks (tp, CALL): zero these KV blocks."""
+
+    TAG: ClassVar[int] = TPTag.CALL
+    pages: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SetPages(Message):
+    """A stage's tp rank 0 -> each of its other tp ranks (tp, CALL): give a slot these KV blocks (its table)."""
 
     TAG: ClassVar[int] = TPTag.CALL
     slot: int
+    first: int              # the slot's first block index they fill
+    pages: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +261,7 @@ class StopTP(Message):
 
 
 MESSAGES = (Submit, Cancel, StopReplica, Events, Drain, Work, Idle, Join, StopPipeline, Result, Probe, Forward,
-            ClearSlot, StopTP)
+            ClearPages, SetPages, StopTP)
 
 
 def send(box: Any, dest: int, message: Message, array: Any = None) -> None:

@@ -32,6 +32,14 @@ from hpcpipe.serve.scheduler import ReplicaScheduler
 __all__ = ["Follower", "Head", "SamplerTable"]
 
 
+def apply_tables(stage: Any, pages: list, clear: list[int]) -> None:
+    """Apply a work item's block-table updates and zero the KV blocks a failed sequence left, before its forward."""
+    for slot, first, blocks in pages:
+        stage.set_pages(slot, first, blocks)
+    if clear:
+        stage.clear_pages(clear)
+
+
 def _count(role: Head | Follower) -> None:
     """Count a work item; raise the injected fault (HPCPIPE_FAULT) when this is the one it names.
 
@@ -64,7 +72,7 @@ class Head:
         if self.pp > 1:
             while (got := receive(self.link, self.pp - 1, PipeTag.RESULT)) is not None:
                 result = got[0]
-                self._finish(result.group, result.tokens, result.details)
+                self._finish(result.group, result.tokens, result.details, result.spec)
                 busy = True
         item = self.scheduler.next_item()
         if self.lockstep is not None and self.lockstep.agree(item is not None) and item is None:
@@ -78,17 +86,17 @@ class Head:
                 self.announced = False
             return busy
         _count(self)
-        for slot in item.clear:
-            self.stage.clear_slot(slot)
+        apply_tables(self.stage, item.pages, item.clear)
         if self.pp == 1:
             # host ids: the stage checks them before copying
-            out = forward_rows(self.stage, item.tokens, item.segments, logit_rows(item.segments, item.echo))
+            out = forward_rows(self.stage, item.tokens, item.segments,
+                               logit_rows(item.segments, item.echo, item.drafts))
             self.samplers.start(item.new)
-            self._finish(item.group, *self.samplers.pick(out, item.segments, item.sample, item.echo))
+            self._finish(item.group, *self.samplers.pick(out, item.segments, item.sample, item.echo, item.drafts))
         else:
             out = self.stage.forward(item.tokens, item.segments)
-            send(self.link, 1, Work(item.group, to_rows(item.segments), item.new, item.sample, item.clear, item.echo),
-                 out)
+            send(self.link, 1, Work(item.group, to_rows(item.segments), item.new, item.sample, item.clear, item.echo,
+                                    item.pages, item.drafts), out)
             self.announced = True
         self.progress_at = time.monotonic()
         return True
@@ -105,9 +113,10 @@ class Head:
         """Whether sequences run, wait or are in flight here."""
         return not self.scheduler.idle
 
-    def _finish(self, group: int, tokens: list[int], details: dict | None = None) -> None:
-        self.tokens_out += sum(t >= 0 for t in tokens)
-        self.report(self.scheduler.complete(group, tokens, details))
+    def _finish(self, group: int, tokens: list[int], details: dict | None = None, spec: dict | None = None) -> None:
+        spec = spec or {}
+        self.tokens_out += sum(len(spec[i]) if i in spec else t >= 0 for i, t in enumerate(tokens))
+        self.report(self.scheduler.complete(group, tokens, details, spec))
 
     def stop(self) -> None:
         """Tell the following stages to leave their loops; complete every send."""
@@ -155,12 +164,12 @@ class Follower:
         self.pending = True
         _count(self)
         work = from_rows(message.rows)
-        for slot in message.clear:
-            self.stage.clear_slot(slot)
+        apply_tables(self.stage, message.pages, message.clear)
         if self.last:
-            out = forward_rows(self.stage, x, work, logit_rows(work, message.echo))
+            out = forward_rows(self.stage, x, work, logit_rows(work, message.echo, message.drafts))
             self.samplers.start(message.new)
-            send(self.link, 0, Result(message.group, *self.samplers.pick(out, work, message.sample, message.echo)))
+            send(self.link, 0, Result(message.group, *self.samplers.pick(out, work, message.sample, message.echo,
+                                                                         message.drafts)))
         else:
             out = self.stage.forward(x, work)
             send(self.link, self.k + 1, message, out)

@@ -25,22 +25,31 @@ chunk's keys and values are cached before the next chunk reads them, and the
 chunks of one prompt flow through the stages like micro-batches instead of
 each waiting for the last stage (time to first token at pp > 1).
 
+The KV cache is paged (hpcpipe.serve.kv_ledger): a request is admitted when
+a slot is free and the pool can promise every KV block it may write; it
+starts after the cached blocks of its prompt's prefix (prefix caching), and
+each work item carries the block-table updates every stage applies before
+its forward (``WorkItem.pages``), so all stages agree which blocks a sequence
+reads and writes.
+
 A sequence whose token could not be sampled (``FAILED``: its logits were not
-finite) ends alone with an "error" event. Its slot's cache may hold NaN, which
-a masked attention weight of 0 still turns into NaN for a later sequence that
-reads past its own length in a batched decode, so the next sequence to take
-that slot has it cleared first (``WorkItem.clear``, on every stage).
+finite) ends alone with an "error" event. Its KV blocks may hold NaN, which a
+masked attention weight of 0 still turns into NaN for a later sequence that
+reads past its own length in a batched decode, so they are zeroed before their
+next use (``WorkItem.clear``, on every stage) and never reused as a prefix.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from hpcpipe.nn.core.decode import Segment
 from hpcpipe.serve.broker import Event, Request
+from hpcpipe.serve.kv_ledger import KVLedger, TableUpdate
 from hpcpipe.serve.sampling import SamplingParams
 
 FAILED = -2        # the last stage's token for a sequence it could not sample (-1: nothing sampled, a prompt chunk)
@@ -61,6 +70,11 @@ class Sequence:
     echoed: int = 0            # prompt positions whose next token's log-probability was asked for (echo)
     prompt_logprobs: list = field(default_factory=list)   # what came back for them, sent with the first event
     reported: bool = False     # an event of this sequence was sent
+    started: bool = False      # its first work item was built (its whole block table went with it)
+    blocks: list[int] = field(default_factory=list)    # its KV blocks, in position order
+    keys: list[bytes] = field(default_factory=list)    # prefix keys of its first len(keys) blocks
+    reserved: int = 0          # KV blocks promised and not taken yet
+    limit: int = 0             # positions it may ever write
 
 
 @dataclass(frozen=True)
@@ -72,9 +86,11 @@ class WorkItem:
     tokens: np.ndarray                       # int64 (sum of segment lengths,), in segment order
     new: list[tuple[int, SamplingParams]] = field(default_factory=list)   # slots whose sampler starts now
     sample: list[bool] = field(default_factory=list)   # per segment: it ends the sequence's tokens, sample one
-    clear: list[int] = field(default_factory=list)     # slots to zero before the forward (a failed sequence's)
+    clear: list[int] = field(default_factory=list)     # KV blocks to zero before the forward (a failed sequence's)
     # (segment index, first row, the prompt ids after those rows): rows whose next token's log-probability is asked
     echo: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    pages: list[TableUpdate] = field(default_factory=list)   # block-table updates, applied before the forward
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)   # (segment index, proposals it verifies)
 
 
 @dataclass(frozen=True)
@@ -90,7 +106,8 @@ class ReplicaScheduler:
     """Slots, groups and waiting requests of one replica (runs on its first stage)."""
 
     def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0,
-                 stop_ids: tuple[int, ...] = (), depth: int = 1):
+                 stop_ids: tuple[int, ...] = (), depth: int = 1, kv_block: int = 16, kv_blocks: int = 0,
+                 prefix_cache: bool = True, proposer: Any = None, speculate_tokens: int = 0):
         if slots < 1 or groups < 1 or depth < 1:
             raise ValueError(f"a replica needs at least one slot, group and stage, got slots={slots} groups={groups} "
                              f"depth={depth}")
@@ -107,13 +124,22 @@ class ReplicaScheduler:
         self.flights: list[deque[Flight]] = [deque() for _ in range(groups)]   # oldest first: results come in order
         self.waiting: deque[Request] = deque()
         self.by_id: dict[str, Sequence] = {}
-        self.dirty: set[int] = set()    # slots a failed sequence left, cleared when the next sequence starts there
+        # the KV blocks (0: every slot's whole context); prefix caching needs the cache (kv_cache)
+        self.kv = KVLedger(kv_blocks or slots * -(-seq_len // kv_block), kv_block, seq_len, prefix_cache and kv_cache)
         self._turn = 0
+        # speculative decoding (hpcpipe.serve.speculate): proposals verified k + 1 rows at a time
+        self.proposer = proposer if kv_cache and speculate_tokens > 0 else None
+        self.speculate_tokens = speculate_tokens
+        self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     @property
     def running(self) -> int:
         """Sequences holding a slot."""
         return len(self.by_id)
+
+    def stats(self) -> tuple[int, ...]:
+        """KV-block, prefix-cache and speculation numbers for /metrics (hpcpipe.serve.engine_stats.STATS order)."""
+        return self.kv.numbers() + (self.spec_steps, self.spec_proposed, self.spec_accepted)
 
     @property
     def idle(self) -> bool:
@@ -143,6 +169,7 @@ class ReplicaScheduler:
         return any(seq in flight.members for flight in self.flights[seq.group])
 
     def _release(self, seq: Sequence) -> None:
+        self.kv.release(seq)
         self.groups[seq.group].remove(seq)
         del self.by_id[seq.request.id]
         self.free[seq.group].append(seq.slot)
@@ -152,8 +179,12 @@ class ReplicaScheduler:
             group = max(range(len(self.groups)), key=lambda g: len(self.free[g]))   # the least busy group
             if not self.free[group]:
                 return
-            request = self.waiting.popleft()
-            seq = Sequence(request, self.free[group].pop(), group, list(request.prompt))
+            request = self.waiting[0]
+            seq = Sequence(request, self.free[group][-1], group, list(request.prompt))
+            if not self.kv.admit(seq):
+                return                            # waits (in order) until finished sequences free KV blocks
+            self.waiting.popleft()
+            self.free[group].pop()
             self.groups[group].append(seq)
             self.by_id[request.id] = seq
 
@@ -177,7 +208,7 @@ class ReplicaScheduler:
 
     def _build(self, g: int) -> WorkItem | None:
         members, budget = [], self.prefill_tokens or self.seq_len
-        segments, rows, new, sample, reach, clear, echo = [], [], [], [], [], [], []
+        segments, rows, new, sample, reach, clear, echo, pages, wanted = [], [], [], [], [], [], [], [], []
         for seq in self.groups[g]:
             if seq.cancelled:
                 continue                          # released once its chunks in flight are back
@@ -190,11 +221,20 @@ class ReplicaScheduler:
                     continue                      # its prompt waits for the next step of the group
                 length = min(length, budget)
                 budget -= length
-            if seq.sent == 0:
+            ahead = self._lookahead(seq, start, length)
+            update = self.kv.grow(seq, start + length + ahead)
+            if not seq.started:
+                seq.started = True
                 new.append((seq.slot, seq.request.params))
-                if seq.slot in self.dirty:
-                    self.dirty.discard(seq.slot)
-                    clear.append(seq.slot)
+                update = self.kv.first_table(seq)      # its whole table: prefix hits and new blocks
+            if update is not None:
+                pages.append(update)
+                cleared = self.kv.to_clear(update)
+                clear.extend(cleared)
+                if self.proposer is not None:          # a draft model's cache follows the same tables
+                    self.proposer.tables([update], cleared)
+            if ahead:
+                wanted.append((len(segments), seq, ahead))
             if seq.request.params.prompt_logprobs:
                 first, end = max(start, seq.echoed), min(start + length, len(seq.request.prompt) - 1)
                 if first < end:
@@ -209,16 +249,57 @@ class ReplicaScheduler:
             seq.sent = start + length
         if not members:
             return None
+        drafts = self._speculate(wanted, segments, rows, reach, members)
         self.flights[g].append(Flight(members, reach, any(sample)))
-        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear, echo)
+        return WorkItem(g, segments, np.asarray(rows, dtype=np.int64), new, sample, clear, echo, pages, drafts)
 
-    def complete(self, group: int, tokens: list[int], details: dict | None = None) -> list[Event]:
+    def _lookahead(self, seq: Sequence, start: int, length: int) -> int:
+        """Tokens to propose after a decode row of ``seq`` (0: plain decoding).
+
+        The verified tokens must stay within its reservation and context, and the kept ones within max_tokens:
+        start + k + 1 positions written, up to k + 1 tokens kept (so k <= limit - start - 2). Requests that
+        report log-probabilities or follow a grammar decode plainly.
+        """
+        params = seq.request.params
+        if self.proposer is None or length != 1 or start + 1 != len(seq.tokens) or params.logprobs >= 0 \
+                or params.grammar or params.prompt_logprobs:
+            return 0
+        return max(0, min(self.speculate_tokens, seq.limit - start - 2))
+
+    def _speculate(self, wanted: list, segments: list[Segment], rows: list[int], reach: list[int],
+                   members: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """Ask the proposer, then lengthen each speculating decode segment by its proposals (in place)."""
+        if not wanted:
+            return []
+        proposals = self.proposer.propose([(seq, k) for _, seq, k in wanted])
+        drafts, extra = [], {}
+        for (index, seq, _), proposed in zip(wanted, proposals, strict=True):
+            if proposed:
+                drafts.append((index, list(proposed)))
+                extra[index] = list(proposed)
+                seg = segments[index]
+                segments[index] = Segment(seg.slot, seg.start, 1 + len(proposed))
+                reach[index] += len(proposed)
+                seq.sent += len(proposed)
+        if extra:      # rows in segment order: each drafted decode row is followed by its proposals
+            rebuilt, at = [], 0
+            for index, seg in enumerate(segments):
+                length = seg.length - len(extra.get(index, ()))
+                rebuilt.extend(rows[at:at + length])
+                rebuilt.extend(extra.get(index, ()))
+                at += length
+            rows[:] = rebuilt
+        return drafts
+
+    def complete(self, group: int, tokens: list[int], details: dict | None = None,
+                 spec: dict | None = None) -> list[Event]:
         """Take the group's oldest item's tokens (one per segment, -1 where none was sampled); return the events.
 
         ``details`` (by segment index; hpcpipe.serve.protocol.Detail): the log-probabilities of the prompt rows
         and of the sampled token, and whether the sequence's grammar is complete (it then finishes "stop").
+        ``spec`` (by segment index): the tokens a speculating segment kept (its accepted proposals and one more).
         """
-        details = details or {}
+        details, spec = details or {}, spec or {}
         flights = self.flights[group]
         if not flights or len(flights[0].members) != len(tokens):
             raise RuntimeError(f"result for group {group} does not match the work in flight "
@@ -230,7 +311,7 @@ class ReplicaScheduler:
                 continue                          # ended with an earlier chunk's result
             failed = int(token) == FAILED
             if failed:
-                self.dirty.add(seq.slot)
+                self.kv.fail(seq)
             if failed or (seq.cancelled and not self._flying(seq)):
                 # a cancelled sequence keeps its slot until its last chunk is back: the slot's next
                 # sequence must not be sent while chunks of this one still run
@@ -241,21 +322,46 @@ class ReplicaScheduler:
                 continue
             prompt_lp, token_lp, complete = details.get(index, (None, None, False))
             seq.prompt_logprobs.extend(prompt_lp or ())
+            kept = spec.get(index, [int(token)])
+            if index in spec:
+                reach = self._verified(seq, reach, kept)
             seq.cached = reach
+            self.kv.computed(seq)
             if reach < len(seq.tokens):
                 continue                          # a prompt chunk: nothing sampled yet
             if seq.request.max_new == 0:          # echo alone: the prompt's log-probabilities are the answer
                 self._release(seq)
                 events.append(self._event(seq, [], "length", None))
                 continue
-            seq.tokens.append(int(token))
-            seq.generated += 1
-            finish = "stop" if int(token) in self.stop_ids or complete else \
-                "length" if seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len else None
+            finish, out = None, []
+            for token in kept:
+                seq.tokens.append(int(token))
+                seq.generated += 1
+                out.append(int(token))
+                finish = "stop" if int(token) in self.stop_ids or complete else \
+                    "length" if seq.generated >= seq.request.max_new or len(seq.tokens) >= self.seq_len else None
+                if finish is not None:
+                    break
             if finish is not None:
                 self._release(seq)
-            events.append(self._event(seq, [int(token)], finish, None if token_lp is None else [token_lp]))
+            events.append(self._event(seq, out, finish, None if token_lp is None else [token_lp]))
         return events
+
+    def _verified(self, seq: Sequence, reach: int, kept: list[int]) -> int:
+        """Roll a verified segment back to what was kept; return the positions of ``seq`` now cached.
+
+        The segment wrote positions up to ``reach``; those past the last token kept before the new one hold
+        rejected proposals: the sequence's length says they are not there (later writes overwrite them).
+        """
+        proposed = reach - len(seq.tokens)
+        accepted = len(kept) - 1
+        self.spec_steps += 1
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        cached = len(seq.tokens) + accepted
+        seq.sent = cached
+        self.proposer.rolled_back(seq, cached)
+        return cached
 
     @staticmethod
     def _event(seq: Sequence, tokens: list[int], finish: str | None, logprobs: list | None) -> Event:

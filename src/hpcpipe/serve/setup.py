@@ -14,6 +14,7 @@ weights.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ class ServeSetup:
     stored_tokenizer: StoredTokenizer
     model_name: str
     tp: int = 1                  # tensor-parallel ranks per stage (parallel.tp)
+    draft: ServeSetup | None = None   # serve.draft's model (speculative decoding), one stage on each replica's head
 
     @property
     def shape(self) -> DecoderShape:
@@ -66,6 +68,12 @@ class ServeSetup:
     def tokenizer(self) -> Any:
         """The working tokenizer (Tokenizer for bytes/chars, HFTokenizer for a Hugging Face model)."""
         return self.stored_tokenizer.load()
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks in each stage's pool (serve.kv_blocks, 0: serve.max_sequences whole contexts)."""
+        srv = self.config.serve
+        return srv.kv_blocks or srv.max_sequences * -(-self.shape.seq_len // srv.kv_block)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -109,8 +117,7 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     if share is not None and params + cache > share:
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
-            f"{cache / GIB:.3g} GiB for serve.max_sequences = {cfg.serve.max_sequences} sequences of model.seq_len = "
-            f"{cfg.model.seq_len} tokens); {how}: {_memory_hint(cfg, params, cache, share)}")
+            f"{cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
 
 
 def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
@@ -118,6 +125,9 @@ def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
     named are below the ones given (a fixed example once suggested a seq_len above the model's context)."""
     if params >= share or cache == 0:
         return "the parameters alone do not fit: use more stages (parallel.pp) or tensor parallelism (parallel.tp)"
+    if cfg.serve.kv_blocks:       # the pool is sized by its blocks
+        fits = cfg.serve.kv_blocks * (share - params) // cache
+        return f"lower serve.kv_blocks (at most {fits} fit: --set serve.kv_blocks={fits}), or use more stages"
     seq_len, sequences = cfg.model.seq_len, cfg.serve.max_sequences
     fits_len = seq_len * (share - params) // cache
     fits_len = fits_len // 256 * 256 if fits_len >= 512 else fits_len      # a round number when there is room
@@ -128,6 +138,15 @@ def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
     if fits_len >= 2:
         ways.append(f"lower model.seq_len (at most {fits_len} tokens fit: --set model.seq_len={fits_len})")
     return ", or ".join([*ways, "use more stages"])
+
+
+def kv_pool(cfg: Config) -> str:
+    """The KV cache's size in words: its pool of KV blocks and what it is sized by."""
+    srv = cfg.serve
+    if srv.kv_blocks:
+        return f"serve.kv_blocks = {srv.kv_blocks} KV blocks of serve.kv_block = {srv.kv_block} positions"
+    return (f"serve.max_sequences = {srv.max_sequences} sequences of model.seq_len = {cfg.model.seq_len} tokens, "
+            f"in KV blocks of serve.kv_block = {srv.kv_block} positions")
 
 
 def stages_per_world(world_size: int, n_layers: int) -> int:
@@ -162,6 +181,42 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     source.check(specs, "--weights")
     shape = model.shape
     tokenizer = _tokenizer(source, given, shape.vocab)
+    whole = -(-shape.seq_len // cfg.serve.kv_block)
+    if cfg.serve.kv_blocks and cfg.serve.kv_blocks < whole:
+        raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
+                          f"{cfg.serve.kv_block} positions cannot hold one context of model.seq_len = {shape.seq_len} "
+                          f"tokens: at least {whole} are needed")
     check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp)
+    draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
+    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
+
+
+def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
+    """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context."""
+    where = f"serve.draft {cfg.serve.draft!r}"
+    draft = prepare(cfg.serve.draft, 1, None, ["parallel.pp=1", "parallel.dp=1", f"model.dtype={cfg.model.dtype!r}"])
+    why = tokenizer_difference(tokenizer, draft.stored_tokenizer)
+    if why:
+        raise ConfigError(f"{where} has another tokenizer than the model ({why}): a draft model must share the "
+                          f"model's tokenizer, since its proposals are the model's token ids")
+    if draft.shape.seq_len < seq_len:
+        raise ConfigError(f"{where} has a context of {draft.shape.seq_len} tokens, shorter than the model's "
+                          f"{seq_len}: set model.seq_len to at most {draft.shape.seq_len}")
+    return draft
+
+
+def tokenizer_difference(a: StoredTokenizer, b: StoredTokenizer) -> str:
+    """How two stored tokenizers differ (kind, vocabulary, merges, added tokens), or "" when they are the same."""
+    if a.kind != b.kind:
+        return f"{a.kind} against {b.kind}"
+    if a.kind != "hf":
+        return "" if json.loads(a.attr) == json.loads(b.attr) else "another vocabulary"
+    docs = [json.loads(dict(t.files).get("tokenizer.json", b"{}")) for t in (a, b)]
+    for what, pick in (("vocabulary", lambda d: d.get("model", {}).get("vocab")),
+                       ("merges", lambda d: d.get("model", {}).get("merges")),
+                       ("added tokens", lambda d: [(t.get("id"), t.get("content"))
+                                                   for t in d.get("added_tokens", [])])):
+        if pick(docs[0]) != pick(docs[1]):
+            return f"another {what}"
+    return ""

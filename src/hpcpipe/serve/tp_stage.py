@@ -11,7 +11,8 @@ tp rank 0 gathers the vocabulary-parallel logits to sample from.
 
 Messages on the tp communicator (hpcpipe.serve.protocol, TPTag.CALL)::
 
-    tp rank 0 -> tp rank r      Forward(rows, logit_rows) + x        ClearSlot(slot)        StopTP()
+    tp rank 0 -> tp rank r      Forward(rows, logit_rows) + x   SetPages(slot, first, pages)   ClearPages(pages)
+                                StopTP()
 
 ``logit_rows`` (echo with logprobs: hpcpipe.serve.last_stage) names the rows the head stage applies its
 vocabulary-parallel head to instead of each segment's last; every tp rank of the stage applies it to the same.
@@ -26,7 +27,7 @@ import numpy as np
 from hpcpipe.nn.core.decode import DecodeStage, Segment
 from hpcpipe.nn.core.sharding import vocab_range
 from hpcpipe.serve.last_stage import forward_rows
-from hpcpipe.serve.protocol import ClearSlot, Forward, StopTP, TPTag, from_rows, receive, send, to_rows
+from hpcpipe.serve.protocol import ClearPages, Forward, SetPages, StopTP, TPTag, from_rows, receive, send, to_rows
 
 
 def _widths(stage: DecodeStage, size: int) -> list[int]:
@@ -62,11 +63,17 @@ class TPDriver:
             out = self.xp.asarray(self.group.gather_columns(out, self.widths))
         return out
 
-    def clear_slot(self, slot: int) -> None:
-        """Zero a KV-cache slot on every tp rank of the stage (a failed request's slot, before its next user)."""
+    def set_pages(self, slot: int, first: int, pages: list[int]) -> None:
+        """Give a slot these KV blocks on every tp rank of the stage (before the forward that uses them)."""
         for peer in range(1, self.group.size):
-            send(self.box, peer, ClearSlot(slot))
-        self.stage.clear_slot(slot)
+            send(self.box, peer, SetPages(slot, first, pages))
+        self.stage.set_pages(slot, first, pages)
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero KV blocks on every tp rank of the stage (a failed request's, before their next user)."""
+        for peer in range(1, self.group.size):
+            send(self.box, peer, ClearPages(pages))
+        self.stage.clear_pages(pages)
 
     def stop(self) -> None:
         """Tell the other tp ranks to leave their loops; complete every send."""
@@ -94,8 +101,11 @@ class TPWorker:
         if isinstance(message, StopTP):
             self.done = True
             return True
-        if isinstance(message, ClearSlot):
-            self.stage.clear_slot(message.slot)
+        if isinstance(message, ClearPages):
+            self.stage.clear_pages(message.pages)
+            return True
+        if isinstance(message, SetPages):
+            self.stage.set_pages(message.slot, message.first, message.pages)
             return True
         if self.items == self.fault_at:
             raise RuntimeError(f"injected fault (HPCPIPE_FAULT) before work item {self.items}")

@@ -45,7 +45,7 @@ typedef struct {
     const float *up_b;
     hp_weight down;
     const float *down_b;
-    float *cache;                     /* keys then values: (2, slots, n_kv, seq_len, hd) */
+    float *cache;                     /* keys then values, paged: (2, n_kv, pages, page, hd) */
     int64_t window;                   /* > 0: a row attends to its sequence's last `window` positions only */
 } hp_block;
 
@@ -55,6 +55,8 @@ typedef struct {
     float eps, qk_eps, scale, pad2;   /* norm epsilon, q/k-norm epsilon, 1 / sqrt(hd) */
     const float *cos, *sin;           /* (seq_len, hd / 2) RoPE tables */
     const hp_block *blocks;
+    int64_t page, pages, max_pages;   /* positions per KV block, blocks in the pool, blocks a sequence may hold */
+    const int64_t *tables;            /* (slots, max_pages): the pool block of each slot's block i */
 } hp_stage;
 
 int hp_init(void);                    /* 1 when the AVX-512 paths are in use */
@@ -70,7 +72,7 @@ void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, con
 void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff);   /* rows of gate | up -> silu(g) u */
 void hp_gelu(float *x, int64_t n);                                        /* tanh approximation, in place */
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
-               const int64_t *positions, int64_t window, float *heads, float *scores);
+               const int64_t *positions, int64_t window, float *heads, float *scores, const float **rows);
 int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slots, const int64_t *positions,
                      float *scratch);
 

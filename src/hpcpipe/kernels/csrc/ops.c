@@ -85,14 +85,14 @@ void hp_gelu(float *x, int64_t n) {
 
 /* ---- attention ------------------------------------------------------------------------------------------- */
 
-static void attend_portable(const hp_stage *s, const float *keys, const float *values, const float *q, int64_t n,
-                            float *out, float *scores) {
-    /* one query head against n keys and values of one kv head */
+static void attend_portable(const hp_stage *s, const float *const *keys, const float *const *values, const float *q,
+                            int64_t n, float *out, float *scores) {
+    /* one query head against n keys and values of one kv head (keys[t], values[t]: position t's hd values) */
     int64_t hd = s->hd;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < n; t++) {
         float acc = 0.0f;
-        for (int64_t i = 0; i < hd; i++) acc += q[i] * keys[t * hd + i];
+        for (int64_t i = 0; i < hd; i++) acc += q[i] * keys[t][i];
         scores[t] = acc * s->scale;
         if (scores[t] > mx) mx = scores[t];
     }
@@ -103,7 +103,7 @@ static void attend_portable(const hp_stage *s, const float *keys, const float *v
     for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
         float p = scores[t] / sum;
-        for (int64_t i = 0; i < hd; i++) out[i] += p * values[t * hd + i];
+        for (int64_t i = 0; i < hd; i++) out[i] += p * values[t][i];
     }
 }
 
@@ -125,7 +125,8 @@ static HP_TARGET inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static HP_TARGET void attend_avx512(const hp_stage *s, const float *keys, const float *values, const float *q,
+static HP_TARGET void attend_avx512(const hp_stage *s, const float *const *keys, const float *const *values,
+                                    const float *q,
                                     int64_t group, int64_t n, float *out, float *scores) {
     /* the `group` query heads of one kv head (q: group x hd, out: group x hd) against its n keys and values */
     int64_t hd = s->hd, hv = hd / 16;
@@ -136,7 +137,7 @@ static HP_TARGET void attend_avx512(const hp_stage *s, const float *keys, const 
         for (int64_t i = 0; i < hv; i++) qv[i] = _mm512_loadu_ps(qg + i * 16);
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < n; t++) {
-            const float *kt = keys + t * hd;
+            const float *kt = keys[t];
             __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
             for (int64_t i = 1; i < hv; i++) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + i * 16), acc);
             sc[t] = _mm512_reduce_add_ps(acc) * s->scale;
@@ -158,7 +159,7 @@ static HP_TARGET void attend_avx512(const hp_stage *s, const float *keys, const 
         for (int64_t i = 0; i < hv; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
             __m512 p = _mm512_set1_ps(sc[t]);
-            const float *vt = values + t * hd;
+            const float *vt = values[t];
             for (int64_t i = 0; i < hv; i++) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + i * 16), acc[i]);
         }
         __m512 scale = _mm512_set1_ps(inv);
@@ -169,14 +170,20 @@ static HP_TARGET void attend_avx512(const hp_stage *s, const float *keys, const 
 #endif
 
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
-               const int64_t *positions, int64_t window, float *heads, float *scores) {
-    /* every row's keys and values are written first, so rows of one prompt see each other causally */
-    int64_t hd = s->hd, H = s->n_heads, K = s->n_kv, T = s->seq_len, width = (H + 2 * K) * hd, G = H / K;
-    float *key_cache = cache, *value_cache = cache + s->slots * K * T * hd;
+               const int64_t *positions, int64_t window, float *heads, float *scores, const float **rows) {
+    /* every row's keys and values are written first, so rows of one prompt see each other causally.
+     * The cache is paged: (2, K, pages, page, hd); a sequence's position t lives in block
+     * tables[slot][t / page] at offset t % page, so attention reads its keys through one row pointer per
+     * position (rows: 2 x seq_len pointers of scratch), never a copy. */
+    int64_t hd = s->hd, H = s->n_heads, K = s->n_kv, B = s->page, P = s->pages, width = (H + 2 * K) * hd;
+    int64_t G = H / K;
+    float *key_cache = cache, *value_cache = cache + K * P * B * hd;
+    const float **krows = rows, **vrows = rows + s->seq_len;
     for (int64_t r = 0; r < m; r++) {
         const float *row = qkv + r * width;
+        int64_t block = s->tables[slots[r] * s->max_pages + positions[r] / B], off = positions[r] % B;
         for (int64_t j = 0; j < K; j++) {
-            int64_t at = ((slots[r] * K + j) * T + positions[r]) * hd;
+            int64_t at = ((j * P + block) * B + off) * hd;
             for (int64_t i = 0; i < hd; i++) {
                 key_cache[at + i] = row[(H + j) * hd + i];
                 value_cache[at + i] = row[(H + K + j) * hd + i];
@@ -185,20 +192,24 @@ void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, con
     }
     for (int64_t r = 0; r < m; r++) {
         const float *row = qkv + r * width;
+        const int64_t *table = s->tables + slots[r] * s->max_pages;
         int64_t first = window > 0 && positions[r] >= window ? positions[r] - window + 1 : 0;
         int64_t n = positions[r] + 1 - first;
         for (int64_t j = 0; j < K; j++) {
-            const float *k = key_cache + ((slots[r] * K + j) * T + first) * hd;
-            const float *v = value_cache + ((slots[r] * K + j) * T + first) * hd;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t at = ((j * P + table[(first + t) / B]) * B + (first + t) % B) * hd;
+                krows[t] = key_cache + at;
+                vrows[t] = value_cache + at;
+            }
             float *out = heads + r * H * hd + j * G * hd;
 #if HP_X86
             if (hp_avx512 && hd % 16 == 0 && hd <= 256) {
-                attend_avx512(s, k, v, row + j * G * hd, G, n, out, scores);
+                attend_avx512(s, krows, vrows, row + j * G * hd, G, n, out, scores);
                 continue;
             }
 #endif
             {
-                for (int64_t g = 0; g < G; g++) attend_portable(s, k, v, row + (j * G + g) * hd, n, out + g * hd, scores);
+                for (int64_t g = 0; g < G; g++) attend_portable(s, krows, vrows, row + (j * G + g) * hd, n, out + g * hd, scores);
             }
         }
     }

@@ -7,15 +7,19 @@
  *     h += heads W_o^T (+ b)
  *     u = norm2(h); h += swiglu(u W_gate|up^T) W_down^T   |   h += gelu(u W_fc^T + b) W_proj^T + b
  *
- * Scratch (hp_scratch_floats) holds u, qkv, heads, the MLP's hidden rows and the attention scores.
+ * Scratch (hp_scratch_floats) holds the attention's 2 x seq_len row pointers (first: 8-byte aligned), u, qkv,
+ * heads, the MLP's hidden rows and the attention scores. The KV cache is paged (hp.h: hp_stage.tables).
  */
 #include <math.h>
 
 #include "hp.h"
 
+#define PTR_FLOATS (((int64_t)sizeof(void *) + 3) / 4)   /* floats of scratch one row pointer takes */
+
 int64_t hp_scratch_floats(const hp_stage *s, int64_t m) {
     int64_t qkv = (s->n_heads + 2 * s->n_kv) * s->hd, up = s->act == HP_SWIGLU ? 2 * s->ff : s->ff;
-    return m * (s->d + qkv + s->n_heads * s->hd + up + s->ff) + (s->n_heads / s->n_kv) * s->seq_len + 64;
+    int64_t pointers = 2 * s->seq_len * PTR_FLOATS;
+    return pointers + m * (s->d + qkv + s->n_heads * s->hd + up + s->ff) + (s->n_heads / s->n_kv) * s->seq_len + 64;
 }
 
 static void add_bias(float *y, const float *b, int64_t m, int64_t n) {
@@ -44,7 +48,8 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
     int64_t width = (H + 2 * K) * hd, up_width = s->act == HP_SWIGLU ? 2 * ff : ff;
     for (int64_t r = 0; r < m; r++)
         if (slots[r] < 0 || slots[r] >= s->slots || positions[r] < 0 || positions[r] >= s->seq_len) return -1;
-    float *u = scratch, *qkv = u + m * d, *heads = qkv + m * width, *up = heads + m * H * hd, *hidden = up + m * up_width;
+    const float **rows = (const float **)scratch;
+    float *u = scratch + 2 * s->seq_len * PTR_FLOATS, *qkv = u + m * d, *heads = qkv + m * width, *up = heads + m * H * hd, *hidden = up + m * up_width;
     float *scores = hidden + m * ff;
     for (int64_t b = 0; b < s->n_blocks; b++) {
         const hp_block *blk = s->blocks + b;
@@ -57,7 +62,7 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
             hp_rope(qkv, m, H, hd, width, s->cos, s->sin, positions);
             hp_rope(qkv + H * hd, m, K, hd, width, s->cos, s->sin, positions);
         }
-        hp_attend(s, blk->cache, qkv, m, slots, positions, blk->window, heads, scores);
+        hp_attend(s, blk->cache, qkv, m, slots, positions, blk->window, heads, scores, rows);
         if (blk->o_b) {          /* (heads Wo^T + b) + h, the NumPy path's order */
             hp_matmul(&blk->o, heads, m, H * hd, u, d, 0);
             add_bias(u, blk->o_b, m, d);

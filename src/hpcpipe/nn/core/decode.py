@@ -1,9 +1,10 @@
 """KV-cached forward of one pipeline stage of a decoder (GPT or Llama kind) over the new tokens of many sequences.
 
 A ``DecodeStage`` holds a contiguous range of layer groups and, per local
-block, a key and a value cache of shape (slots, n_kv_heads, seq_len, head_dim)
-(GPT: n_kv_heads = n_heads): row ``slot`` belongs to one sequence, position j
-of it holds the key (value) of that sequence's token j. Each ``forward`` call
+block, a paged key and value cache (hpcpipe.nn.core.kv_pages: KV blocks of
+``kv_block`` positions from one pool, a block table per slot; GPT: n_kv_heads
+= n_heads): a slot is one sequence, position j of it holds the key (value) of
+that sequence's token j in the KV block its table names. Each ``forward`` call
 runs the stage over the new tokens of several sequences (``Segment``: slot,
 start, length), writes their keys and values at positions [start, start +
 length) and attends causally over [0, start + length). The model's steps
@@ -34,6 +35,7 @@ from hpcpipe.nn.core.decode_steps import DecoderSteps
 from hpcpipe.nn.core.flash import flash_forward
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
+from hpcpipe.nn.core.kv_pages import PagedLayout
 
 
 class DecodeStage:
@@ -51,12 +53,14 @@ class DecodeStage:
     run the compiled kernels (hpcpipe.nn.core.fused_stage), the NumPy steps, or (None) the compiled ones when
     available; the NumPy steps compute with the weights widened to the stage's dtype. ``release``: drop each
     block's arrays from ``arrays`` once built (a loader's copies: the peak stays one block above the weights).
+    ``kv_block``: positions per KV block; ``kv_blocks``: KV blocks in the pool (None: every slot's whole context,
+    each slot owning its own; otherwise a caller sets the slots' tables with :meth:`set_pages`).
     """
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
                  weight_format: str = "float32", compiled: bool | None = None, release: bool = False,
-                 ep: Any = None):
+                 ep: Any = None, kv_block: int = 16, kv_blocks: int | None = None):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
@@ -64,8 +68,7 @@ class DecodeStage:
         if not isinstance(groups, range) or groups.step != 1 or len(groups) == 0 \
                 or groups.start < 0 or groups.stop > shape.n_groups:
             raise ValueError(f"decode stage groups {groups!r} must be a non-empty range within 0..{shape.n_groups}")
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ValueError(f"decode stage slots must be a positive integer, got {slots!r}")
+        self.paged = PagedLayout(slots, shape.seq_len, kv_block, kv_blocks)
         if weight_format not in FORMATS:
             raise ValueError(f"decode stage: weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
         if compiled and not compiled_available(xp, dtype, tp, model):
@@ -86,16 +89,18 @@ class DecodeStage:
         if self.compiled:
             for i in groups:
                 self._check_group(i, arrays)
-            self._fused = FusedStage(model, groups, arrays, weight_format, slots, self._tied_table(tok_emb), release)
+            self._fused = FusedStage(model, groups, arrays, weight_format, self.paged, self._tied_table(tok_emb),
+                                     release)
             self._cache = self._fused.cache
         else:
             params = {i: self._load_group(i, arrays) for i in groups}
             self.steps.build(params, self._head_table(params, tok_emb))
-            # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b
-            self._cache = xp.zeros((len(self.steps.blocks), 2, slots, kv, t, dh), dtype=self.dtype)
-        self._future = xp.triu(xp.ones((t, t), dtype=bool), k=1)   # [i, j]: key j is after query i
+            # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b, (kv, pages, page, dh) each
+            self._cache = self.paged.allocate(xp, self.dtype, len(self.steps.blocks), kv, dh)
+        # [i, j]: key j is after query i, over whole KV blocks (a sequence's last block is read whole)
+        self._future = xp.triu(xp.ones((t, self.paged.max_pages * self.paged.page), dtype=bool), k=1)
         self._scale = 1.0 / math.sqrt(dh)
-        self._scratch = None                      # (2, rows, d_head): gathered keys and values, see _gather
+        self._scratch = None                      # gathered keys and values of the decode rows, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
 
     def _check_group(self, index: int, arrays: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -159,16 +164,26 @@ class DecodeStage:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of this stage's KV cache: 2 x local blocks x slots x n_kv_heads x seq_len x head_dim x itemsize."""
+        """Bytes of this stage's KV cache: 2 x local blocks x KV blocks x kv_block x n_kv_heads x head_dim x
+        itemsize."""
         return int(self._cache.nbytes)
 
-    def clear_slot(self, slot: int) -> None:
-        """Zero the keys and values of one slot in every local block.
+    def set_pages(self, slot: int, first: int, pages: list[int]) -> None:
+        """Give ``slot`` the KV blocks ``pages`` as its blocks ``first``, ``first + 1``, ... (checked)."""
+        self.paged.set_pages(slot, first, pages)
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero the keys and values of these KV blocks in every local block.
 
         Positions past a sequence's length are masked with a weight of exactly 0, but 0 x NaN is NaN: a
-        sequence whose forward overflowed leaves values that would poison the next sequence in its slot.
+        sequence whose forward overflowed leaves values that would poison the next sequence in its KV blocks.
         """
-        self._cache[:, :, slot] = 0
+        if len(pages):
+            self._cache[:, :, :, self.xp.asarray(np.asarray(pages, dtype=np.int64))] = 0
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero the KV blocks of one slot's table in every local block (see :meth:`clear_pages`)."""
+        self.clear_pages(self.paged.tables[slot])
 
     def _input(self, x: Any, plan: CallPlan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
@@ -218,17 +233,19 @@ class DecodeStage:
         """
         xp, n = self.xp, plan.n_rows
         kv, grp, dh = self.n_kv_heads, self.group, self.head_dim
-        keys, values = cache[0], cache[1]
+        keys, values = cache[0], cache[1]                     # (kv, pages, page, dh) each
         heads = xp.empty((n, kv, grp, dh), dtype=q.dtype)
-        for first, seg in plan.prefill:
-            new, length = slice(first, first + seg.length), seg.length
-            end = seg.start + length
-            keys[seg.slot, :, seg.start:end] = k[new].transpose(1, 0, 2)
-            values[seg.slot, :, seg.start:end] = v[new].transpose(1, 0, 2)
+        for pre in plan.prefill:
+            seg, length = pre.segment, pre.segment.length
+            new, end = slice(pre.first, pre.first + length), seg.start + length
+            keys[:, pre.blocks, pre.offsets] = k[new].transpose(1, 0, 2)
+            values[:, pre.blocks, pre.offsets] = v[new].transpose(1, 0, 2)
+            # the sequence's KV blocks in order, as one (kv, positions, dh) run of keys and of values
+            seen_k = keys[:, pre.pages].reshape(kv, -1, dh)[:, :end]
+            seen_v = values[:, pre.pages].reshape(kv, -1, dh)[:, :end]
             # each kv head's query heads, time-major rows: tiles with an online softmax, never (length, end) scores
             qs = q[new].reshape(length, kv, grp, dh).transpose(1, 0, 2, 3).reshape(kv, length * grp, dh)
-            out, _ = flash_forward(xp, qs, keys[seg.slot, :, :end], values[seg.slot, :, :end], self._scale, grp,
-                                   seg.start, window=window)
+            out, _ = flash_forward(xp, qs, seen_k, seen_v, self._scale, grp, seg.start, window=window)
             heads[new] = out.reshape(kv, length, grp, dh).transpose(1, 0, 2, 3)
         if plan.decode is not None:
             heads[all_rows(plan.decode.rows)] = self._attend_decode(q, k, v, keys, values, plan.decode, window)
@@ -240,44 +257,36 @@ class DecodeStage:
         xp = self.xp
         n, kv, grp, dh = dec.n, self.n_kv_heads, self.group, self.head_dim
         rows = all_rows(dec.rows)
-        keys[dec.slots, :, dec.positions] = k[rows]
-        values[dec.slots, :, dec.positions] = v[rows]
+        keys[:, dec.blocks, dec.offsets] = k[rows].transpose(1, 0, 2)
+        values[:, dec.blocks, dec.offsets] = v[rows].transpose(1, 0, 2)
         q = q[rows].reshape(n, kv, grp, dh)                            # a kv head's queries against its keys
-        if dec.span is None:
-            k, v = self._gather(keys, values, dec)                     # (n, kv, keys, dh) each
-        else:
-            k, v = keys[dec.span, :, :dec.keys], values[dec.span, :, :dec.keys]   # views of the cache
-            if dec.order is not None:
-                spread = xp.zeros((k.shape[0], kv, grp, dh), dtype=q.dtype)
-                spread[dec.order] = q
-                q = spread
+        k, v = self._gather(keys, values, dec)                         # (n, kv, keys, dh) each
         hidden = dec.future
         if window:         # keys more than ``window`` positions back are hidden too (a sliding-window block)
             old = xp.arange(dec.keys)[None, :] <= (dec.row_positions - window)[:, None]
             hidden = hidden | old.reshape(hidden.shape)
-        p = self._softmax_(q @ k.swapaxes(-1, -2), hidden)           # (rows, kv, grp, keys)
-        out = p @ v
-        if dec.order is not None:
-            out = out[dec.order]
-        return out
+        p = self._softmax_(q @ k.swapaxes(-1, -2), hidden)           # (n, kv, grp, keys)
+        return p @ v
 
     def _gather(self, keys: Any, values: Any, dec: DecodeBatch) -> tuple[Any, Any]:
-        """Copy the decode slots' keys and values up to ``dec.keys`` into the stage's scratch (grown when short).
+        """Copy the decode sequences' KV blocks into the stage's scratch (grown when short): (n, kv, keys, dh) views.
 
-        Fancy indexing would allocate two fresh arrays of that size per block, and NumPy's large allocations
-        cost a page fault per 4 KiB page each time (measured: 3x the whole step with 32 sequences).
+        One ``take`` of whole KV blocks per array. Fancy indexing would allocate two fresh arrays of that size
+        per block, and NumPy's large allocations cost a page fault per 4 KiB page each time (measured: 3x the
+        whole step with 32 sequences).
         """
-        xp, dh = self.xp, self.head_dim
-        rows = dec.gather
-        n_rows = rows.shape[0]
-        if self._scratch is None or self._scratch.shape[1] < n_rows:
-            self._scratch = xp.empty((2, n_rows, dh), dtype=self.dtype)
+        xp, dh, kv, page = self.xp, self.head_dim, self.n_kv_heads, self.paged.page
+        m = dec.gather.shape[0]
+        size = kv * m * page * dh
+        if self._scratch is None or self._scratch.size < 2 * size:
+            self._scratch = xp.empty(2 * size, dtype=self.dtype)
         out = []
-        for source, buf in zip((keys, values), self._scratch, strict=True):
-            # NumPy buffers ``out`` under the default mode "raise"; the rows are in range by construction
-            xp.take(source.reshape(-1, dh), rows, axis=0, out=buf[:n_rows], **self._take_mode)
-            out.append(buf[:n_rows].reshape(dec.n, self.n_kv_heads, dec.keys, dh))
-        return tuple(out)
+        for index, source in enumerate((keys, values)):
+            buf = self._scratch[index * size:(index + 1) * size].reshape(kv, m, page, dh)
+            # NumPy buffers ``out`` under the default mode "raise"; the KV blocks are in range by construction
+            xp.take(source, dec.gather, axis=1, out=buf, **self._take_mode)
+            out.append(buf.reshape(kv, dec.n, dec.keys, dh).transpose(1, 0, 2, 3))
+        return out[0], out[1]
 
     def join(self) -> None:
         """An expert-parallel step with no rows here (an idle serving replica): the stage's sparse blocks still
@@ -292,8 +301,7 @@ class DecodeStage:
         stage holding the head (``rows``: after these rows of the call instead, e.g. every prompt token's for
         their log-probabilities), else C-contiguous activations (n_rows, d_model).
         """
-        plan = plan_call(segments, self.slots, self.shape.seq_len, self.xp, self._future, self.n_kv_heads,
-                         self._fused is None)
+        plan = plan_call(segments, self.paged, self.xp, self._future, self._fused is None)
         if rows is not None:
             bad = [r for r in rows if not 0 <= r < plan.n_rows]
             if bad:

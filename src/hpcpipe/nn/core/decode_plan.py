@@ -3,7 +3,9 @@
 A call carries the new tokens of several sequences (:class:`Segment`: slot, start, length) as consecutive
 rows; :func:`plan_call` checks them and builds every index the stage needs once per call (on the host and,
 for the NumPy attention, as xp arrays): each row's position and slot, the last row of each segment, the
-prefill segments, and the decode rows' batched attention (:class:`DecodeBatch`).
+prefill segments (:class:`Prefill`: where their keys go, which KV blocks they read) and the decode rows'
+batched attention (:class:`DecodeBatch`). The cache is paged (hpcpipe.nn.core.kv_pages): a row's key goes to
+KV block ``tables[slot, position // page]``, and attention reads a sequence's KV blocks in table order.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-# decode slots spread over at most this many times their count are read in place, wider ones gathered
-_IN_PLACE_SPAN = 1.5
 
 
 @dataclass(frozen=True)
@@ -27,24 +26,32 @@ class Segment:
 
 
 @dataclass
-class DecodeBatch:
-    """The decode (length-1) segments of a forward call: one batched attention over their slots' caches.
+class Prefill:
+    """A segment longer than one token: its rows' KV blocks and offsets, and the KV blocks it attends over."""
 
-    When their slots lie in a span at most _IN_PLACE_SPAN times their count, attention reads that span of the
-    cache in place (a view: no copy) with the queries spread over the span's rows; otherwise it gathers their
-    slots' keys and values into a scratch buffer the stage reuses.
+    first: int          # its first row in the call
+    segment: Segment
+    blocks: Any         # xp int64 (length,): the KV block of each new token
+    offsets: Any        # xp int64 (length,): its offset in that block
+    pages: Any          # xp int64: the sequence's KV blocks holding positions [0, start + length)
+
+
+@dataclass
+class DecodeBatch:
+    """The decode (length-1) segments of a forward call: one batched attention over their KV blocks.
+
+    Their sequences' KV blocks (``npages`` each, enough for the longest) are gathered into a scratch buffer
+    the stage reuses, ``keys = npages x page`` positions per sequence, the positions after each token hidden.
     """
 
     rows: Any        # xp int64 rows of the decode tokens in the call, or None when they are all the rows
-    slots: Any       # xp int64 (n,) their slots
-    positions: Any   # xp int64 (n,) their tokens' positions
+    blocks: Any      # xp int64 (n,) the KV block of each token
+    offsets: Any     # xp int64 (n,) its offset in that block
     n: int
-    keys: int        # keys attended over: max(position) + 1
-    span: slice | None   # the cache rows read in place, or None: gather ``slots``
-    gather: Any      # xp int64 (n * kv * keys,) rows of the cache seen as (slots * kv * seq_len, hd) rows, or None
-    order: Any       # xp int64 (n,) each token's row in the span, or None when row i is token i
-    future: Any      # xp bool (rows attended, 1, 1, keys): True where a key is after the query
-    row_positions: Any = None   # xp int64 (rows attended,): the query position of each row (a window's start)
+    keys: int        # positions attended over per sequence: npages x page (the padding hidden)
+    gather: Any      # xp int64 (n * npages,): the KV blocks of each sequence, in order
+    future: Any      # xp bool (n, 1, 1, keys): True where a key is after the query
+    row_positions: Any = None   # xp int64 (n,): the query position of each row (a window's start)
 
 
 @dataclass
@@ -55,7 +62,7 @@ class CallPlan:
     positions: np.ndarray                # host int64 (n_rows,): each row's position in its sequence
     row_slots: np.ndarray                # host int64 (n_rows,): each row's slot
     last_rows: Any                       # xp int64 (n_segments,), or None when every row is a segment's last
-    prefill: list[tuple[int, Segment]]   # (first row, segment) of each segment longer than 1
+    prefill: list[Prefill]               # each segment longer than 1
     decode: DecodeBatch | None
     dev_positions: Any = None            # xp copy of positions, made on first use (see DecodeStage._positions)
 
@@ -65,10 +72,11 @@ def all_rows(rows: Any) -> Any:
     return slice(None) if rows is None else rows
 
 
-def plan_call(segments: list[Segment], slots: int, seq_len: int, xp: Any, future: Any, n_kv: int,
-              attention: bool = True) -> CallPlan:
-    """Check the segments and build the row and cache indices one forward call needs (``attention`` False: the
-    NumPy attention's batch is not planned, for a compiled stage that attends in C)."""
+def plan_call(segments: list[Segment], paged: Any, xp: Any, future: Any, attention: bool = True) -> CallPlan:
+    """Check the segments and build the row and cache indices one forward call needs (``paged``: the stage's
+    hpcpipe.nn.core.kv_pages.PagedLayout; ``attention`` False: the NumPy attention's indices are not planned,
+    for a compiled stage that attends in C)."""
+    slots, seq_len = paged.slots, paged.seq_len
     if not segments:
         raise ValueError("decode stage: forward needs at least one segment")
     seen = set()
@@ -95,37 +103,30 @@ def plan_call(segments: list[Segment], slots: int, seq_len: int, xp: Any, future
     row_slots = np.repeat(np.array([s.slot for s in segments], dtype=np.int64), lengths)
     is_dec = lengths == 1
     all_last = bool(is_dec.all())
-    prefill = [(int(firsts[i]), segments[i]) for i in np.flatnonzero(~is_dec)]
-    decode = None
-    if is_dec.any() and attention:
-        decode = decode_batch(None if all_last else firsts[is_dec], row_slots[firsts[is_dec]], starts[is_dec], xp,
-                              future, n_kv, seq_len)
+    prefill, decode = [], None
+    if attention:
+        blocks, offsets = paged.where(row_slots, positions)
+        for i in np.flatnonzero(~is_dec):
+            seg, rows = segments[i], slice(int(firsts[i]), int(firsts[i] + lengths[i]))
+            prefill.append(Prefill(int(firsts[i]), seg, xp.asarray(blocks[rows]), xp.asarray(offsets[rows]),
+                                   xp.asarray(paged.pages_of(seg.slot, seg.start + seg.length))))
+        if is_dec.any():
+            at = firsts[is_dec]
+            decode = decode_batch(None if all_last else at, row_slots[at], starts[is_dec], blocks[at], offsets[at],
+                                  paged, xp, future)
+    else:
+        prefill = [Prefill(int(firsts[i]), segments[i], None, None, None) for i in np.flatnonzero(~is_dec)]
     last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
     return CallPlan(n_rows, positions, row_slots, last_rows, prefill, decode)
 
 
-def decode_batch(rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray, xp: Any, future_mask: Any,
-                 kv: int, t: int) -> DecodeBatch:
+def decode_batch(rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray, blocks: np.ndarray,
+                 offsets: np.ndarray, paged: Any, xp: Any, future_mask: Any) -> DecodeBatch:
     """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call."""
     n = slots.size
-    keys = int(positions.max()) + 1
-    low, span = int(slots.min()), int(slots.max() - slots.min()) + 1
-    dev_slots, dev_pos = xp.asarray(slots), xp.asarray(positions)
-    future = future_mask[dev_pos, :keys]
-    if span > _IN_PLACE_SPAN * n:
-        # every (slot, kv head) pair's first ``keys`` positions, as rows of head_dim values: one take per array
-        gather = (((slots[:, None] * kv + np.arange(kv))[:, :, None] * t) + np.arange(keys)).reshape(-1)
-        return DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys, None,
-                           xp.asarray(gather), None, future.reshape(n, 1, 1, keys), dev_pos)
-    order, row_positions = None, dev_pos
-    if span != n or (slots != np.arange(low, low + span)).any():
-        order = xp.asarray(slots - low)
-        row_positions = xp.zeros(span, dtype=np.int64)      # rows without a query: position 0, key 0 only
-        row_positions[order] = dev_pos
-        # the span's rows without a query attend to key 0 only: finite, and dropped afterwards
-        spread = xp.ones((span, keys), dtype=bool)
-        spread[:, 0] = False
-        spread[order] = future
-        future = spread
-    return DecodeBatch(None if rows is None else xp.asarray(rows), dev_slots, dev_pos, n, keys,
-                       slice(low, low + span), None, order, future.reshape(span, 1, 1, keys), row_positions)
+    npages = int(positions.max()) // paged.page + 1          # KV blocks of the longest sequence
+    keys = npages * paged.page
+    dev_pos = xp.asarray(positions)
+    gather = paged.tables[slots, :npages].reshape(-1)
+    return DecodeBatch(None if rows is None else xp.asarray(rows), xp.asarray(blocks), xp.asarray(offsets), n,
+                       keys, xp.asarray(gather), future_mask[dev_pos, :keys].reshape(n, 1, 1, keys), dev_pos)

@@ -49,7 +49,7 @@ def as_table(value: Any, fmt: str) -> Any:
 class FusedStage:
     """Layer groups ``groups`` of a decoder model, computed by the compiled kernels (see the module docstring)."""
 
-    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]], fmt: str, slots: int,
+    def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]], fmt: str, paged: Any,
                  tok_emb: Any = None, release: bool = False):
         shape = model.shape
         self.model, self.shape, self.fmt = model, shape, fmt
@@ -58,13 +58,13 @@ class FusedStage:
         blocks = [i for i in groups if 1 <= i <= shape.n_blocks]
         n_heads, n_kv = model.local_heads(None)
         hd = shape.head_dim
-        self.cache = np.zeros((len(blocks), 2, slots, n_kv, shape.seq_len, hd), dtype=np.float32)
+        self.cache = paged.allocate(np, np.float32, len(blocks), n_kv, hd)
         # block by block, each block's arrays released (with ``release``) once its fused form exists
         fused = [model.fused_block(arrays.pop(i) if release else arrays[i], fmt, i) for i in blocks]
         kind = model.fused_kind()
         rope = model.rope(np, np.float32).tables(shape.seq_len) if kind.rope else None
-        self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, shape.ff, self.cache, rope) \
-            if blocks else None
+        self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, shape.ff, self.cache, rope,
+                              paged.tables, shape.seq_len) if blocks else None
         self.table = self.pos_emb = None
         if self.has_embedding:
             self.table = as_table(arrays[0]["tok_emb"], fmt)

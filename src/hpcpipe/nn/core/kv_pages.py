@@ -1,0 +1,63 @@
+"""A paged KV cache's geometry: fixed-size KV blocks from one pool per stage, a block table per sequence slot.
+
+Per layer block of a stage the cache holds keys and values of shape ``(n_kv_heads, pages, page, head_dim)``:
+``pages`` KV blocks of ``page`` positions each, shared by every sequence of the stage. A sequence (a slot)
+holds a list of KV blocks, its row of ``tables``: position t of the sequence lives in KV block
+``tables[slot, t // page]`` at offset ``t % page``. Who owns which KV block is decided elsewhere (the
+serving scheduler, hpcpipe.serve.kv_blocks); every stage of a pipeline (and every tp rank of a stage) is told
+the same tables, so the stages agree which KV blocks a sequence reads (a prefix another sequence computed,
+hpcpipe.serve.prefix_cache). Without a pool size the cache holds every slot's whole context, and each slot
+starts with its own KV blocks (slot s: blocks s * max_pages ..), which is today's contiguous cache cut in
+pages: callers that never set a table keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class PagedLayout:
+    """KV blocks of ``page`` positions, ``pages`` of them in the pool, a table of ``max_pages`` per slot."""
+
+    def __init__(self, slots: int, seq_len: int, page: int = 16, pages: int | None = None):
+        for name, value in (("slots", slots), ("seq_len", seq_len), ("KV block size", page)):
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"decode stage {name} must be a positive integer, got {value!r}")
+        self.slots, self.seq_len, self.page = int(slots), int(seq_len), int(page)
+        self.max_pages = -(-self.seq_len // self.page)            # KV blocks one whole context needs
+        whole = self.slots * self.max_pages
+        self.pages = whole if pages is None else pages
+        if not isinstance(self.pages, int | np.integer) or isinstance(self.pages, bool) or self.pages < 1:
+            raise ValueError(f"decode stage KV blocks must be a positive integer, got {pages!r}")
+        self.pages = int(self.pages)
+        # each slot owns its own blocks when the pool can hold them all (a caller that never sets a table)
+        self.tables = np.zeros((self.slots, self.max_pages), dtype=np.int64)
+        if self.pages >= whole:
+            self.tables[:] = np.arange(whole, dtype=np.int64).reshape(self.slots, self.max_pages)
+
+    def allocate(self, xp: Any, dtype: Any, n_blocks: int, kv: int, head_dim: int) -> Any:
+        """The zeroed cache of ``n_blocks`` layer blocks: (n_blocks, 2, kv, pages, page, head_dim)."""
+        return xp.zeros((n_blocks, 2, kv, self.pages, self.page, head_dim), dtype=dtype)
+
+    def set_pages(self, slot: int, first: int, pages: list[int]) -> None:
+        """Give ``slot`` the KV blocks ``pages`` as its blocks ``first``, ``first + 1``, ..., checked."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"decode stage: slot {slot} out of range 0..{self.slots - 1}")
+        if first < 0 or first + len(pages) > self.max_pages:
+            raise ValueError(f"decode stage: KV blocks {first}..{first + len(pages) - 1} of slot {slot} exceed the "
+                             f"{self.max_pages} a sequence of {self.seq_len} positions holds")
+        ids = np.asarray(pages, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.pages):
+            raise ValueError(f"decode stage: KV block {int(ids.min() if ids.min() < 0 else ids.max())} out of range "
+                             f"0..{self.pages - 1}")
+        self.tables[slot, first:first + ids.size] = ids
+
+    def where(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The KV block and offset of each (slot, position) pair (host int64 arrays)."""
+        return self.tables[slots, positions // self.page], positions % self.page
+
+    def pages_of(self, slot: int, end: int) -> np.ndarray:
+        """The KV blocks holding positions [0, end) of ``slot`` (host int64)."""
+        return self.tables[slot, :-(-end // self.page)]

@@ -1,0 +1,125 @@
+"""The KV blocks of each sequence of a replica: admission by reservation, growth, prefix hits, release.
+
+The scheduler's bookkeeping between its sequences and the replica's :class:`~hpcpipe.serve.kv_blocks.BlockPool`
+(no MPI, no compute). Roughly, per sequence::
+
+    admit:    hits = the cached blocks of the prompt's prefix (hpcpipe.serve.prefix_cache), at most those
+              before the block of the last prompt token; reserve every other block the sequence may
+              write (prompt + max_tokens, capped by the context), or wait in the queue
+    grow:     before a work item writes positions up to ``end``, take blocks from the reservation
+              -> the table update (slot, first block index, block ids) every stage applies
+    computed: once positions [0, cached) are in every stage's cache, key the full blocks among them
+    release:  give back the untaken reservation and the blocks (hashed ones stay cached, LRU)
+    fail:     a failed sequence's own blocks may hold NaN: unkeyed, and zeroed before their next use
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcpipe.serve.kv_blocks import BlockPool
+from hpcpipe.serve.prefix_cache import PrefixStats, prefix_keys
+
+TableUpdate = tuple[int, int, list[int]]      # (slot, first block index, KV block ids)
+
+
+class KVLedger:
+    """Block tables of one replica's sequences over a pool of ``blocks`` KV blocks of ``page`` positions."""
+
+    def __init__(self, blocks: int, page: int, seq_len: int, prefix_cache: bool = True):
+        if blocks * page < seq_len:
+            raise ValueError(f"{blocks} KV blocks of {page} positions cannot hold one context of {seq_len} tokens")
+        self.pool = BlockPool(blocks)
+        self.page, self.seq_len, self.prefix_cache = page, seq_len, prefix_cache
+        self.stats = PrefixStats()
+
+    def blocks_for(self, positions: int) -> int:
+        """KV blocks holding ``positions`` positions."""
+        return -(-positions // self.page)
+
+    def admit(self, seq: Any, extra: int = 0) -> bool:
+        """Give ``seq`` its prefix hits and reserve the rest of its blocks; False: it does not fit now (it waits).
+
+        ``extra``: positions speculation may write past the last token the sequence keeps.
+        """
+        request = seq.request
+        prompt = list(request.prompt)
+        limit = min(self.seq_len, len(prompt) + max(request.max_new, 0) + extra)
+        keys: list[bytes] = []
+        hits: list[int] = []
+        # echo with logprobs needs every prompt row's logits: nothing of its prompt may be skipped
+        if self.prefix_cache and not request.params.prompt_logprobs:
+            for key in prefix_keys(prompt, self.page, (len(prompt) - 1) // self.page):
+                block = self.pool.lookup(key)
+                if block is None:
+                    break
+                keys.append(key)
+                hits.append(block)
+        need = self.blocks_for(limit) - len(hits)
+        if not self.pool.reserve(need, hits):
+            return False
+        seq.blocks, seq.keys, seq.reserved = hits, keys, need
+        seq.limit = limit
+        seq.cached = seq.sent = len(hits) * self.page
+        self.stats.count(len(prompt), seq.cached)
+        return True
+
+    def grow(self, seq: Any, end: int) -> TableUpdate | None:
+        """Take blocks so that ``seq`` holds positions [0, end); the table update, or None when it already does."""
+        want = self.blocks_for(end)
+        have = len(seq.blocks)
+        if want <= have:
+            return None
+        if want - have > seq.reserved:
+            raise RuntimeError(f"sequence {seq.request.id} writes position {end - 1} past its reservation "
+                               f"({have + seq.reserved} blocks)")
+        new = [self.pool.take() for _ in range(want - have)]
+        seq.reserved -= len(new)
+        seq.blocks.extend(new)
+        return (seq.slot, have, new)
+
+    def first_table(self, seq: Any) -> TableUpdate | None:
+        """The table update naming every block ``seq`` holds now (its prefix hits) when it starts, or None."""
+        return (seq.slot, 0, list(seq.blocks)) if seq.blocks else None
+
+    def computed(self, seq: Any) -> None:
+        """Key the full blocks of ``seq`` whose positions every stage has computed (``seq.cached``)."""
+        if not self.prefix_cache:
+            return
+        full = min(seq.cached, len(seq.tokens)) // self.page
+        if full <= len(seq.keys):
+            return
+        start = len(seq.keys)
+        keys = prefix_keys(seq.tokens, self.page, full, seq.keys[-1] if seq.keys else b"", start)
+        for i, key in enumerate(keys, start):
+            self.pool.register(seq.blocks[i], key)
+        seq.keys.extend(keys)
+
+    def release(self, seq: Any) -> None:
+        """Give back everything ``seq`` holds and was promised."""
+        self.pool.unreserve(seq.reserved)
+        seq.reserved = 0
+        for block in seq.blocks:
+            self.pool.release(block)
+        seq.blocks = []
+
+    def fail(self, seq: Any) -> None:
+        """``seq`` failed (non-finite logits): its unshared blocks are unkeyed and zeroed before their next use."""
+        for block in seq.blocks:
+            if self.pool.refs[block] == 1:
+                self.pool.forget(block)
+                self.pool.dirty.add(block)
+
+    def to_clear(self, update: TableUpdate | None) -> list[int]:
+        """The blocks of a table update that a failed sequence left dirty (to be zeroed first), now clean."""
+        if update is None:
+            return []
+        dirty = [b for b in update[2] if b in self.pool.dirty]
+        self.pool.dirty.difference_update(dirty)
+        return dirty
+
+    def numbers(self) -> tuple[int, ...]:
+        """The pool's and the prefix cache's numbers, in the order of hpcpipe.serve.engine_stats.STATS."""
+        pool, stats = self.pool, self.stats
+        return (pool.n, pool.in_use, pool.shared, len(pool.hash_of), pool.evictions, stats.queries, stats.hits,
+                stats.queried_tokens, stats.cached_tokens)

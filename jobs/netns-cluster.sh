@@ -9,25 +9,27 @@
 # Then, from any directory outside /tmp (every node has its own /tmp and /dev/shm):
 #   mpiexec $(jobs/netns-cluster.sh args) -n 4 -ppn 2 python -m hpcpipe.train
 #
-# What `up` makes (all names start with hpcpipe-; docs/cluster.md "A cluster on one machine"):
-#   * per node K: a network namespace hpcpipe-nodeK holding lo and eth0 = NET.(K+1)/24, the namespace end
-#     of a veth pair whose host end hpcpipe-vK is a port of the bridge hpcpipe-br (NET.254/24, the
+# What `up` makes (all names start with NAME-, HPCPIPE_NETNS_NAME, default hpcpipe; docs/cluster.md
+# "A cluster on one machine"; two clusters up at once need their own NAME and HPCPIPE_NETNS_NET):
+#   * per node K: a network namespace NAME-nodeK holding lo and eth0 = NET.(K+1)/24, the namespace end
+#     of a veth pair whose host end NAME-vK is a port of the bridge NAME-br (NET.254/24, the
 #     "switch" and the launching host's address); a tbf qdisc of RATE on both ends (egress of each:
 #     into and out of the node), so every byte between two nodes crosses two links of RATE
-#   * the state directory HPCPIPE_NETNS_DIR (default /run/hpcpipe-netns): hostfile `hosts`, the
+#   * the state directory HPCPIPE_NETNS_DIR (default /run/NAME-netns): hostfile `hosts`, the
 #     launcher `launch` (hydra's -launcher-exec, used as ssh), `mpiexec-args`, per-node tmp/, `made`
 #     (every object up created, one per line, read by down)
-# A rank starts inside its node's namespace with its own UTS name (hostname hpcpipe-nodeK) and its own
+# A rank starts inside its node's namespace with its own UTS name (hostname NAME-nodeK) and its own
 # mount namespace: a fresh tmpfs on /dev/shm and the node's own /tmp, as on real nodes; everything
 # else (the repository, the venv, /run, /var/tmp, /work...) is the "shared file system".
 # Limits of the emulation: one kernel, so one memory pool, one set of cores, one clock; no latency
 # (netem is not available here): only bandwidth is shaped.
 set -euo pipefail
 
-STATE=${HPCPIPE_NETNS_DIR:-/run/hpcpipe-netns}
+NAME=${HPCPIPE_NETNS_NAME:-hpcpipe}      # prefix of every name made: NAME-nodeK, NAME-vK, NAME-br, /run/NAME-netns
+STATE=${HPCPIPE_NETNS_DIR:-/run/$NAME-netns}
 NET=${HPCPIPE_NETNS_NET:-10.213.7}       # the /24 the nodes live in (.1 .. .N) and the host (.254)
-BRIDGE=hpcpipe-br
-PREFIX=hpcpipe-node
+BRIDGE=$NAME-br
+PREFIX=$NAME-node
 
 die() { echo "netns-cluster: $*" >&2; exit 2; }
 say() { echo "netns-cluster: $*"; }
@@ -45,7 +47,7 @@ EOF
 
 need_root() {
     [ "$(id -u)" = 0 ] || die "$1 needs root (network namespaces, veth links and tc qdiscs are root-only); run it with sudo"
-    for tool in ip tc unshare mount; do
+    for tool in ip tc unshare mount mountpoint; do
         command -v "$tool" >/dev/null 2>&1 || die "'$tool' is not installed (apt-get install iproute2 util-linux mount)"
     done
 }
@@ -99,7 +101,7 @@ export UCX_TLS=\${UCX_TLS:-tcp,self}
 # ssh joins its arguments into one shell command line: so do we. New UTS, IPC and mount namespaces per
 # launch (one per node and job): the node's hostname, System V IPC, its own /dev/shm and /tmp.
 exec ip netns exec "\$node" unshare --uts --ipc --mount --propagation private -- /bin/sh -c '
-    hostname "\$1" && mount -t tmpfs -o mode=1777 hpcpipe-shm /dev/shm && mount --bind "\$2" /tmp || exit 255
+    hostname "\$1" && mount -t tmpfs -o mode=1777 $NAME-shm /dev/shm && mount --bind "\$2" /tmp || exit 255
     shift 2; exec /bin/sh -c "\$*"' node-init "\$node" "$STATE/nodes/\$node/tmp" "\$*"
 EOF
     chmod 755 "$STATE/launch"
@@ -112,12 +114,15 @@ cmd_up() {
     [[ "$n" =~ ^[1-9][0-9]?$ ]] && (( n <= 64 )) || die "N must be a node count from 1 to 64; got '$n'"
     bits=$(rate_bits "$rate")
     [ -n "$bits" ] && (( bits >= 8000 )) || die "RATE must be a tc rate of at least 8kbit, like 10gbit, 1gbit or 100mbit; got '$rate'"
+    [[ "$NAME" =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "HPCPIPE_NETNS_NAME must be 1 to 8 lower-case letters and digits, starting with a letter; got '$NAME'"
     [[ "$NET" =~ ^(10|172|192)\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "HPCPIPE_NETNS_NET must be the first three numbers of a private /24, like 10.213.7; got '$NET'"
     need_root up
     [ ! -e "$STATE/made" ] || die "a cluster is already up ($STATE/made); run '$0 down' first"
     # Namespaces must work here: a probe namespace, removed at once (containers without CAP_SYS_ADMIN refuse).
-    local probe="hpcpipe-probe-$$"
-    ip netns add "$probe" 2>/dev/null || die "network namespaces are unavailable here ('ip netns add' failed: no CAP_SYS_ADMIN, or a kernel without CONFIG_NET_NS)"
+    local probe="$NAME-probe-$$" fresh_rundir=0
+    # `ip netns add` makes /run/netns (a bind mount of itself) the first time: ours to remove then
+    [ -e /run/netns ] || fresh_rundir=1
+    ip netns add "$probe" 2>/dev/null || { (( fresh_rundir == 0 )) || remove_rundir; die "network namespaces are unavailable here ('ip netns add' failed: no CAP_SYS_ADMIN, or a kernel without CONFIG_NET_NS)"; }
     ip netns del "$probe"
     ip link show "$BRIDGE" >/dev/null 2>&1 && die "a link named $BRIDGE exists but no cluster is recorded in $STATE; remove it by hand (ip link del $BRIDGE)"
     if ip -4 -o addr show | grep -q " $NET\."; then
@@ -131,12 +136,13 @@ cmd_up() {
     # any failure from here on (an error, a refusal) removes what this `up` made so far
     trap 'if [ "$up_done" = 0 ]; then echo "netns-cluster: up failed; removing what it made" >&2; cmd_down >&2 || true; fi' EXIT
     record "dir $STATE"
+    (( fresh_rundir == 0 )) || record "rundir /run/netns"
     ip link add "$BRIDGE" type bridge
     record "link $BRIDGE"
     ip addr add "$NET.254/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
     for ((k = 0; k < n; k++)); do
-        ns=$PREFIX$k; veth=hpcpipe-v$k
+        ns=$PREFIX$k; veth=$NAME-v$k
         ip netns add "$ns"
         record "netns $ns"
         ip link add "$veth" type veth peer name eth0 netns "$ns"
@@ -157,14 +163,20 @@ cmd_up() {
     # wait (up to 5 s) until the bridge forwards on every port (3 = forwarding; at once without STP)
     for ((k = 0; k < n; k++)); do
         local tries=0
-        until [ "$(cat "/sys/class/net/hpcpipe-v$k/brport/state" 2>/dev/null)" = 3 ]; do
-            tries=$((tries + 1)); (( tries < 50 )) || die "the bridge does not forward on hpcpipe-v$k"
+        until [ "$(cat "/sys/class/net/$NAME-v$k/brport/state" 2>/dev/null)" = 3 ]; do
+            tries=$((tries + 1)); (( tries < 50 )) || die "the bridge does not forward on $NAME-v$k"
             sleep 0.1
         done
     done
     up_done=1
     say "up: $n node(s) ${PREFIX}0..${PREFIX}$((n - 1)) at $NET.1..$NET.$n, links of $rate each way; host $NET.254"
     say "run from a directory outside /tmp:  mpiexec $(cat "$STATE/mpiexec-args") -n RANKS [-ppn PER_NODE] python -m hpcpipe.train"
+}
+
+remove_rundir() {    # /run/netns, when up made it and no namespace of anyone else lives there now
+    [ -d /run/netns ] && [ -z "$(ls -A /run/netns)" ] || return 0
+    while mountpoint -q /run/netns; do umount /run/netns || return 0; done
+    rmdir /run/netns
 }
 
 cmd_down() {
@@ -186,6 +198,7 @@ cmd_down() {
         case "$kind" in
             link) if ip link show "$name" >/dev/null 2>&1; then ip link del "$name"; fi ;;
             netns) if [ -e "/run/netns/$name" ]; then ip netns del "$name"; fi ;;
+            rundir) remove_rundir ;;
             dir) ;;
         esac
     done

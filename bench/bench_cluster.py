@@ -145,6 +145,8 @@ def train_once(p: dict, within: bool, steps: int, work: Path, quiet: tuple[float
     # the fastest step too: on a shared machine it is the one least slowed by other work
     return {"step_s": statistics.median(r["step_time_s"] for r in records),
             "step_min_s": min(r["step_time_s"] for r in records),
+            # tp's own collectives (the slowest rank's seconds in the step): how much of a tp step is messages
+            "tp_comm_s": statistics.median(r.get("tp_comm_s", 0.0) for r in records),
             "sent_bytes_per_step": statistics.median(r["sent_bytes"] for r in records),
             "link_bytes_per_step": [statistics.median(x[k] for x in links) for k in range(2)] if links[0] else [0, 0],
             "link_counter_bytes_per_run": kernel, "steps": steps, "idle_before": idle, "load_before": load,
@@ -303,7 +305,9 @@ def print_tables(results: dict) -> None:
     for t in results["training"]:
         link = max(statistics.median(r["link_bytes_per_step"][k] for r in t["runs"]) for k in range(2))
         fastest = min(r["step_min_s"] for r in t["runs"])
-        load = statistics.median(r["load_after"] for r in t["runs"])
+        # the load after the run that gave the measured time (with the median statistic: the rounds' median)
+        chosen = [r["load_after"] for r in t["runs"] if r["step_s"] == t["measured_s"]]
+        load = chosen[0] if chosen else statistics.median(r["load_after"] for r in t["runs"])
         print(f"| {t['rate']} | {t['placement']} | {t['plan']} | {t['predicted_s']:.3f} | {t['measured_s']:.3f} | "
               f"{t['error']:+.1%} | {fastest:.3f} | {link / 2**20:.2f} MiB | {load:.1f} |")
     for rate in results["rates"]:

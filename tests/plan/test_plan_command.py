@@ -191,12 +191,20 @@ def test_a_budget_below_what_the_model_alone_needs_is_refused_before_measuring(t
     (["--ranks", "2", "--write", "/proc/plan.toml"], "cannot create a file in '/proc'"),   # was: after planning
     (["--ranks", "2", "--profile-dir", "exists.toml"], "--profile-dir 'exists.toml' is not a directory"),
     (["--ranks", "2", "--write", "ck/plan.toml"], "is inside the checkpoint directory"),   # was: written there
+    (["--ranks", "2", "--nodes", "0"], "--nodes must be a positive integer"),
+    (["--ranks", "3", "--nodes", "2", "--network", "exists.toml"], "--ranks 3 is not a multiple of --nodes 2"),
+    (["--ranks", "2", "--nodes", "2"], "--nodes 2 needs --network PROBE.json"),
+    (["--ranks", "2", "--network", "exists.toml"], "--network is the link between nodes: give --nodes"),
+    (["--ranks", "2", "--nodes", "2", "--network", "missing.json"], "--network 'missing.json': cannot read it"),
+    (["--ranks", "2", "--nodes", "2", "--network", "exists.toml"], "--network 'exists.toml' is not JSON"),
+    (["--ranks", "2", "--nodes", "2", "--network", "probe.json"], "--network 'probe.json': communication probe"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")
     (tmp_path / "dangling.toml").symlink_to(tmp_path / "target.toml")
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "manifest.json").write_text("{}")      # a checkpoint step directory, as far as paths go
+    (tmp_path / "probe.json").write_text('{"p2p": [[4096, 1e-5]]}')     # a probe needs 2 sizes and more
     proc = _plan(args, tmp_path / "profiles", tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("hpcpipe: error:")

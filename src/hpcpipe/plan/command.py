@@ -1,6 +1,7 @@
 """``python -m hpcpipe.plan``: profile the model, then choose layout, schedule and stage cut under a memory budget.
 
     python -m hpcpipe.plan --config C --ranks N [--memory-per-rank 8GiB] [--top 5] [--write best.toml]
+                           [--nodes K --network PROBE.json]
 
 Measures each layer group here (cached: a second plan of the same model is
 instant), predicts every plan for the configured global batch on N ranks with
@@ -26,6 +27,7 @@ from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import memory_floor, report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
 from hpcpipe.plan.search import micro_batch_rows, search
+from hpcpipe.profiles.comm_model import CommModel, Placement
 from hpcpipe.profiles.profile import default_cache_dir
 from hpcpipe.runtime.host_memory import available_bytes, rank_share
 from hpcpipe.state.outputs import check_writable, write_new
@@ -88,6 +90,10 @@ def _parser() -> CommandParser:
                    "train.micro_batches x train.micro_batch_size)")
     p.add_argument("--cores", type=int, help="cores the ranks share on one node (default: one core per rank)")
     p.add_argument("--max-micro-batches", type=int, default=64, help="largest micro-batch count tried (default 64)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the ranks run on, ranks / nodes consecutive ranks "
+                   "a node (default 1)")
+    p.add_argument("--network", metavar="PROBE.json", help="the link between nodes: the probe run on 2 ranks of "
+                   "2 nodes (mpiexec -ppn 1 -n 2 python -m hpcpipe.plan.probe --out PROBE.json); needed with --nodes")
     p.add_argument("--profile-dir", help=f"profile cache (default $HPCPIPE_PROFILE_DIR or {default_cache_dir()})")
     p.add_argument("--refresh-profile", action="store_true", help="measure again even when a profile is cached")
     add_print_config(p)
@@ -95,12 +101,21 @@ def _parser() -> CommandParser:
 
 
 def _check_args(args) -> None:
-    for name in ("ranks", "top", "cores", "max_micro_batches", "global_batch"):
+    for name in ("ranks", "top", "cores", "max_micro_batches", "global_batch", "nodes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.ranks > MAX_RANKS:
         raise ConfigError(f"--ranks {args.ranks} is more than the planner searches ({MAX_RANKS})")
+    if args.ranks % args.nodes:
+        raise ConfigError(f"--ranks {args.ranks} is not a multiple of --nodes {args.nodes}: give each node as many "
+                          f"ranks")
+    if args.nodes > 1 and not args.network:
+        raise ConfigError(f"--nodes {args.nodes} needs --network PROBE.json, the link between two nodes measured "
+                          f"once: mpiexec -ppn 1 -n 2 (one rank on each of 2 nodes) python -m hpcpipe.plan.probe "
+                          f"--out PROBE.json")
+    if args.network is not None and args.nodes == 1:
+        raise ConfigError("--network is the link between nodes: give --nodes (more than 1) with it")
     if args.cores is not None and args.cores > host_cores():
         # the profile is measured on this machine's cores; a bigger node is planned with --ranks alone
         raise ConfigError(f"--cores {args.cores} is more than this machine's {host_cores()} cores, which the "
@@ -149,6 +164,22 @@ def plan_threads(ranks: int, cores: int | None, here: int) -> int:
     return max(1, (cores or here) // local)
 
 
+def network_model(path: str) -> CommModel:
+    """The link between nodes, fitted to a probe result file (ConfigError naming the file when it is not one)."""
+    try:
+        with open(path) as f:
+            probe = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--network {path!r}: cannot read it: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"--network {path!r} is not JSON ({exc}); write it with python -m hpcpipe.plan.probe "
+                          f"--out") from None
+    try:
+        return CommModel.from_probe(probe)
+    except ConfigError as exc:
+        raise ConfigError(f"--network {path!r}: {exc}") from None
+
+
 def run(args) -> int:
     """Plan and report; returns the exit status."""
     start = time.perf_counter()
@@ -156,10 +187,12 @@ def run(args) -> int:
         return print_config(load_config(args.config, args.set).to_dict(), "python -m hpcpipe.plan")
     _check_args(args)
     budget = parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None
+    network = network_model(args.network) if args.network else None
     config = load_config(args.config, args.set)
     here = host_cores()
     global_batch = args.global_batch or configured_global_batch(config, args.ranks)
-    local_ranks = args.ranks if args.cores is not None else min(args.ranks, here)
+    per_node = args.ranks // args.nodes     # a node like this one holds these ranks: its memory and cores are theirs
+    local_ranks = per_node if args.cores is not None else min(per_node, here)
     if budget is not None:
         budget_how = "--memory-per-rank"
     else:
@@ -168,15 +201,16 @@ def run(args) -> int:
     # before anything is allocated: a model no plan can hold is refused from arithmetic alone
     memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
     rows = micro_batch_rows(config, global_batch, args.ranks, args.max_micro_batches)
-    threads = plan_threads(args.ranks, args.cores, here)
+    threads = plan_threads(per_node, args.cores, here)
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
-    concurrent = max(1, min(args.ranks if args.cores is None else args.cores, here) // threads)
+    concurrent = max(1, min(per_node if args.cores is None else args.cores, here) // threads)
     sizes = profile_sizes(rows, largest=largest_profiled_rows(config))
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
                            args.refresh_profile, concurrent,
                            before_measuring=lambda: memory_floor.check_profiling(config, sizes, concurrent,
                                                                                  available_bytes()))
-    result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches)
+    placement = Placement(profile.comm, network, per_node if network is not None else None)
+    result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches, placement)
     gpt = config.model.kind in DECODERS
     if not result.feasible:
         least = min(result.predictions, key=lambda p: p.peak_bytes)
@@ -187,14 +221,16 @@ def run(args) -> int:
           f"{args.ranks} ranks, budget {report.size_text(budget)} per rank ({budget_how})")
     print(f"profile: {'cached' if profile.from_cache else 'measured'} ({profile.layers['backend']}, {threads} BLAS "
           f"thread(s) per rank, {concurrent} rank(s) side by side, micro-batch sizes {profile.sizes}); comm: "
-          f"{profile.comm.latency_s * 1e6:.1f} us + {1 / max(profile.comm.seconds_per_byte, 1e-30) / 1e9:.2f} GB/s")
+          f"{link_text(profile.comm)}" + (f" within a node; between nodes ({args.nodes} x {per_node} ranks, --network "
+                                          f"{args.network}): {link_text(network)}" if network is not None else ""))
     print(f"engine: {engine_text(profile.data.get('engine') or {})}")
     if args.cores is not None:
         print(f"cores: {args.cores} shared by the {args.ranks} ranks (simulated as shared)")
     elif args.ranks > here:
         print(f"PREDICTION: {args.ranks} ranks are more than this machine's {here} cores; the times assume one core "
               f"per rank, each as fast as this machine's, and messages as fast as between two ranks here "
-              f"(a network between nodes is slower): run the plan to check it")
+              + ("(between nodes: as --network measured)" if network is not None else
+                 "(a network between nodes is slower)") + ": run the plan to check it")
     print(f"{result.tried} plans predicted, {len(result.feasible)} within the budget\n")
     best = result.feasible[:args.top]
     print(report.table(best, gpt))
@@ -210,11 +246,17 @@ def run(args) -> int:
     if args.json:
         doc = {"ranks": args.ranks, "global_batch": global_batch, "budget_bytes": budget,
                "prediction_only": args.cores is None and args.ranks > here, "cores": args.cores,
-               "threads": threads, "profile_cached": profile.from_cache,
+               "threads": threads, "profile_cached": profile.from_cache, "nodes": args.nodes,
+               "network": args.network,
                "plans": [report.plan_dict(p) for p in result.feasible]}
         write_new(args.json, "--json", json.dumps(doc, indent=1))
     print(f"\nplanned in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def link_text(model: CommModel) -> str:
+    """A link model as 'latency + bandwidth', e.g. '4.6 us + 9.25 GB/s'."""
+    return f"{model.latency_s * 1e6:.1f} us + {1 / max(model.seconds_per_byte, 1e-30) / 1e9:.2f} GB/s"
 
 
 def planner_command(argv: list[str]) -> str:

@@ -24,6 +24,11 @@ all-to-alls (rows out and results back, forward and backward) of its (rows, T, k
 them leaving the rank, at the probe's point-to-point time; a rank holds 1/ep of the experts, whose gradients
 are averaged over dp / ep replicas.
 
+On several nodes (:class:`hpcpipe.profiles.comm_model.Placement`) the messages and
+collectives of an axis whose groups span nodes (tp, pp, dp, the world's step
+decision) are costed with the link between nodes instead (the probe run across two
+nodes), the others with the link within a node.
+
 Memory per rank counts what the engine holds at its peak: the process's
 baseline (interpreter, libraries, MPI, BLAS), parameters and gradients,
 optimizer state, the stashed caches of as many micro-batches as the simulator
@@ -42,6 +47,7 @@ from hpcpipe.config import DECODERS, Config
 from hpcpipe.nn.memory import ITEMSIZE, estimate_rank_bytes, expert_elements, state_bytes, trained_params
 from hpcpipe.nn.partition import layer_ranges
 from hpcpipe.nn.registry import model_def
+from hpcpipe.profiles.comm_model import CommModel, Placement
 from hpcpipe.profiles.profile import Profile
 from hpcpipe.schedule.costs import Costs
 from hpcpipe.schedule.event_sim import simulate_schedule
@@ -96,8 +102,10 @@ class Prediction:
 class Predictor:
     """Predicts candidates of one config from one profile (caching what does not depend on the candidate)."""
 
-    def __init__(self, config: Config, profile: Profile, cores: int | None = None):
+    def __init__(self, config: Config, profile: Profile, cores: int | None = None,
+                 placement: Placement | None = None):
         self.config, self.profile, self.cores = config, profile, cores
+        self.placement = placement or Placement(profile.comm)     # default: every rank on one node
         self.model = model_def(config)
         self.itemsize = ITEMSIZE[config.model.dtype]
         self.recompute = config.train.recompute == "stage"
@@ -132,11 +140,14 @@ class Predictor:
             per[("B", s)] = seconds("B", r) + extra
         return per
 
-    def tp_seconds(self, index: int, rows: int, tp: int) -> tuple[float, float]:
-        """Seconds of layer group ``index``'s tp collectives per forward and per backward at ``rows`` (0 at tp 1)."""
+    def tp_seconds(self, index: int, rows: int, tp: int, link: CommModel | None = None) -> tuple[float, float]:
+        """Seconds of layer group ``index``'s tp collectives per forward and per backward at ``rows`` (0 at tp 1).
+
+        ``link``: the model of the tp group's link (default the profile's, within a node).
+        """
         if tp == 1:
             return 0.0, 0.0
-        allreduce = self.profile.comm.allreduce
+        allreduce = (link or self.profile.comm).allreduce
         if self.model.kind in DECODERS:
             cfg = self.config.model
             act = allreduce(rows * cfg.seq_len * cfg.d_model * self.itemsize, tp)
@@ -151,15 +162,15 @@ class Predictor:
         # column-parallel: the input gradient is summed (none for the model's input)
         return 0.0, (allreduce(rows * dims[index] * self.itemsize, tp) if index else 0.0)
 
-    def _split(self, per: dict[tuple[str, int], float], ranges: list[range], rows: int, tp: int
-               ) -> dict[tuple[str, int], float]:
+    def _split(self, per: dict[tuple[str, int], float], ranges: list[range], rows: int, tp: int,
+               link: CommModel | None = None) -> dict[tuple[str, int], float]:
         """Per-stage costs at tp ranks: each action's compute / tp plus its stage's tp collectives."""
         if tp == 1:
             return per
         out = {}
         for s, r in enumerate(ranges):
-            fwd = sum(self.tp_seconds(i, rows, tp)[0] for i in r)
-            bwd = sum(self.tp_seconds(i, rows, tp)[1] for i in r) + (fwd if self.recompute else 0.0)
+            fwd = sum(self.tp_seconds(i, rows, tp, link)[0] for i in r)
+            bwd = sum(self.tp_seconds(i, rows, tp, link)[1] for i in r) + (fwd if self.recompute else 0.0)
             for op, extra in (("F", fwd), ("I", bwd), ("B", bwd), ("W", 0.0)):
                 out[(op, s)] = per[(op, s)] / tp + extra
         return out
@@ -200,10 +211,11 @@ class Predictor:
         rows = c.micro_batch_size
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages
-        per = self._exchange(self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp), ranges,
-                             rows, c.ep)
+        link = {axis: self.placement.link(axis, c.dp, c.pp, c.tp) for axis in ("dp", "pp", "tp", "world")}
+        per = self._exchange(self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp, link["tp"]),
+                             ranges, rows, c.ep)
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
-        comm = self.profile.comm.p2p(cut_bytes) if c.pp > 1 else 0.0
+        comm = link["pp"].p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]
         params = [-(-self._rank_params(layers, ep=c.ep) // c.tp) for layers in rank_layers]
         trained = [-(-self._rank_params(layers, True, c.ep) // c.tp) for layers in rank_layers]
@@ -212,10 +224,10 @@ class Predictor:
             not any(0 in ls and self.model.n_layers - 1 in ls for ls in rank_layers)
         # ZeRO-1's reduce-scatter and allgather move what one allreduce does; each replica updates 1/dp
         updated = c.dp if self.config.train.zero else 1
-        step_end = max(self.profile.comm.allreduce(n * self.itemsize, c.dp)
-                       + (self.profile.comm.p2p(self.tok_emb * self.itemsize) if tied_apart else 0.0)
+        step_end = max(link["dp"].allreduce(n * self.itemsize, c.dp)
+                       + (link["pp"].p2p(self.tok_emb * self.itemsize) if tied_apart else 0.0)
                        + opt["seconds_per_param"] * n / updated for n in trained)
-        step_end += self.profile.comm.allreduce(32, c.dp * c.pp * c.tp)      # the agreed step decision
+        step_end += link["world"].allreduce(32, c.dp * c.pp * c.tp)      # the agreed step decision
         costs = Costs(comm=comm, step=step_end, per_stage=per)
         shared, costs = self._shared_cores(c, costs)
         result = simulate_schedule(c.schedule, c.pp, c.micro_batches, c.virtual_stages, costs, check=False,

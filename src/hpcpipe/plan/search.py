@@ -21,6 +21,7 @@ from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_specs
 from hpcpipe.plan.predict import Candidate, Prediction, Predictor
+from hpcpipe.profiles.comm_model import Placement
 from hpcpipe.profiles.profile import Profile
 from hpcpipe.profiles.stage_cut import measured_cut
 
@@ -82,10 +83,13 @@ class SearchResult:
 
 
 def search(config: Config, profile: Profile, ranks: int, global_batch: int, budget: int | None,
-           cores: int | None = None, max_micro: int = 64) -> SearchResult:
-    """Predict every candidate plan; return them with those that fit the budget, fastest first."""
+           cores: int | None = None, max_micro: int = 64, placement: Placement | None = None) -> SearchResult:
+    """Predict every candidate plan; return them with those that fit the budget, fastest first.
+
+    ``placement``: nodes and the link between them (default: every rank on one node).
+    """
     n_layers = config.n_layers
-    predictor = Predictor(config, profile, cores)
+    predictor = Predictor(config, profile, cores, placement)
     flops_cache: dict[int, tuple[int, ...]] = {}
     specs = model_specs(config)
     predictions: list[Prediction] = []

@@ -182,3 +182,43 @@ class CommModel:
                                   f"got {value!r}")
             values[field.name] = int(value) if field.name == "baseline_rss_bytes" else float(value)
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a plan's ranks sit: ranks_per_node consecutive world ranks a node, one link model within, one between.
+
+    hpcpipe's world rank w of grid cell (d, p, t) is ``(d x pp + p) x tp + t``, and launchers
+    fill nodes with consecutive ranks (hydra's ``-ppn``, Slurm's block distribution), so:
+
+    * a tp group (tp consecutive ranks) leaves its node when tp > R or R is no multiple of tp;
+    * a pipeline (pp x tp consecutive ranks) does so when pp x tp > R or R is no multiple of it;
+    * the replicas of a stage are pp x tp ranks apart: they span nodes whenever the job does.
+
+    A collective or message over an axis whose groups span nodes is costed with the link between
+    nodes (its slowest hop: a ring is as fast as its slowest link), otherwise with the link within.
+    ``ranks_per_node`` None means the whole job on one node.
+    """
+
+    within: CommModel
+    between: CommModel | None = None
+    ranks_per_node: int | None = None
+
+    def crosses(self, axis: str, dp: int, pp: int, tp: int) -> bool:
+        """Whether some group along axis ("dp", "pp", "tp" or "world") spans two nodes."""
+        if axis not in ("dp", "pp", "tp", "world"):
+            raise ValueError(f"crosses: axis {axis!r} is not dp, pp, tp or world")
+        per_node = self.ranks_per_node
+        if per_node is None or dp * pp * tp <= per_node:
+            return False
+        if axis == "tp":
+            return tp > 1 and (tp > per_node or per_node % tp != 0)
+        if axis == "pp":
+            return pp > 1 and (pp * tp > per_node or per_node % (pp * tp) != 0)
+        return dp > 1 if axis == "dp" else True
+
+    def link(self, axis: str, dp: int, pp: int, tp: int) -> CommModel:
+        """The model that costs axis's messages and collectives for a dp x pp x tp layout."""
+        if self.between is not None and self.crosses(axis, dp, pp, tp):
+            return self.between
+        return self.within

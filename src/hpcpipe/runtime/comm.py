@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from hpcpipe.errors import AgreedError, HpcpipeError
 from hpcpipe.runtime.backend import Backend
+from hpcpipe.runtime.wire import WireBytes
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -75,7 +76,8 @@ class PipeComm:
     """Activation/gradient exchange along one pipeline and gradient averaging across replicas."""
 
     def __init__(self, pp_comm: Comm, dp_comm: Comm, world: Comm, backend: Backend, poller: Poller,
-                 gpu_direct: bool | None = None, tp_comm: Comm | None = None, expert_dp_comm: Comm | None = None):
+                 gpu_direct: bool | None = None, tp_comm: Comm | None = None, expert_dp_comm: Comm | None = None,
+                 wire: WireBytes | None = None):
         self.pp_comm, self.dp_comm, self.world = pp_comm, dp_comm, world
         # expert parallelism: the replicas holding the same experts as this rank (their gradients' average)
         self.expert_dp_comm = expert_dp_comm
@@ -88,6 +90,7 @@ class PipeComm:
         self._sends: list = []      # (request, buffer) pairs kept alive until completion
         self.bytes_sent = 0
         self.host_device_bytes = 0
+        self.wire = wire if wire is not None else WireBytes()    # every message's bytes, and those leaving the node
 
     def tag(self, direction: int, stage: int, mb: int, n_micro: int) -> int:
         """Return the MPI tag of a message (direction 0 = activation, 1 = gradient, 2 and 3: what travels beside
@@ -122,6 +125,7 @@ class PipeComm:
         wire = self._wire(buf)
         self._sends.append((self.pp_comm.Isend(wire, dest=dest, tag=tag), wire))
         self.bytes_sent += buf.nbytes
+        self.wire.p2p(self.pp_comm, dest, buf.nbytes)
         if len(self._sends) > 64:
             self._reap()
 
@@ -153,6 +157,7 @@ class PipeComm:
         mine, counts, offsets = self._share(flat.size)
         self.poller.wait([self.pp_comm.Irecv(flat[mine], source=source, tag=tag)])
         self.poller.wait([self.tp_comm.Iallgatherv(MPI.IN_PLACE, [flat, (counts, offsets)])])
+        self.wire.allgather(self.tp_comm, full.nbytes)
         if self.backend.on_gpu:
             self.host_device_bytes += full.nbytes
         return self.backend.xp.asarray(full)
@@ -167,6 +172,7 @@ class PipeComm:
             return
         wire = self._wire(buf)
         self.poller.wait([comm.Iallreduce(MPI.IN_PLACE, wire, op=MPI.SUM)])
+        self.wire.allreduce(comm, buf.nbytes)
         if wire is not buf:
             buf[...] = self.backend.xp.asarray(wire)
             self.host_device_bytes += buf.nbytes
@@ -254,6 +260,7 @@ class PipeComm:
         self.poller.wait([self.pp_comm.Isend(mine, dest=peer, tag=tag),
                           self.pp_comm.Irecv(theirs, source=peer, tag=tag)])
         self.bytes_sent += buf.nbytes
+        self.wire.p2p(self.pp_comm, peer, buf.nbytes)
         if self.stage_through_host:
             self.host_device_bytes += buf.nbytes      # their copy back to the device
         buf += xp.asarray(theirs)

@@ -49,8 +49,30 @@ def local_rank(default: int = 0, env: Mapping[str, str] | None = None) -> int:
 
 def local_rank_count(default: int = 1, env: Mapping[str, str] | None = None) -> int:
     """Return how many ranks of this job share this node (default when the launcher does not say)."""
-    count = _first_count(LOCAL_SIZE_VARIABLES, env)
+    count = _first_count(LOCAL_SIZE_VARIABLES, env) or slurm_tasks_here(env)
     return count if count else default
+
+
+def slurm_tasks_here(env: Mapping[str, str] | None = None) -> int | None:
+    """Return the tasks srun started on this node, from SLURM_TASKS_PER_NODE and SLURM_NODEID; None if unknown.
+
+    srun sets SLURM_NTASKS_PER_NODE only when asked for --ntasks-per-node; SLURM_TASKS_PER_NODE
+    ("4(x2),3": 4 on each of the first two nodes, 3 on the third) is always there. Only for an srun task
+    (SLURM_LOCALID set): in the batch shell it describes the allocation, not a job step.
+    """
+    env = os.environ if env is None else env
+    node, spec = env.get("SLURM_NODEID", "").strip(), env.get("SLURM_TASKS_PER_NODE", "").strip()
+    if not env.get("SLURM_LOCALID", "").strip().isdigit() or not node.isdigit() or not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        number, _, repeat = part.partition("(x")
+        if not number.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            return None
+        counts += [int(number)] * (int(repeat.rstrip(")")) if repeat else 1)
+        if len(counts) > int(node):
+            return counts[int(node)] or None
+    return None
 
 
 def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.runtime.comm import MPI, Poller
+from hpcpipe.runtime.wire import WireBytes
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -28,8 +29,9 @@ YIELD_S = 0.0005
 class TPGroup:
     """In-place reductions over the tp ranks of a stage (comm), timed."""
 
-    def __init__(self, comm: Comm, backend: Backend, poller: Poller):
+    def __init__(self, comm: Comm, backend: Backend, poller: Poller, wire: WireBytes | None = None):
         self.comm, self.backend, self.poller = comm, backend, poller
+        self.wire = wire if wire is not None else WireBytes()    # the bytes of every reduction (ring model)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.seconds = 0.0       # spent in reductions since the last reset (the step's tp_comm_s)
         self.calls = 0
@@ -47,6 +49,7 @@ class TPGroup:
         else:
             wire = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         self.poller.wait([self.comm.Iallreduce(MPI.IN_PLACE, wire, op=op)], YIELD_S)
+        self.wire.allreduce(self.comm, wire.nbytes)
         if on_gpu:
             x[...] = self.backend.xp.asarray(wire)
             self.host_device_bytes += 2 * x.nbytes
@@ -84,6 +87,8 @@ class TPGroup:
         flat = np.empty(sum(counts), dtype=host.dtype) if self.rank == 0 else None
         self.poller.wait([self.comm.Igatherv(host, [flat, (counts, offsets)] if flat is not None else None, root=0)],
                          YIELD_S)
+        if self.rank:
+            self.wire.p2p(self.comm, 0, host.nbytes)
         self.seconds += time.perf_counter() - start
         if flat is None:
             return None

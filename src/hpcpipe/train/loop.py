@@ -13,6 +13,7 @@ from hpcpipe.runtime.progress import Progress as LineProgress
 from hpcpipe.runtime.rss import peak_rss_bytes
 from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.runtime.watchdog import Watchdog
+from hpcpipe.runtime.wire import link_bytes
 from hpcpipe.trace import rank_events, training_trace, write_json
 from hpcpipe.train.evaluation import due
 
@@ -50,7 +51,7 @@ class Progress:
     def log(self, step: int, result: StepResult, seconds: float, peaks: list | None = None,
             rss_by_rank: list[int] | None = None, tp_comm_s: float | None = None,
             memory_by_rank: list[tuple[int, int]] | None = None, evaluated: dict | None = None,
-            ep_comm_s: float | None = None) -> None:
+            ep_comm_s: float | None = None, wire_by_rank: list[tuple[int, int]] | None = None) -> None:
         """Record one step's result: metrics line always, console line every log.every steps."""
         tr, stats, decision, loss = self.trainer, result.stats, result.decision, result.loss
         record = {"step": step, "loss": loss, "step_time_s": seconds,
@@ -70,6 +71,10 @@ class Progress:
             record["tp_comm_s"] = tp_comm_s
         if ep_comm_s is not None:    # the slowest rank's seconds in the experts' all-to-alls
             record["ep_comm_s"] = ep_comm_s
+        if wire_by_rank is not None:   # bytes in MPI messages this step; per node, those that left it (its link)
+            record["sent_bytes"] = sum(sent for sent, _ in wire_by_rank)
+            if tr.nodes.count > 1:
+                record["link_bytes"] = link_bytes(tr.nodes.hosts, [off for _, off in wire_by_rank])
         if rss_by_rank is not None:
             record["peak_rss_bytes"] = max(rss_by_rank)
             record["peak_rss_bytes_by_rank"] = rss_by_rank
@@ -162,21 +167,25 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
                 evaluated = last_eval = trainer.evaluator.run()
             tp_s = tp.take_seconds() if tp is not None else None
             ep_s = ep.take_seconds() if ep is not None else None
+            wire = trainer.wire.take()
             if cfg.log.trace:
                 traced.append((step, stats.events + tp_trace_events(tp) + tp_trace_events(ep, "ep all-to-all")))
-            peaks = rss_by_rank = tp_comm_s = ep_comm_s = memory = None
+            peaks = rss_by_rank = tp_comm_s = ep_comm_s = memory = wire_by_rank = None
             if cfg.log.metrics and logged_step(step, cfg.log.every, cfg.train.steps):
                 # one small gather per logged step: replica 0's stages cover the pipeline, every rank its RSS
                 mine = (stats.peak_stashed_stage, stats.peak_stash_bytes_stage) if dp0 else None
-                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s, trainer.memory_bytes(), ep_s), 0)
+                gathered = gather_to_root(world, (mine, peak_rss_bytes(), tp_s, trainer.memory_bytes(), ep_s, wire),
+                                          0)
                 if gathered:
                     peaks = [g[0] for g in gathered if g[0] is not None]
                     rss_by_rank = [g[1] for g in gathered]
                     tp_comm_s = None if tp_s is None else max(g[2] for g in gathered)
                     memory = [g[3] for g in gathered]
                     ep_comm_s = None if ep_s is None else max(g[4] for g in gathered)
+                    wire_by_rank = [g[5] for g in gathered]
             if progress:
-                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s, memory, evaluated, ep_comm_s)
+                progress.log(step, result, seconds, peaks, rss_by_rank, tp_comm_s, memory, evaluated, ep_comm_s,
+                             wire_by_rank)
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:

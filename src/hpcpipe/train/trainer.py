@@ -23,9 +23,11 @@ from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
 from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import nan_injection
+from hpcpipe.runtime.nodes import check_shared_directory, gather_nodes
 from hpcpipe.runtime.step_health import StepDecision, decide, local_decision
 from hpcpipe.runtime.topology import make_topology
 from hpcpipe.runtime.tp_group import TPGroup
+from hpcpipe.runtime.wire import WireBytes
 from hpcpipe.state import collective as checkpoint_mpi
 from hpcpipe.state.peft import read_arrays
 from hpcpipe.state.run_lock import RunLock
@@ -65,9 +67,12 @@ class Trainer:
                 print(f"hpcpipe: note: {note}", file=sys.stderr, flush=True)
         xp = self.backend.xp
         self.poller = Poller(cfg.run.poll_min_us, cfg.run.poll_max_us)
+        # every rank's node: the bytes that leave a node are counted (metrics' link_bytes), shared paths checked
+        self.nodes = gather_nodes(world)
+        self.wire = WireBytes(self.nodes)
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
-                             tp_comm=self.topo.tp_comm, expert_dp_comm=self.topo.expert_dp_comm)
-        self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller) if self.topo.tp > 1 else None
+                             tp_comm=self.topo.tp_comm, expert_dp_comm=self.topo.expert_dp_comm, wire=self.wire)
+        self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller, self.wire) if self.topo.tp > 1 else None
         self.ep = ExpertGroup(self.topo.ep_comm, self.backend, self.poller) if self.topo.ep > 1 else None
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
@@ -105,6 +110,8 @@ class Trainer:
         self.run_dir: Path | None = p.resume.path.parent if p.resume is not None else None
         self.run_lock: RunLock | None = None
         try:
+            if cfg.checkpoint.dir:     # before step 0: a node-local directory would fail the first save
+                check_shared_directory(world, self.poller, self.nodes, cfg.checkpoint.dir, "checkpoint.dir")
             if self.run_dir is not None:
                 self._lock_run(world)
             self._load_initial_state(world)

@@ -43,7 +43,7 @@ def evaluate(weights: Path, data: Path, fmt: str) -> float:
     """The held-out loss (nats per token) ``hpcpipe.evaluate`` prints."""
     out = run([sys.executable, "-m", "hpcpipe.evaluate", "--weights", weights, "--data", data,
                "--weight-format", fmt])
-    found = re.search(r"loss ([0-9.]+)", out)
+    found = re.search(r"\"loss_nats\": ([0-9.]+)", out)
     if not found:
         raise RuntimeError(f"no loss in the evaluate output:\n{out}")
     return float(found.group(1))

@@ -14,7 +14,8 @@ bench_real_models.py for the shape and tokenizer). Measured, each in its own pro
 
 llama.cpp is built outside CI from the ``llama-cpp-python`` sdist's vendored source (``cmake -B build
 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build``: llama-bench, llama-quantize); the GGUFs come from its
-``convert_hf_to_gguf.py`` (``--outtype f32 / bf16 / q8_0``). Without --llama-bin those rows are skipped.
+``convert_hf_to_gguf.py`` (``--outtype f32 / bf16 / q8_0``; it imports ``sentencepiece`` before falling back to
+the BPE tokenizer: ``pip install sentencepiece``). Without --llama-bin those rows are skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,8 +93,23 @@ def hpcpipe_child(directory: str, fmt: str, prefill: bool) -> dict:
                 token = np.array([int(np.argmax(logits[-1]))])
             best = min(best, time.perf_counter() - start)
         out["decode_tok_s"] = NEW / best
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = own_peak_rss(os.getpid()) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def own_peak_rss(pid: int) -> int:
+    """A running process's own peak resident bytes (VmHWM), 0 where /proc has none.
+
+    Not getrusage's ru_maxrss: Linux carries the parent's resident size at fork into the child's (the bench's
+    parent keeps ~600 MB resident after measuring the copy rate), so every child read at least that.
+    """
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def run_hpcpipe(directory: Path, fmt: str, prefill: bool) -> dict:
@@ -119,13 +136,17 @@ def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, new: int) -
     """llama-bench's mean tokens/s (and the process's peak RSS) for one test."""
     argv = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(new), "-r", "3",
             "-o", "json"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status:
-        raise RuntimeError(f"{' '.join(argv)} failed ({status})")
-    row = json.loads(stdout)[0]
-    return {"tok_s": row["avg_ts"], "peak_rss_bytes": usage.ru_maxrss * 1024}
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        peak = 0
+        while proc.poll() is None:        # its own VmHWM while it runs (see own_peak_rss)
+            peak = max(peak, own_peak_rss(proc.pid))
+            time.sleep(0.05)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode})")
+        out.seek(0)
+        row = json.loads(out.read())[0]
+    return {"tok_s": row["avg_ts"], "peak_rss_bytes": peak}
 
 
 def token_bytes(directory: Path) -> dict:

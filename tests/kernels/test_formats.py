@@ -97,4 +97,6 @@ def test_kept_values_and_the_inference_default():
     assert kept.shape == w.shape and np.array_equal(kept, quantize_q8_0(w.T.copy()).dense().T)
     pos = rng.standard_normal((8, 64))
     assert kept_values("pos_emb", pos, "q8_0") is pos
-    assert inference_format("auto") in ("float32", "stored") and inference_format("q8_0") == "q8_0"
+    # "auto": as stored where the compiled stage runs (its results are float32's on the same weights), float32 else
+    assert inference_format("auto") == "stored" and inference_format("auto", compiled=False) == "float32"
+    assert inference_format("q8_0") == "q8_0" and inference_format("float32", compiled=True) == "float32"

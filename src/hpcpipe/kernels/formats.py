@@ -18,14 +18,19 @@ from typing import Any
 import numpy as np
 
 FORMATS = ("float32", "stored", "q8_0")     # model.weight_format, once "auto" is resolved
-INFERENCE_DEFAULT = "float32"                # what "auto" means for generate, serve and evaluate
+# what "auto" means for generate, serve and evaluate: as stored where the compiled kernels run the stage (the
+# float32 computation on the same weights, half the bytes and faster: docs/kernels.md), float32 elsewhere
+INFERENCE_DEFAULT = "stored"
 KINDS = ("float32", "bfloat16", "float16", "q8_0")
 Q8_BLOCK = 32
 
 
-def inference_format(configured: str) -> str:
-    """The weight format generate, serve and evaluate use for model.weight_format ``configured``."""
-    return INFERENCE_DEFAULT if configured == "auto" else configured
+def inference_format(configured: str, compiled: bool = True) -> str:
+    """The weight format generate, serve and evaluate use for model.weight_format ``configured`` (``compiled``:
+    whether the compiled kernels run the stage; without them "auto" widens to float32 at load, as before)."""
+    if configured != "auto":
+        return configured
+    return INFERENCE_DEFAULT if compiled else "float32"
 
 
 @dataclass(frozen=True)

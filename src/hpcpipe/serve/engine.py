@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from hpcpipe.errors import ConfigError
 from hpcpipe.kernels.formats import inference_format
 from hpcpipe.nn.core.decode import DecodeStage
+from hpcpipe.nn.core.fused_stage import compiled_available
 from hpcpipe.runtime.backend import select_backend
 from hpcpipe.runtime.comm import Poller, abort, barrier, gather_to_root, together
 from hpcpipe.runtime.expert_comm import ExpertGroup
@@ -64,7 +65,8 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     indices = list(mine) + ([0] if needs_table else [])
     # the embedding is only gathered from here: keep a 16-bit table as it is stored (exact, half the bytes)
     gathered_only = 0 in mine and not holds_head and tp is None
-    fmt = inference_format(setup.config.model.weight_format)
+    fmt = inference_format(setup.config.model.weight_format,
+                           ep is None and compiled_available(backend.xp, setup.config.model.dtype, tp, setup.model))
     weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only,
                                          stored=fmt != "float32" and tp is None and ep is None,
                                          quantize=fmt == "q8_0" and tp is None and ep is None)

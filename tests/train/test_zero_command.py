@@ -1,5 +1,5 @@
 """ZeRO-1 through the train command (issue #38): the metrics' peak optimizer bytes per rank are 1/dp of zero = 0's,
-the loss the same; zero = 1 with nothing to shard is one line, exit 2."""
+the loss and the bytes sent the same; zero = 1 with nothing to shard is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def test_peak_optimizer_bytes_per_rank_are_one_over_dp(tmp_path):
             whole["peak_optimizer_bytes"] // dp + 2 * 4
         if dp == 4:
             assert abs(sharded["loss"] - whole["loss"]) <= 1e-6 * abs(whole["loss"])
+            # a reduce-scatter and an allgather send what one allreduce does (ring counts, rounded per buffer)
+            assert abs(sharded["sent_bytes"] - whole["sent_bytes"]) <= 1e-3 * whole["sent_bytes"]
     assert whole["optimizer_bytes_by_rank"] == [whole["peak_optimizer_bytes"]] * 4
 
 

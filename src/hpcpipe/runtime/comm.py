@@ -204,6 +204,8 @@ class PipeComm:
         wires = [(self._wire(buf), self._wire(out)) for buf, out, _ in parts]
         self.poller.wait([self.dp_comm.Ireduce_scatter(w_in, w_out, counts, op=MPI.SUM)
                           for (w_in, w_out), (_, _, counts) in zip(wires, parts, strict=True)])
+        for buf, _, _ in parts:      # a ring reduce-scatter sends (r - 1) / r of the buffer, as an allgather does
+            self.wire.allgather(self.dp_comm, buf.nbytes)
         for (_, w_out), (_, out, _) in zip(wires, parts, strict=True):
             if w_out is not out:
                 out[...] = self.backend.xp.asarray(w_out)
@@ -219,6 +221,7 @@ class PipeComm:
         for wire, (_, counts) in zip(wires, parts, strict=True):
             displs = [sum(counts[:r]) for r in range(len(counts))]
             requests.append(self.dp_comm.Iallgatherv(MPI.IN_PLACE, [wire, (counts, displs)]))
+            self.wire.allgather(self.dp_comm, wire.nbytes)
         self.poller.wait(requests)
         for wire, (buf, _) in zip(wires, parts, strict=True):
             if wire is not buf:

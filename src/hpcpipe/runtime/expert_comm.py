@@ -30,8 +30,9 @@ YIELD_S = 0.0005
 class ExpertGroup:
     """The ep ranks of a stage (comm): timed all-to-all exchanges of counts and of token rows."""
 
-    def __init__(self, comm: Comm, backend: Backend, poller: Poller):
+    def __init__(self, comm: Comm, backend: Backend, poller: Poller, wire: Any = None):
         self.comm, self.backend, self.poller = comm, backend, poller
+        self.wire = wire      # a runtime.wire.WireBytes counting every message (the metrics' sent_bytes), or None
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.seconds = 0.0        # spent in exchanges since the last reset (the step's ep_comm_s)
         self.calls = 0
@@ -76,6 +77,10 @@ class ExpertGroup:
         self.poller.wait([self.comm.Ialltoallv([wire.reshape(-1), (send_counts, send_displs)],
                                                [out.reshape(-1), (recv_counts, recv_displs)])], YIELD_S)
         self.bytes_sent += wire.nbytes - send_rows[self.rank] * width * wire.itemsize
+        if self.wire is not None:
+            for peer, n in enumerate(send_rows):
+                if peer != self.rank and n:
+                    self.wire.p2p(self.comm, peer, n * width * wire.itemsize)
         if on_gpu:
             self.host_device_bytes += out.nbytes
             out = xp.asarray(out)

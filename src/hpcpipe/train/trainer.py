@@ -73,7 +73,8 @@ class Trainer:
         self.comm = PipeComm(self.topo.pp_comm, self.topo.dp_comm, world, self.backend, self.poller,
                              tp_comm=self.topo.tp_comm, expert_dp_comm=self.topo.expert_dp_comm, wire=self.wire)
         self.tp = TPGroup(self.topo.tp_comm, self.backend, self.poller, self.wire) if self.topo.tp > 1 else None
-        self.ep = ExpertGroup(self.topo.ep_comm, self.backend, self.poller) if self.topo.ep > 1 else None
+        self.ep = ExpertGroup(self.topo.ep_comm, self.backend, self.poller, self.wire) if self.topo.ep > 1 \
+            else None
         pp_rank = self.topo.pp_rank
         self.my_stages = {s: p.stage_ranges[s] for s in p.shape.rank_stages(pp_rank)}
         self.model = model = model_def(cfg)

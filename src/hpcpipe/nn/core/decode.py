@@ -276,6 +276,8 @@ class DecodeStage:
         whole step with 32 sequences).
         """
         xp, dh, kv, page = self.xp, self.head_dim, self.n_kv_heads, self.paged.page
+        if dec.strided is not None and keys.strides[1] == page * keys.strides[2]:
+            return self._grid_view(keys, dec), self._grid_view(values, dec)
         m = dec.gather.shape[0]
         size = kv * m * page * dh
         if self._scratch is None or self._scratch.size < 2 * size:
@@ -287,6 +289,21 @@ class DecodeStage:
             xp.take(source, dec.gather, axis=1, out=buf, **self._take_mode)
             out.append(buf.reshape(kv, dec.n, dec.keys, dh).transpose(1, 0, 2, 3))
         return out[0], out[1]
+
+    def _grid_view(self, source: Any, dec: DecodeBatch) -> Any:
+        """The decode sequences' keys (or values) as a strided (n, kv, keys, dh) view of the cache, no copy.
+
+        A kv head's KV blocks are consecutive in memory (``(kv, pages, page, dh)``), so sequence i's positions
+        are ``dec.keys`` rows from block ``first + i * step``: one view spans them all.
+        """
+        first, step = dec.strided
+        lowest = first + min(0, (dec.n - 1) * step)    # sequences in falling block order: view them rising
+        run = source[:, lowest:]                       # a view whose first element is the lowest sequence's
+        s_kv, s_page, s_pos, s_dim = run.strides
+        view = self.xp.lib.stride_tricks.as_strided(
+            run, shape=(dec.n, self.n_kv_heads, dec.keys, self.head_dim),
+            strides=(abs(step) * s_page, s_kv, s_pos, s_dim))
+        return view if step >= 0 else view[::-1]
 
     def join(self) -> None:
         """An expert-parallel step with no rows here (an idle serving replica): the stage's sparse blocks still

@@ -52,6 +52,7 @@ class DecodeBatch:
     gather: Any      # xp int64 (n * npages,): the KV blocks of each sequence, in order
     future: Any      # xp bool (n, 1, 1, keys): True where a key is after the query
     row_positions: Any = None   # xp int64 (n,): the query position of each row (a window's start)
+    strided: tuple[int, int] | None = None   # (first KV block, blocks between sequences) when the table is a grid
 
 
 @dataclass
@@ -127,6 +128,21 @@ def decode_batch(rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarr
     npages = int(positions.max()) // paged.page + 1          # KV blocks of the longest sequence
     keys = npages * paged.page
     dev_pos = xp.asarray(positions)
-    gather = paged.tables[slots, :npages].reshape(-1)
+    table = paged.tables[slots, :npages]
+    gather = table.reshape(-1)
     return DecodeBatch(None if rows is None else xp.asarray(rows), xp.asarray(blocks), xp.asarray(offsets), n,
-                       keys, xp.asarray(gather), future_mask[dev_pos, :keys].reshape(n, 1, 1, keys), dev_pos)
+                       keys, xp.asarray(gather), future_mask[dev_pos, :keys].reshape(n, 1, 1, keys), dev_pos,
+                       block_grid(table))
+
+
+def block_grid(table: np.ndarray) -> tuple[int, int] | None:
+    """``(first, step)`` when sequence i's KV blocks are ``first + i * step + (0, 1, ...)`` (any sign), else None.
+
+    Then the sequences' keys are one strided view of the cache and need no copy: the layout of a cache whose
+    slots own their blocks (generate, one sequence, a pool handing out consecutive blocks).
+    """
+    n, npages = table.shape
+    first = int(table[0, 0])
+    step = int(table[1, 0]) - first if n > 1 else 0
+    expected = first + step * np.arange(n, dtype=np.int64)[:, None] + np.arange(npages, dtype=np.int64)[None, :]
+    return (first, step) if np.array_equal(table, expected) else None

@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             y = np.empty((m, n), dtype=np.float32)
             flop = 2.0 * m * n * k
             dense = formats["float32"].data
-            sgemm = best(lambda: np.matmul(x, dense.T, out=y))
+            sgemm = best(lambda x=x, dense=dense, y=y: np.matmul(x, dense.T, out=y))
             for fmt, w in formats.items():
                 cpu.gemm_rows(1 << 40)
-                tiles = best(lambda: cpu.matmul(w, x, y))
+                tiles = best(lambda w=w, x=x, y=y: cpu.matmul(w, x, y))
                 cpu.gemm_rows(1)
-                panel = best(lambda: cpu.matmul(w, x, y))
+                panel = best(lambda w=w, x=x, y=y: cpu.matmul(w, x, y))
                 row = {"matrix": name, "format": fmt, "M": m, "N": n, "K": k, "tiles_s": tiles, "panel_s": panel,
                        "sgemm_s": sgemm}
                 res["rows"].append(row)

@@ -97,7 +97,8 @@ def use_portable(on: bool) -> None:
 
 
 def gemm_rows(rows: int) -> None:
-    """Multiply through the widened-panel product (csrc/gemm.c) from ``rows`` rows of x (default 64, q8_0 half that; tests: 1)."""
+    """Multiply through the widened-panel product (csrc/gemm.c) from ``rows`` rows of x (default 64, q8_0 half
+    that; tests: 1)."""
     lib = library()
     if lib is not None:
         lib.hp_set_gemm_rows(int(rows))

@@ -83,7 +83,7 @@ class DecodeStage:
         self.has_head = shape.n_blocks + 1 in groups
         self.n_heads, self.n_kv_heads, self.head_dim = self.steps.n_heads, self.steps.n_kv_heads, self.steps.head_dim
         self.group = self.n_heads // self.n_kv_heads
-        kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
+        kv, dh = self.n_kv_heads, self.head_dim
         self.windows = [model.window(i) for i in groups if 1 <= i <= shape.n_blocks]   # per local block
         self._fused = None
         if self.compiled:
@@ -97,8 +97,6 @@ class DecodeStage:
             self.steps.build(params, self._head_table(params, tok_emb))
             # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b, (kv, pages, page, dh) each
             self._cache = self.paged.allocate(xp, self.dtype, len(self.steps.blocks), kv, dh)
-        # [i, j]: key j is after query i, over whole KV blocks (a sequence's last block is read whole)
-        self._future = xp.triu(xp.ones((t, self.paged.max_pages * self.paged.page), dtype=bool), k=1)
         self._scale = 1.0 / math.sqrt(dh)
         self._scratch = None                      # gathered keys and values of the decode rows, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
@@ -318,7 +316,7 @@ class DecodeStage:
         stage holding the head (``rows``: after these rows of the call instead, e.g. every prompt token's for
         their log-probabilities), else C-contiguous activations (n_rows, d_model).
         """
-        plan = plan_call(segments, self.paged, self.xp, self._future, self._fused is None)
+        plan = plan_call(segments, self.paged, self.xp, self._fused is None)
         if rows is not None:
             bad = [r for r in rows if not 0 <= r < plan.n_rows]
             if bad:

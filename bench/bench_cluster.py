@@ -255,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("planning within a node ...", flush=True)
         results["plans"]["within"] = within_plans = best_per_layout(plan(work, profiles, None))
+        # the planner's calibration against real runs (engine factors; tp: the seconds its collectives took), and
+        # each layer group's whole and tp = 2 split times at the largest profiled size (what tp saves of it)
+        profile = json.loads(next(profiles.glob("layers-*.json")).read_text())
+        results["engine"] = profile.get("engine")
+        results["split_s"] = {str(g["index"]): {op: [g[op][size], g.get(f"{op}/tp2", {}).get(size)] for op in "FB"}
+                              for g in profile["layers"]["groups"].values()
+                              for size in [max(g["F"], key=int)]}
         weights = work / "llama.h5"
         write_llama(weights)
         for index, rate in enumerate(rates):

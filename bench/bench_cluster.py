@@ -99,7 +99,9 @@ def probe(work: Path, rate: str) -> dict:
     return {"file": str(out), "p2p_4KiB_us": model.p2p(4096) * 1e6, "p2p_64MiB_gbit_s": big * 8 / model.p2p(big) / 1e9,
             "allreduce_64MiB_gbit_s": big * 8 / model.allreduce(big, 2) / 1e9,
             "fit_latency_us": model.latency_s * 1e6, "fit_gbit_s": 8 / max(model.seconds_per_byte, 1e-30) / 1e9,
-            "p2p": raw["p2p"], "allreduce": raw["allreduce"]}
+            "tp_allreduce_1MiB_ms": model.tp_allreduce(1 << 20, 2) * 1e3,
+            "allreduce_1MiB_ms": model.allreduce(1 << 20, 2) * 1e3,
+            "p2p": raw["p2p"], "allreduce": raw["allreduce"], "tp_allreduce": raw.get("tp_allreduce")}
 
 
 def plan(work: Path, profiles: Path, network: str | None) -> list[dict]:

@@ -13,6 +13,7 @@ from hpcpipe.nn.registry import model_def
 from hpcpipe.plan.engine_calibration import POLL_CPU_S, summarize_tensor_trace, tensor_width
 from hpcpipe.plan.layer_profile import _StageBench, bench_indices, profile_layers, tp_field
 from hpcpipe.plan.predict import Candidate, Predictor
+from hpcpipe.profiles.comm_model import CommModel
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_heads": 2, "n_blocks": 2,
        "tie_embeddings": False}
@@ -143,3 +144,23 @@ def test_the_tp_run_is_as_wide_as_the_model_splits():
     assert tensor_width(gpt_config(), 2) == 2
     assert tensor_width(gpt_config(), 4) == 2         # 2 heads: tp 4 does not split them
     assert tensor_width(gpt_config(), 1) == 1
+
+
+def test_tp_collectives_cost_the_probes_polled_allreduce():
+    """Over TCP a polled nonblocking allreduce took 10-15x the blocking one: the probe measures both, the tp
+    collectives read the polled points (ring-scaled like the blocking ones), a probe without them the blocking."""
+    sizes = [4096 * 4 ** k for k in range(5)]
+    probe = {"p2p": [[n, 1e-5 + n * 1e-9] for n in sizes], "allreduce": [[n, 2e-5 + n * 1e-9] for n in sizes],
+             "tp_allreduce": [[n, 10 * (2e-5 + n * 1e-9)] for n in sizes], "baseline_rss_bytes": 1 << 26}
+    polled = CommModel.from_probe(probe)
+    assert polled.tp_allreduce(sizes[2], 2) == pytest.approx(10 * polled.allreduce(sizes[2], 2))
+    assert polled.tp_allreduce(sizes[2], 4) > polled.tp_allreduce(sizes[2], 2) and polled.tp_allreduce(9, 1) == 0.0
+    again = CommModel.from_dict(json.loads(json.dumps(polled.to_dict())))
+    assert again.tp_allreduce(sizes[2], 2) == polled.tp_allreduce(sizes[2], 2)
+    blocking = CommModel.from_probe({k: v for k, v in probe.items() if k != "tp_allreduce"})
+    assert blocking.tp_allreduce(sizes[2], 2) == blocking.allreduce(sizes[2], 2)
+    config = gpt_config()
+    profile = synthetic_profile(config, {i: 0.001 for i in range(4)})
+    profile.comm = polled
+    act = 4 * 8 * 16 * 4
+    assert Predictor(config, profile).tp_seconds(1, 4, 2) == pytest.approx((2 * polled.tp_allreduce(act, 2),) * 2)

@@ -17,7 +17,8 @@ two output sums forward and two input-gradient sums backward of its
 (rows, T, d) activation, the embedding's lookup, the loss's row maximum and its one
 sum of the denominators and target logits, the head's input gradient; an
 MLP's row-parallel outputs and column-parallel input gradients), each at the
-ring-allreduce time of the probe's fit over tp ranks, plus what a collective
+ring-allreduce time of the probe's polled nonblocking allreduce (what a tp
+collective is; :meth:`CommModel.tp_allreduce`) over tp ranks, plus what a collective
 in a real step costs beyond that (:attr:`Predictor.tp_extra_s`, from the engine
 calibration's tp run: its ranks arrive apart and wait by polling). Parameters, gradients,
 optimizer state and layer caches count 1/tp per rank (the replicated norms,
@@ -168,7 +169,7 @@ class Predictor:
         comm = link or self.profile.comm
 
         def allreduce(nbytes: int, ranks: int) -> float:
-            return comm.allreduce(nbytes, ranks) + self.tp_extra_s
+            return comm.tp_allreduce(nbytes, ranks) + self.tp_extra_s
 
         if self.model.kind in DECODERS:
             cfg = self.config.model

@@ -22,7 +22,9 @@ link rate. Every rank has one BLAS thread (HPCPIPE_THREADS=1): the 2 "nodes" sha
   tokenizer) at dp=2, pp=2, tp=2; 8 clients send 24 requests (32-byte prompts, 32 new tokens, greedy);
   tokens per second over the whole load, the median request latency, and the bytes the link carried.
 
-Results: bench/results/<today>-cluster.json, and a table printed for docs/cluster.md.
+Results: bench/results/<today>-cluster.json (with the probes, blocking and polled allreduce; the planner's engine
+calibration, its tp run's collective seconds; each layer group's whole and tp = 2 split times, ``split_s``), and a
+table printed for docs/cluster.md.
 """
 
 from __future__ import annotations

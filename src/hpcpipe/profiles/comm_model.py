@@ -27,8 +27,9 @@ coefficients stay the summary (and what a model without points uses).
 
 The tensor-parallel collectives are waited for by polling a nonblocking allreduce
 (:class:`hpcpipe.runtime.tp_group.TPGroup`), which MPI advances only inside its
-calls: over TCP that took 10-15x the blocking allreduce's time for 1 MiB (measured
-between 2 emulated nodes). The probe times that path too (``tp_allreduce``), and
+calls: over TCP that took 18x the blocking allreduce's time for 1 MiB reached after
+computing (bench/bench_tp_collectives.py between 2 emulated nodes). The probe times
+that path too (``tp_allreduce``), and
 :meth:`CommModel.tp_allreduce` reads it (the blocking allreduce's points where a
 probe did not measure it).
 """

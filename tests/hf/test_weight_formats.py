@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.hf import bytelevel_tokenizer, save_model, save_tokenizer, tiny_model
+from support.launch import one_error
 from support.serve import Server, generate
 
 from hpcpipe.kernels import cpu
@@ -159,3 +160,10 @@ def test_generate_at_tp_2_with_stored_weights_equals_tp_1(checkpoints, tmp_path,
         ids = torch.tensor([out["prompt_tokens"]])
         want = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert runs[2] == want
+
+
+def test_q8_0_at_tp_2_needs_whole_blocks_per_rank(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama", "bfloat16"]          # ff 96: 48 a rank, not whole blocks of 32
+    proc, _ = generate(tmp_path, 2, directory, "The", "--max-new-tokens", "2", "--set", "parallel.tp=2",
+                       "--set", "parallel.pp=1", "--set", 'model.weight_format="q8_0"', timeout=240)
+    one_error(proc, "parallel.tp = 2", "q8_0", "down projection (48)", "whole q8_0 blocks of 32")

@@ -1,14 +1,16 @@
 """model.weight_format on Hugging Face checkpoints: ``stored`` keeps a bfloat16 / float16 model's matrices as stored
 (half the bytes) and gives transformers' float32 logits of the same weights (1e-5), compiled and NumPy alike;
 ``q8_0`` quantizes them (about 1.06 bytes a weight) with a small, measured error; serving with stored weights
-greedy-generates transformers' text."""
+greedy-generates transformers' text; at tp = 2 each rank reads its part of every stored matrix and the compiled
+stage generates what tp = 1 does."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from support.hf import bytelevel_tokenizer, save_model, save_tokenizer, tiny_model
-from support.serve import Server
+from support.launch import one_error
+from support.serve import Server, generate
 
 from hpcpipe.kernels import cpu
 from hpcpipe.kernels.formats import RowWeight
@@ -109,3 +111,59 @@ def test_serving_stored_weights_generates_transformers_text(checkpoints):
             got = server.client().completions.create(model=directory.name, prompt="The quick brown fox", max_tokens=10,
                                                      temperature=0)
             assert got.choices[0].text == want, fmt
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_tp_rank_reads_its_part_of_each_stored_matrix(checkpoints, name, dtype):
+    """Tensor parallelism with stored weights: each rank's matrices are its part of the stored (out, in) rows (its
+    heads' and ff slice's rows, or columns for the row-parallel o and down), as stored, read without the rest."""
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.registry import model_def
+    from hpcpipe.state.sources import resolve_weights
+
+    directory, _ = checkpoints[name, dtype]
+    source = resolve_weights(directory).forward_only("float32", stored=True)
+    model = model_def(from_dict({"model": source.model, "parallel": {"pp": 1}}))
+    groups = list(range(model.n_layers))
+    whole = source.read(groups)
+    for rank in range(2):
+        parts = source.read(groups, lambda i, names, r=rank: model.shards(i, 2, r))
+        for i in groups:
+            cut = model.shards(i, 2, rank)
+            for param, value in whole[i].items():
+                got = parts[i][param]
+                if not isinstance(value, RowWeight):
+                    np.testing.assert_array_equal(got, cut[param].take(value))
+                    continue
+                assert got.kind == dtype and got.data.flags.c_contiguous, (param, got.kind)
+                shard = cut[param]
+                key = [slice(None)] * 2
+                if shard.axis is not None:       # a RowWeight is (out, in): the cut axis is the other one
+                    key[shard.axis if param == "tok_emb" else 1 - shard.axis] = shard.index
+                np.testing.assert_array_equal(got.data, value.data[tuple(key)], err_msg=f"{name} {param} {rank}")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_generate_at_tp_2_with_stored_weights_equals_tp_1(checkpoints, tmp_path, name):
+    directory, model = checkpoints[name, "bfloat16"]
+    prompt = "The quick brown fox"
+    runs = {}
+    for n in (1, 2):
+        proc, out = generate(tmp_path, n, directory, prompt, "--max-new-tokens", "10", "--temperature", "0",
+                             "--set", f"parallel.tp={n}", "--set", "parallel.pp=1",
+                             "--set", 'model.weight_format="stored"', timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        runs[n] = out["tokens"]
+    assert runs[2] == runs[1]
+    with torch.no_grad():
+        ids = torch.tensor([out["prompt_tokens"]])
+        want = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert runs[2] == want
+
+
+def test_q8_0_at_tp_2_needs_whole_blocks_per_rank(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama", "bfloat16"]          # ff 96: 48 a rank, not whole blocks of 32
+    proc, _ = generate(tmp_path, 2, directory, "The", "--max-new-tokens", "2", "--set", "parallel.tp=2",
+                       "--set", "parallel.pp=1", "--set", 'model.weight_format="q8_0"', timeout=240)
+    one_error(proc, "parallel.tp = 2", "q8_0", "down projection (48)", "whole q8_0 blocks of 32")

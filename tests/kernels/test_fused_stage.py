@@ -87,7 +87,7 @@ def test_a_compiled_stage_clears_a_slot_and_refuses_what_it_cannot_run():
     assert stage._cache[:, :, 1].any()
     stage.clear_slot(1)
     assert not stage._cache.any()
-    with pytest.raises(ValueError, match="compiled kernels run NumPy float32 stages of one tp rank"):
+    with pytest.raises(ValueError, match="compiled kernels run NumPy float32 stages of a model"):
         DecodeStage(model, range(model.shape.n_groups), arrays, np, "float64", 2, compiled=True)
     with pytest.raises(ValueError, match="weight format 'int4' is not one of"):
         DecodeStage(model, range(model.shape.n_groups), arrays, np, "float32", 2, weight_format="int4")

@@ -88,7 +88,7 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
     expected shapes) and its values must be finite; arrays come back in ``dtype``, C-contiguous. Parameters
     named in ``skip`` are left out (read another way by the caller). ``shards(index, names)`` (tensor
     parallelism: {name: hpcpipe.nn.core.sharding.Shard}) makes each tensor come back as the rank's part only,
-    read without the rest. ``stored`` (whole tensors only): matrices come back as they are stored, as (out, in)
+    read without the rest. ``stored``: matrices (or their parts) come back as they are stored, as (out, in)
     :class:`hpcpipe.kernels.formats.RowWeight` (a 16-bit matrix in its own bits: no widened copy); with
     ``quantize`` each is made q8_0 right after it is read, so the stage never holds the stored model whole.
     """
@@ -119,11 +119,12 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                 if bad:
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s)")
                 continue
-            if stored and quantize and shards is None and info.dtype in HALF and len(info.shape) == 2 \
+            whole = part is None or part.axis is None
+            if stored and quantize and whole and info.dtype in HALF and len(info.shape) == 2 \
                     and info.shape[1] % 32 == 0 and (piece.transpose or piece.name == "tok_emb"):
                 value, bad = read_quantized(tensors.holder(name), name)    # (out, in) as stored: rows at a time
-            elif stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
-                value = _stored_rows(tensors, name, info.dtype, piece)
+            elif stored and len(piece.shape) == 2 and piece.name != "pos_emb":
+                value = _stored_rows(tensors, name, info.dtype, piece, part)
                 bad = value.non_finite()
                 if quantize and not bad:
                     value = row_weight(value, "q8_0")
@@ -155,11 +156,17 @@ def _held_experts(n: int, part: Any) -> range:
     return range(n)[part.index]
 
 
-def _stored_rows(tensors: TensorFiles, name: str, stored: str, piece: Piece) -> RowWeight:
+def _stored_rows(tensors: TensorFiles, name: str, stored: str, piece: Piece, part: Any = None) -> RowWeight:
     """A matrix as the file stores it, in (out, in) rows: nn.Linear's layout as it is, an embedding table (vocab,
-    d) as it is (a tied head's rows), GPT-2's Conv1D (in, out) transposed once."""
+    d) as it is (a tied head's rows), GPT-2's Conv1D (in, out) transposed once. ``part`` (a tensor-parallel
+    rank's Shard along hpcpipe's (in, out) axes): only those rows or columns are read."""
     kind = {"BF16": "bfloat16", "F16": "float16"}.get(stored, "float32")
     flip = not piece.transpose and piece.name != "tok_emb"
+    if part is not None and part.axis is not None:
+        axis = 1 - part.axis if piece.transpose else part.axis          # the cut axis of the stored tensor
+        rows = read_part(tensors.holder(name), name, np.float32 if kind == "float32" else np.uint16, False, axis,
+                         part.index)
+        return RowWeight(kind, np.ascontiguousarray(rows.T) if flip else rows)
     if kind == "float32":
         return RowWeight(kind, tensors.read(name, np.float32, transpose=flip))
     bits = tensors.read(name, np.uint16)       # the 16-bit values' own bits, as stored

@@ -26,14 +26,18 @@ def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _widen(raw: np.ndarray, code: str, dtype: np.dtype) -> np.ndarray:
-    """Stored values (as read) in ``dtype``: bfloat16 widened exactly to float32 first."""
+    """Stored values (as read) in ``dtype``: bfloat16 widened exactly to float32 first; a 16-bit float asked for as
+    uint16 comes as its own bits."""
+    if dtype == np.uint16 and code in ("BF16", "F16"):
+        return raw.view(np.uint16)
     if code == "BF16":
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
     return raw.astype(dtype, copy=False)
 
 
 def read_part(file: SafetensorsFile, name: str, dtype: Any, transpose: bool, axis: int, index: Any) -> np.ndarray:
-    """Return ``index`` along ``axis`` of tensor ``name`` (transposed first when ``transpose``), as ``dtype``."""
+    """Return ``index`` along ``axis`` of tensor ``name`` (transposed first when ``transpose``), as ``dtype``
+    (uint16 for a 16-bit tensor: its stored bits)."""
     info = file.tensors.get(name)
     if info is None:
         raise ConfigError(f"safetensors file {str(file.path)!r} holds no tensor {name!r}")

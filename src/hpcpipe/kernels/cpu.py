@@ -21,6 +21,10 @@ _KIND_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "q8_0": 3}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+# hp_stage.reduce: int reduce(void *ctx, float *x, int64_t n), the tp ranks' in-place sum (0: done)
+REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, _ptr, _ptr, _i64)
+
+
 class Weight(ctypes.Structure):
     """hp_weight: one (out, in) matrix as the kernels read it."""
 
@@ -45,7 +49,7 @@ class Stage(ctypes.Structure):
                 ("rope", ctypes.c_int32), ("pad", ctypes.c_int32), ("eps", ctypes.c_float),
                 ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("pad2", ctypes.c_float),
                 ("cos", _ptr), ("sin", _ptr), ("blocks", ctypes.POINTER(Block)), ("page", _i64), ("pages", _i64),
-                ("max_pages", _i64), ("tables", _ptr)]
+                ("max_pages", _i64), ("tables", _ptr), ("reduce", REDUCE), ("reduce_ctx", _ptr)]
 
 
 _LIB: list = []

@@ -5,17 +5,20 @@ block's norms, fused q|k|v, output projection, fused gate|up or fc, down project
 and where its KV cache lives; :class:`StagePlan` keeps the ctypes structs and the arrays they point to
 alive together, and a scratch buffer grown to the largest call. The KV cache is paged: each block's keys and
 values are (n_kv, pages, page, head_dim) and a row finds its sequence's KV block of position t in
-``tables[slot, t // page]`` (hpcpipe.nn.core.decode, docs/decode.md).
+``tables[slot, t // page]`` (hpcpipe.nn.core.decode, docs/decode.md). Under tensor parallelism the blocks hold
+the rank's heads and ff slice, and ``reduce`` (the tp group's in-place sum) is called from C on each block's two
+row-parallel partial products.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from hpcpipe.kernels.cpu import Block, Stage, library, weight_struct
+from hpcpipe.kernels.cpu import REDUCE, Block, Stage, library, weight_struct
 from hpcpipe.kernels.formats import RowWeight
 
 _NORMS = {"rms": 0, "layer": 1}
@@ -70,7 +73,8 @@ class StagePlan:
     """Every block of a decode stage as one ``hp_stage``: ``forward`` runs them all over the rows in one call."""
 
     def __init__(self, kind: FusedKind, blocks: list[FusedBlock], d: int, n_heads: int, n_kv: int, hd: int, ff: int,
-                 cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None, tables: np.ndarray, seq_len: int):
+                 cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None, tables: np.ndarray, seq_len: int,
+                 reduce: Callable[[np.ndarray], object] | None = None):
         self.lib = library()
         if self.lib is None:
             raise RuntimeError("stage plan: the compiled kernels are not available")
@@ -105,7 +109,27 @@ class StagePlan:
                             None if cos is None else cos.ctypes.data, None if sin is None else sin.ctypes.data,
                             ctypes.cast(self._blocks, ctypes.POINTER(Block)), page, pages, max_pages,
                             tables.ctypes.data)
+        self._failed: list[BaseException] = []
+        if reduce is not None:
+            self._reduce = REDUCE(self._reducer(reduce))     # the plan keeps the callback alive as long as C uses it
+            self._stage.reduce = self._reduce
         self._scratch = np.empty(0, dtype=np.float32)
+
+    def _reducer(self, reduce: Callable[[np.ndarray], object]) -> Callable[[int, int, int], int]:
+        """hp_stage.reduce calling ``reduce`` on the n floats at x; an exception stops the stage (ctypes would only
+        print it) and is raised again by :meth:`forward`."""
+        def call(ctx: int, x: int, n: int) -> int:
+            try:
+                # the partial products are in the scratch: a slice of it is a cheaper view than a new one of x
+                first = (x - self._scratch.ctypes.data) // 4
+                rows = self._scratch[first:first + n] if 0 <= first <= self._scratch.size - n else \
+                    np.ctypeslib.as_array(ctypes.cast(x, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+                reduce(rows)
+            except BaseException as exc:        # noqa: BLE001 - handed back to forward's caller
+                self._failed.append(exc)
+                return 1
+            return 0
+        return call
 
     def forward(self, h: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Run every block over the rows ``h`` (m, d) float32 in place; row i writes and reads its sequence's cache
@@ -122,6 +146,8 @@ class StagePlan:
             self._scratch = np.empty(need, dtype=np.float32)
         status = self.lib.hp_stage_forward(ctypes.byref(self._stage), h.ctypes.data, m, slots.ctypes.data,
                                            positions.ctypes.data, self._scratch.ctypes.data)
+        if self._failed:
+            raise self._failed.pop()
         if status:
             raise ValueError(f"stage plan: a row's slot or position is outside {self.slots} slots of {self.seq_len}")
         return h

@@ -68,8 +68,8 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
     fmt = inference_format(setup.config.model.weight_format,
                            ep is None and compiled_available(backend.xp, setup.config.model.dtype, tp, setup.model))
     weights = setup.weights.forward_only(setup.config.model.dtype, half_embedding=gathered_only,
-                                         stored=fmt != "float32" and tp is None and ep is None,
-                                         quantize=fmt == "q8_0" and tp is None and ep is None)
+                                         stored=fmt != "float32" and ep is None,
+                                         quantize=fmt == "q8_0" and ep is None)
     # tensor parallelism: this rank reads only its parts of the tensors (hyperslabs); expert parallelism: its experts
     model = setup.model
     shards = (lambda i, names: model.shards(i, tp.size, tp.rank)) if tp is not None else \

@@ -138,16 +138,16 @@ class HFSource:
     def read(self, indices: list[int], shards: Shards | None = None) -> dict[int, dict[str, Any]]:
         """Return {group: {name: array (in, out)}} for the given groups, reading only their tensors.
 
-        With ``stored`` (and no shards) every matrix comes as it is stored, an (out, in)
+        With ``stored`` every matrix (or the rank's part of it) comes as it is stored, an (out, in)
         :class:`hpcpipe.kernels.formats.RowWeight` (a weight format's source). With ``half_embedding``, group 0's
         tok_emb stored in bfloat16 or float16 comes as a
         :class:`hpcpipe.nn.core.half_table.HalfTable` of its bits (checked finite), half the bytes of float32.
         ``shards(index, names)``: read only this tensor-parallel rank's part of each tensor.
         """
         indices = list(indices)
-        if self.stored and shards is None:
-            return dict(sorted(read_groups(self.hf, self.tensors, indices, np.dtype(self.dtype), stored=True,
-                                           quantize=self.quantize).items()))
+        if self.stored:
+            return dict(sorted(read_groups(self.hf, self.tensors, indices, np.dtype(self.dtype), shards=shards,
+                                           stored=True, quantize=self.quantize).items()))
         half = self._half_table() if self.half_embedding and 0 in indices and shards is None else None
         rest = [i for i in indices if not (half is not None and i == 0)]
         out = read_groups(self.hf, self.tensors, rest, np.dtype(self.dtype), shards=shards)
@@ -178,7 +178,7 @@ class HFSource:
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> HFSource:
         """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored,
-        ``stored`` every matrix (whole tensors only), and ``quantize`` each of them as q8_0 once read."""
+        ``stored`` every matrix (or a tp rank's part of it), and ``quantize`` each of them as q8_0 once read."""
         return replace(self, dtype=dtype, half_embedding=half_embedding, stored=stored, quantize=quantize)
 
 

@@ -85,7 +85,7 @@ class WeightsSource(Protocol):
                      quantize: bool = False) -> WeightsSource:
         """Return this source as a forward-only reader wants it: parameters in ``dtype`` where the source converts
         (a Hugging Face model's 16-bit tensors), with ``half_embedding`` a 16-bit embedding table kept as stored
-        (a rank that only gathers rows from it), and with ``stored`` every matrix as stored, an (out, in)
-        RowWeight (hpcpipe.kernels.formats; whole tensors only), with ``quantize`` each such matrix turned to
-        q8_0 as soon as it is read (the stored copy of one matrix at a time). Sources that hold float32 arrays
+        (a rank that only gathers rows from it), and with ``stored`` every matrix (a tp rank's part of it with
+        shards) as stored, an (out, in) RowWeight (hpcpipe.kernels.formats), with ``quantize`` each such matrix
+        turned to q8_0 as soon as it is read (the stored copy of one matrix at a time). Sources that hold float32 arrays
         return themselves."""

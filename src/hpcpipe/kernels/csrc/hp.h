@@ -57,6 +57,11 @@ typedef struct {
     const hp_block *blocks;
     int64_t page, pages, max_pages;   /* positions per KV block, blocks in the pool, blocks a sequence may hold */
     const int64_t *tables;            /* (slots, max_pages): the pool block of each slot's block i */
+    /* tensor parallelism: each block's two row-parallel partial sums (o's, down's: m x d floats) are summed in
+     * place over the tp ranks by reduce(ctx, x, n) before the bias and the residual (nonzero: the stage stops);
+     * NULL at tp = 1 */
+    int (*reduce)(void *ctx, float *x, int64_t n);
+    void *reduce_ctx;
 } hp_stage;
 
 int hp_init(void);                    /* 1 when the AVX-512 paths are in use */

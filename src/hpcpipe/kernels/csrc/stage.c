@@ -9,6 +9,8 @@
  *
  * Scratch (hp_scratch_floats) holds the attention's 2 x seq_len row pointers (first: 8-byte aligned), u, qkv,
  * heads, the MLP's hidden rows and the attention scores. The KV cache is paged (hp.h: hp_stage.tables).
+ * Tensor parallelism: a rank holds its heads (q|k|v rows, o columns) and its ff slice (gate|up rows, down
+ * columns); s->reduce sums the o and down partial products over the ranks, then the bias is added once.
  */
 #include <math.h>
 
@@ -63,8 +65,9 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
             hp_rope(qkv + H * hd, m, K, hd, width, s->cos, s->sin, positions);
         }
         hp_attend(s, blk->cache, qkv, m, slots, positions, blk->window, heads, scores, rows);
-        if (blk->o_b) {          /* (heads Wo^T + b) + h, the NumPy path's order */
+        if (blk->o_b || s->reduce) {   /* (sum over tp of heads Wo^T) + b) + h, the NumPy path's order */
             hp_matmul(&blk->o, heads, m, H * hd, u, d, 0);
+            if (s->reduce && s->reduce(s->reduce_ctx, u, m * d)) return -2;
             add_bias(u, blk->o_b, m, d);
             for (int64_t i = 0; i < m * d; i++) h[i] += u[i];
         } else {
@@ -80,8 +83,9 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
             hp_gelu(up, m * ff);
             act = up;
         }
-        if (blk->down_b) {
+        if (blk->down_b || s->reduce) {
             hp_matmul(&blk->down, act, m, ff, u, d, 0);
+            if (s->reduce && s->reduce(s->reduce_ctx, u, m * d)) return -2;
             add_bias(u, blk->down_b, m, d);
             for (int64_t i = 0; i < m * d; i++) h[i] += u[i];
         } else {

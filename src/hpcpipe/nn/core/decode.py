@@ -16,7 +16,7 @@ the queries of one kv head are handled as one block, so the products run per
 kv head with no repeated keys or values. Decode segments (length 1) share one
 batched attention over their caches gathered up to the longest; longer
 (prefill) segments attend one by one, over tiles (hpcpipe.nn.core.flash): a
-long prompt never holds its (length, length) scores. On the CPU (NumPy, float32, one tp rank)
+long prompt never holds its (length, length) scores. On the CPU (NumPy, float32, any tp)
 the compiled kernels run the same stage in one call per step instead
 (:mod:`hpcpipe.nn.core.fused_stage`), with the weights kept in the stage's
 weight format. Layout and sizing: docs/decode.md.
@@ -72,9 +72,9 @@ class DecodeStage:
         if weight_format not in FORMATS:
             raise ValueError(f"decode stage: weight format {weight_format!r} is not one of {', '.join(FORMATS)}")
         if compiled and not compiled_available(xp, dtype, tp, model):
-            raise ValueError("decode stage: the compiled kernels run NumPy float32 stages of one tp rank, of a model "
-                             "whose blocks they compute (not experts), and only when built (pip install with a C "
-                             "compiler)")
+            raise ValueError("decode stage: the compiled kernels run NumPy float32 stages of a model whose blocks "
+                             "they compute (not experts; under tp, a rank's query heads split evenly over its "
+                             "key/value heads), and only when built (pip install with a C compiler)")
         self.compiled = compiled_available(xp, dtype, tp, model) if compiled is None else compiled
         self.shape, self.groups, self.xp, self.slots = shape, groups, xp, slots
         self.dtype = np.dtype(dtype)
@@ -90,7 +90,7 @@ class DecodeStage:
             for i in groups:
                 self._check_group(i, arrays)
             self._fused = FusedStage(model, groups, arrays, weight_format, self.paged, self._tied_table(tok_emb),
-                                     release)
+                                     release, self.steps.tp)
             self._cache = self._fused.cache
         else:
             params = {i: self._load_group(i, arrays) for i in groups}

@@ -31,9 +31,16 @@ def check_decoder(mod: Any) -> None:
     require(mod.vocab_size >= 2, f"model.vocab_size must be >= 2, got {mod.vocab_size}")
 
 
-def check_decoder_tp(mod: Any, tp: int, ff: int) -> None:
-    """Check that attention heads and the MLP's ``ff`` hidden columns split over tp ranks."""
+def check_decoder_tp(mod: Any, tp: int, ff: int, head_dim: int = 0) -> None:
+    """Check that attention heads and the MLP's ``ff`` hidden columns split over tp ranks (with q8_0 weights: in
+    whole q8_0 blocks of the row-parallel products' inputs, so a rank's blocks are the whole matrix's)."""
     where = f"parallel.tp = {tp}"
     require(mod.n_heads % tp == 0, f"{where} does not divide model.n_heads ({mod.n_heads}): attention is split by "
                                    f"heads")
     require(ff % tp == 0, f"{where} does not divide the MLP width ({ff}, model.d_ff): the MLP is split by columns")
+    if tp > 1 and getattr(mod, "weight_format", "") == "q8_0":
+        o = mod.n_heads // tp * (head_dim or mod.d_model // mod.n_heads)
+        require(o % 32 == 0 and ff // tp % 32 == 0,
+                f"{where} with model.weight_format = \"q8_0\": each rank's input slice of the attention output "
+                f"({o}: its heads x head_dim) and of the MLP's down projection ({ff // tp}) must be whole q8_0 blocks "
+                f"of 32; use \"stored\" or \"float32\", or another tp")

@@ -60,7 +60,7 @@ def validate(mod: Any) -> None:
 
 def validate_tp(mod: Any, tp: int) -> None:
     """Check that the model splits over tp ranks: query heads, MLP columns, and key/value heads split or shared."""
-    check_decoder_tp(mod, tp, mod.d_ff or default_ff(mod.d_model))
+    check_decoder_tp(mod, tp, mod.d_ff or default_ff(mod.d_model), mod.head_dim)
     kv = mod.n_kv_heads or mod.n_heads
     require(kv % tp == 0 or tp % kv == 0,
             f"parallel.tp = {tp}: model.n_kv_heads ({kv}) must be divisible by tp or divide it (key/value heads are "

@@ -136,7 +136,8 @@ def main() -> None:
         if args.llama_bin:
             llama = measure_llama(directory, Path(args.llama_bin), Path(args.converter))
     ratio = layouts["ep2"]["tokens_per_s"] / layouts["ep1"]["tokens_per_s"]
-    write_results(args.out, {"bench": "ep", "started": started, "cores": os.cpu_count(), "model": SHAPE,
+    write_results(args.out, {"bench": "ep", "command": " ".join(["python", *sys.argv]), "started": started,
+                             "cores": os.cpu_count(), "model": SHAPE,
                              "layouts": layouts, "ep2_over_ep1": ratio, "llama.cpp": llama,
                              "note": "wall seconds per decoded token (best of runs) on a machine shared with "
                                      "other engineers' tests; CPU seconds summed over the job's ranks"})

@@ -151,10 +151,15 @@ def _metrics(url):
 def _pool_blocks(url):
     """The hpcpipe_kv_blocks gauge once the replicas have reported it (they report with their stats, which a
     busy machine may delay past the request's last event)."""
+    return _reported(url, "hpcpipe_kv_blocks", 1)
+
+
+def _reported(url, name, at_least):
+    """The metric ``name`` once it reaches ``at_least`` (or, after 120 s, whatever it is then)."""
     deadline = time.monotonic() + 120
-    while (blocks := _metrics(url)["hpcpipe_kv_blocks"]) == 0 and time.monotonic() < deadline:
+    while (value := _metrics(url)[name]) < at_least and time.monotonic() < deadline:
         time.sleep(0.2)
-    return blocks
+    return value
 
 
 @pytest.mark.slow
@@ -177,12 +182,19 @@ def test_a_mistral_window_generates_transformers_text(models, pp, kernels):
             held.append(_metrics(server.url)["hpcpipe_kv_blocks_in_use"])
         assert "".join(text) == want
         assert max(held) <= WINDOW_BLOCKS and _pool_blocks(server.url) == WINDOW_BLOCKS
-    # the default pool: max_sequences windows (3 blocks each), not max_sequences contexts (8 blocks each)
+    # the default pool: max_sequences windows, not max_sequences contexts (8 blocks each); with prompt-lookup
+    # speculation a window holds the 4 tokens verified past the next one too; a second request reuses the
+    # prompt's cached blocks (those before its window are not even held)
     if pp == 2 and kernels == "numpy":
-        with Server(pp, directory, "--set", f"parallel.pp={pp}", "--set", "serve.max_sequences=4", env=env) as server:
-            got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
-            assert got.choices[0].text == want
-            assert _pool_blocks(server.url) == 4 * WINDOW_BLOCKS
+        from hpcpipe.nn.core.kv_pages import held_pages
+        with Server(pp, directory, "--set", f"parallel.pp={pp}", "--set", "serve.max_sequences=4",
+                    "--set", 'serve.speculate="ngram"', env=env) as server:
+            for _ in range(2):
+                got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40,
+                                                         temperature=0)
+                assert got.choices[0].text == want
+            assert _pool_blocks(server.url) == 4 * held_pages(128, 16, 16, 4) < 4 * 8
+            assert _reported(server.url, "hpcpipe_prefix_cache_cached_tokens_total", 32) >= 32
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 
 from hpcpipe.config import load_config
 from hpcpipe.nn.core.kv_pages import held_pages, joint_window, sequence_window
-from hpcpipe.nn.memory import pool_pages
+from hpcpipe.nn.memory import decode_rank_bytes, pool_pages
 from hpcpipe.nn.registry import model_def
 from hpcpipe.serve.broker import Request
 from hpcpipe.serve.kv_ledger import KVLedger
@@ -128,6 +128,9 @@ def test_one_full_attention_block_keeps_every_block():
     assert sequence_window(model_def(mixed)) == 0
     assert pool_pages(mixed, model_def(mixed)) == mixed.serve.max_sequences * 8
     assert joint_window(16, 0) == 0 and joint_window(16, 8) == 16
+    # the memory check counts the pool: 3 blocks a sequence under the window, 8 with a full-attention block
+    whole = [range(0, 5)]
+    assert decode_rank_bytes(config, whole)[1] * 8 == decode_rank_bytes(mixed, whole)[1] * 3 > 0
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

@@ -22,7 +22,9 @@ link rate. Every rank has one BLAS thread (HPCPIPE_THREADS=1): the 2 "nodes" sha
   tokenizer) at dp=2, pp=2, tp=2; 8 clients send 24 requests (32-byte prompts, 32 new tokens, greedy);
   tokens per second over the whole load, the median request latency, and the bytes the link carried.
 
-Results: bench/results/<today>-cluster.json, and a table printed for docs/cluster.md.
+Results: bench/results/<today>-cluster.json (with the probes, blocking and polled allreduce; the planner's engine
+calibration, its tp run's collective seconds; each layer group's whole and tp = 2 split times, ``split_s``), and a
+table printed for docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def probe(work: Path, rate: str) -> dict:
     return {"file": str(out), "p2p_4KiB_us": model.p2p(4096) * 1e6, "p2p_64MiB_gbit_s": big * 8 / model.p2p(big) / 1e9,
             "allreduce_64MiB_gbit_s": big * 8 / model.allreduce(big, 2) / 1e9,
             "fit_latency_us": model.latency_s * 1e6, "fit_gbit_s": 8 / max(model.seconds_per_byte, 1e-30) / 1e9,
-            "p2p": raw["p2p"], "allreduce": raw["allreduce"]}
+            "tp_allreduce_1MiB_ms": model.tp_allreduce(1 << 20, 2) * 1e3,
+            "allreduce_1MiB_ms": model.allreduce(1 << 20, 2) * 1e3,
+            "p2p": raw["p2p"], "allreduce": raw["allreduce"], "tp_allreduce": raw.get("tp_allreduce")}
 
 
 def plan(work: Path, profiles: Path, network: str | None) -> list[dict]:
@@ -255,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("planning within a node ...", flush=True)
         results["plans"]["within"] = within_plans = best_per_layout(plan(work, profiles, None))
+        # the planner's calibration against real runs (engine factors; tp: the seconds its collectives took), and
+        # each layer group's whole and tp = 2 split times at the largest profiled size (what tp saves of it)
+        profile = json.loads(next(profiles.glob("layers-*.json")).read_text())
+        results["engine"] = profile.get("engine")
+        results["split_s"] = {str(g["index"]): {op: [g[op][size], g.get(f"{op}/tp2", {}).get(size)] for op in "FB"}
+                              for g in profile["layers"]["groups"].values()
+                              for size in [max(g["F"], key=int)]}
         weights = work / "llama.h5"
         write_llama(weights)
         for index, rate in enumerate(rates):

@@ -25,12 +25,11 @@ import signal
 import sys
 from pathlib import Path
 
-import h5py
-
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.config import from_dict
 from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from hpcpipe.h5files import member
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.adapters import export_peft, exported_source

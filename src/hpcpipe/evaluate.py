@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from hpcpipe.cli import CommandParser
@@ -33,6 +32,7 @@ from hpcpipe.config_checks import WEIGHT_FORMATS
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member, open_hdf5
 from hpcpipe.kernels.formats import inference_format, kept_values
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.nn.core.activations import make_activation
 from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.nn.registry import KINDS, model_def

@@ -23,9 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import h5py
-
 from hpcpipe.errors import ConfigError, DataError
+from hpcpipe.lazy_h5py import h5py
 
 
 def open_hdf5(path: str | Path, label: str, hint: str = "") -> h5py.File:

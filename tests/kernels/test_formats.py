@@ -100,3 +100,26 @@ def test_kept_values_and_the_inference_default():
     # "auto": as stored where the compiled stage runs (its results are float32's on the same weights), float32 else
     assert inference_format("auto") == "stored" and inference_format("auto", compiled=False) == "float32"
     assert inference_format("q8_0") == "q8_0" and inference_format("float32", compiled=True) == "float32"
+
+
+def test_q8_0_quantizes_chunk_by_chunk_as_gguf():
+    # 2100 rows of 32: the quantizer's scratch holds 2048 rows, so a second, ragged chunk reuses it
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((2100, 32)) * rng.uniform(0.01, 3, (2100, 1))).astype(np.float32)
+    w[2050] = 0.0
+    q, d = _gguf_q8_0(w)
+    for got in (quantize_q8_0(w), quantize_q8_0(w.shape, lambda start, stop, out: out.__setitem__(
+            Ellipsis, w[start:stop]))):
+        np.testing.assert_array_equal(got.data, q)
+        np.testing.assert_array_equal(got.scales, d.view(np.uint16))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_q8_0_of_16_bit_rows_is_q8_0_of_their_values(kind):
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((2100, 64)).astype(np.float32)
+    bits = _bf16_bits(w) if kind == "bfloat16" else w.astype(np.float16).view(np.uint16)
+    stored = RowWeight(kind, bits)
+    got, want = row_weight(stored, "q8_0"), quantize_q8_0(stored.dense())
+    np.testing.assert_array_equal(got.data, want.data)
+    np.testing.assert_array_equal(got.scales, want.scales)

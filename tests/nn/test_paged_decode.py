@@ -86,3 +86,27 @@ def test_table_updates_are_checked():
         stage.set_pages(3, 0, [1])
     with pytest.raises(ValueError, match="KV blocks must be a positive integer"):
         _stage(model, _arrays(model), False, kv_blocks=0)
+
+
+def test_block_grid_finds_strided_tables_only():
+    from hpcpipe.nn.core.decode_plan import block_grid
+    assert block_grid(np.array([[4, 5, 6]])) == (4, 0)
+    assert block_grid(np.array([[0, 1], [8, 9], [16, 17]])) == (0, 8)
+    assert block_grid(np.array([[0, 1], [8, 9], [17, 18]])) is None      # steps differ
+    assert block_grid(np.array([[0, 2], [8, 10]])) is None                # a sequence's blocks not consecutive
+    assert block_grid(np.array([[8, 9], [4, 5], [0, 1]])) == (8, -4)    # falling
+    assert block_grid(np.array([[8, 9], [4, 5], [1, 2]])) is None
+
+
+def test_slots_owning_their_blocks_decode_from_a_view_of_the_cache():
+    """The whole-context layout needs no copy of the keys: the gather scratch is never made (NumPy steps)."""
+    model = MODELS["llama_gqa_window"]()
+    arrays = _arrays(model)
+    _, calls = _calls(model.shape.vocab, np.random.default_rng(0))
+    grid, scrambled = _stage(model, arrays, False), _stage(model, arrays, False, kv_block=8, kv_blocks=7)
+    scrambled.set_pages(0, 0, [5, 2, 0])
+    scrambled.set_pages(1, 0, [1, 6, 3])
+    for x, seg in calls:
+        want = scrambled.forward(x, seg)
+        assert np.abs(grid.forward(x, seg) - want).max() <= 1e-6 * np.abs(want).max()
+    assert grid._scratch is None and scrambled._scratch is not None

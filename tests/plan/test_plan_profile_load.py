@@ -27,7 +27,7 @@ def measured(monkeypatch, tmp_path):
     layers = copy.deepcopy(synthetic_profile(CONFIG, {0: 1e-6, 1: 2e-6, 2: 1e-6}).data["layers"])
     calls = []
 
-    def bench(config, sizes, threads, concurrent=1, timeout_s=600.0):
+    def bench(config, sizes, threads, concurrent=1, timeout_s=600.0, tps=()):
         calls.append(sizes)
         return dict(layers, concurrent=concurrent)
 

@@ -16,6 +16,8 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.config import HFModel
 from hpcpipe.hf.pieces import HEAD, Piece, param_shapes
+from hpcpipe.hf.quantized_read import KINDS as HALF
+from hpcpipe.hf.quantized_read import read_quantized
 from hpcpipe.hf.safetensors import TensorFiles
 from hpcpipe.hf.safetensors_part import read_part
 from hpcpipe.kernels.formats import RowWeight, row_weight
@@ -117,7 +119,10 @@ def read_groups(hf: HFModel, tensors: TensorFiles, indices, dtype: Any = np.floa
                 if bad:
                     raise ConfigError(f"tensor {name!r} in {str(info.path)!r} holds {bad} non-finite value(s)")
                 continue
-            if stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
+            if stored and quantize and shards is None and info.dtype in HALF and len(info.shape) == 2 \
+                    and info.shape[1] % 32 == 0 and (piece.transpose or piece.name == "tok_emb"):
+                value, bad = read_quantized(tensors.holder(name), name)    # (out, in) as stored: rows at a time
+            elif stored and shards is None and len(piece.shape) == 2 and piece.name != "pos_emb":
                 value = _stored_rows(tensors, name, info.dtype, piece)
                 bad = value.non_finite()
                 if quantize and not bad:

@@ -30,11 +30,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, member, open_hdf5
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.state.outputs import check_replaceable, check_writable, commit_output
 from hpcpipe.state.sources import refuse_overwrite, same_file
 

@@ -68,6 +68,8 @@ def _load() -> Any:
     lib = ctypes.CDLL(str(found[0]))
     signatures = {
         "hp_init": ([], ctypes.c_int), "hp_use_portable": ([ctypes.c_int], None),
+        "hp_set_gemm_rows": ([_i64], None), "hp_swiglu": ([_ptr, _ptr, _i64, _i64], None),
+        "hp_gelu": ([_ptr, _i64], None),
         "hp_matmul": ([ctypes.POINTER(Weight), _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int], None),
         "hp_rmsnorm": ([_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float], None),
         "hp_layernorm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float], None),
@@ -92,6 +94,14 @@ def use_portable(on: bool) -> None:
     lib = library()
     if lib is not None:
         lib.hp_use_portable(int(on))
+
+
+def gemm_rows(rows: int) -> None:
+    """Multiply through the widened-panel product (csrc/gemm.c) from ``rows`` rows of x (default 64, q8_0 half
+    that; tests: 1)."""
+    lib = library()
+    if lib is not None:
+        lib.hp_set_gemm_rows(int(rows))
 
 
 def _address(array: np.ndarray | None) -> int | None:
@@ -143,4 +153,22 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
     out = np.empty_like(x) if out is None else out
     lib.hp_layernorm(x.ctypes.data, weight.ctypes.data, bias.ctypes.data, out.ctypes.data, x.shape[0],
                      x.shape[1], float(eps))
+    return out
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """Return silu(gate) * up of float32 rows laid out gate | up (m, 2 ff) -> (m, ff)."""
+    lib = library()
+    gate_up = np.ascontiguousarray(gate_up, dtype=np.float32)
+    m, two_ff = gate_up.shape
+    out = np.empty((m, two_ff // 2), dtype=np.float32)
+    lib.hp_swiglu(gate_up.ctypes.data, out.ctypes.data, m, two_ff // 2)
+    return out
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """Return the tanh-approximated GELU of float32 values (a fresh array)."""
+    lib = library()
+    out = np.array(x, dtype=np.float32, order="C")
+    lib.hp_gelu(out.ctypes.data, out.size)
     return out

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcpipe.kernels.mapped import mapped_zeros
+
 FORMATS = ("float32", "stored", "q8_0")     # model.weight_format, once "auto" is resolved
 # what "auto" means for generate, serve and evaluate: as stored where the compiled kernels run the stage (the
 # float32 computation on the same weights, half the bytes and faster: docs/kernels.md), float32 elsewhere
@@ -104,31 +106,62 @@ def widen_bf16(bits: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8_0(w: Any, widen: Any = None) -> RowWeight:
-    """Return GGUF's q8_0 of a float (out, in) matrix (in a multiple of 32), block by block along ``in``.
+    """Return GGUF's q8_0 of a float (out, in) matrix (in a multiple of 32), block by block along ``in``
+    (``w``: the matrix, or its (out, in) shape when ``widen`` gives its rows).
 
-    Rows are quantized a chunk at a time (``widen(start, stop)`` gives rows [start, stop) as float32 when
-    ``w`` is stored otherwise), so the float temporaries stay a few MiB whatever the matrix: a 49152 x 576
-    head quantized at once took ~20 bytes a weight (560 MB) above the model.
+    Rows are quantized a chunk at a time (``widen(start, stop, out)`` writes rows [start, stop) as float32 into
+    ``out`` when ``w`` is stored otherwise) through scratch made once per matrix, so the float temporaries stay
+    under a MiB whatever the matrix (a 49152 x 576 head quantized at once took ~20 bytes a weight, 560 MB, above
+    the model): 4 MiB chunks, each temporary made afresh, left ~16 MiB of freed heap between the kept matrices of
+    a 135 M model, resident to the end.
     """
-    rows, cols = w.shape
+    rows, cols = w if isinstance(w, tuple) else w.shape
     if cols % Q8_BLOCK:
         raise ValueError(f"q8_0: the input width {cols} is not a multiple of {Q8_BLOCK}")
-    q = np.empty((rows, cols), dtype=np.int8)
+    q = mapped_zeros((rows, cols), np.int8)                          # kept: its own pages (kernels/mapped.py)
     d = np.empty((rows, cols // Q8_BLOCK), dtype=np.float16)
-    step = max(1, (1 << 20) // cols)                                 # ~4 MiB of float32 a chunk
+    step = min(rows, max(1, (1 << 16) // cols))                      # ~256 KiB of float32 a chunk
+    nb = cols // Q8_BLOCK
+    chunk_buf, scaled_buf = np.empty((2, step, cols), dtype=np.float32)
+    half_buf = np.empty((step, cols), dtype=np.float32)
+    amax_buf, inv_buf = np.empty((2, step, nb), dtype=np.float32)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        chunk = widen(start, stop) if widen is not None else np.asarray(w[start:stop], dtype=np.float32)
-        blocks = chunk.reshape(stop - start, cols // Q8_BLOCK, Q8_BLOCK)
-        amax = np.abs(blocks).max(axis=2)
-        d32 = amax / np.float32(127.0)
-        d[start:stop] = d32
+        n = stop - start
+        chunk, scaled, half, amax, inv = chunk_buf[:n], scaled_buf[:n], half_buf[:n], amax_buf[:n], inv_buf[:n]
+        if widen is not None:
+            widen(start, stop, chunk)
+        else:
+            chunk[...] = w[start:stop]
+        blocks = chunk.reshape(n, nb, Q8_BLOCK)
+        np.abs(chunk, out=scaled)
+        np.max(scaled.reshape(n, nb, Q8_BLOCK), axis=2, out=amax)
+        amax /= np.float32(127.0)                                    # d, float32
+        d[start:stop] = amax
         # as llama.cpp: values scaled by the inverse of the float32 scale, the scale stored rounded to float16
-        inv = np.divide(np.float32(1.0), d32, out=np.zeros_like(amax), where=d32 != 0)
-        scaled = blocks * inv[:, :, None]
-        rounded = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))   # half away from zero (C's roundf)
-        q[start:stop] = np.clip(rounded, -127, 127).reshape(stop - start, cols)
+        inv[...] = 0
+        np.divide(np.float32(1.0), amax, out=inv, where=amax != 0)
+        sb = scaled.reshape(n, nb, Q8_BLOCK)
+        np.multiply(blocks, inv[:, :, None], out=sb)
+        np.copysign(np.float32(0.5), scaled, out=half)
+        scaled += half
+        np.trunc(scaled, out=scaled)                                 # half away from zero (C's roundf)
+        np.clip(scaled, -127, 127, out=scaled)
+        q[start:stop] = scaled
     return RowWeight("q8_0", q, d.view(np.uint16))
+
+
+def widen_rows(w: RowWeight, start: int, stop: int, out: np.ndarray) -> None:
+    """Write rows [start, stop) of a float32 / bfloat16 / float16 row weight into ``out`` as float32."""
+    bits = w.data[start:stop]
+    if w.kind == "bfloat16":
+        wide = out.view(np.uint32)
+        wide[...] = bits
+        wide <<= 16
+    elif w.kind == "float16":
+        out[...] = bits.view(np.float16)
+    else:
+        out[...] = w.rows(start, stop).dense()
 
 
 def row_weight(value: Any, fmt: str) -> RowWeight:
@@ -140,7 +173,7 @@ def row_weight(value: Any, fmt: str) -> RowWeight:
     """
     if isinstance(value, RowWeight):
         if fmt == "q8_0" and value.kind != "q8_0" and value.shape[1] % Q8_BLOCK == 0:
-            return quantize_q8_0(value.data, lambda start, stop: value.rows(start, stop).dense())
+            return quantize_q8_0(value.data, lambda start, stop, out: widen_rows(value, start, stop, out))
         return value
     rows = np.ascontiguousarray(np.asarray(value, dtype=np.float32).T)
     return quantize_q8_0(rows) if fmt == "q8_0" and rows.shape[1] % Q8_BLOCK == 0 else RowWeight("float32", rows)

@@ -26,7 +26,7 @@ from hpcpipe.config_toml import to_toml
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import memory_floor, report
 from hpcpipe.plan.profiling import largest_profiled_rows, load_profile, profile_sizes
-from hpcpipe.plan.search import micro_batch_rows, search
+from hpcpipe.plan.search import layouts, micro_batch_rows, search
 from hpcpipe.profiles.comm_model import CommModel, Placement
 from hpcpipe.profiles.profile import default_cache_dir
 from hpcpipe.runtime.host_memory import available_bytes, rank_share
@@ -146,13 +146,17 @@ def engine_text(engine: dict) -> str:
     if "replicas" not in engine:
         return f"not calibrated ({engine.get('failed', 'no calibration run')}); times are the layer bench's"
     parts = []
-    for name, label in (("replicas", "replicas"), ("pipeline", "pipeline 1F1B"), ("pipeline_zb", "ZB-H1")):
+    for name, label in (("replicas", "replicas"), ("pipeline", "pipeline 1F1B"), ("pipeline_zb", "ZB-H1"),
+                        ("tensor", f"tp={engine.get('tensor', {}).get('tp')}")):
         run = engine.get(name)
         if run:
             mean = sum(run["forward"] + run["backward"]) / len(run["forward"] + run["backward"])
             parts.append(f"{label} {mean:.2f}x")
+    tensor = engine.get("tensor") or {}
+    each = f"; a tp collective took {tensor['collective_s'] / tensor['collectives'] * 1e3:.2f} ms in a step" \
+        if tensor.get("collectives") else ""
     return (f"real runs take {', '.join(parts)} the layer bench's times; replicas wait "
-            f"{engine['replicas']['sync_share']:.1%} of a step at the allreduce")
+            f"{engine['replicas']['sync_share']:.1%} of a step at the allreduce{each}")
 
 
 def plan_threads(ranks: int, cores: int | None, here: int) -> int:
@@ -208,7 +212,8 @@ def run(args) -> int:
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
                            args.refresh_profile, concurrent,
                            before_measuring=lambda: memory_floor.check_profiling(config, sizes, concurrent,
-                                                                                 available_bytes()))
+                                                                                 available_bytes()),
+                           tps=tuple(sorted({tp for _, _, tp in layouts(config, args.ranks, global_batch)} - {1})))
     placement = Placement(profile.comm, network, per_node if network is not None else None)
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches, placement)
     gpt = config.model.kind in DECODERS

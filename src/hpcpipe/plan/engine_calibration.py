@@ -23,7 +23,14 @@ the ranks that share a node measure it:
   this machine, a head stage's forward took 40-50 % more CPU under 1F1B,
   where it follows the previous micro-batch's backward, than under ZB-H1 or
   GPipe, and one 1F1B calibration made every ZB-H1 plan look 7-14 % slower
-  than it ran.
+  than it ran;
+* ``tensor`` (dp = pp = 1, tp = those ranks, when the model splits over them): one tp
+  rank's F and B per micro-batch, less its CPU in the tp collectives, over the
+  profile's split groups (the factors of plans with tp > 1), and the seconds the
+  collectives took per micro-batch and how many there were: a collective in a step
+  costs more than the probe's back-to-back allreduce (its ranks arrive apart, each
+  waits by polling), which plans with tp > 1 add to every collective (measured on the
+  development VM, quiet: 0.3-0.5 ms for a 1 MiB sum the probe puts at 0.2 ms).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcpipe.config import Config
+from hpcpipe.config_checks import tp_splits
 from hpcpipe.errors import ConfigError
 from hpcpipe.plan.launch import launch, launcher_command
 from hpcpipe.trace import load_trace
@@ -46,6 +54,7 @@ MICRO_BATCHES = 2       # per pipeline stage (2 x pp in a pipeline run)
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
 FACTOR_RANGE = (0.5, 2.0)
 MAX_SYNC_SHARE = 0.5
+POLL_CPU_S = 0.0005     # a tp collective's waiting rank polls on the CPU this long at most (runtime.tp_group.YIELD_S)
 
 
 def calibration_rows(profile: Any) -> int:
@@ -58,9 +67,9 @@ def calibration_rows(profile: Any) -> int:
 
 
 def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, trace: str,
-                schedule: str = "1f1b") -> dict:
+                schedule: str = "1f1b", tp: int = 1) -> dict:
     out = config.to_dict()
-    out["parallel"].update(dp=dp, pp=pp, schedule=schedule if pp > 1 else "gpipe", virtual_stages=1,
+    out["parallel"].update(dp=dp, pp=pp, tp=tp, schedule=schedule if pp > 1 else "gpipe", virtual_stages=1,
                            stage_layers=cut if pp > 1 else [])
     out["train"].update(steps=STEPS, micro_batches=MICRO_BATCHES * pp, micro_batch_size=rows, recompute="none")
     out["checkpoint"].update(dir="", resume=False)
@@ -114,14 +123,57 @@ def summarize_trace(path: str) -> dict[str, Any]:
             "sync_share": statistics.median(shares)}
 
 
+def summarize_tensor_trace(path: str) -> dict[str, Any]:
+    """Of a tp run (one stage): per micro-batch, median F and B CPU seconds less the CPU of the tp collectives
+    inside them, the collectives' seconds and their count; steps >= 2, medians over steps and ranks.
+
+    A rank waiting in a collective polls on the CPU for up to :data:`POLL_CPU_S`, then
+    sleeps: that much of each collective's time inside an action is its CPU, not compute.
+    """
+    actions: list[dict] = []
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in load_trace(path):
+        args, kind = e.get("args", {}), e.get("cat", "")
+        if args.get("step", 0) < 2:
+            continue
+        if kind == "tp":
+            spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"]))
+        elif kind in ("F", "B"):
+            actions.append(e)
+    cells: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in actions:
+        inside = [end - start for start, end in spans[e.get("tid", 0)]
+                  if start >= e["ts"] and end <= e["ts"] + e["dur"]]
+        cell = cells[(e["args"]["step"], e.get("tid", 0))]
+        op = e["cat"]
+        cell[op] += max(0.0, e["args"].get("cpu_us", e["dur"]) - sum(min(d, POLL_CPU_S * 1e6) for d in inside)) * 1e-6
+        cell["n" + op] += 1
+        cell["comm"] += sum(inside) * 1e-6
+        cell["calls"] += len(inside)
+    full = [c for c in cells.values() if c["nF"] and c["nB"] and c["calls"]]
+    if not full:
+        raise ConfigError(f"the calibration trace {path!r} holds no tp collectives inside forward and backward "
+                          "actions after step 1")
+    return {"forward_s": [statistics.median(c["F"] / c["nF"] for c in full)],
+            "backward_s": [statistics.median(c["B"] / c["nB"] for c in full)],
+            "collective_s": statistics.median(c["comm"] / c["nF"] for c in full),
+            "collectives": statistics.median(c["calls"] / c["nF"] for c in full)}
+
+
+def tensor_width(config: Config, ranks: int) -> int:
+    """The tp of the tensor-parallel calibration run: the widest tp dividing ranks the model splits over (1: none)."""
+    return max((t for t in range(2, ranks + 1) if ranks % t == 0 and tp_splits(config.model, t)), default=1)
+
+
 def _factor(measured: float, predicted: float) -> float:
     low, high = FACTOR_RANGE
     return round(min(high, max(low, measured / max(predicted, 1e-12))), 4)
 
 
 def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows: int,
-                timeout_s: float, schedule: str = "1f1b") -> dict[str, Any]:
-    """Run one traced calibration layout for real; return :func:`summarize_trace` of it."""
+                timeout_s: float, schedule: str = "1f1b", tp: int = 1) -> dict[str, Any]:
+    """Run one traced calibration layout for real; return :func:`summarize_trace` of it
+    (:func:`summarize_tensor_trace` at tp > 1)."""
     from hpcpipe.config_toml import to_toml
 
     pp = len(cut)
@@ -129,23 +181,29 @@ def _traced_run(config: Config, words: list[str], dp: int, cut: list[int], rows:
         trace = os.path.join(folder, "trace.json")
         path = os.path.join(folder, "calibrate.toml")
         with open(path, "w") as f:
-            f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace, schedule),
+            f.write(to_toml(_run_config(config, dp, pp, cut, rows, trace, schedule, tp),
                             "hpcpipe.plan's calibration run"))
-        what = f"the calibration run (dp={dp} x pp={pp}{f' {schedule}' if pp > 1 else ''})"
-        launch(words, ["hpcpipe.train", "--config", path], what, timeout_s, cwd=folder, ranks=dp * pp)
-        return summarize_trace(trace)
+        sched, width = f" {schedule}" if pp > 1 else "", f" x tp={tp}" if tp > 1 else ""
+        what = f"the calibration run (dp={dp} x pp={pp}{sched}{width})"
+        launch(words, ["hpcpipe.train", "--config", path], what, timeout_s, cwd=folder, ranks=dp * pp * tp)
+        return summarize_tensor_trace(trace) if tp > 1 else summarize_trace(trace)
 
 
-def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict]) -> dict[str, Any]:
-    """One layout's runs averaged, as per-group factors over the profile (groups of a stage share its factor)."""
+def _factors(profile: Any, cut: list[int], rows: int, runs: list[dict], tp: int = 1) -> dict[str, Any]:
+    """One layout's runs averaged, as per-group factors over the profile (groups of a stage share its factor);
+    at tp > 1 over the profile's split groups, with the collectives' seconds and count per micro-batch."""
     from hpcpipe.nn.partition import layer_ranges
 
-    out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": [],
-                           "sync_share": statistics.fmean(r["sync_share"] for r in runs)}
+    out: dict[str, Any] = {"stage_layers": cut, "forward": [], "backward": []}
+    if tp > 1:
+        out.update(tp=tp, rows=rows, collective_s=statistics.fmean(r["collective_s"] for r in runs),
+                   collectives=statistics.fmean(r["collectives"] for r in runs))
+    else:
+        out["sync_share"] = statistics.fmean(r["sync_share"] for r in runs)
     for key, op in (("forward", "F"), ("backward", "B")):
         out[f"{key}_s"] = [statistics.fmean(r[f"{key}_s"][s] for r in runs) for s in range(len(cut))]
         for s, groups in enumerate(layer_ranges(cut)):
-            factor = _factor(out[f"{key}_s"][s], sum(profile.raw_seconds(op, i, rows) for i in groups))
+            factor = _factor(out[f"{key}_s"][s], sum(profile.raw_seconds(op, i, rows, tp) for i in groups))
             out[key].extend([factor] * len(groups))
     return out
 
@@ -155,7 +213,9 @@ def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
               on_run: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Run the model for real on ``ranks`` ranks, as replicas and (ranks > 1) as a pipeline; return the factors.
 
-    The runs take turns (replicas, 1F1B, replicas, ZB-H1): a slow spell of the
+    And tensor-parallel (``tensor``), when the profile measured the groups split over
+    :func:`tensor_width` (the planner profiles the widths its plans may use).
+    The runs take turns (replicas, 1F1B, replicas, ZB-H1, tp): a slow spell of the
     machine then falls on every layout instead of tilting one's plans against another's.
     ``on_run(done, total)`` is told before each run and after the last (the progress line).
     """
@@ -164,23 +224,27 @@ def calibrate(config: Config, profile: Any, ranks: int, timeout_s: float = 180,
     rows = calibration_rows(profile)
     words = launcher_command(launcher)
     pp = min(ranks, profile.n_layers)
-    layouts = {"replicas": (ranks, [profile.n_layers], "gpipe")}
+    layouts = {"replicas": (ranks, [profile.n_layers], "gpipe", 1)}
     if pp > 1:
         cut = list(measured_cut(profile, pp, rows, raw=True))
-        layouts["pipeline"] = (ranks // pp, cut, "1f1b")
-        layouts["pipeline_zb"] = (ranks // pp, cut, "zb-h1")
+        layouts["pipeline"] = (ranks // pp, cut, "1f1b", 1)
+        layouts["pipeline_zb"] = (ranks // pp, cut, "zb-h1", 1)
+    tp = tensor_width(config, ranks)
+    if tp > 1 and rows in profile.sizes_at(tp):
+        layouts["tensor"] = (ranks // tp, [profile.n_layers], "gpipe", tp)
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
     # the replicas twice, each pipeline schedule once, in turns: four launches, as many as before the ZB-H1
-    # run (six took the first plan of the MLP benchmark to 56 s of its 60 s)
+    # run (six took the first plan of the MLP benchmark to 56 s of its 60 s); the tp run once, last
     order = ["replicas", "pipeline", "replicas", "pipeline_zb"] if pp > 1 else ["replicas"] * TURNS
+    order += ["tensor"] if "tensor" in layouts else []
     for done, name in enumerate(order):
         if on_run is not None:
             on_run(done, len(order))
-        dp, cut, schedule = layouts[name]
-        runs[name].append(_traced_run(config, words, dp, cut, rows, timeout_s, schedule))
+        dp, cut, schedule, width = layouts[name]
+        runs[name].append(_traced_run(config, words, dp, cut, rows, timeout_s, schedule, width))
     if on_run is not None:
         on_run(len(order), len(order))
     out: dict[str, Any] = {"rows": rows, "ranks": ranks}
-    for name, (_, cut, _) in layouts.items():
-        out[name] = _factors(profile, cut, rows, runs[name])
+    for name, (_, cut, _, width) in layouts.items():
+        out[name] = _factors(profile, cut, rows, runs[name], width)
     return out

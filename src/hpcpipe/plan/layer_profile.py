@@ -8,7 +8,14 @@ loads). The layer groups run as one stage built with the engine's own layer code
 layers, or a GPT's blocks, are one shape repeated) at most 4 times
 (:func:`bench_indices`), and each group is timed inside it at each micro-batch size:
 F (with the loss when it is the model's last group), the input-gradient half I, the
-weight-gradient half W and the full backward B. Bytes
+weight-gradient half W and the full backward B. For each tensor-parallel width tp the
+planner may choose, the same groups are built and timed again as tp rank 0 holds them
+(fields ``F/tp2``, ...): the products at their split shapes, the norms, residuals and
+softmaxes a tp rank still computes whole, the vocabulary-parallel lookup and loss; the
+tp collectives themselves are left out (:class:`Unreduced`): the comm model prices them.
+Dividing the whole group's time by tp instead misses that a block's half-width products
+run slower per flop and its replicated parts do not shrink (measured: a d 128 GPT block
+at tp 2 took 0.55-0.62 of its whole time, the vocabulary head 0.43-0.47). Bytes
 come from the arrays themselves: the caches a forward keeps for its backward
 (what the engine stashes), the peak of NumPy's allocations during each action
 (tracemalloc sees every NumPy data buffer), the group's parameters.
@@ -35,6 +42,30 @@ from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.rss import resident_bytes
 
 OPS = ("F", "I", "W", "B")
+
+
+def tp_field(op: str, tp: int) -> str:
+    """The profile field holding op's times at tensor-parallel width tp (op itself at tp 1)."""
+    return op if tp == 1 else f"{op}/tp{tp}"
+
+
+class Unreduced:
+    """Tensor-parallel rank 0 of ``size`` ranks whose reductions are left out: its compute alone, as measured.
+
+    The layers then compute exactly a tp rank's part (rank 0 holds the largest part of an
+    uneven split); the sums and maxima they would exchange are the comm model's to price.
+    """
+
+    def __init__(self, size: int):
+        self.size, self.rank = size, 0
+
+    def sum_(self, x: Any) -> Any:
+        """Leave x as it is (the sum over the ranks is priced by the comm model)."""
+        return x
+
+    def max_(self, x: Any) -> Any:
+        """Leave x as it is (the maximum over the ranks is priced by the comm model)."""
+        return x
 
 
 def group_signature(model: Any, index: int) -> str:
@@ -87,18 +118,19 @@ def bench_indices(model: Any, max_repeat: int = 4) -> list[int]:
 class _StageBench:
     """The chosen layer groups as one stage built with the engine's layer code, timed layer by layer."""
 
-    def __init__(self, model: Any, indices: list[int], xp: Any, dtype: str, seed: int):
-        self.model, self.indices, self.xp, self.dtype = model, indices, xp, dtype
+    def __init__(self, model: Any, indices: list[int], xp: Any, dtype: str, seed: int, tp: int = 1):
+        self.model, self.indices, self.xp, self.dtype, self.tp = model, indices, xp, dtype, tp
+        group = Unreduced(tp) if tp > 1 else None
         runs: list[list[int]] = []
         for i in indices:
             if runs and runs[-1][-1] == i - 1:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        self.params = RankParameters(model, {k: range(r[0], r[-1] + 1) for k, r in enumerate(runs)}, xp, dtype)
-        for index, arrays in model.init_arrays(indices, seed, dtype).items():
-            for name, value in arrays.items():
-                self.params.param(index, name)[...] = xp.asarray(value)
+        self.params = RankParameters(model, {k: range(r[0], r[-1] + 1) for k, r in enumerate(runs)}, xp, dtype,
+                                     tp=group)
+        self.loss_fn = model.tp_loss(group) if group else model.loss_fn
+        self.params.load(model.init_arrays(indices, seed, dtype))     # whole tensors, or tp rank 0's parts
         if self.params.tied_copy:     # a tied head without the embedding reads its own copy of the table
             self.params.param(-1, "tok_emb")[...] = xp.asarray(model.init_arrays([0], seed, dtype)[0]["tok_emb"])
         self.layers = [layer for k in range(len(runs)) for layer in self.params.stages[k].layers]
@@ -115,7 +147,8 @@ class _StageBench:
 
     def _grad_fit(self, g: Any, index: int, rows: int, rng: np.random.Generator) -> Any:
         shape, _ = self.model.boundary(index + 1, rows)
-        if tuple(g.shape) == tuple(shape):
+        # the loss's gradient (a tp rank's: its part of the vocabulary) is the last group's as it comes
+        if tuple(g.shape) == tuple(shape) or index == self.model.n_layers - 1:
             return g
         return self.xp.asarray(rng.standard_normal(shape).astype(self.dtype))
 
@@ -127,9 +160,9 @@ class _StageBench:
             start = clock()
             x, cache = layer.forward(x)
             if index == self.model.n_layers - 1:
-                _, g = self.model.loss_fn(self.xp, x, target, 1.0)
+                _, g = self.loss_fn(self.xp, x, target, 1.0)
             if times is not None:
-                times["F"][index].append(clock() - start)
+                times[tp_field("F", self.tp)][index].append(clock() - start)
             caches.append(cache)
         return caches, g
 
@@ -144,12 +177,12 @@ class _StageBench:
                 g, dzs[k] = layer.backward_input(caches[k], g, index > 0)
             else:
                 g = layer.backward(caches[k], g, index > 0)
-            times["I" if split else "B"][index].append(clock() - start)
+            times[tp_field("I" if split else "B", self.tp)][index].append(clock() - start)
         if split:
             for k, layer in enumerate(self.layers):
                 start = clock()
                 layer.backward_weight(caches[k], dzs[k])
-                times["W"][self.indices[k]].append(clock() - start)
+                times[tp_field("W", self.tp)][self.indices[k]].append(clock() - start)
 
     def step(self, x: Any, target: Any, rows: int, rng: np.random.Generator, times: dict) -> None:
         """One measured pass: F, I and W of every group, then a forward and the full backward B."""
@@ -235,14 +268,17 @@ def read_share(path: str) -> float:
 
 
 def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s: float = 1.5, first: int = 0,
-                   progress_path: str | None = None) -> dict:
+                   progress_path: str | None = None, tps: tuple[int, ...] = ()) -> dict:
     """Measure every distinct layer group at each micro-batch size; return the profile's layer part (JSON-able).
+
+    ``tps``: the tensor-parallel widths (> 1) whose split groups are measured too (fields ``F/tp2``, ...).
 
     Each pass runs the sizes in turn starting with ``sizes[first]``: copies side by side
     start apart, so a group is timed while its siblings run the rest of the model (as
     the other ranks of a pipeline do), not the same group at the same moment. The share
     done is written to ``progress_path`` as the bench goes (the planner's progress line).
     """
+    tps = tuple(sorted({int(t) for t in tps if int(t) > 1}))
     share = _Share(progress_path, len(sizes), repeats, budget_s)
     from hpcpipe.runtime.backend import select_backend
 
@@ -256,39 +292,45 @@ def profile_layers(config: Config, sizes: list[int], repeats: int = 7, budget_s:
     blas_bytes = max(0, resident_bytes() - rss_start)
     indices = bench_indices(model)
     bench = _StageBench(model, indices, xp, dtype, config.model.seed)
+    benches = [bench] + [_StageBench(model, indices, xp, dtype, config.model.seed, tp) for tp in tps]
+    fields = [tp_field(op, b.tp) for b in benches for op in OPS]
     signatures = [group_signature(model, i) for i in range(model.n_layers)]
     groups: dict[str, dict] = {}
     for index in indices:
         groups.setdefault(signatures[index], {"index": index, "params": int(model.specs[index].n_params),
-                                              **{op: {} for op in OPS}, "stash_bytes": {}, "work_bytes": {}})
+                                              **{f: {} for f in fields}, "stash_bytes": {}, "work_bytes": {}})
     order = sizes[first % len(sizes):] + sizes[:first % len(sizes)]
     inputs = {rows: (_inputs(model, indices[0], rows, rng, xp, dtype)[0],
                      _inputs(model, model.n_layers - 1, rows, rng, xp, dtype)[1]) for rows in order}
-    times = {rows: {op: {i: [] for i in indices} for op in OPS} for rows in sizes}
+    times = {rows: {f: {i: [] for i in indices} for f in fields} for rows in sizes}
     for done, (rows, (x, target)) in enumerate(inputs.items(), 1):             # warm-up
-        bench.step(x, target, rows, rng, {op: {i: [] for i in indices} for op in OPS})
+        for b in benches:
+            b.step(x, target, rows, rng, {f: {i: [] for i in indices} for f in fields})
         share.warm(done)
     # The sizes take turns, pass by pass: a slower or faster spell of the machine
     # then touches every size alike instead of tilting the line through them.
     start, passes = time.perf_counter(), 0
     while passes < repeats and (passes < 2 or time.perf_counter() - start < budget_s * len(sizes)):
         for rows, (x, target) in inputs.items():
-            bench.step(x, target, rows, rng, times[rows])
-            backend.synchronize()
+            for b in benches:      # the widths in turn too: one spell of the machine touches them alike
+                b.step(x, target, rows, rng, times[rows])
+                backend.synchronize()
             share.write()
         passes += 1
-    bench.held = []
+    for b in benches:
+        b.held = []
+    del benches[1:]
     for rows, (x, target) in inputs.items():
         sizes_bytes = _bytes(bench, x, target, rows, rng)
         share.write()
         for key, entry in groups.items():
             mine = [i for i in indices if signatures[i] == key]
-            for op in OPS:
-                entry[op][str(rows)] = statistics.median([t for i in mine for t in times[rows][op][i]])
+            for f in fields:
+                entry[f][str(rows)] = statistics.median([t for i in mine for t in times[rows][f][i]])
             entry["stash_bytes"][str(rows)] = max(sizes_bytes[i][0] for i in mine)
             entry["work_bytes"][str(rows)] = max(sizes_bytes[i][1] for i in mine)
     share.write(1.0)
-    return {"groups": groups, "signatures": signatures, "stage": indices,
+    return {"groups": groups, "signatures": signatures, "stage": indices, "tps": list(tps),
             "optimizer": _optimizer_costs(config, xp, dtype), "blas_rss_bytes": blas_bytes,
             "backend": backend.name}
 
@@ -337,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     config = from_dict(request["config"])
     result = profile_layers(config, [int(s) for s in request["sizes"]], int(request.get("repeats", 7)),
                             float(request.get("budget_s", 1.5)), int(args[2]) if len(args) > 2 else 0,
-                            args[1] + ".progress")
+                            args[1] + ".progress", tuple(request.get("tps", ())))
     with open(args[1], "w") as f:
         json.dump(result, f)
     return 0

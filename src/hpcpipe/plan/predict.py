@@ -9,12 +9,18 @@ embedding's sum, the agreed norm and the optimizer update) is added to every
 rank. The simulator (:func:`hpcpipe.schedule.event_sim.simulate_schedule`)
 runs the schedule's own action lists on those costs.
 
-Tensor parallelism (tp > 1) divides every measured action by tp and adds the
+Tensor parallelism (tp > 1) takes each action's compute as the profile measured
+the group split over tp (its products at their split shapes, what a tp rank still
+computes whole; the whole group's time / tp for a profile without them) and adds the
 tp collectives on its critical path (:meth:`Predictor.tp_seconds`: a block's
 two output sums forward and two input-gradient sums backward of its
-(rows, T, d) activation, the embedding's lookup, the loss's reductions; an
+(rows, T, d) activation, the embedding's lookup, the loss's row maximum and its one
+sum of the denominators and target logits, the head's input gradient; an
 MLP's row-parallel outputs and column-parallel input gradients), each at the
-ring-allreduce time of the probe's fit over tp ranks. Parameters, gradients,
+ring-allreduce time of the probe's polled nonblocking allreduce (what a tp
+collective is; :meth:`CommModel.tp_allreduce`) over tp ranks, plus what a collective
+in a real step costs beyond that (:attr:`Predictor.tp_extra_s`, from the engine
+calibration's tp run: its ranks arrive apart and wait by polling). Parameters, gradients,
 optimizer state and layer caches count 1/tp per rank (the replicated norms,
 biases and residual streams are small beside them and not counted twice).
 
@@ -113,6 +119,17 @@ class Predictor:
         self.tok_emb = math.prod(self.model.specs[0].shapes["tok_emb"]) if self.model.tied else 0
         # what trains of each group (LoRA: the adapters): gradients, the exchange, the update, the optimizer state
         self.trained = [trained_params(spec) for spec in self.model.specs]
+        self.tp_extra_s = 0.0
+        self.tp_extra_s = self._tp_extra()
+
+    def _tp_extra(self) -> float:
+        """Seconds a tp collective took in the calibration's tp run beyond the comm model's, on average (>= 0)."""
+        run = self.profile.tensor
+        if not run or not run.get("collectives"):
+            return 0.0
+        tp, rows = int(run["tp"]), int(run["rows"])
+        modelled = sum(sum(self.tp_seconds(i, rows, tp)) for i in range(self.model.n_layers))
+        return max(0.0, (float(run["collective_s"]) - modelled) / float(run["collectives"]))
 
     def _boundary_bytes(self, index: int, rows: int) -> int:
         shape, dtype = self.model.boundary(index, rows)
@@ -123,13 +140,15 @@ class Predictor:
             return rows * self.config.model.seq_len * 8          # int64 next-token ids
         return self._boundary_bytes(self.model.n_layers, rows)
 
-    def stage_costs(self, ranges: list[range], rows: int, schedule: str = "1f1b") -> dict[tuple[str, int], float]:
-        """Per-(op, stage) seconds: the sums of the stage's layer groups (recompute adds a forward to I and B)."""
+    def stage_costs(self, ranges: list[range], rows: int, schedule: str = "1f1b",
+                    tp: int = 1) -> dict[tuple[str, int], float]:
+        """Per-(op, stage) seconds: the sums of the stage's layer groups (recompute adds a forward to I and B);
+        at ``tp`` > 1 one tp rank's compute of them (without the collectives: :meth:`_split` adds those)."""
         per: dict[tuple[str, int], float] = {}
         piped = len(ranges) > 1
 
         def seconds(op: str, r: range) -> float:
-            return sum(self.profile.seconds(op, i, rows, pipelined=piped, schedule=schedule) for i in r)
+            return sum(self.profile.seconds(op, i, rows, pipelined=piped, schedule=schedule, tp=tp) for i in r)
 
         for s, r in enumerate(ranges):
             f = seconds("F", r)
@@ -147,14 +166,21 @@ class Predictor:
         """
         if tp == 1:
             return 0.0, 0.0
-        allreduce = (link or self.profile.comm).allreduce
+        comm = link or self.profile.comm
+
+        def allreduce(nbytes: int, ranks: int) -> float:
+            return comm.tp_allreduce(nbytes, ranks) + self.tp_extra_s
+
         if self.model.kind in DECODERS:
             cfg = self.config.model
             act = allreduce(rows * cfg.seq_len * cfg.d_model * self.itemsize, tp)
             if index == 0:
                 return act, 0.0                        # the vocabulary-parallel lookup's sum
-            if index == self.model.n_layers - 1:       # the loss's max and sums; the head's input gradient
-                return 3 * allreduce(rows * cfg.seq_len * 8, tp), act
+            if index == self.model.n_layers - 1:
+                # the loss: each token's logit maximum, then one sum of its denominator and target logit; back:
+                # the head's input gradient
+                tokens = rows * cfg.seq_len
+                return allreduce(tokens * self.itemsize, tp) + allreduce(2 * tokens * self.itemsize, tp), act
             return 2 * act, 2 * act
         dims = self.config.model.dims
         if index % 2:                                  # row-parallel: the output is summed
@@ -164,7 +190,8 @@ class Predictor:
 
     def _split(self, per: dict[tuple[str, int], float], ranges: list[range], rows: int, tp: int,
                link: CommModel | None = None) -> dict[tuple[str, int], float]:
-        """Per-stage costs at tp ranks: each action's compute / tp plus its stage's tp collectives."""
+        """Per-stage costs at tp ranks: each action's split compute (``per``, :meth:`stage_costs` at tp) plus its
+        stage's tp collectives."""
         if tp == 1:
             return per
         out = {}
@@ -172,7 +199,7 @@ class Predictor:
             fwd = sum(self.tp_seconds(i, rows, tp, link)[0] for i in r)
             bwd = sum(self.tp_seconds(i, rows, tp, link)[1] for i in r) + (fwd if self.recompute else 0.0)
             for op, extra in (("F", fwd), ("I", bwd), ("B", bwd), ("W", 0.0)):
-                out[(op, s)] = per[(op, s)] / tp + extra
+                out[(op, s)] = per[(op, s)] + extra
         return out
 
     def ep_seconds(self, index: int, rows: int, ep: int) -> float:
@@ -212,8 +239,8 @@ class Predictor:
         placement = placement_of(c.schedule)
         n_stages = c.pp * c.virtual_stages
         link = {axis: self.placement.link(axis, c.dp, c.pp, c.tp) for axis in ("dp", "pp", "tp", "world")}
-        per = self._exchange(self._split(self.stage_costs(ranges, rows, c.schedule), ranges, rows, c.tp, link["tp"]),
-                             ranges, rows, c.ep)
+        per = self._exchange(self._split(self.stage_costs(ranges, rows, c.schedule, c.tp), ranges, rows, c.tp,
+                                         link["tp"]), ranges, rows, c.ep)
         cut_bytes = max((self._boundary_bytes(r.start, rows) for r in ranges[1:]), default=0)
         comm = link["pp"].p2p(cut_bytes) if c.pp > 1 else 0.0
         rank_layers = [[i for s in rank_stages(p, c.pp, n_stages, placement) for i in ranges[s]] for p in range(c.pp)]

@@ -6,7 +6,7 @@ message and the 2-rank in-place allreduce time at message sizes from 4 KiB to
 mpi4py and the trainer and initialising MPI, before any big buffer; the
 larger of the 2 ranks). Rank 0 writes::
 
-    {"p2p": [[nbytes, seconds], ...], "allreduce": [[nbytes, seconds], ...],
+    {"p2p": [[nbytes, seconds], ...], "allreduce": [[nbytes, seconds], ...], "tp_allreduce": [...],
      "baseline_rss_bytes": int, "mpi": "<library line>", "ranks": 2, "probe_seconds": float}
 
 hpcpipe.profiles.comm_model fits a latency/bandwidth model to it and runs this
@@ -75,11 +75,13 @@ def wrong_size_message(size: int, library: str) -> str:
 
 def measure(world, sizes: list[int]) -> dict:
     """Time p2p and allreduce at every size on the 2 ranks of world (collective); return rank 0's results."""
-    from hpcpipe.runtime.mpi_probes import allreduce_seconds, pingpong_seconds
+    from hpcpipe.runtime.mpi_probes import allreduce_seconds, pingpong_seconds, polled_allreduce_seconds
     peer = 1 - world.Get_rank()
     p2p = [[n, pingpong_seconds(world, peer, n, repeats_for(n))] for n in sizes]
     allreduce = [[n, allreduce_seconds(world, n, repeats_for(n))] for n in sizes]
-    return {"p2p": p2p, "allreduce": allreduce}
+    # the tp collectives' own path (nonblocking, polled): over TCP it is many times the blocking allreduce
+    polled = [[n, polled_allreduce_seconds(world, n, repeats_for(n))] for n in sizes]
+    return {"p2p": p2p, "allreduce": allreduce, "tp_allreduce": polled}
 
 
 def main(argv: list[str] | None = None) -> int:

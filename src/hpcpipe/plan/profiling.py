@@ -61,8 +61,12 @@ def profile_sizes(wanted: list[int], limit: int = 10, largest: int | None = None
 
 
 def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str, refresh: bool = False,
-                 concurrent: int = 1, log: Any = None, before_measuring: Callable[[], None] | None = None) -> Profile:
+                 concurrent: int = 1, log: Any = None, before_measuring: Callable[[], None] | None = None,
+                 tps: tuple[int, ...] = ()) -> Profile:
     """Return the profile of the configured model on this host: from the cache, measuring what it lacks.
+
+    ``tps``: the tensor-parallel widths the plans may use; the groups are measured split at each
+    (a size is measured again when some width lacks it).
 
     ``concurrent`` ranks of the planned job compute at once on a node: the layers are
     measured with as many copies side by side (a cached profile taken with another
@@ -78,7 +82,10 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
         log(f"hpcpipe.plan: the cached profile {problem}: measuring it again")
     if cached and cached["layers"].get("concurrent", 1) != concurrent:
         cached = None
-    have = set(Profile(cached, CommModel.from_dict(cached["comm"])).sizes) if cached and "comm" in cached else set()
+    have: set[int] = set()
+    if cached and "comm" in cached:
+        known = Profile(cached, CommModel.from_dict(cached["comm"]))
+        have = set(known.sizes).intersection(*(known.sizes_at(tp) for tp in tps))
     missing = [s for s in sizes if s not in have]
     comm_dict = cached.get("comm") if cached else None
     used = (cached or {}).get("load")
@@ -104,10 +111,11 @@ def load_profile(config: Config, sizes: list[int], threads: int, cache_dir: str,
             comm_dict = CommModel.from_probe(probe).to_dict()
             profile_cache.write_comm(cache_dir, comm_dict)
     if missing:
-        log(f"hpcpipe.plan: profiling {config.n_layers} layer groups at micro-batch sizes {missing} "
+        split = f", whole and split over tp = {', '.join(map(str, tps))}" if tps else ""
+        log(f"hpcpipe.plan: profiling {config.n_layers} layer groups at micro-batch sizes {missing}{split} "
             f"({threads} BLAS thread{'s' if threads > 1 else ''}, {concurrent} process{'es' if concurrent > 1 else ''} "
             f"side by side) ...")
-        measured = run_layer_profile(config, missing, threads, concurrent)
+        measured = run_layer_profile(config, missing, threads, concurrent, tps=tps)
         layers = measured if not cached else profile_cache.merge_layers(cached["layers"], measured)
     else:
         layers = cached["layers"]
@@ -151,6 +159,11 @@ def _engine_factors(config: Config, profile: Profile, ranks: int, log: Any) -> d
             log(f"hpcpipe.plan: engine over bench, {name} (cut {run['stage_layers']}): "
                 f"F x {factors(run['forward'])}; B x {factors(run['backward'])}")
     log(f"hpcpipe.plan: replicas wait {engine['replicas']['sync_share']:.1%} of a step's compute at the allreduce")
+    if engine.get("tensor"):
+        run = engine["tensor"]
+        log(f"hpcpipe.plan: engine over bench, tp={run['tp']}: F x {factors(run['forward'][:1])}, "
+            f"B x {factors(run['backward'][:1])}; {run['collectives']:.0f} tp collectives took "
+            f"{run['collective_s'] * 1e3:.1f} ms a micro-batch of {run['rows']}")
     return engine
 
 
@@ -177,7 +190,7 @@ def _average(results: list[dict]) -> dict:
 
 
 def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent: int = 1,
-                      timeout_s: float = 600.0) -> dict:
+                      timeout_s: float = 600.0, tps: tuple[int, ...] = ()) -> dict:
     """Measure the layer groups in ``concurrent`` subprocesses side by side, each with the planned BLAS threads.
 
     The planned job runs that many ranks at once on a node like this one: they share
@@ -187,7 +200,7 @@ def run_layer_profile(config: Config, sizes: list[int], threads: int, concurrent
     with tempfile.TemporaryDirectory(prefix="hpcpipe-profile-") as tmp:
         request = os.path.join(tmp, "request.json")
         with open(request, "w") as f:
-            json.dump({"config": config.to_dict(), "sizes": sizes}, f)
+            json.dump({"config": config.to_dict(), "sizes": sizes, "tps": list(tps)}, f)
         outs = [os.path.join(tmp, f"profile-{k}.json") for k in range(concurrent)]
         # copy k starts its passes k / concurrent of the way through the sizes
         cmds = [[sys.executable, "-m", "hpcpipe.plan.layer_profile", request, out, str(k * len(sizes) // concurrent)]

@@ -150,4 +150,5 @@ def merge_layers(old: dict, new: dict) -> dict:
                 target.setdefault(field, {}).update(values)
     merged["optimizer"] = {**old.get("optimizer", {}), **new["optimizer"]}
     merged["blas_rss_bytes"] = max(old.get("blas_rss_bytes", 0), new.get("blas_rss_bytes", 0))
+    merged["tps"] = sorted(set(old.get("tps", [])) | set(new.get("tps", [])))
     return merged

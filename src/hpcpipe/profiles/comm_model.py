@@ -24,6 +24,14 @@ interpolate between them (made non-decreasing first); outside the measured
 range they extend the nearest point with the line's latency and the steeper
 of the line's and the last segment's per-byte time. The fitted
 coefficients stay the summary (and what a model without points uses).
+
+The tensor-parallel collectives are waited for by polling a nonblocking allreduce
+(:class:`hpcpipe.runtime.tp_group.TPGroup`), which MPI advances only inside its
+calls: over TCP that took 18x the blocking allreduce's time for 1 MiB reached after
+computing (bench/bench_tp_collectives.py between 2 emulated nodes). The probe times
+that path too (``tp_allreduce``), and
+:meth:`CommModel.tp_allreduce` reads it (the blocking allreduce's points where a
+probe did not measure it).
 """
 
 from __future__ import annotations
@@ -120,6 +128,7 @@ class CommModel:
     mpi: str = ""
     p2p_points: Points = ()          # measured (nbytes, one-way seconds), non-decreasing
     allreduce_points: Points = ()    # measured (nbytes, 2-rank allreduce seconds), non-decreasing
+    tp_allreduce_points: Points = ()     # the same made as tp collectives are (nonblocking, polled); () unmeasured
 
     @classmethod
     def from_probe(cls, probe: dict) -> CommModel:
@@ -129,8 +138,9 @@ class CommModel:
         if not isinstance(rss, int) or isinstance(rss, bool) or rss <= 0:
             raise ConfigError(f"communication probe result: 'baseline_rss_bytes' must be a positive integer, "
                               f"got {rss!r}")
+        polled = monotone_points(_pairs(probe, "tp_allreduce")) if probe.get("tp_allreduce") else ()
         return cls(*fit_line(p2p), *fit_line(allreduce), rss, str(probe.get("mpi", "")),
-                   monotone_points(p2p), monotone_points(allreduce))
+                   monotone_points(p2p), monotone_points(allreduce), polled)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -149,7 +159,19 @@ class CommModel:
             raise ValueError(f"allreduce: nbytes {nbytes} must be >= 0 and ranks {ranks} >= 1")
         if ranks == 1:
             return 0.0
-        two = interpolate(self.allreduce_points, self.allreduce_latency_s, self.allreduce_seconds_per_byte, nbytes)
+        return self._ring(self.allreduce_points, nbytes, ranks)
+
+    def tp_allreduce(self, nbytes: float, ranks: int) -> float:
+        """Return the predicted seconds of a tp collective's sum of nbytes over ranks: the polled nonblocking
+        allreduce's measured points (the blocking ones' where none were measured), ring-scaled."""
+        if nbytes < 0 or ranks < 1:
+            raise ValueError(f"tp_allreduce: nbytes {nbytes} must be >= 0 and ranks {ranks} >= 1")
+        if ranks == 1:
+            return 0.0
+        return self._ring(self.tp_allreduce_points or self.allreduce_points, nbytes, ranks)
+
+    def _ring(self, points: Points, nbytes: float, ranks: int) -> float:
+        two = interpolate(points, self.allreduce_latency_s, self.allreduce_seconds_per_byte, nbytes)
         latency = min(self.allreduce_latency_s, two)
         # ring: the latency grows with the r-1 steps, the bytes term with the 2(r-1)/r of the data each rank moves
         return (ranks - 1) * latency + 2.0 * (ranks - 1) / ranks * (two - latency)
@@ -157,7 +179,7 @@ class CommModel:
     def to_dict(self) -> dict:
         """Return the model as a JSON-ready dict (for the planner's cache)."""
         data = asdict(self)
-        for key in ("p2p_points", "allreduce_points"):
+        for key in ("p2p_points", "allreduce_points", "tp_allreduce_points"):
             data[key] = [list(point) for point in data[key]]
         return data
 

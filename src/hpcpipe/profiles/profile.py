@@ -90,33 +90,49 @@ class Profile:
         """Number of layer groups of the profiled model."""
         return len(self.layers["signatures"])
 
-    def seconds(self, op: str, index: int, rows: int, pipelined: bool = False, schedule: str = "1f1b") -> float:
-        """Seconds of action op (F, I, W or B) of layer group ``index`` on a micro-batch of ``rows`` samples.
+    def seconds(self, op: str, index: int, rows: int, pipelined: bool = False, schedule: str = "1f1b",
+                tp: int = 1) -> float:
+        """Seconds of action op (F, I, W or B) of layer group ``index`` on a micro-batch of ``rows`` samples
+        (at tensor-parallel width ``tp``: one tp rank's compute, :meth:`raw_seconds`).
 
         The bench's time scaled by the engine's factor for the group (:mod:`engine_calibration`): when
         ``pipelined`` (pp > 1), the pipeline run's of ``schedule``'s family (GPipe and ZB-H1: the
-        ZB-H1 run, else the 1F1B run) if there was one, else the replicas run's.
+        ZB-H1 run, else the 1F1B run) if there was one, else the replicas run's; at ``tp`` > 1 the
+        tensor-parallel run's when there was one.
         """
         engine = self.data.get("engine") or {}
-        run = None
-        if pipelined:
+        run = self.tensor if tp > 1 else None
+        if pipelined and run is None:
             run = (engine.get("pipeline_zb") if schedule in ZB_CALIBRATED else None) or engine.get("pipeline")
         run = run or engine.get("replicas") or {}
         factors = run.get("forward" if op == "F" else "backward")
         factor = float(factors[index]) if factors and index < len(factors) else 1.0
-        return factor * self.raw_seconds(op, index, rows)
+        return factor * self.raw_seconds(op, index, rows, tp)
+
+    @property
+    def tensor(self) -> dict[str, Any] | None:
+        """The tensor-parallel calibration run's factors and collective seconds (None when there was none)."""
+        return (self.data.get("engine") or {}).get("tensor") or None
 
     @property
     def sync_share(self) -> float:
         """Wait of data-parallel replicas at the allreduce, as a share of a step's compute (0 when not measured)."""
         return float(((self.data.get("engine") or {}).get("replicas") or {}).get("sync_share", 0.0))
 
-    def raw_seconds(self, op: str, index: int, rows: int) -> float:
-        """Seconds of action op of group ``index`` on ``rows`` samples as the layer bench measured them."""
-        key = (op, self.layers["signatures"][index])
+    def raw_seconds(self, op: str, index: int, rows: int, tp: int = 1) -> float:
+        """Seconds of action op of group ``index`` on ``rows`` samples as the layer bench measured them.
+
+        At ``tp`` > 1: the group split as tp rank 0 holds it, measured at its split shapes
+        (``F/tp2``, ...) when the profile has them, else the whole group's time / tp.
+        """
+        field = op if tp == 1 else f"{op}/tp{tp}"
+        points = self._group(index).get(field)
+        if not points:
+            return self.raw_seconds(op, index, rows) / tp
+        key = (field, self.layers["signatures"][index])
         fit = self._fits.get(key)
         if fit is None:
-            fit = self._fits[key] = affine_fit(self._group(index)[op])
+            fit = self._fits[key] = affine_fit(points)
         return fit[0] + fit[1] * rows
 
     def stash_bytes(self, index: int, rows: int) -> float:
@@ -143,8 +159,14 @@ class Profile:
     @property
     def sizes(self) -> list[int]:
         """Micro-batch sizes measured."""
-        first = next(iter(self.layers["groups"].values()))
-        return sorted(int(k) for k in first["F"])
+        return self.sizes_at(1)
+
+    def sizes_at(self, tp: int) -> list[int]:
+        """Micro-batch sizes measured at tensor-parallel width tp for every group (split shapes; none when not
+        profiled)."""
+        field = "F" if tp == 1 else f"F/tp{tp}"
+        measured = [set(group.get(field, {})) for group in self.layers["groups"].values()]
+        return sorted(int(k) for k in set.intersection(*measured))
 
 
 def default_cache_dir() -> str:

@@ -20,13 +20,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from hpcpipe.config import DECODERS, from_dict
 from hpcpipe.errors import ConfigError
 from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.names import group_pieces
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.child_write import check_space, signals_held, write_in_child

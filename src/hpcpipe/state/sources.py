@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import h5py
-
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hdf5_source import checkpoint_source, file_source
 from hpcpipe.state.hf_source import hf_source, is_hf_directory

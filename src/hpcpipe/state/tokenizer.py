@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import check_links, member
 from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.tokenizer import KIND_JSON, from_files, plain_name, tokenizer_files
+from hpcpipe.lazy_h5py import h5py
 
 KINDS = ("bytes", "chars")
 

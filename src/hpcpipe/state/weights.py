@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from hpcpipe import __version__
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member, open_hdf5
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.state.kinds import count_text, specs_kind
 
 FORMAT = "hpcpipe"

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 
 from hpcpipe.config import DECODERS, Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import WatchedFile, file_identity, member, open_hdf5
+from hpcpipe.lazy_h5py import h5py
 from hpcpipe.train.shuffle import EpochPermutation
 from hpcpipe.train.tokens import check_token_file
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import member, open_hdf5
+from hpcpipe.lazy_h5py import h5py
 
 SLAB_ELEMENTS = 1 << 20     # ids read per slab and dataset (8 MiB of int64)
 

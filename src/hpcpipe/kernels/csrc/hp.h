@@ -65,6 +65,9 @@ int64_t hp_scratch_floats(const hp_stage *s, int64_t n_rows);
 
 /* y[m, n] (+)= sum_k x[m, k] W[n, k]; x rows ldx apart, y rows ldy apart */
 void hp_matmul(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate);
+/* the same for many rows through a widened float32 panel of W (gemm.c); -1 when it cannot run here */
+int hp_gemm(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate);
+void hp_set_gemm_rows(int64_t rows);  /* hp_matmul takes hp_gemm from this many rows of x (tests: 1) */
 void hp_rmsnorm(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps);
 void hp_layernorm(const float *x, const float *w, const float *b, float *y, int64_t m, int64_t d, float eps);
 void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, const float *cos, const float *sin,

@@ -319,10 +319,18 @@ static HP_TARGET void matmul_q8(const hp_weight *w, const float *x, int64_t m, i
 
 #endif
 
+/* from this many rows of x the widened-panel product (gemm.c) is as fast as the row tiles (bench/bench_gemm.py,
+ * 2026-11-28: float32 / bf16 at 64 rows, q8_0, whose tiles widen in float, at half that) */
+static int64_t gemm_rows = 64;
+
+void hp_set_gemm_rows(int64_t rows) { gemm_rows = rows; }
+
 void hp_matmul(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate) {
     if (m <= 0 || w->rows <= 0) return;
 #if HP_X86
     if (hp_avx512 && !(w->fmt == HP_Q8_0 && w->cols % 32)) {
+        if (m >= (w->fmt == HP_Q8_0 ? (gemm_rows + 1) / 2 : gemm_rows) && hp_gemm(w, x, m, ldx, y, ldy, accumulate) == 0)
+            return;
         switch (w->fmt) {
         case HP_BF16: matmul_bf16(w, x, m, ldx, y, ldy, accumulate); return;
         case HP_F16: matmul_f16(w, x, m, ldx, y, ldy, accumulate); return;

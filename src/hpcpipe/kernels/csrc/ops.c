@@ -67,7 +67,18 @@ void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, con
     }
 }
 
+#if HP_X86
+static void swiglu_avx512(const float *gate_up, float *out, int64_t m, int64_t ff);
+static void gelu_avx512(float *x, int64_t n);
+#endif
+
 void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff) {
+#if HP_X86
+    if (hp_avx512) {            /* a 512-row prefill spent 0.5 s of 1.6 in scalar tanhf here */
+        swiglu_avx512(gate_up, out, m, ff);
+        return;
+    }
+#endif
     for (int64_t r = 0; r < m; r++) {
         const float *g = gate_up + r * 2 * ff, *u = g + ff;
         float *o = out + r * ff;
@@ -76,6 +87,12 @@ void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff) {
 }
 
 void hp_gelu(float *x, int64_t n) {
+#if HP_X86
+    if (hp_avx512) {
+        gelu_avx512(x, n);
+        return;
+    }
+#endif
     const float c = 0.7978845608028654f;   /* sqrt(2 / pi) */
     for (int64_t i = 0; i < n; i++) {
         float z = x[i];
@@ -123,6 +140,42 @@ static HP_TARGET inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* sigmoid(g) = 1 / (1 + e^-g) from e = e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below */
+static HP_TARGET inline __m512 sigmoid512(__m512 g) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+}
+
+static HP_TARGET void swiglu_avx512(const float *gate_up, float *out, int64_t m, int64_t ff) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gate_up + r * 2 * ff, *u = g + ff;
+        float *o = out + r * ff;
+        for (int64_t i = 0; i < ff; i += 16) {
+            __mmask16 mask = ff - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ff - i)) - 1);
+            __m512 gv = _mm512_maskz_loadu_ps(mask, g + i), uv = _mm512_maskz_loadu_ps(mask, u + i);
+            _mm512_mask_storeu_ps(o + i, mask, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid512(gv)), uv));
+        }
+    }
+}
+
+/* tanh(y) = sign(y) (1 - e) / (1 + e) with e = e^(-2|y|) */
+static HP_TARGET void gelu_avx512(float *x, int64_t n) {
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), a = _mm512_set1_ps(0.044715f);
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f), m2 = _mm512_set1_ps(-2.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 z = _mm512_maskz_loadu_ps(mask, x + i);
+        __m512 y = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(a, z), _mm512_mul_ps(z, z), z));
+        __m512 e = exp512(_mm512_mul_ps(m2, _mm512_abs_ps(y)));
+        __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        __mmask16 negative = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+        t = _mm512_mask_sub_ps(t, negative, _mm512_setzero_ps(), t);
+        _mm512_mask_storeu_ps(x + i, mask, _mm512_mul_ps(_mm512_mul_ps(half, z), _mm512_add_ps(one, t)));
+    }
 }
 
 static HP_TARGET void attend_avx512(const hp_stage *s, const float *const *keys, const float *const *values,

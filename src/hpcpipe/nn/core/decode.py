@@ -83,7 +83,7 @@ class DecodeStage:
         self.has_head = shape.n_blocks + 1 in groups
         self.n_heads, self.n_kv_heads, self.head_dim = self.steps.n_heads, self.steps.n_kv_heads, self.steps.head_dim
         self.group = self.n_heads // self.n_kv_heads
-        kv, t, dh = self.n_kv_heads, shape.seq_len, self.head_dim
+        kv, dh = self.n_kv_heads, self.head_dim
         self.windows = [model.window(i) for i in groups if 1 <= i <= shape.n_blocks]   # per local block
         self._fused = None
         if self.compiled:
@@ -97,8 +97,6 @@ class DecodeStage:
             self.steps.build(params, self._head_table(params, tok_emb))
             # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b, (kv, pages, page, dh) each
             self._cache = self.paged.allocate(xp, self.dtype, len(self.steps.blocks), kv, dh)
-        # [i, j]: key j is after query i, over whole KV blocks (a sequence's last block is read whole)
-        self._future = xp.triu(xp.ones((t, self.paged.max_pages * self.paged.page), dtype=bool), k=1)
         self._scale = 1.0 / math.sqrt(dh)
         self._scratch = None                      # gathered keys and values of the decode rows, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
@@ -276,6 +274,8 @@ class DecodeStage:
         whole step with 32 sequences).
         """
         xp, dh, kv, page = self.xp, self.head_dim, self.n_kv_heads, self.paged.page
+        if dec.strided is not None and keys.strides[1] == page * keys.strides[2]:
+            return self._grid_view(keys, dec), self._grid_view(values, dec)
         m = dec.gather.shape[0]
         size = kv * m * page * dh
         if self._scratch is None or self._scratch.size < 2 * size:
@@ -287,6 +287,21 @@ class DecodeStage:
             xp.take(source, dec.gather, axis=1, out=buf, **self._take_mode)
             out.append(buf.reshape(kv, dec.n, dec.keys, dh).transpose(1, 0, 2, 3))
         return out[0], out[1]
+
+    def _grid_view(self, source: Any, dec: DecodeBatch) -> Any:
+        """The decode sequences' keys (or values) as a strided (n, kv, keys, dh) view of the cache, no copy.
+
+        A kv head's KV blocks are consecutive in memory (``(kv, pages, page, dh)``), so sequence i's positions
+        are ``dec.keys`` rows from block ``first + i * step``: one view spans them all.
+        """
+        first, step = dec.strided
+        lowest = first + min(0, (dec.n - 1) * step)    # sequences in falling block order: view them rising
+        run = source[:, lowest:]                       # a view whose first element is the lowest sequence's
+        s_kv, s_page, s_pos, s_dim = run.strides
+        view = self.xp.lib.stride_tricks.as_strided(
+            run, shape=(dec.n, self.n_kv_heads, dec.keys, self.head_dim),
+            strides=(abs(step) * s_page, s_kv, s_pos, s_dim))
+        return view if step >= 0 else view[::-1]
 
     def join(self) -> None:
         """An expert-parallel step with no rows here (an idle serving replica): the stage's sparse blocks still
@@ -301,7 +316,7 @@ class DecodeStage:
         stage holding the head (``rows``: after these rows of the call instead, e.g. every prompt token's for
         their log-probabilities), else C-contiguous activations (n_rows, d_model).
         """
-        plan = plan_call(segments, self.paged, self.xp, self._future, self._fused is None)
+        plan = plan_call(segments, self.paged, self.xp, self._fused is None)
         if rows is not None:
             bad = [r for r in rows if not 0 <= r < plan.n_rows]
             if bad:

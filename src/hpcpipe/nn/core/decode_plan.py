@@ -52,6 +52,7 @@ class DecodeBatch:
     gather: Any      # xp int64 (n * npages,): the KV blocks of each sequence, in order
     future: Any      # xp bool (n, 1, 1, keys): True where a key is after the query
     row_positions: Any = None   # xp int64 (n,): the query position of each row (a window's start)
+    strided: tuple[int, int] | None = None   # (first KV block, blocks between sequences) when the table is a grid
 
 
 @dataclass
@@ -72,7 +73,7 @@ def all_rows(rows: Any) -> Any:
     return slice(None) if rows is None else rows
 
 
-def plan_call(segments: list[Segment], paged: Any, xp: Any, future: Any, attention: bool = True) -> CallPlan:
+def plan_call(segments: list[Segment], paged: Any, xp: Any, attention: bool = True) -> CallPlan:
     """Check the segments and build the row and cache indices one forward call needs (``paged``: the stage's
     hpcpipe.nn.core.kv_pages.PagedLayout; ``attention`` False: the NumPy attention's indices are not planned,
     for a compiled stage that attends in C)."""
@@ -113,7 +114,7 @@ def plan_call(segments: list[Segment], paged: Any, xp: Any, future: Any, attenti
         if is_dec.any():
             at = firsts[is_dec]
             decode = decode_batch(None if all_last else at, row_slots[at], starts[is_dec], blocks[at], offsets[at],
-                                  paged, xp, future)
+                                  paged, xp)
     else:
         prefill = [Prefill(int(firsts[i]), segments[i], None, None, None) for i in np.flatnonzero(~is_dec)]
     last_rows = None if all_last else xp.asarray(firsts + lengths - 1)
@@ -121,12 +122,31 @@ def plan_call(segments: list[Segment], paged: Any, xp: Any, future: Any, attenti
 
 
 def decode_batch(rows: np.ndarray | None, slots: np.ndarray, positions: np.ndarray, blocks: np.ndarray,
-                 offsets: np.ndarray, paged: Any, xp: Any, future_mask: Any) -> DecodeBatch:
-    """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call."""
+                 offsets: np.ndarray, paged: Any, xp: Any) -> DecodeBatch:
+    """Plan the batched attention of the decode tokens at ``rows`` (host arrays) of a forward call.
+
+    The mask (key after query) is made for these rows and keys only: a (seq_len, seq_len) table kept for it
+    took 64 MiB at a context of 8192 (and as much again while built).
+    """
     n = slots.size
     npages = int(positions.max()) // paged.page + 1          # KV blocks of the longest sequence
     keys = npages * paged.page
     dev_pos = xp.asarray(positions)
-    gather = paged.tables[slots, :npages].reshape(-1)
+    table = paged.tables[slots, :npages]
+    gather = table.reshape(-1)
+    future = xp.arange(keys)[None, :] > dev_pos[:, None]
     return DecodeBatch(None if rows is None else xp.asarray(rows), xp.asarray(blocks), xp.asarray(offsets), n,
-                       keys, xp.asarray(gather), future_mask[dev_pos, :keys].reshape(n, 1, 1, keys), dev_pos)
+                       keys, xp.asarray(gather), future.reshape(n, 1, 1, keys), dev_pos, block_grid(table))
+
+
+def block_grid(table: np.ndarray) -> tuple[int, int] | None:
+    """``(first, step)`` when sequence i's KV blocks are ``first + i * step + (0, 1, ...)`` (any sign), else None.
+
+    Then the sequences' keys are one strided view of the cache and need no copy: the layout of a cache whose
+    slots own their blocks (generate, one sequence, a pool handing out consecutive blocks).
+    """
+    n, npages = table.shape
+    first = int(table[0, 0])
+    step = int(table[1, 0]) - first if n > 1 else 0
+    expected = first + step * np.arange(n, dtype=np.int64)[:, None] + np.arange(npages, dtype=np.int64)[None, :]
+    return (first, step) if np.array_equal(table, expected) else None

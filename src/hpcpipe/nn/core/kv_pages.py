@@ -13,6 +13,11 @@ pages: callers that never set a table keep working.
 Under a sliding window on every block (Mistral v0.1) a sequence's blocks wholly before its next token's window
 are never read again: the scheduler gives them back to the pool and points their table entries at a block the
 sequence still holds (finite values, masked), so a sequence holds :func:`held_pages` blocks at most.
+
+A host (NumPy) cache is reserved, not filled: its memory is anonymous pages the kernel commits on the first
+write, so a rank holds the KV blocks its sequences have written, not the whole context's (a 32-token run of a
+30-block model with an 8192-position context: ~1.4 MB of 377 MB). NumPy's own large arrays ask for huge pages
+(2 MiB), and one written position per (layer, key/value, head) then committed the whole cache.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from hpcpipe.kernels.mapped import mapped_zeros
 
 
 class PagedLayout:
@@ -43,7 +50,8 @@ class PagedLayout:
 
     def allocate(self, xp: Any, dtype: Any, n_blocks: int, kv: int, head_dim: int) -> Any:
         """The zeroed cache of ``n_blocks`` layer blocks: (n_blocks, 2, kv, pages, page, head_dim)."""
-        return xp.zeros((n_blocks, 2, kv, self.pages, self.page, head_dim), dtype=dtype)
+        shape = (n_blocks, 2, kv, self.pages, self.page, head_dim)
+        return mapped_zeros(shape, dtype, huge=False) if xp is np else xp.zeros(shape, dtype=dtype)
 
     def set_pages(self, slot: int, first: int, pages: list[int]) -> None:
         """Give ``slot`` the KV blocks ``pages`` as its blocks ``first``, ``first + 1``, ..., checked."""

@@ -1,6 +1,6 @@
 """Expert parallelism on this machine: decode tokens/s of a Qwen3-MoE-shaped model at ep=2 against ep=1.
 
-    python bench/bench_ep.py [--quick] [--out FILE]
+    python bench/bench_ep.py [--quick] [--out FILE] [--llama-bin DIR --converter PATH]
 
 The model: a random transformers Qwen3MoeForCausalLM with 48 experts, 8 chosen a token (Qwen3-30B-A3B's
 128 / 8, scaled down), d_model 256, 4 blocks, expert width 128, 4 query / 2 key-value heads of 64, vocabulary
@@ -12,14 +12,20 @@ The model: a random transformers Qwen3MoeForCausalLM with 48 experts, 8 chosen a
 * ``pp2``: 2 ranks, pp = 2 (the other way to put two ranks on one sequence, every expert of a block on its stage).
 
 Per-token latency = (t(257 new tokens) - t(1 new token)) / 256 from the command's own "generated ... in S s" line
-(prefill and start-up cancel out), best of N; the job's CPU seconds (every rank, getrusage of the children) per
-decoded token beside it, and the load average before each layout (the machine is shared). Every rank runs one
-BLAS thread. Results go to bench/results/<today>-ep.json unless --out says otherwise.
+(prefill and start-up cancel out), best of N; ep_comm_s per token (the slowest rank's seconds in the experts'
+all-to-alls, from --json, the same difference) and its share of the token's time; the job's CPU seconds (every
+rank, getrusage of the children) per decoded token beside it, and the load average before each layout (the
+machine is shared). Every rank runs one BLAS thread. With ``--llama-bin`` (llama.cpp's build/bin) and
+``--converter`` (its convert_hf_to_gguf.py) the same directory is converted to an f32 GGUF (hpcpipe computes MoE
+stages in float32) and llama-bench decodes 64 tokens (``-p 0 -n 64 -r 3``) with 1 and with 2 threads in the
+same run (bench_weight_formats' convert and llama_bench).
+Results go to bench/results/<today>-ep.json unless --out says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -64,18 +70,19 @@ def write_model(directory: Path) -> None:
                               eos_token="<|im_end|>").save_pretrained(str(directory))
 
 
-def generate(directory: Path, ranks: int, args: list[str], tokens: int) -> tuple[float, float]:
-    """(the command's generation seconds, the job's CPU seconds) of one greedy generation of ``tokens`` tokens."""
+def generate(directory: Path, ranks: int, args: list[str], tokens: int) -> tuple[float, float, float]:
+    """(the command's generation seconds, the job's CPU seconds, its ep_comm_s) of one greedy generation."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = directory.with_name(f"result-{time.monotonic_ns()}.json")
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "hpcpipe.generate", "--weights", str(directory),
-           "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(tokens), *args]
+           "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(tokens), "--json", str(result), *args]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     found = re.search(r"generated (\d+) tokens in ([0-9.]+) s", proc.stderr)
     if proc.returncode or found is None or int(found.group(1)) != tokens:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return float(found.group(2)), cpu
+    return float(found.group(2)), cpu, float(json.loads(result.read_text()).get("ep_comm_s", 0.0))
 
 
 def measure(directory: Path, repeats: int) -> dict:
@@ -85,15 +92,31 @@ def measure(directory: Path, repeats: int) -> dict:
         load = os.getloadavg()[0]
         runs = []
         for _ in range(repeats):
-            short, short_cpu = generate(directory, ranks, args, 1)
-            long, long_cpu = generate(directory, ranks, args, LONG + 1)
-            runs.append(((long - short) / LONG, (long_cpu - short_cpu) / LONG))
+            short, short_cpu, short_ep = generate(directory, ranks, args, 1)
+            long, long_cpu, long_ep = generate(directory, ranks, args, LONG + 1)
+            runs.append(((long - short) / LONG, (long_cpu - short_cpu) / LONG, (long_ep - short_ep) / LONG))
         best = min(runs)
         out[name] = {"ranks": ranks, "args": args, "load_average_1m_before": load, "per_token_s_runs": runs,
                      "per_token_s": best[0], "tokens_per_s": 1.0 / best[0] if best[0] > 0 else 0.0,
-                     "cpu_s_per_token": min(cpu for _, cpu in runs)}
+                     "cpu_s_per_token": min(run[1] for run in runs),
+                     "ep_comm_s_per_token": best[2], "ep_comm_share": best[2] / best[0] if best[0] > 0 else 0.0}
         print(f"{name}: {out[name]['tokens_per_s']:.1f} tokens/s ({best[0] * 1e3:.2f} ms/token, "
-              f"{out[name]['cpu_s_per_token'] * 1e3:.2f} CPU ms/token over all ranks; load {load:.1f})", flush=True)
+              f"{out[name]['cpu_s_per_token'] * 1e3:.2f} CPU ms/token over all ranks, ep_comm_s "
+              f"{best[2] * 1e3:.2f} ms/token = {out[name]['ep_comm_share']:.0%}; load {load:.1f})", flush=True)
+    return out
+
+
+def measure_llama(directory: Path, bin_dir: Path, converter: Path) -> dict:
+    """llama.cpp's decode tokens/s on the same model (f32 GGUF), 1 and 2 threads, with the load before each."""
+    from bench_weight_formats import convert, llama_bench
+    gguf = directory.with_name(directory.name + "-f32.gguf")
+    convert(directory, converter, "f32", gguf)
+    out = {"gguf": "f32", "command": "llama-bench -m MODEL -t T -p 0 -n 64 -r 3 -o json"}
+    for threads in (1, 2):
+        load = os.getloadavg()[0]
+        row = llama_bench(bin_dir / "llama-bench", gguf, threads, 0, 64)
+        out[f"decode_{threads}t"] = {**row, "load_average_1m_before": load}
+        print(f"llama.cpp {threads} thread(s): {row['tok_s']:.1f} tokens/s (load {load:.1f})", flush=True)
     return out
 
 
@@ -101,15 +124,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat instead of three")
     parser.add_argument("--out", default=dated_out("ep"))
+    parser.add_argument("--llama-bin", default="", help="llama.cpp's build/bin (llama-bench)")
+    parser.add_argument("--converter", default="", help="llama.cpp's convert_hf_to_gguf.py")
     args = parser.parse_args()
+    llama: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "qwen3-moe-48x8"
         write_model(directory)
         started = time.strftime("%Y-%m-%dT%H:%M:%S")
         layouts = measure(directory, 1 if args.quick else 3)
+        if args.llama_bin:
+            llama = measure_llama(directory, Path(args.llama_bin), Path(args.converter))
     ratio = layouts["ep2"]["tokens_per_s"] / layouts["ep1"]["tokens_per_s"]
-    write_results(args.out, {"bench": "ep", "started": started, "cores": os.cpu_count(), "model": SHAPE,
-                             "layouts": layouts, "ep2_over_ep1": ratio,
+    write_results(args.out, {"bench": "ep", "command": " ".join(["python", *sys.argv]), "started": started,
+                             "cores": os.cpu_count(), "model": SHAPE,
+                             "layouts": layouts, "ep2_over_ep1": ratio, "llama.cpp": llama,
                              "note": "wall seconds per decoded token (best of runs) on a machine shared with "
                                      "other engineers' tests; CPU seconds summed over the job's ranks"})
     print(f"ep=2 / ep=1 decode tokens/s: {ratio:.2f}x; written {args.out}", flush=True)

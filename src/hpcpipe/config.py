@@ -132,7 +132,7 @@ class ServeConfig:
     prefill_tokens: int = 64     # prompt tokens one work item carries at most (longer prompts: in chunks); 0 = all
     model_name: str = ""         # id in /v1/models and responses; "" = the weights' file or directory name
     kv_block: int = 16           # positions per KV-cache block (paged cache: docs/serve.md)
-    kv_blocks: int = 0           # KV blocks per stage's pool; 0 = max_sequences whole contexts
+    kv_blocks: int = 0           # KV blocks per stage's pool; 0 = max_sequences whole contexts (or windows)
     prefix_cache: bool = True    # reuse the KV blocks of a prompt prefix another request computed
     speculate: str = ""          # "" | "ngram" (prompt lookup) | "draft" (serve.draft's model) proposals
     speculate_tokens: int = 4    # tokens proposed per step and verified in one pass

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.hf import bytelevel_tokenizer, save_model, save_tokenizer, tiny_model
-from support.serve import Server
+from support.serve import Server, generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,3 +65,15 @@ def test_expert_parallel_greedy_text_equals_transformers(models, name, n, pp):
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         got = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
         assert got.choices[0].message.content == _greedy(model, fast, list(ids))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,ep", [(1, 1), (2, 2)])
+def test_generate_reports_the_all_to_all_seconds(models, tmp_path, n, ep):
+    directory, model, fast = models["qwen3-moe"]
+    proc, result = generate(tmp_path, n, directory, PROMPTS[1], "--temperature", "0", "--max-new-tokens",
+                            str(NEW_TOKENS), "--set", "parallel.pp=1", "--set", f"parallel.ep={ep}")
+    assert proc.returncode == 0, proc.stderr
+    assert result["completion"] == _greedy(model, fast, fast(PROMPTS[1])["input_ids"])
+    # ep = 2: every sparse block's exchanges are timed (a share of the run); ep = 1 has none
+    assert (0 < result["ep_comm_s"] < result["seconds"]) if ep > 1 else result["ep_comm_s"] == 0

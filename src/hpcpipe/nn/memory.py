@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcpipe.config import DECODERS, Config
+from hpcpipe.nn.core.kv_pages import held_pages, sequence_window
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.registry import model_def, model_specs
 from hpcpipe.schedule.ir import rank_stages
@@ -96,12 +97,33 @@ def estimate_rank_bytes(config: Config, stage_ranges: list[range], pp: int, plac
     return MemoryEstimate(worst.parameters, worst.optimizer, worst.activations, data)
 
 
+def kv_window(config: Config, model: Any) -> int:
+    """The sliding window under which a serving sequence gives back its KV blocks before it (every block of the
+    model windowed; hpcpipe.serve.kv_ledger): 0 without a KV cache, or when a draft model shares the tables."""
+    srv = config.serve
+    return 0 if not srv.kv_cache or srv.speculate == "draft" else sequence_window(model)
+
+
+def pool_pages(config: Config, model: Any) -> int:
+    """KV blocks in each stage's pool: ``serve.kv_blocks``, else ``serve.max_sequences`` times the blocks one
+    sequence holds at most (its whole context, or its window's: hpcpipe.nn.core.kv_pages.held_pages)."""
+    srv = config.serve
+    return srv.kv_blocks or srv.max_sequences * sequence_pages(config, model)
+
+
+def sequence_pages(config: Config, model: Any) -> int:
+    """KV blocks one serving sequence holds at most (hpcpipe.nn.core.kv_pages.held_pages)."""
+    srv = config.serve
+    ahead = srv.speculate_tokens if srv.speculate and srv.kv_cache else 0
+    return held_pages(model.shape.seq_len, srv.kv_block, kv_window(config, model), ahead)
+
+
 def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, int]:
     """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
 
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
     per block, keys and values of its KV-block pool (``serve.kv_blocks`` of ``serve.kv_block`` positions; 0:
-    ``serve.max_sequences`` whole contexts of ``seq_len`` tokens). With
+    ``serve.max_sequences`` whole contexts of ``seq_len`` tokens, or their windows' blocks: :func:`pool_pages`). With
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
     (at least one) and its part of every matrix (norms are replicated but small). With expert parallelism
     (parallel.ep) a rank holds 1/ep of every block's experts.
@@ -113,7 +135,7 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     kv_heads = -(-shape.n_kv_heads // tp)
     head_dim = shape.head_dim
     srv = config.serve
-    pages = srv.kv_blocks or srv.max_sequences * -(-shape.seq_len // srv.kv_block)
+    pages = pool_pages(config, model)
     per_block = 2 * pages * srv.kv_block * kv_heads * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:

@@ -193,7 +193,8 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
                                      srv.prefill_tokens, setup.stop_ids, depth=setup.pp, kv_block=srv.kv_block,
                                      kv_blocks=setup.kv_blocks, prefix_cache=srv.prefix_cache,
                                      proposer=build_proposer(setup, backend, samplers.vocab),
-                                     speculate_tokens=srv.speculate_tokens if srv.speculate else 0)
+                                     speculate_tokens=srv.speculate_tokens if srv.speculate else 0,
+                                     window=setup.kv_window)
         # expert parallelism: the heads of an ep group agree every step and leave together (serve.ep_lockstep)
         lockstep = Lockstep(ep, lambda: control.finished) if ep is not None else None
         head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events),
@@ -232,14 +233,15 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
     watchdog.stop()
     elapsed = time.perf_counter() - t0
     topo.free()
-    counts = gather_to_root(world, (tokens, stage.cache_bytes, relay.sent))
+    ep_s = ep.seconds if ep is not None else 0.0     # this rank's seconds in the experts' all-to-alls
+    counts = gather_to_root(world, (tokens, stage.cache_bytes, relay.sent, ep_s))
     if counts is None:
         return {}
     # every drain request must be received before MPI finalizes: an unmatched message left at rank 0
     # made MPICH's launcher kill a rank on the way out (exit 9) after a SIGTERM to mpiexec
-    dispatcher.collect_drains(sum(sent for _, _, sent in counts))
-    return {"tokens": sum(t for t, _, _ in counts), "seconds": elapsed, "reason": reason,
-            "kv_cache_bytes": max(b for _, b, _ in counts)}
+    dispatcher.collect_drains(sum(c[2] for c in counts))
+    return {"tokens": sum(c[0] for c in counts), "seconds": elapsed, "reason": reason,
+            "kv_cache_bytes": max(c[1] for c in counts), "ep_comm_s": max(c[3] for c in counts)}
 
 
 class SignalRelay:

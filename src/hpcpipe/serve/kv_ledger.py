@@ -11,12 +11,21 @@ The scheduler's bookkeeping between its sequences and the replica's :class:`~hpc
     computed: once positions [0, cached) are in every stage's cache, key the full blocks among them
     release:  give back the untaken reservation and the blocks (hashed ones stay cached, LRU)
     fail:     a failed sequence's own blocks may hold NaN: unkeyed, and zeroed before their next use
+    trim:     under a sliding window on every block, once positions [0, cached) are computed, the blocks wholly
+              before position cached - window + 1 (the oldest key a later query sees) go back to the pool
+              (hashed ones stay cached), their table entries then name a block the sequence still holds
+
+With a window a sequence commits at most ``span`` blocks (:func:`hpcpipe.nn.core.kv_pages.held_pages`): held +
+reserved stays min(span, blocks it has yet to drop or write), a trimmed block's place in the reservation is
+promised again, and a work item writes no further than ``room`` (the scheduler cuts a prompt chunk there and
+waits for its items in flight): the pool never runs short and a sequence of any length fits ``span`` blocks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hpcpipe.nn.core.kv_pages import held_pages
 from hpcpipe.serve.kv_blocks import BlockPool
 from hpcpipe.serve.prefix_cache import PrefixStats, prefix_keys
 
@@ -26,11 +35,15 @@ TableUpdate = tuple[int, int, list[int]]      # (slot, first block index, KV blo
 class KVLedger:
     """Block tables of one replica's sequences over a pool of ``blocks`` KV blocks of ``page`` positions."""
 
-    def __init__(self, blocks: int, page: int, seq_len: int, prefix_cache: bool = True):
-        if blocks * page < seq_len:
-            raise ValueError(f"{blocks} KV blocks of {page} positions cannot hold one context of {seq_len} tokens")
+    def __init__(self, blocks: int, page: int, seq_len: int, prefix_cache: bool = True, window: int = 0,
+                 ahead: int = 0):
+        self.span = held_pages(seq_len, page, window, ahead)      # blocks one sequence holds at most at once
+        if blocks < self.span:
+            what = f"one context of {seq_len} tokens" if not window else \
+                f"one sequence's {window}-token sliding window ({self.span} blocks)"
+            raise ValueError(f"{blocks} KV blocks of {page} positions cannot hold {what}")
         self.pool = BlockPool(blocks)
-        self.page, self.seq_len, self.prefix_cache = page, seq_len, prefix_cache
+        self.page, self.seq_len, self.prefix_cache, self.window = page, seq_len, prefix_cache, window
         self.stats = PrefixStats()
 
     def blocks_for(self, positions: int) -> int:
@@ -55,14 +68,46 @@ class KVLedger:
                     break
                 keys.append(key)
                 hits.append(block)
-        need = self.blocks_for(limit) - len(hits)
-        if not self.pool.reserve(need, hits):
+        # hits wholly before the first new token's window are never read: not held (their keys still chain)
+        dropped = self._before_window(len(hits) * self.page)
+        need = min(self.blocks_for(limit) - dropped, self.span) - (len(hits) - dropped)
+        if not self.pool.reserve(need, hits[dropped:]):
             return False
-        seq.blocks, seq.keys, seq.reserved = hits, keys, need
+        seq.blocks, seq.keys, seq.reserved, seq.dropped = hits, keys, need, dropped
         seq.limit = limit
         seq.cached = seq.sent = len(hits) * self.page
         self.stats.count(len(prompt), seq.cached)
         return True
+
+    def _before_window(self, cached: int) -> int:
+        """Blocks wholly before the window of a query at position ``cached`` (0 without a window)."""
+        return max(0, (cached - self.window + 1) // self.page) if self.window else 0
+
+    def room(self, seq: Any) -> int:
+        """Positions [0, room) ``seq`` may write now without holding more than ``span`` blocks."""
+        return self.seq_len if not self.window else (seq.dropped + self.span) * self.page
+
+    def trim(self, seq: Any) -> None:
+        """Give back the blocks of ``seq`` wholly before the window of its next query (position ``seq.cached``),
+        and promise their places in its reservation again while it has blocks left to write."""
+        drop = min(self._before_window(seq.cached), len(seq.blocks))
+        if drop <= seq.dropped:
+            return
+        for block in seq.blocks[seq.dropped:drop]:
+            self.pool.release(block)
+        seq.dropped = drop
+        seq.retable = True
+        reserved = min(self.blocks_for(seq.limit) - drop, self.span) - (len(seq.blocks) - drop)
+        self.pool.reserved += reserved - seq.reserved
+        seq.reserved = reserved
+
+    def redirect(self, seq: Any) -> TableUpdate | None:
+        """After a trim: the update pointing the dropped blocks' table entries at the first block ``seq`` holds
+        (they are masked, but must never name a block another sequence may fill with NaN); else None."""
+        if not seq.retable or seq.dropped >= len(seq.blocks):
+            return None
+        seq.retable = False
+        return (seq.slot, 0, [seq.blocks[seq.dropped]] * seq.dropped)
 
     def grow(self, seq: Any, end: int) -> TableUpdate | None:
         """Take blocks so that ``seq`` holds positions [0, end); the table update, or None when it already does."""
@@ -79,8 +124,12 @@ class KVLedger:
         return (seq.slot, have, new)
 
     def first_table(self, seq: Any) -> TableUpdate | None:
-        """The table update naming every block ``seq`` holds now (its prefix hits) when it starts, or None."""
-        return (seq.slot, 0, list(seq.blocks)) if seq.blocks else None
+        """The table update naming every block ``seq`` holds now (its prefix hits) when it starts, or None
+        (entries of blocks dropped before the window name its first held block)."""
+        if seq.dropped >= len(seq.blocks):
+            return None
+        seq.retable = False
+        return (seq.slot, 0, [seq.blocks[seq.dropped]] * seq.dropped + seq.blocks[seq.dropped:])
 
     def computed(self, seq: Any) -> None:
         """Key the full blocks of ``seq`` whose positions every stage has computed (``seq.cached``)."""
@@ -99,13 +148,13 @@ class KVLedger:
         """Give back everything ``seq`` holds and was promised."""
         self.pool.unreserve(seq.reserved)
         seq.reserved = 0
-        for block in seq.blocks:
+        for block in seq.blocks[seq.dropped:]:
             self.pool.release(block)
-        seq.blocks = []
+        seq.blocks, seq.dropped = [], 0
 
     def fail(self, seq: Any) -> None:
         """``seq`` failed (non-finite logits): its unshared blocks are unkeyed and zeroed before their next use."""
-        for block in seq.blocks:
+        for block in seq.blocks[seq.dropped:]:
             if self.pool.refs[block] == 1:
                 self.pool.forget(block)
                 self.pool.dirty.add(block)

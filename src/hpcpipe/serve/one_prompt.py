@@ -40,7 +40,8 @@ EPILOG = """examples:
 
 The completion is printed to stdout as it is generated (the prompt is not repeated), and nothing else is:
 the MPI line and the summary go to stderr. --json FILE also writes {"prompt", "completion", "prompt_tokens",
-"tokens", "finish_reason", "seconds"}. A temperature below 1e-4 is greedy, as 0.
+"tokens", "finish_reason", "seconds", "ep_comm_s"} (ep_comm_s: the slowest rank's seconds in the experts'
+all-to-alls over the whole run, 0 without expert parallelism). A temperature below 1e-4 is greedy, as 0.
 
 exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input, 75 stopped by
   SIGTERM/SIGUSR1 before the completion was whole (nothing written; run it again), 76 the watchdog saw
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
             if args.json:
                 write_json(args.json, {"prompt": args.prompt, "completion": source.text.text,
                                        "prompt_tokens": request.prompt, "tokens": source.tokens,
-                                       "finish_reason": source.finish, "seconds": counts["seconds"]})
+                                       "finish_reason": source.finish, "seconds": counts["seconds"],
+                                       "ep_comm_s": counts["ep_comm_s"]})
         return 0
 
     try:

@@ -44,8 +44,9 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
     None when the stage's output is finite (and every stage before it found nothing), else one line
     saying which stage first gave non-finite values.
     """
-    ids = probe_ids(vocab, stage.shape.seq_len)
-    pages = list(range(-(-len(ids) // stage.paged.page)))     # the pool holds at least one whole context
+    # the pool holds one whole context, or under a sliding window at least one window's blocks
+    ids = probe_ids(vocab, min(stage.shape.seq_len, stage.paged.pages * stage.paged.page))
+    pages = list(range(-(-len(ids) // stage.paged.page)))
     problem, out = None, None
     if pp_rank == 0:
         x = xp.asarray(np.asarray(ids, dtype=np.int64))

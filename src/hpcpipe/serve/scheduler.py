@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.nn.core.decode import Segment
+from hpcpipe.nn.core.kv_pages import held_pages
 from hpcpipe.serve.broker import Event, Request
 from hpcpipe.serve.kv_ledger import KVLedger, TableUpdate
 from hpcpipe.serve.sampling import SamplingParams
@@ -75,6 +76,8 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)    # prefix keys of its first len(keys) blocks
     reserved: int = 0          # KV blocks promised and not taken yet
     limit: int = 0             # positions it may ever write
+    dropped: int = 0           # its first blocks, before its window, given back (hpcpipe.serve.kv_ledger.trim)
+    retable: bool = False      # dropped blocks whose table entries still name them on the stages
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class ReplicaScheduler:
 
     def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0,
                  stop_ids: tuple[int, ...] = (), depth: int = 1, kv_block: int = 16, kv_blocks: int = 0,
-                 prefix_cache: bool = True, proposer: Any = None, speculate_tokens: int = 0):
+                 prefix_cache: bool = True, proposer: Any = None, speculate_tokens: int = 0, window: int = 0):
         if slots < 1 or groups < 1 or depth < 1:
             raise ValueError(f"a replica needs at least one slot, group and stage, got slots={slots} groups={groups} "
                              f"depth={depth}")
@@ -124,12 +127,17 @@ class ReplicaScheduler:
         self.flights: list[deque[Flight]] = [deque() for _ in range(groups)]   # oldest first: results come in order
         self.waiting: deque[Request] = deque()
         self.by_id: dict[str, Sequence] = {}
-        # the KV blocks (0: every slot's whole context); prefix caching needs the cache (kv_cache)
-        self.kv = KVLedger(kv_blocks or slots * -(-seq_len // kv_block), kv_block, seq_len, prefix_cache and kv_cache)
         self._turn = 0
         # speculative decoding (hpcpipe.serve.speculate): proposals verified k + 1 rows at a time
         self.proposer = proposer if kv_cache and speculate_tokens > 0 else None
         self.speculate_tokens = speculate_tokens
+        # the KV blocks (0: every slot's whole context, or under a sliding window on every block (``window``:
+        # hpcpipe.nn.core.kv_pages.sequence_window) the blocks a sequence holds at most); prefix caching and
+        # giving back the blocks before the window need the cache (kv_cache)
+        window = window if kv_cache else 0
+        ahead = speculate_tokens if self.proposer is not None else 0
+        span = held_pages(seq_len, kv_block, window, ahead)
+        self.kv = KVLedger(kv_blocks or slots * span, kv_block, seq_len, prefix_cache and kv_cache, window, ahead)
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     @property
@@ -216,18 +224,24 @@ class ReplicaScheduler:
             length = len(seq.tokens) - start
             if length <= 0:
                 continue                          # its last chunk is on its way
+            room = self.kv.room(seq) - start      # under a sliding window: what its blocks may hold now
+            if room < 1:
+                continue                          # waits for its items in flight to give blocks back
+            length = min(length, room)
             if length > 1 and self.prefill_tokens:
                 if budget <= 0:
                     continue                      # its prompt waits for the next step of the group
                 length = min(length, budget)
                 budget -= length
-            ahead = self._lookahead(seq, start, length)
-            update = self.kv.grow(seq, start + length + ahead)
+            ahead = min(self._lookahead(seq, start, length), room - length)
+            updates = [self.kv.redirect(seq), self.kv.grow(seq, start + length + ahead)]
             if not seq.started:
                 seq.started = True
                 new.append((seq.slot, seq.request.params))
-                update = self.kv.first_table(seq)      # its whole table: prefix hits and new blocks
-            if update is not None:
+                updates = [self.kv.first_table(seq)]     # its whole table: prefix hits and new blocks
+            for update in updates:
+                if update is None:
+                    continue
                 pages.append(update)
                 cleared = self.kv.to_clear(update)
                 clear.extend(cleared)
@@ -327,6 +341,7 @@ class ReplicaScheduler:
                 reach = self._verified(seq, reach, kept)
             seq.cached = reach
             self.kv.computed(seq)
+            self.kv.trim(seq)
             if reach < len(seq.tokens):
                 continue                          # a prompt chunk: nothing sampled yet
             if seq.request.max_new == 0:          # echo alone: the prompt's log-probabilities are the answer

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.memory import decode_rank_bytes
+from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
@@ -71,9 +71,13 @@ class ServeSetup:
 
     @property
     def kv_blocks(self) -> int:
-        """KV blocks in each stage's pool (serve.kv_blocks, 0: serve.max_sequences whole contexts)."""
-        srv = self.config.serve
-        return srv.kv_blocks or srv.max_sequences * -(-self.shape.seq_len // srv.kv_block)
+        """KV blocks in each stage's pool (serve.kv_blocks, 0: serve.max_sequences whole contexts or windows)."""
+        return pool_pages(self.config, self.model)
+
+    @property
+    def kv_window(self) -> int:
+        """The sliding window under which sequences give back KV blocks (hpcpipe.nn.memory.kv_window), or 0."""
+        return kv_window(self.config, self.model)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -181,11 +185,13 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     source.check(specs, "--weights")
     shape = model.shape
     tokenizer = _tokenizer(source, given, shape.vocab)
-    whole = -(-shape.seq_len // cfg.serve.kv_block)
+    whole = sequence_pages(cfg, model)
     if cfg.serve.kv_blocks and cfg.serve.kv_blocks < whole:
+        window = kv_window(cfg, model)
+        held = f"one context of model.seq_len = {shape.seq_len} tokens" if not window else \
+            f"one sequence's {window}-token sliding window"
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
-                          f"{cfg.serve.kv_block} positions cannot hold one context of model.seq_len = {shape.seq_len} "
-                          f"tokens: at least {whole} are needed")
+                          f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
     check_decode_memory(cfg, ranges, world_size)
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None

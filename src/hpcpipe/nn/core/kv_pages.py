@@ -10,6 +10,10 @@ hpcpipe.serve.prefix_cache). Without a pool size the cache holds every slot's wh
 starts with its own KV blocks (slot s: blocks s * max_pages ..), which is today's contiguous cache cut in
 pages: callers that never set a table keep working.
 
+Under a sliding window on every block (Mistral v0.1) a sequence's blocks wholly before its next token's window
+are never read again: the scheduler gives them back to the pool and points their table entries at a block the
+sequence still holds (finite values, masked), so a sequence holds :func:`held_pages` blocks at most.
+
 A host (NumPy) cache is reserved, not filled: its memory is anonymous pages the kernel commits on the first
 write, so a rank holds the KV blocks its sequences have written, not the whole context's (a 32-token run of a
 30-block model with an 8192-position context: ~1.4 MB of 377 MB). NumPy's own large arrays ask for huge pages
@@ -70,3 +74,22 @@ class PagedLayout:
         """The KV blocks holding positions [0, end) of ``slot`` (host int64)."""
         return self.tables[slot, :-(-end // self.page)]
 
+
+def sequence_window(model: Any) -> int:
+    """The sliding window every block of ``model`` attends within (the largest of them), or 0 when some block
+    sees the whole context: only then may a sequence's KV blocks before the window go back to the pool."""
+    windows = [model.window(i) for i in range(1, model.shape.n_blocks + 1)]
+    return max(windows) if windows and min(windows) > 0 else 0
+
+
+def joint_window(*windows: int) -> int:
+    """The window of models sharing one block table (a model and its draft): 0 when any sees the whole context."""
+    return max(windows) if windows and min(windows) > 0 else 0
+
+
+def held_pages(seq_len: int, page: int, window: int = 0, ahead: int = 0) -> int:
+    """KV blocks one sequence holds at most at once: its whole context, or under a sliding ``window`` (every
+    block's) the blocks of ``window + ahead`` positions and two more (the block a window starts in, the block a
+    new token opens), ``ahead``: tokens a verified speculation writes past the next one."""
+    whole = -(-seq_len // page)
+    return whole if not window else min(whole, -(-(window + ahead) // page) + 2)

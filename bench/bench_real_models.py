@@ -35,14 +35,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+GGUF_TYPES = {"float32": "f32", "stored": "bf16", "q8_0": "q8_0"}   # hpcpipe's weight format -> llama.cpp's
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
              tie_word_embeddings=True, rms_norm_eps=1e-5)
 PROMPT_TOKENS, NEW_TOKENS, PREFILL = 32, 64, 512
 
 
-def write_model(directory: Path, shape: dict | None = None) -> None:
-    """A random float32 model of the shape above (or ``shape``) and a byte-level BPE tokenizer (made once)."""
+def write_model(directory: Path, shape: dict | None = None, dtype: str = "float32") -> None:
+    """A random model of the shape above (or ``shape``) saved in ``dtype`` and a byte-level BPE tokenizer."""
     import torch
     import transformers as T
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,7 +51,7 @@ def write_model(directory: Path, shape: dict | None = None) -> None:
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(T.LlamaConfig(**(shape or SHAPE), bos_token_id=0, eos_token_id=1)).eval()
     model.generation_config.eos_token_id = None      # every request generates its max_tokens
-    model.save_pretrained(str(directory))
+    model.to(getattr(torch, dtype)).save_pretrained(str(directory))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -197,12 +198,14 @@ class Server:
         self._out.close()
 
 
-def hpcpipe_rates(directory: Path, texts: list[str], longs: list[str], quick: bool, port: int) -> dict:
+def hpcpipe_rates(directory: Path, texts: list[str], longs: list[str], quick: bool, port: int,
+                  weight_format: str = "float32") -> dict:
     """hpcpipe serve: batch 1 at pp=1, 32 clients at pp=2 (one BLAS thread per rank), 512-token prefills."""
     out = {}
     base = f"http://127.0.0.1:{port}"
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    common = ["--set", "model.seq_len=1024", "--set", "serve.max_sequences=32", "--set", "run.backend=\"numpy\""]
+    common = ["--set", "model.seq_len=1024", "--set", "serve.max_sequences=32", "--set", "run.backend=\"numpy\"",
+              "--set", f"model.weight_format=\"{weight_format}\""]
     for pp in (1, 2):
         argv = ["mpiexec", "-n", str(pp), sys.executable, "-m", "hpcpipe.serve", "--weights", str(directory),
                 "--port", str(port), "--set", f"parallel.pp={pp}", *common]
@@ -218,12 +221,12 @@ def hpcpipe_rates(directory: Path, texts: list[str], longs: list[str], quick: bo
     return out
 
 
-def convert_gguf(directory: Path, converter: Path, gguf: Path) -> None:
-    """Convert the model to GGUF f32 with llama.cpp's converter, its pre-tokenizer check told 'gpt-2'."""
+def convert_gguf(directory: Path, converter: Path, gguf: Path, outtype: str = "f32") -> None:
+    """Convert the model to GGUF ``outtype`` with llama.cpp's converter, its pre-tokenizer check told 'gpt-2'."""
     code = (f"import sys; sys.path[:0] = [{str(converter.parent)!r}, {str(converter.parent / 'gguf-py')!r}]\n"
             "import conversion.base as b\n"
             "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-            f"sys.argv = ['convert', {str(directory)!r}, '--outtype', 'f32', '--outfile', {str(gguf)!r}]\n"
+            f"sys.argv = ['convert', {str(directory)!r}, '--outtype', {outtype!r}, '--outfile', {str(gguf)!r}]\n"
             f"import runpy; runpy.run_path({str(converter)!r}, run_name='__main__')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -247,31 +250,41 @@ def llama_cpp_rates(server: Path, gguf: Path, texts: list[str], longs: list[str]
 def main(argv: list[str] | None = None) -> int:
     """Run every engine, print the table and the goals, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", default="/tmp/hpcpipe-smollm2-shape")
+    ap.add_argument("--model-dir", default="", help="default /tmp/hpcpipe-smollm2-shape (-bf16 for 16-bit formats)")
+    ap.add_argument("--weight-format", choices=sorted(GGUF_TYPES), default="float32",
+                    help="hpcpipe's model.weight_format and the GGUF type llama.cpp runs (f32, bf16, q8_0); "
+                         "stored and q8_0 use a bfloat16 checkpoint")
+    ap.add_argument("--skip-transformers", action="store_true", help="leave out the transformers rows")
     ap.add_argument("--llama-server", default="", help="llama.cpp's llama-server binary (skipped when absent)")
     ap.add_argument("--converter", default="", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--quick", action="store_true", help="fewer clients and requests (a smoke run)")
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-real-models.json"))
     args = ap.parse_args(argv)
-    directory = Path(args.model_dir)
+    half = args.weight_format != "float32"
+    directory = Path(args.model_dir or "/tmp/hpcpipe-smollm2-shape" + ("-bf16" if half else ""))
     if not (directory / "config.json").exists():
         print(f"writing the random SmolLM2-135M-shaped model to {directory} ...", flush=True)
-        write_model(directory)
+        write_model(directory, dtype="bfloat16" if half else "float32")
     texts, longs = prompts(directory, 64, PROMPT_TOKENS), prompts(directory, 4, PREFILL)
-    res = {"shape": SHAPE, "new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_TOKENS, "machine": machine_rates()}
+    res = {"command": " ".join(sys.argv), "weight_format": args.weight_format, "shape": SHAPE,
+           "new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_TOKENS, "machine": machine_rates()}
     print(f"machine: one-core copy {res['machine']['copy_bytes_per_s'] / 1e9:.1f} GB/s, float32 GEMM "
           f"{res['machine']['gemm_flops'] / 1e9:.0f} GFLOP/s (all cores)", flush=True)
-    res["transformers"] = transformers_rates(directory, texts, longs[0], args.quick)
-    print("transformers:", json.dumps(res["transformers"]), flush=True)
-    res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port)
+    res["load_before"] = os.getloadavg()[0]
+    if not args.skip_transformers:
+        res["transformers"] = transformers_rates(directory, texts, longs[0], args.quick)
+        print("transformers:", json.dumps(res["transformers"]), flush=True)
+    res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port, args.weight_format)
     print("hpcpipe:", json.dumps(res["hpcpipe"]), flush=True)
     if args.llama_server and args.converter:
-        gguf = directory / "model-f32.gguf"
+        outtype = GGUF_TYPES[args.weight_format]
+        gguf = directory / f"model-{outtype}.gguf"
         if not gguf.exists():
-            convert_gguf(directory, Path(args.converter), gguf)
+            convert_gguf(directory, Path(args.converter), gguf, outtype)
         res["llama_cpp"] = llama_cpp_rates(Path(args.llama_server), gguf, texts, longs, args.quick, args.port)
         print("llama.cpp:", json.dumps(res["llama_cpp"]), flush=True)
+    res["load_after"] = os.getloadavg()[0]
     report(res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
@@ -281,15 +294,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(res: dict) -> None:
     """Print the comparison and the three goals."""
-    tf, hp, lc = res["transformers"], res["hpcpipe"], res.get("llama_cpp", {})
+    tf, hp, lc = res.get("transformers", {}), res["hpcpipe"], res.get("llama_cpp", {})
+    nan = float("nan")
     weights = (SHAPE["num_hidden_layers"] * (SHAPE["hidden_size"] * 64 * (9 + 3 + 3 + 9) +
                                              3 * SHAPE["hidden_size"] * SHAPE["intermediate_size"])
                + SHAPE["vocab_size"] * SHAPE["hidden_size"]) * 4
     floor = weights / res["machine"]["copy_bytes_per_s"]     # every weight read once per token, at a copy's rate
     print(f"\nweights read per decoded token: {weights / 2**20:.0f} MiB -> at least {floor * 1e3:.1f} ms on one core "
           f"({1 / floor:.0f} tokens/s) at this machine's copy bandwidth")
-    rows = [("transformers, batch 1 (2 threads)", tf["batch1_tokens_per_s"]),
-            ("transformers, 32 prompts batched", tf.get("batch32_tokens_per_s", float("nan"))),
+    rows = [("transformers, batch 1 (2 threads)", tf.get("batch1_tokens_per_s", nan)),
+            ("transformers, 32 prompts batched", tf.get("batch32_tokens_per_s", nan)),
             ("hpcpipe pp=1, batch 1", hp["pp1_batch1"]["tokens_per_s"]),
             ("hpcpipe pp=2, batch 1", hp["pp2_batch1"]["tokens_per_s"]),
             ("hpcpipe pp=1, 32 clients", hp["pp1_clients32"]["tokens_per_s"]),
@@ -299,12 +313,18 @@ def report(res: dict) -> None:
         print(f"  {name:<40} {rate:8.1f} tokens/s")
     llama_prefill = f", llama.cpp (2 threads) {lc['threads2_prefill_512_s']:.3f} s" \
         if "threads2_prefill_512_s" in lc else ""
-    print(f"  prefill 512: transformers {tf['prefill_512_s']:.3f} s, hpcpipe pp=1 {hp['pp1_prefill_512_s']:.3f} s, "
+    print(f"  prefill 512: transformers {tf.get('prefill_512_s', nan):.3f} s, "
+          f"hpcpipe pp=1 {hp['pp1_prefill_512_s']:.3f} s, "
           f"pp=2 {hp['pp2_prefill_512_s']:.3f} s (tuned: {hp['pp2_tuned_prefill_512_s']:.3f} s){llama_prefill}")
-    goals = [("batch 1 at pp=1 >= 2x transformers", hp["pp1_batch1"]["tokens_per_s"] / tf["batch1_tokens_per_s"], 2.0),
-             ("prefill 512 no slower than transformers (best layout)",
-              tf["prefill_512_s"] / min(hp["pp1_prefill_512_s"], hp["pp2_prefill_512_s"],
-                                        hp["pp2_tuned_prefill_512_s"]), 1.0)]
+    best_prefill = min(hp["pp1_prefill_512_s"], hp["pp2_prefill_512_s"], hp["pp2_tuned_prefill_512_s"])
+    goals = []
+    if tf:
+        goals += [("batch 1 at pp=1 >= 2x transformers", hp["pp1_batch1"]["tokens_per_s"] / tf["batch1_tokens_per_s"],
+                   2.0), ("prefill 512 no slower than transformers (best layout)", tf["prefill_512_s"] / best_prefill,
+                          1.0)]
+    if "threads2_prefill_512_s" in lc:
+        goals.append(("prefill 512 (best layout) no slower than llama.cpp 2 threads",
+                      lc["threads2_prefill_512_s"] / best_prefill, 1.0))
     concurrent = [v["tokens_per_s"] for k, v in lc.items() if isinstance(v, dict) and "clients32" in k]
     if concurrent:
         goals.append(("32 clients at pp=2 >= llama.cpp server", hp["pp2_clients32"]["tokens_per_s"] / concurrent[0],

@@ -61,6 +61,9 @@ typedef struct {
 
 int hp_init(void);                    /* 1 when the AVX-512 paths are in use */
 void hp_use_portable(int on);         /* tests: force the portable paths */
+/* q8_0 products: quantize the activations to q8 too and multiply int8 by int8 (on: the default) where the CPU
+ * has AVX512-VNNI, or widen the weights and multiply float activations (off). Returns 1 when the int8 path runs. */
+int hp_q8_int8_activations(int on);
 int64_t hp_scratch_floats(const hp_stage *s, int64_t n_rows);
 
 /* y[m, n] (+)= sum_k x[m, k] W[n, k]; x rows ldx apart, y rows ldy apart */
@@ -80,5 +83,8 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
 float hp_bf16_to_f32(uint16_t b);
 float hp_f16_to_f32(uint16_t h);
 extern int hp_avx512;
+/* q8_vnni.c: 0 when it cannot run (no scratch memory) and the caller's float path must */
+int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy,
+                      int accumulate);
 
 #endif

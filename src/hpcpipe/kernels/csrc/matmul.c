@@ -17,7 +17,7 @@
 #endif
 
 int hp_avx512 = 0;
-static int forced_portable = 0;
+static int forced_portable = 0, vnni = 0, int8_activations = 1;
 
 float hp_bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -52,8 +52,14 @@ int hp_init(void) {
     hp_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && !forced_portable;
+    vnni = hp_avx512 && __builtin_cpu_supports("avx512vnni");
 #endif
     return hp_avx512;
+}
+
+int hp_q8_int8_activations(int on) {
+    if (on >= 0) int8_activations = on;
+    return vnni && int8_activations;
 }
 
 void hp_use_portable(int on) {
@@ -326,7 +332,10 @@ void hp_matmul(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float
         switch (w->fmt) {
         case HP_BF16: matmul_bf16(w, x, m, ldx, y, ldy, accumulate); return;
         case HP_F16: matmul_f16(w, x, m, ldx, y, ldy, accumulate); return;
-        case HP_Q8_0: matmul_q8(w, x, m, ldx, y, ldy, accumulate); return;
+        case HP_Q8_0:
+            if (!(vnni && int8_activations && hp_matmul_q8_vnni(w, x, m, ldx, y, ldy, accumulate)))
+                matmul_q8(w, x, m, ldx, y, ldy, accumulate);
+            return;
         default: matmul_f32(w, x, m, ldx, y, ldy, accumulate); return;
         }
     }

@@ -1,7 +1,8 @@
 """Weight formats side by side: hpcpipe float32 / stored (bf16) / q8_0 against llama.cpp's f32 / bf16 / q8_0 GGUF
 of the same bfloat16 checkpoint, on the same cores, in one run.
 
-    python bench/bench_weight_formats.py --llama-bin DIR --converter PATH [--quick] [--out FILE]
+    python bench/bench_weight_formats.py --llama-bin DIR --converter PATH [--quick] [--formats F,..] [--q8-float-too]
+                                          [--out FILE]
 
 The model is SmolLM2-135M-shaped (random weights saved as bfloat16, as real checkpoints are; see
 bench_real_models.py for the shape and tokenizer). Measured, each in its own process:
@@ -112,10 +113,10 @@ def own_peak_rss(pid: int) -> int:
     return 0
 
 
-def run_hpcpipe(directory: Path, fmt: str, prefill: bool) -> dict:
-    """hpcpipe_child in a subprocess with one thread (its own peak RSS)."""
+def run_hpcpipe(directory: Path, fmt: str, prefill: bool, env: dict | None = None) -> dict:
+    """hpcpipe_child in a subprocess with one thread (its own peak RSS); ``env``: more variables for it."""
     env = {**os.environ, **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                                             "HPCPIPE_THREADS")}}
+                                             "HPCPIPE_THREADS")}, **(env or {})}
     code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import bench_weight_formats as b; "
             f"print(json.dumps(b.hpcpipe_child({str(directory)!r}, {fmt!r}, {prefill!r})))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -169,24 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bin", default="", help="llama.cpp's build/bin (llama-bench)")
     ap.add_argument("--converter", default="", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--quick", action="store_true", help="decode only, no prefill rows")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma-separated subset of {','.join(FORMATS)} (default: all)")
+    ap.add_argument("--q8-float-too", action="store_true",
+                    help="also run hpcpipe q8_0 with float activations (HPCPIPE_Q8_ACTIVATIONS=float) as 'q8_0-float'")
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-weight-formats.json"))
     args = ap.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        ap.error(f"--formats: {unknown or formats} not among {', '.join(FORMATS)}")
     directory = Path(args.model_dir)
     if not (directory / "config.json").exists():
         write_bf16_model(directory)
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg(),
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else argv,
+                 "load_before": os.getloadavg(),
                  "machine": machine_rates(), "token_bytes": token_bytes(directory), "hpcpipe": {}, "llama.cpp": {}}
     bandwidth = res["machine"]["copy_bytes_per_s"]
-    for fmt in FORMATS:
-        row = run_hpcpipe(directory, fmt, prefill=False)
+    runs = [(fmt, fmt, {}) for fmt in formats]
+    if args.q8_float_too and "q8_0" in formats:
+        runs.append(("q8_0-float", "q8_0", {"HPCPIPE_Q8_ACTIVATIONS": "float"}))
+    for name, fmt, env in runs:
+        row = run_hpcpipe(directory, fmt, prefill=False, env=env)
         if not args.quick:
-            row["prefill_512_s"] = run_hpcpipe(directory, fmt, prefill=True)["prefill_512_s"]
+            row["prefill_512_s"] = run_hpcpipe(directory, fmt, prefill=True, env=env)["prefill_512_s"]
         row["limit_share"] = row["decode_tok_s"] / (bandwidth / res["token_bytes"][fmt])
-        res["hpcpipe"][fmt] = row
-        print(f"hpcpipe {fmt}: {json.dumps(row)}", flush=True)
+        res["hpcpipe"][name] = row
+        print(f"hpcpipe {name}: {json.dumps(row)}", flush=True)
     if args.llama_bin:
         binary = Path(args.llama_bin) / "llama-bench"
-        for fmt, outtype in FORMATS.items():
+        for fmt, outtype in ((f, FORMATS[f]) for f in formats):
             gguf = directory.with_name(f"{directory.name}-{outtype}.gguf")
             if not gguf.exists():
                 convert(directory, Path(args.converter), outtype, gguf)
@@ -206,13 +219,15 @@ def main(argv: list[str] | None = None) -> int:
 def report(res: dict) -> None:
     """Print the side-by-side table."""
     print(f"\none core: copy {res['machine']['copy_bytes_per_s'] / 1e9:.1f} GB/s; load {res['load_before']}")
-    print(f"{'format':8} {'hpcpipe tok/s':>14} {'limit':>6} {'RSS MB':>7} {'llama.cpp 1t':>13} {'2t':>6} "
+    print(f"{'format':10} {'hpcpipe tok/s':>14} {'limit':>6} {'RSS MB':>7} {'llama.cpp 1t':>13} {'2t':>6} "
           f"{'limit':>6} {'prefill hp/1t/2t s':>20}")
-    for fmt, outtype in FORMATS.items():
+    rows = [(f, FORMATS[f]) for f in res["hpcpipe"] if f in FORMATS] + [("q8_0-float", "q8_0")] * (
+        "q8_0-float" in res["hpcpipe"])
+    for fmt, outtype in rows:
         h, ll = res["hpcpipe"].get(fmt, {}), res["llama.cpp"].get(outtype, {})
         pre = f"{h.get('prefill_512_s', float('nan')):.2f}/{ll.get('prefill_512_1t_s', float('nan')):.2f}/" \
               f"{ll.get('prefill_512_2t_s', float('nan')):.2f}"
-        print(f"{fmt:8} {h.get('decode_tok_s', 0):14.1f} {h.get('limit_share', 0):6.0%} "
+        print(f"{fmt:10} {h.get('decode_tok_s', 0):14.1f} {h.get('limit_share', 0):6.0%} "
               f"{h.get('peak_rss_bytes', 0) / 1e6:7.0f} {ll.get('decode_1t', {}).get('tok_s', 0):13.1f} "
               f"{ll.get('decode_2t', {}).get('tok_s', 0):6.1f} {ll.get('limit_share_1t', 0):6.0%} {pre:>20}")
 

@@ -1,7 +1,8 @@
 /* hpcpipe's CPU kernels: weight products for float32 / bfloat16 / float16 / q8_0 weights, the decoder's
  * elementwise steps, decode attention over a KV cache, and a whole decode stage as one call.
  *
- * Everything computes in float32. A weight is stored as the model file has it, (out, in) row-major
+ * Everything computes in float32, except q8_0 products where the CPU has AVX512-VNNI: they quantize the activations
+ * to q8 blocks too and sum int8 x int8 products exactly in int32 (q8_vnni.c; hp_q8_int8_activations). A weight is stored as the model file has it, (out, in) row-major
  * (Hugging Face's nn.Linear layout): bf16 and f16 values are widened to float32 in registers, q8_0 is
  * GGUF's block format (32 int8 along `in` with one float16 scale per block, kept as two arrays).
  * The AVX-512 paths are compiled for that target and chosen at run time (hp_init); the portable

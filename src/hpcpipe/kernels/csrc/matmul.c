@@ -4,7 +4,8 @@
  * single row, 8) rows of W keep their partial sums in registers while K streams by, so a matrix-vector
  * product reads the weights at the memory's rate and a 32-row product reads them once from memory and a
  * few times from cache. 16-bit and 8-bit weights are widened to float32 in registers: the products and
- * sums are float32, as the NumPy path's, and only their order differs.
+ * sums are float32, as the NumPy path's, and only their order differs. Where the CPU has AVX512-VNNI, q8_0
+ * products go to q8_vnni.c instead (activations quantized too, int8 x int8), unless hp_q8_int8_activations(0).
  */
 #include <math.h>
 #include <stdlib.h>

@@ -35,7 +35,7 @@ def reference(w, x):
 def int8():
     yield
     cpu.use_portable(False)
-    cpu.int8_activations(True)
+    cpu.int8_activations(True)          # on: these tests run only where it was (needs_int8)
 
 
 @needs_int8

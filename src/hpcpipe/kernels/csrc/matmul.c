@@ -180,6 +180,7 @@ FORMAT_FNS(f16, LOAD_F16, 2)
     {                                                                                                           \
         __m512 we[C], wo[C];                                                                                    \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
+            if (C == 8) _mm_prefetch(pf + (k) * 16 + c * 64, _MM_HINT_T0);                                      \
             __m512i v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)(wp + c * row_bytes) + (k));           \
             we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                              \
             wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                             \
@@ -195,7 +196,7 @@ FORMAT_FNS(f16, LOAD_F16, 2)
 
 #define BF16_TILE_FN(NAME, R, C)                                                                                \
 static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *xd, int64_t ld, float *y, \
-                           int64_t ldy, int accumulate) {                                                       \
+                           int64_t ldy, int accumulate, const char *pf) {                                       \
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                                   \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
@@ -240,22 +241,27 @@ static HP_TARGET void matmul_bf16(const hp_weight *w, const float *x, int64_t m,
     }
     deinterleave(x, m, ldx, K, xd, ld);
     if (m == 1) {
-        for (; n + 8 <= N; n += 8) bf16_tile18(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate);
-        for (; n < N; n++) bf16_tile11(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate);
+        /* a tile of 8 rows prefetches the next 8 (8 lines a step), as q8_vnni.c: the hardware prefetchers follow
+         * its 8 short streams late */
+        for (; n + 8 <= N; n += 8)
+            bf16_tile18(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, base + (n + 8 < N ? n + 8 : n) * rb);
+        for (; n < N; n++) bf16_tile11(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, NULL);
     } else {
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;
             for (; r + 4 <= m; r += 4)
-                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate);
+                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
             for (; r < m; r++)
                 for (int c = 0; c < 4; c++)
-                    bf16_tile11(base + (n + c) * rb, rb, K, xd + r * ld, ld, y + r * ldy + n + c, ldy, accumulate);
+                    bf16_tile11(base + (n + c) * rb, rb, K, xd + r * ld, ld, y + r * ldy + n + c, ldy, accumulate,
+                                NULL);
         }
         for (; n < N; n++) {
             int64_t r = 0;
             for (; r + 4 <= m; r += 4)
-                bf16_tile41(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate);
-            for (; r < m; r++) bf16_tile11(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate);
+                bf16_tile41(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
+            for (; r < m; r++)
+                bf16_tile11(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
         }
     }
     if (xd != stack) free(xd);

@@ -270,7 +270,7 @@ static HP_TARGET void matmul_bf16(const hp_weight *w, const float *x, int64_t m,
 /* q8_0: per block of 32, the products of the widened int8 values sum first, then scale by the block's d */
 #define Q8_TILE_FN(NAME, R, C)                                                                                  \
 static HP_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const float *x, int64_t ldx,          \
-                           float *y, int64_t ldy, int accumulate) {                                             \
+                           float *y, int64_t ldy, int accumulate, const int8_t *pf) {                           \
     int64_t nb = K / 32;                                                                                        \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
@@ -279,6 +279,7 @@ static HP_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const 
         __m512 lo[C], hi[C], dv[C];                                                                             \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
             const int8_t *p = q + c * K + b * 32;                                                               \
+            if (C == 8 && c < 4) _mm_prefetch((const char *)pf + b * 256 + c * 64, _MM_HINT_T0);                \
             lo[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));              \
             hi[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));       \
             dv[c] = _mm512_set1_ps(_cvtsh_ss(d[c * nb + b]));                                                   \
@@ -309,24 +310,26 @@ static HP_TARGET void matmul_q8(const hp_weight *w, const float *x, int64_t m, i
     const uint16_t *d = w->scales;
     int64_t N = w->rows, K = w->cols, nb = K / 32, n = 0;
     if (m == 1) {
-        for (; n + 8 <= N; n += 8) q8_tile18(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate);
-        for (; n < N; n++) q8_tile11(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate);
+        for (; n + 8 <= N; n += 8)       /* prefetching the next 8 rows, 4 lines a block (see matmul_bf16) */
+            q8_tile18(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate, q + (n + 8 < N ? n + 8 : n) * K);
+        for (; n < N; n++) q8_tile11(q + n * K, d + n * nb, K, x, ldx, y + n, ldy, accumulate, NULL);
         return;
     }
     for (; n + 4 <= N; n += 4) {
         int64_t r = 0;
         for (; r + 4 <= m; r += 4)
-            q8_tile44(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);
+            q8_tile44(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate, NULL);
         for (; r < m; r++)
             for (int c = 0; c < 4; c++)
                 q8_tile11(q + (n + c) * K, d + (n + c) * nb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,
-                          accumulate);
+                          accumulate, NULL);
     }
     for (; n < N; n++) {
         int64_t r = 0;
         for (; r + 4 <= m; r += 4) q8_tile41(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,
-                                            accumulate);
-        for (; r < m; r++) q8_tile11(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);
+                                            accumulate, NULL);
+        for (; r < m; r++)
+            q8_tile11(q + n * K, d + n * nb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate, NULL);
     }
 }
 

@@ -60,6 +60,43 @@ def logits(weights: Path, tokens: np.ndarray, fmt: str) -> np.ndarray:
     return logits_of(load_decoder(source, definition, "float32", fmt), tokens)
 
 
+def stage_loss(weights: Path, data: Path, fmt: str, int8_activations: bool, batch: int = 8) -> float:
+    """The held-out loss (nats per token) through the compiled decode stage, the path generate and serve run: each
+    window one prompt, ``batch`` windows a call, every position's logits. q8_0 multiplies int8 activations (x
+    quantized to q8 blocks, AVX512-VNNI) or float32 ones as ``int8_activations`` says."""
+    import h5py
+
+    from hpcpipe.config import from_dict
+    from hpcpipe.evaluate import token_losses
+    from hpcpipe.kernels import cpu
+    from hpcpipe.nn.core.decode import DecodeStage, Segment
+    from hpcpipe.nn.registry import model_def
+    from hpcpipe.state.kinds import restate_stored_shape
+    from hpcpipe.state.sources import resolve_weights
+    source = resolve_weights(weights)
+    with h5py.File(data) as f:
+        x, y = f["x"][:], f["y"][:]
+    raw = restate_stored_shape({"model": {"init": str(weights), "seq_len": x.shape[1]}, "parallel": {"pp": 1}}, source)
+    definition = model_def(from_dict(raw))
+    layers = list(range(definition.n_layers))
+    arrays = source.forward_only("float32", stored=True, quantize=fmt == "q8_0").read(layers)
+    stage = DecodeStage(definition, range(definition.n_layers), arrays, np, "float32", batch, weight_format=fmt,
+                        compiled=True)
+    cpu.int8_activations(int8_activations)
+    if fmt == "q8_0" and cpu.int8_activations() != int8_activations:
+        raise RuntimeError("int8 activations asked for, but this CPU has no AVX512-VNNI")
+    total, t = 0.0, x.shape[1]
+    try:
+        for start in range(0, len(x), batch):
+            rows = x[start:start + batch]
+            segments = [Segment(i, 0, t) for i in range(len(rows))]
+            logits = stage.forward(rows.reshape(-1).astype(np.int64), segments, rows=list(range(len(rows) * t)))
+            total += float(token_losses(logits.reshape(len(rows), t, -1), y[start:start + batch]).sum())
+    finally:
+        cpu.int8_activations(True)
+    return total / y.size
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train (once), export, evaluate in every format; write the JSON results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         res["loss"][name] = evaluate(weights, test, fmt)
     res["perplexity"] = {k: float(np.exp(v)) for k, v in res["loss"].items()}
     res["q8_0_perplexity_vs_bf16"] = res["perplexity"]["q8_0"] / res["perplexity"]["bf16"] - 1
+    # the same through the compiled decode stage (evaluate computes with NumPy, float activations): q8_0 with int8
+    # activations (the default where the CPU has AVX512-VNNI, as llama.cpp) against float ones and bf16
+    res["stage_loss"] = {"bf16": stage_loss(bf16, test, "stored", False),
+                         "q8_0_float_activations": stage_loss(bf16, test, "q8_0", False),
+                         "q8_0_int8_activations": stage_loss(bf16, test, "q8_0", True)}
+    res["stage_perplexity"] = {k: float(np.exp(v)) for k, v in res["stage_loss"].items()}
+    res["stage_perplexity_vs_bf16"] = {k: v / res["stage_perplexity"]["bf16"] - 1
+                                       for k, v in res["stage_perplexity"].items() if k != "bf16"}
+    print(json.dumps({k: res[k] for k in ("loss", "stage_loss", "stage_perplexity_vs_bf16")}), flush=True)
     import h5py
     with h5py.File(test) as f:
         tokens = f["x"][:16]

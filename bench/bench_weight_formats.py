@@ -2,7 +2,7 @@
 of the same bfloat16 checkpoint, on the same cores, in one run.
 
     python bench/bench_weight_formats.py --llama-bin DIR --converter PATH [--quick] [--out FILE]
-        [--shape smollm2-135m|amd-llama-135m] [--tp 1,2] [--formats float32,stored,q8_0]
+        [--shape smollm2-135m|amd-llama-135m] [--tp 1,2] [--formats float32,stored,q8_0] [--q8-float-too]
 
 The model is SmolLM2-135M-shaped (random weights saved as bfloat16, as real checkpoints are; see
 bench_real_models.py for the shape and tokenizer), or with ``--shape amd-llama-135m`` AMD-Llama-135m's shape
@@ -163,10 +163,11 @@ def own_peak_rss(pid: int) -> int:
     return 0
 
 
-def run_hpcpipe(directory: Path, fmt: str, prefill: bool, tp: int = 1) -> dict:
-    """hpcpipe_child in a subprocess with one thread (tp > 1: ``mpiexec -n tp``, one thread a rank)."""
+def run_hpcpipe(directory: Path, fmt: str, prefill: bool, tp: int = 1, env: dict | None = None) -> dict:
+    """hpcpipe_child in a subprocess with one thread (tp > 1: ``mpiexec -n tp``, one thread a rank); ``env``:
+    more variables for it."""
     env = {**os.environ, **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                                             "HPCPIPE_THREADS")}}
+                                             "HPCPIPE_THREADS")}, **(env or {})}
     code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import bench_weight_formats as b; "
             f"r = b.hpcpipe_child({str(directory)!r}, {fmt!r}, {prefill!r}, {tp}); "
             f"r is None or print(json.dumps(r))")
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
     ap.add_argument("--tp", default="1", help="hpcpipe's tensor-parallel sizes to measure, e.g. 1,2")
     ap.add_argument("--formats", default=",".join(FORMATS), help="weight formats to measure, e.g. stored,q8_0")
+    ap.add_argument("--q8-float-too", action="store_true",
+                    help="also run hpcpipe q8_0 with float activations (HPCPIPE_Q8_ACTIVATIONS=float) as 'q8_0-float'")
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-weight-formats.json"))
     args = ap.parse_args(argv)
     tps = [int(t) for t in args.tp.split(",")]
@@ -244,15 +247,18 @@ def main(argv: list[str] | None = None) -> int:
                  "shape": args.shape, "load_before": os.getloadavg(), "machine": machine_rates(),
                  "token_bytes": token_bytes(directory), "hpcpipe": {}, "llama.cpp": {}}
     bandwidth = res["machine"]["copy_bytes_per_s"]
-    for fmt in formats:
+    runs = [(fmt, fmt, {}) for fmt in formats]
+    if args.q8_float_too and "q8_0" in formats:
+        runs.append(("q8_0-float", "q8_0", {"HPCPIPE_Q8_ACTIVATIONS": "float"}))
+    for name, fmt, env in runs:
         for tp in tps:
-            row = run_hpcpipe(directory, fmt, prefill=False, tp=tp)
+            row = run_hpcpipe(directory, fmt, prefill=False, tp=tp, env=env)
             if not args.quick:
-                row["prefill_512_s"] = run_hpcpipe(directory, fmt, prefill=True, tp=tp)["prefill_512_s"]
+                row["prefill_512_s"] = run_hpcpipe(directory, fmt, prefill=True, tp=tp, env=env)["prefill_512_s"]
             # tp ranks each read 1 / tp of the bytes, on as many cores: tp cores' copy rate over a token's bytes
             row["limit_share"] = row["decode_tok_s"] / (tp * bandwidth / res["token_bytes"][fmt])
-            res["hpcpipe"][fmt if tp == 1 else f"{fmt} tp={tp}"] = row
-            print(f"hpcpipe {fmt} tp={tp}: {json.dumps(row)}", flush=True)
+            res["hpcpipe"][name if tp == 1 else f"{name} tp={tp}"] = row
+            print(f"hpcpipe {name} tp={tp}: {json.dumps(row)}", flush=True)
     if args.llama_bin:
         binary = Path(args.llama_bin) / "llama-bench"
         for fmt, outtype in FORMATS.items():
@@ -280,7 +286,7 @@ def report(res: dict) -> None:
     print(f"{'format':13} {'hp tok/s':>9} {'limit':>6} {'RSS MB':>7} {'llama.cpp 1t':>13} {'2t':>6} "
           f"{'limit':>6} {'prefill hp/1t/2t s':>20}")
     for key, h in res["hpcpipe"].items():
-        fmt = key.split()[0]
+        fmt = key.split()[0].removesuffix("-float")
         ll = res["llama.cpp"].get(FORMATS[fmt], {})
         pre = f"{h.get('prefill_512_s', float('nan')):.2f}/{ll.get('prefill_512_1t_s', float('nan')):.2f}/" \
               f"{ll.get('prefill_512_2t_s', float('nan')):.2f}"

@@ -16,9 +16,12 @@ needs_kernels = pytest.mark.skipif(cpu.library() is None, reason="compiled kerne
 def paths(request):
     if request.param == "vector" and cpu.vector_paths() != "avx512":
         pytest.skip("this CPU has no AVX-512: the portable paths are the only ones")
+    int8 = cpu.int8_activations()
     cpu.use_portable(request.param == "portable")
+    cpu.int8_activations(False)      # q8_0 times float activations here; test_q8_int8.py checks the int8 path
     yield request.param
     cpu.use_portable(False)
+    cpu.int8_activations(int8)
 
 
 def test_the_kernels_are_built_wherever_a_compiler_is():

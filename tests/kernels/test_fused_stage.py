@@ -59,7 +59,9 @@ def _run(model, arrays, splits, fmt, compiled, calls):
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("portable", [False, True])
 def test_the_compiled_stage_equals_the_numpy_steps(name, fmt, portable):
+    int8 = cpu.int8_activations()
     cpu.use_portable(portable)
+    cpu.int8_activations(False)     # q8_0 times float activations, as the NumPy steps; int8: test_q8_int8.py
     try:
         model = MODELS[name]()
         rng = np.random.default_rng(len(name))
@@ -76,6 +78,7 @@ def test_the_compiled_stage_equals_the_numpy_steps(name, fmt, portable):
                 assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, fmt, len(splits), step)
     finally:
         cpu.use_portable(False)
+        cpu.int8_activations(int8)
 
 
 def test_a_compiled_stage_clears_a_slot_and_refuses_what_it_cannot_run():

@@ -1,6 +1,7 @@
 """The widened-panel product for many rows (csrc/gemm.c) against the float64 product of the same values, at ragged
 shapes: every format, row counts around its 12-row tile, outputs around its 32-wide panel, strided rows,
-accumulation; and the switch in hp_matmul (from 64 rows, q8_0 32) giving the row tiles' results to float32 rounding."""
+accumulation; and the switch in hp_matmul (from 64 rows; q8_0 from 32, or 128 with int8 activations) giving the
+row tiles' results to float32 rounding."""
 
 import numpy as np
 import pytest
@@ -14,9 +15,12 @@ pytestmark = pytest.mark.skipif(cpu.vector_paths() != "avx512",
 
 @pytest.fixture
 def panel_always():
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)            # q8_0 with int8 activations keeps its tiles to twice the switch
     cpu.gemm_rows(1)
     yield
     cpu.gemm_rows(64)
+    cpu.int8_activations(int8)
 
 
 def _weight(kind, w):
@@ -62,12 +66,34 @@ def test_many_rows_take_the_panel_and_agree_with_the_row_tiles(kind):
     rng = np.random.default_rng(11)
     rw = _weight(kind, rng.standard_normal((96, 192)).astype(np.float32))
     x = rng.standard_normal((64, 192)).astype(np.float32)
-    panel = cpu.matmul(rw, x)                                               # 64 rows: past the default switch
-    cpu.gemm_rows(1 << 40)
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)            # the row tiles multiply float activations, as the panel does
     try:
+        panel = cpu.matmul(rw, x)                                           # 64 rows: past the default switch
+        cpu.gemm_rows(1 << 40)
         tiles = cpu.matmul(rw, x)
     finally:
         cpu.gemm_rows(64)
+        cpu.int8_activations(int8)
     scale = np.abs(x) @ np.abs(rw.dense()).T
     assert np.all(np.abs(panel - tiles) <= 1e-5 * scale)
     assert not np.array_equal(panel, tiles)          # another summation order: the switch happened
+
+
+def test_q8_int8_tiles_run_up_to_twice_the_switch_then_the_panel():
+    """With int8 activations q8_0 keeps its VNNI tiles to 127 rows (faster there) and takes the panel from 128."""
+    if not cpu.int8_activations():
+        pytest.skip("no AVX512-VNNI here: q8_0 multiplies float activations")
+    rng = np.random.default_rng(12)
+    rw = _weight("q8_0", rng.standard_normal((40, 64)).astype(np.float32))
+    for m, panel_expected in ((127, False), (128, True)):
+        x = rng.standard_normal((m, 64)).astype(np.float32)
+        got = cpu.matmul(rw, x)
+        cpu.int8_activations(False)
+        try:
+            cpu.gemm_rows(1)
+            panel = cpu.matmul(rw, x)
+        finally:
+            cpu.gemm_rows(64)
+            cpu.int8_activations(True)
+        assert np.array_equal(got, panel) == panel_expected

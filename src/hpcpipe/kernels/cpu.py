@@ -74,6 +74,7 @@ def _load() -> Any:
         "hp_init": ([], ctypes.c_int), "hp_use_portable": ([ctypes.c_int], None),
         "hp_set_gemm_rows": ([_i64], None), "hp_swiglu": ([_ptr, _ptr, _i64, _i64], None),
         "hp_gelu": ([_ptr, _i64], None),
+        "hp_q8_int8_activations": ([ctypes.c_int], ctypes.c_int),
         "hp_matmul": ([ctypes.POINTER(Weight), _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int], None),
         "hp_rmsnorm": ([_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float], None),
         "hp_layernorm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float], None),
@@ -84,7 +85,15 @@ def _load() -> Any:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     lib.hp_init()
+    lib.hp_q8_int8_activations(int(_int8_activations_wanted()))
     return lib
+
+
+def _int8_activations_wanted() -> bool:
+    value = os.environ.get("HPCPIPE_Q8_ACTIVATIONS", "int8").lower()
+    if value not in ("int8", "float"):
+        raise ValueError(f"HPCPIPE_Q8_ACTIVATIONS must be 'int8' or 'float', got {value!r}")
+    return value == "int8"
 
 
 def vector_paths() -> str:
@@ -106,6 +115,19 @@ def gemm_rows(rows: int) -> None:
     lib = library()
     if lib is not None:
         lib.hp_set_gemm_rows(int(rows))
+
+
+def int8_activations(on: bool | None = None) -> bool:
+    """Whether q8_0 products quantize the activations to q8 and multiply int8 by int8 (AVX512-VNNI; ``on`` sets it).
+
+    On by default (``HPCPIPE_Q8_ACTIVATIONS=float`` turns it off for a process): llama.cpp's computation, faster
+    than widening the weights to multiply float32 activations, and not bit-exact with it. False where the CPU has
+    no VNNI or the portable paths are forced: those multiply float activations.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.hp_q8_int8_activations(-1 if on is None else int(on)))
 
 
 def _address(array: np.ndarray | None) -> int | None:

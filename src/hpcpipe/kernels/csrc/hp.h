@@ -1,7 +1,8 @@
 /* hpcpipe's CPU kernels: weight products for float32 / bfloat16 / float16 / q8_0 weights, the decoder's
  * elementwise steps, decode attention over a KV cache, and a whole decode stage as one call.
  *
- * Everything computes in float32. A weight is stored as the model file has it, (out, in) row-major
+ * Everything computes in float32, except q8_0 products where the CPU has AVX512-VNNI: they quantize the activations
+ * to q8 blocks too and sum int8 x int8 products exactly in int32 (q8_vnni.c; hp_q8_int8_activations). A weight is stored as the model file has it, (out, in) row-major
  * (Hugging Face's nn.Linear layout): bf16 and f16 values are widened to float32 in registers, q8_0 is
  * GGUF's block format (32 int8 along `in` with one float16 scale per block, kept as two arrays).
  * The AVX-512 paths are compiled for that target and chosen at run time (hp_init); the portable
@@ -66,6 +67,9 @@ typedef struct {
 
 int hp_init(void);                    /* 1 when the AVX-512 paths are in use */
 void hp_use_portable(int on);         /* tests: force the portable paths */
+/* q8_0 products: quantize the activations to q8 too and multiply int8 by int8 (on: the default) where the CPU
+ * has AVX512-VNNI, or widen the weights and multiply float activations (off). Returns 1 when the int8 path runs. */
+int hp_q8_int8_activations(int on);
 int64_t hp_scratch_floats(const hp_stage *s, int64_t n_rows);
 
 /* y[m, n] (+)= sum_k x[m, k] W[n, k]; x rows ldx apart, y rows ldy apart */
@@ -88,5 +92,8 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
 float hp_bf16_to_f32(uint16_t b);
 float hp_f16_to_f32(uint16_t h);
 extern int hp_avx512;
+/* q8_vnni.c: 0 when it cannot run (no scratch memory) and the caller's float path must */
+int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy,
+                      int accumulate);
 
 #endif

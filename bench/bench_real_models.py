@@ -296,9 +296,10 @@ def report(res: dict) -> None:
     """Print the comparison and the three goals."""
     tf, hp, lc = res.get("transformers", {}), res["hpcpipe"], res.get("llama_cpp", {})
     nan = float("nan")
+    per_weight = {"float32": 4, "stored": 2, "q8_0": 34 / 32}[res.get("weight_format", "float32")]
     weights = (SHAPE["num_hidden_layers"] * (SHAPE["hidden_size"] * 64 * (9 + 3 + 3 + 9) +
                                              3 * SHAPE["hidden_size"] * SHAPE["intermediate_size"])
-               + SHAPE["vocab_size"] * SHAPE["hidden_size"]) * 4
+               + SHAPE["vocab_size"] * SHAPE["hidden_size"]) * per_weight
     floor = weights / res["machine"]["copy_bytes_per_s"]     # every weight read once per token, at a copy's rate
     print(f"\nweights read per decoded token: {weights / 2**20:.0f} MiB -> at least {floor * 1e3:.1f} ms on one core "
           f"({1 / floor:.0f} tokens/s) at this machine's copy bandwidth")

@@ -10,7 +10,7 @@ from support import ROOT
 SRC = ROOT / "src" / "hpcpipe"
 # the top level: small shared modules and the command entry points; everything else lives in a package
 TOP_LEVEL = {"__init__", "errors", "config", "config_checks", "config_toml", "trace", "cli", "h5files", "checkpoint",
-             "evaluate", "simulate", "generate"}
+             "evaluate", "simulate", "generate", "lazy_h5py"}
 PACKAGES = {"schedule", "nn", "kernels", "runtime", "state", "profiles", "hf", "train", "infer", "serve", "plan"}
 
 

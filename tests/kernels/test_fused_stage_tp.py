@@ -122,13 +122,18 @@ def test_compiled_tp_2_equals_numpy_tp_2_and_compiled_tp_1(name, fmt):
     calls = _calls(model.shape.vocab, rng)
     mine = lambda: _local(model, arrays, 2, group.rank)           # noqa: E731 - fresh parts for each stage
     before = group.calls
-    got = _run(model, mine(), fmt, True, group, calls)
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)     # q8_0 times float activations, as the NumPy steps; int8: test_q8_int8.py
+    try:
+        got = _run(model, mine(), fmt, True, group, calls)
+        numpy_tp = _run(model, mine(), fmt, False, group, calls)
+        whole = _run(model, arrays, fmt, True, None, calls) if group.rank == 0 else None
+    finally:
+        cpu.int8_activations(int8)
     blocks = model.shape.n_blocks
     # each call: the embedding's lookup and two sums a block, all through the tp group
-    assert group.calls - before == len(calls) * (1 + 2 * blocks)
-    numpy_tp = _run(model, mine(), fmt, False, group, calls)
+    assert group.calls - before == 2 * len(calls) * (1 + 2 * blocks)      # the compiled and the NumPy runs
     if group.rank == 0:
-        whole = _run(model, arrays, fmt, True, None, calls)
         _close(got, numpy_tp, (name, fmt, "numpy tp=2"))
         _close(got, whole, (name, fmt, "compiled tp=1"))
     else:

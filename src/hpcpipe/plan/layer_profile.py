@@ -140,13 +140,13 @@ class _StageBench:
 
     def _fit(self, array: Any, index: int, rows: int, rng: np.random.Generator) -> Any:
         """array if it is group index's input shape, else a random one (after a group the stage skipped)."""
-        shape, kind = self.model.boundary(index, rows)
+        shape, kind = self.model.boundary(index, rows, self.tp, 0)     # tp rank 0's part where it is split
         if tuple(array.shape) == tuple(shape):
             return array
         return self.xp.asarray(rng.standard_normal(shape).astype(self.dtype))
 
     def _grad_fit(self, g: Any, index: int, rows: int, rng: np.random.Generator) -> Any:
-        shape, _ = self.model.boundary(index + 1, rows)
+        shape, _ = self.model.boundary(index + 1, rows, self.tp, 0)
         # the loss's gradient (a tp rank's: its part of the vocabulary) is the last group's as it comes
         if tuple(g.shape) == tuple(shape) or index == self.model.n_layers - 1:
             return g

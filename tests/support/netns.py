@@ -35,6 +35,10 @@ def unavailable() -> str | None:
             return f"'{tool}' is not installed (apt-get install iproute2 util-linux)"
     if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")):
         return "no mpiexec beside this Python (pip install '.[mpich]'): the cluster's launcher is MPICH hydra"
+    for what, path in (("this Python's environment", Path(sys.prefix)), ("the checkout", ROOT)):
+        if Path(path).resolve().is_relative_to("/tmp"):
+            return (f"{what} ({path}) is under /tmp, which every emulated node replaces with its own: its ranks "
+                    f"would not find it (make the venv and checkout outside /tmp)")
     return None
 
 

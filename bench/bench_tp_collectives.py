@@ -5,9 +5,11 @@
 On 2 emulated nodes (jobs/netns-cluster.sh, the bench's own names) and within one node, 2 ranks sum a float32
 buffer of --nbytes in place, --repeats times each way, after a barrier and between 4 ms of matrix products (as
 a tp step reaches its collectives: the ranks arrive apart). ``polled`` is what runtime.tp_group.TPGroup does (an
-Iallreduce waited for by Poller: sched_yield polls for YIELD_S, then sleeps doubling to 1 ms); ``yield-only``
-polls with sched_yield until it completes. MPI advances a nonblocking collective only inside its calls, so over
-TCP the sleeping polls stretch a transfer made of several pieces. Median and mean milliseconds per sum, rank 0's.
+Iallreduce waited for by runtime.prompt_wait.PromptWait: sched_yield polls for YIELD_S plus twice the fastest
+earlier sum of that size, then sleeps doubling to 1 ms); ``fixed-window`` is the wait before that (sched_yield
+polls for YIELD_S only, then the sleeps); ``yield-only`` polls with sched_yield until it completes. MPI advances a
+nonblocking collective only inside its calls, so over TCP the sleeping polls stretch a transfer made of several
+pieces. Median and mean milliseconds per sum, rank 0's.
 
 Results: bench/results/<today>-tp-collectives.json.
 """
@@ -34,6 +36,7 @@ def worker(nbytes: int, repeats: int, out: str) -> None:
     import numpy as np
 
     from hpcpipe.runtime.comm import MPI, Poller
+    from hpcpipe.runtime.prompt_wait import PromptWait
     from hpcpipe.runtime.tp_group import YIELD_S
 
     world = MPI.COMM_WORLD
@@ -42,6 +45,7 @@ def worker(nbytes: int, repeats: int, out: str) -> None:
     a = np.random.default_rng(rank).standard_normal((2048, 64)).astype(np.float32)
     b = np.random.default_rng(1).standard_normal((64, 192)).astype(np.float32)
     poller = Poller()
+    prompt = PromptWait(poller, YIELD_S)
 
     def yielded() -> None:
         request = world.Iallreduce(MPI.IN_PLACE, buf)
@@ -49,7 +53,8 @@ def worker(nbytes: int, repeats: int, out: str) -> None:
             os.sched_yield()
 
     ways = {"blocking": lambda: world.Allreduce(MPI.IN_PLACE, buf),
-            "polled": lambda: poller.wait([world.Iallreduce(MPI.IN_PLACE, buf)], YIELD_S),
+            "polled": lambda: prompt.wait([world.Iallreduce(MPI.IN_PLACE, buf)], ("reduce", buf.nbytes)),
+            "fixed-window": lambda: poller.wait([world.Iallreduce(MPI.IN_PLACE, buf)], YIELD_S),
             "yield-only": yielded}
     results = {}
     for name, wait in ways.items():

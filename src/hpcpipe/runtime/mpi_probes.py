@@ -122,21 +122,22 @@ def polled_allreduce_seconds(comm: Comm, nbytes: int, repeats: int, compute_s: f
     nodes at 10 Gbit/s, 1 MiB: 15.4 ms polled after computing, 1.1 ms polled after a barrier,
     0.85 ms blocking; in shared memory 0.2-0.3 ms each). Each repeat counts as the slowest rank's time.
     """
+    from hpcpipe.runtime.prompt_wait import PromptWait
     from hpcpipe.runtime.tp_group import YIELD_S
 
     if nbytes < 4 or repeats < 1:
         raise ValueError(f"polled_allreduce_seconds: nbytes {nbytes} must be at least 4 and repeats {repeats} at "
                          "least 1")
-    buf, times, poller = np.zeros(nbytes // 4, dtype=np.float32), [], Poller()
+    buf, times, prompt = np.zeros(nbytes // 4, dtype=np.float32), [], PromptWait(Poller(), YIELD_S)
     a = np.ones((2048, 64), dtype=np.float32)
     b = np.ones((64, 192), dtype=np.float32)
-    poller.wait([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)], YIELD_S)      # warm-up
+    prompt.wait([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)], ("reduce", nbytes))     # warm-up: learns its window
     for _ in range(repeats):
         comm.Barrier()
         start = time.perf_counter()
         while time.perf_counter() - start < compute_s:    # the layer before the collective
             a @ b
         t0 = time.perf_counter()
-        poller.wait([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)], YIELD_S)
+        prompt.wait([comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)], ("reduce", nbytes))
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return float(np.median(times))

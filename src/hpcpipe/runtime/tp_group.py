@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.runtime.comm import MPI, Poller
+from hpcpipe.runtime.prompt_wait import PromptWait
 from hpcpipe.runtime.wire import WireBytes
 
 if TYPE_CHECKING:
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
     from hpcpipe.runtime.backend import Backend
 
-# a tp collective's partners are normally computing the same layer: poll by yielding the core this long
-# before sleeping (measured on 2 ranks, 576 floats: sleeping polls 0.9 ms, yielding 0.1-0.4 ms a collective)
+# a tp collective's partners are normally computing the same layer: poll by yielding the core this long, plus
+# twice the collective's learnt transfer time (runtime.prompt_wait), before sleeping (measured on 2 ranks, 576
+# floats: sleeping polls 0.9 ms, yielding 0.1-0.4 ms a collective)
 YIELD_S = 0.0005
 
 
@@ -31,6 +33,7 @@ class TPGroup:
 
     def __init__(self, comm: Comm, backend: Backend, poller: Poller, wire: WireBytes | None = None):
         self.comm, self.backend, self.poller = comm, backend, poller
+        self.prompt = PromptWait(poller, YIELD_S)    # polled promptly while a transfer of that size may run
         self.wire = wire if wire is not None else WireBytes()    # the bytes of every reduction (ring model)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.seconds = 0.0       # spent in reductions since the last reset (the step's tp_comm_s)
@@ -48,7 +51,7 @@ class TPGroup:
             wire = x.get()       # staged through the host: the PyPI MPI wheels are not CUDA-aware
         else:
             wire = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        self.poller.wait([self.comm.Iallreduce(MPI.IN_PLACE, wire, op=op)], YIELD_S)
+        self.prompt.wait([self.comm.Iallreduce(MPI.IN_PLACE, wire, op=op)], ("reduce", wire.nbytes))
         self.wire.allreduce(self.comm, wire.nbytes)
         if on_gpu:
             x[...] = self.backend.xp.asarray(wire)
@@ -85,8 +88,8 @@ class TPGroup:
         counts = [rows * w for w in widths]
         offsets = list(np.cumsum([0] + counts[:-1]))
         flat = np.empty(sum(counts), dtype=host.dtype) if self.rank == 0 else None
-        self.poller.wait([self.comm.Igatherv(host, [flat, (counts, offsets)] if flat is not None else None, root=0)],
-                         YIELD_S)
+        self.prompt.wait([self.comm.Igatherv(host, [flat, (counts, offsets)] if flat is not None else None, root=0)],
+                         ("gather", host.nbytes))
         if self.rank:
             self.wire.p2p(self.comm, 0, host.nbytes)
         self.seconds += time.perf_counter() - start

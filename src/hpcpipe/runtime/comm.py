@@ -57,12 +57,13 @@ class Poller:
         sleeping, for collectives on a critical path whose partners are about to arrive: a sleep costs at
         least the timer's slack (60 us idle, 1 ms on a loaded machine), a yield only what other ranks use.
         With ``yield_s``, once the waiter sleeps, a poll that took over PROGRESS_RATIO times the cheapest
-        poll of this wait moved data (its partners are here): the waiter yields for ``yield_s`` again, once.
+        poll of this wait moved data (its partners are here): the waiter yields for ``yield_s`` again. A
+        partner still computing moves no data, so its waiter keeps sleeping.
         """
         if not requests or MPI.Request.Testall(requests):
             return
         start = time.perf_counter()
-        deadline, rearmed, cheapest = start + yield_s, yield_s <= 0.0, float("inf")
+        deadline, cheapest = start + yield_s, float("inf")
         delay = self.min_s
         while True:
             before = time.perf_counter()
@@ -71,10 +72,10 @@ class Poller:
             now = time.perf_counter()
             cost = now - before
             cheapest = min(cheapest, cost)
-            if not rearmed and now >= deadline and cost > PROGRESS_RATIO * cheapest:
+            if yield_s > 0.0 and now >= deadline and cost > PROGRESS_RATIO * cheapest:
                 # MPI moves a collective's pieces only inside its calls: sleeping now would stretch the
                 # transfer by a sleep a piece (a 1 MiB sum over TCP: 15 ms instead of 0.7 ms)
-                deadline, rearmed = now + yield_s, True
+                deadline = now + yield_s
             if now < deadline:
                 os.sched_yield()
                 continue

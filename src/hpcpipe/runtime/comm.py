@@ -49,6 +49,7 @@ class Poller:
         self.min_s = min_us * 1e-6
         self.max_s = max_us * 1e-6
         self.waited_s = 0.0   # total time spent waiting (for traces and metrics)
+        self.rearms = 0       # times a sleeping wait went back to yielding: a poll of it moved data
 
     def wait(self, requests: list, yield_s: float = 0.0) -> None:
         """Return once every request has completed, sleeping between polls.
@@ -56,29 +57,36 @@ class Poller:
         ``yield_s``: first poll for that long giving the core away between polls (sched_yield) instead of
         sleeping, for collectives on a critical path whose partners are about to arrive: a sleep costs at
         least the timer's slack (60 us idle, 1 ms on a loaded machine), a yield only what other ranks use.
-        With ``yield_s``, once the waiter sleeps, a poll that took over PROGRESS_RATIO times the cheapest
-        poll of this wait moved data (its partners are here): the waiter yields for ``yield_s`` again. A
-        partner still computing moves no data, so its waiter keeps sleeping.
+        With ``yield_s``, once the waiter sleeps, a poll that used over PROGRESS_RATIO times the CPU time of
+        the cheapest poll after a sleep in this wait moved data (its partners are here): the waiter yields for
+        ``yield_s`` again, once a wait (on 8 ranks over 2 busy cores idle polls vary enough to look like
+        that some 40 times a second: re-arming each time spent a fifth of a core). CPU time, not
+        wall time: a poll descheduled on an oversubscribed core is not one that moved data; compared with
+        polls after a sleep only: those start with cold caches, a few times dearer than back-to-back ones.
         """
         if not requests or MPI.Request.Testall(requests):
             return
         start = time.perf_counter()
-        deadline, cheapest = start + yield_s, float("inf")
+        deadline, cheapest, slept, rearmed = start + yield_s, float("inf"), False, False
         delay = self.min_s
         while True:
-            before = time.perf_counter()
+            before = time.thread_time()
             if MPI.Request.Testall(requests):
                 break
+            cost = time.thread_time() - before
             now = time.perf_counter()
-            cost = now - before
-            cheapest = min(cheapest, cost)
-            if yield_s > 0.0 and now >= deadline and cost > PROGRESS_RATIO * cheapest:
-                # MPI moves a collective's pieces only inside its calls: sleeping now would stretch the
-                # transfer by a sleep a piece (a 1 MiB sum over TCP: 15 ms instead of 0.7 ms)
-                deadline = now + yield_s
+            if slept:
+                if yield_s > 0.0 and not rearmed and cost > PROGRESS_RATIO * cheapest:
+                    # MPI moves a collective's pieces only inside its calls: sleeping now would stretch the
+                    # transfer by a sleep a piece (a 1 MiB sum over TCP: 15 ms instead of 0.7 ms)
+                    deadline, rearmed = now + yield_s, True
+                    self.rearms += 1
+                cheapest = min(cheapest, cost)
             if now < deadline:
+                slept = False
                 os.sched_yield()
                 continue
+            slept = True
             self.between_polls()
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_s)

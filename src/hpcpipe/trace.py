@@ -33,8 +33,11 @@ def rank_events(events_by_step: list[tuple[int, list]], tid: int) -> list[dict]:
     for step, events in events_by_step:
         for action, start, end, *cpu in events:
             if isinstance(action, str):     # a named span inside actions (tensor-parallel collectives)
+                named: dict[str, Any] = {"step": step}
+                if cpu:
+                    named["cpu_us"] = cpu[0] * 1e6
                 out.append({"name": action, "cat": action.split()[0], "ph": "X", "ts": start * 1e6,
-                            "dur": (end - start) * 1e6, "pid": 0, "tid": tid, "args": {"step": step}})
+                            "dur": (end - start) * 1e6, "pid": 0, "tid": tid, "args": named})
                 continue
             args = {"stage": action.stage, "mb": action.mb, "step": step}
             if cpu:

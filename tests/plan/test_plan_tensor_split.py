@@ -140,6 +140,32 @@ def test_the_tp_run_trace_gives_compute_without_the_polls_and_the_collectives_pe
     assert got["collective_s"] == pytest.approx(3.2e-3) and got["collectives"] == 3
 
 
+def test_collectives_that_carry_their_cpu_time_take_exactly_that_out_of_the_compute(tmp_path):
+    events = []
+    for step in range(2, 5):
+        for tid in (0, 1):
+            t = step * 100_000
+            # a forward of 10 ms compute around a 3 ms collective that polled 1.7 ms of CPU (a learnt window)
+            events.append(_x("F", tid, step, t, 14_000, 11_700))
+            events.append(_x("tp", tid, step, t + 1000, 3000, 1700))
+            events.append(_x("B", tid, step, t + 20_000, 21_000, 20_050))
+            events.append(_x("tp", tid, step, t + 20_100, 400, 50))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = summarize_tensor_trace(str(path))
+    assert got["forward_s"] == pytest.approx([10e-3])
+    assert got["backward_s"] == pytest.approx([20e-3])
+    assert got["collective_s"] == pytest.approx(3.4e-3) and got["collectives"] == 2
+
+
+def test_a_traced_collective_keeps_its_cpu_time_in_the_trace():
+    from hpcpipe.trace import rank_events
+
+    events = rank_events([(3, [("tp allreduce", 1.0, 1.004, 0.0015), ("tp allreduce", 2.0, 2.001)])], 0)
+    assert events[0]["args"] == {"step": 3, "cpu_us": pytest.approx(1500.0)}
+    assert events[1]["args"] == {"step": 3}
+
+
 def test_the_tp_run_is_as_wide_as_the_model_splits():
     assert tensor_width(gpt_config(), 2) == 2
     assert tensor_width(gpt_config(), 4) == 2         # 2 heads: tp 4 does not split them

@@ -54,7 +54,9 @@ MICRO_BATCHES = 2       # per pipeline stage (2 x pp in a pipeline run)
 STEP_BUDGET_S = 0.5     # the largest profiled size whose step the profile puts under this
 FACTOR_RANGE = (0.5, 2.0)
 MAX_SYNC_SHARE = 0.5
-POLL_CPU_S = 0.0005     # a tp collective's waiting rank polls on the CPU this long at most (runtime.tp_group.YIELD_S)
+# a tp collective's waiting rank polls on the CPU about this long (runtime.tp_group.YIELD_S), for traces whose
+# collectives carry no CPU time of their own (written before they did)
+POLL_CPU_S = 0.0005
 
 
 def calibration_rows(profile: Any) -> int:
@@ -127,8 +129,8 @@ def summarize_tensor_trace(path: str) -> dict[str, Any]:
     """Of a tp run (one stage): per micro-batch, median F and B CPU seconds less the CPU of the tp collectives
     inside them, the collectives' seconds and their count; steps >= 2, medians over steps and ranks.
 
-    A rank waiting in a collective polls on the CPU for up to :data:`POLL_CPU_S`, then
-    sleeps: that much of each collective's time inside an action is its CPU, not compute.
+    A rank waiting in a collective polls on the CPU (yielding the core), then sleeps: the collective's own CPU
+    time (its span's ``cpu_us``; in older traces :data:`POLL_CPU_S` at most) inside an action is not compute.
     """
     actions: list[dict] = []
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -137,18 +139,19 @@ def summarize_tensor_trace(path: str) -> dict[str, Any]:
         if args.get("step", 0) < 2:
             continue
         if kind == "tp":
-            spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"]))
+            spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], args.get("cpu_us")))
         elif kind in ("F", "B"):
             actions.append(e)
     cells: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in actions:
-        inside = [end - start for start, end in spans[e.get("tid", 0)]
+        inside = [(end - start, cpu) for start, end, cpu in spans[e.get("tid", 0)]
                   if start >= e["ts"] and end <= e["ts"] + e["dur"]]
         cell = cells[(e["args"]["step"], e.get("tid", 0))]
         op = e["cat"]
-        cell[op] += max(0.0, e["args"].get("cpu_us", e["dur"]) - sum(min(d, POLL_CPU_S * 1e6) for d in inside)) * 1e-6
+        polled = sum(min(d, POLL_CPU_S * 1e6) if cpu is None else cpu for d, cpu in inside)
+        cell[op] += max(0.0, e["args"].get("cpu_us", e["dur"]) - polled) * 1e-6
         cell["n" + op] += 1
-        cell["comm"] += sum(inside) * 1e-6
+        cell["comm"] += sum(d for d, _ in inside) * 1e-6
         cell["calls"] += len(inside)
     full = [c for c in cells.values() if c["nF"] and c["nB"] and c["calls"]]
     if not full:

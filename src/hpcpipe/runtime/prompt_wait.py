@@ -17,7 +17,6 @@ from collections.abc import Hashable
 
 from hpcpipe.runtime.comm import Poller
 
-
 # twice a 1 MiB sum's transfer across 10 Gbit/s (0.7-0.8 ms, bench/bench_tp_collectives.py) fits; slower links'
 # transfers past it are caught by the poller's re-arm (a poll that moved data yields for the window again)
 MAX_LEARNT_S = 0.002

@@ -39,12 +39,14 @@ class TPGroup:
         self.seconds = 0.0       # spent in reductions since the last reset (the step's tp_comm_s)
         self.calls = 0
         self.host_device_bytes = 0   # on the GPU: arrays staged through host memory (both ways)
-        self.events: list[tuple[float, float]] | None = None    # (start, end) of each reduction when tracing
+        # (start, end, thread CPU seconds) of each reduction when tracing: the CPU is its polling, which the
+        # planner's calibration takes out of the compute around it (plan.engine_calibration)
+        self.events: list[tuple[float, float, float]] | None = None
 
     def _reduce(self, x: Any, op: Any) -> Any:
         if self.size == 1:
             return x
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         on_gpu = self.backend.on_gpu and not isinstance(x, np.ndarray)
         if on_gpu:
             self.backend.synchronize()
@@ -62,7 +64,7 @@ class TPGroup:
         self.seconds += end - start
         self.calls += 1
         if self.events is not None:
-            self.events.append((start, end))
+            self.events.append((start, end, time.thread_time() - cpu))
         return x
 
     def sum_(self, x: Any) -> Any:

@@ -229,10 +229,11 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
 
 
 def tp_trace_events(tp: Any, name: str = "tp allreduce") -> list[tuple[str, float, float]]:
-    """The tp (or ep) collectives of the last step as trace events (name, start, end); [] without them or tracing."""
+    """The tp (or ep) collectives of the last step as trace events (name, start, end[, cpu]); [] without them or
+    tracing."""
     if tp is None or tp.events is None:
         return []
-    events, tp.events = [(name, start, end) for start, end in tp.events], []
+    events, tp.events = [(name, *event) for event in tp.events], []
     return events
 
 

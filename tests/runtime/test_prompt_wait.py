@@ -94,3 +94,9 @@ def test_the_learnt_part_of_the_window_is_capped_so_oversubscribed_ranks_do_not_
     prompt.record(("reduce", 1 << 20), 0.030)       # 8 ranks on 2 cores: the fastest wait is a scheduling delay
     assert prompt.window(("reduce", 1 << 20)) == 0.0005 + MAX_LEARNT_S
     assert MAX_LEARNT_S <= 0.005
+
+
+def test_expert_exchanges_learn_one_window_per_power_of_two_of_bytes():
+    from hpcpipe.runtime.expert_comm import size_class
+
+    assert [size_class(n) for n in (0, 1, 2, 3, 4096, 4097, 6000, 8192)] == [1, 1, 2, 4, 4096, 8192, 8192, 8192]

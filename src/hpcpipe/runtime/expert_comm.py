@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpcpipe.runtime.comm import MPI, Poller
+from hpcpipe.runtime.prompt_wait import PromptWait
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -27,11 +28,17 @@ if TYPE_CHECKING:
 YIELD_S = 0.0005
 
 
+def size_class(nbytes: int) -> int:
+    """The power of two at or above nbytes: exchanges whose sizes vary with the routing learn one window per class."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length()
+
+
 class ExpertGroup:
     """The ep ranks of a stage (comm): timed all-to-all exchanges of counts and of token rows."""
 
     def __init__(self, comm: Comm, backend: Backend, poller: Poller, wire: Any = None):
         self.comm, self.backend, self.poller = comm, backend, poller
+        self.prompt = PromptWait(poller, YIELD_S)     # polled promptly while a transfer of that size may run
         self.wire = wire      # a runtime.wire.WireBytes counting every message (the metrics' sent_bytes), or None
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.seconds = 0.0        # spent in exchanges since the last reset (the step's ep_comm_s)
@@ -52,7 +59,7 @@ class ExpertGroup:
         start = time.perf_counter()
         send = np.ascontiguousarray(counts, dtype=np.int64)
         recv = np.empty_like(send)
-        self.poller.wait([self.comm.Ialltoall(send, recv)], YIELD_S)
+        self.prompt.wait([self.comm.Ialltoall(send, recv)], ("counts", send.nbytes))
         self._timed(start)
         return recv
 
@@ -74,8 +81,9 @@ class ExpertGroup:
         recv_counts = [n * width for n in recv_rows]
         send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(int).tolist()
         recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(int).tolist()
-        self.poller.wait([self.comm.Ialltoallv([wire.reshape(-1), (send_counts, send_displs)],
-                                               [out.reshape(-1), (recv_counts, recv_displs)])], YIELD_S)
+        self.prompt.wait([self.comm.Ialltoallv([wire.reshape(-1), (send_counts, send_displs)],
+                                               [out.reshape(-1), (recv_counts, recv_displs)])],
+                         ("rows", size_class(max(wire.nbytes, out.nbytes))))
         self.bytes_sent += wire.nbytes - send_rows[self.rank] * width * wire.itemsize
         if self.wire is not None:
             for peer, n in enumerate(send_rows):

@@ -12,4 +12,5 @@ FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-Wall"]
 
 setup(ext_modules=[Extension(
     "hpcpipe.kernels._cpu", sources=[f"src/hpcpipe/kernels/csrc/{name}" for name in SOURCES],
-    depends=["src/hpcpipe/kernels/csrc/hp.h", "src/hpcpipe/kernels/csrc/hp_vec.h"], extra_compile_args=FLAGS, libraries=["m"], optional=True)])
+    depends=["src/hpcpipe/kernels/csrc/hp.h", "src/hpcpipe/kernels/csrc/hp_vec.h"], extra_compile_args=FLAGS,
+    libraries=["m"], optional=True)])

@@ -7,9 +7,10 @@ without a C compiler the install still succeeds and hpcpipe computes with NumPy 
 
 from setuptools import Extension, setup
 
-SOURCES = ["matmul.c", "gemm.c", "ops.c", "q8_vnni.c", "stage.c"]
+SOURCES = ["matmul.c", "gemm.c", "ops.c", "attend.c", "q8_vnni.c", "stage.c"]
 FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-Wall"]
 
 setup(ext_modules=[Extension(
     "hpcpipe.kernels._cpu", sources=[f"src/hpcpipe/kernels/csrc/{name}" for name in SOURCES],
-    depends=["src/hpcpipe/kernels/csrc/hp.h"], extra_compile_args=FLAGS, libraries=["m"], optional=True)])
+    depends=["src/hpcpipe/kernels/csrc/hp.h", "src/hpcpipe/kernels/csrc/hp_vec.h"], extra_compile_args=FLAGS,
+    libraries=["m"], optional=True)])

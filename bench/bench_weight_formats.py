@@ -1,7 +1,7 @@
 """Weight formats side by side: hpcpipe float32 / stored (bf16) / q8_0 against llama.cpp's f32 / bf16 / q8_0 GGUF
 of the same bfloat16 checkpoint, on the same cores, in one run.
 
-    python bench/bench_weight_formats.py --llama-bin DIR --converter PATH [--quick] [--out FILE]
+    python bench/bench_weight_formats.py --llama-bin DIR --converter PATH [--quick | --prefill-only] [--out FILE]
         [--shape smollm2-135m|amd-llama-135m] [--tp 1,2] [--formats float32,stored,q8_0] [--q8-float-too]
 
 The model is SmolLM2-135M-shaped (random weights saved as bfloat16, as real checkpoints are; see
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bin", default="", help="llama.cpp's build/bin (llama-bench)")
     ap.add_argument("--converter", default="", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--quick", action="store_true", help="decode only, no prefill rows")
+    ap.add_argument("--prefill-only", action="store_true", help="the 512-token prompt only, no decode rows")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
     ap.add_argument("--tp", default="1", help="hpcpipe's tensor-parallel sizes to measure, e.g. 1,2")
     ap.add_argument("--formats", default=",".join(FORMATS), help="weight formats to measure, e.g. stored,q8_0")
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run hpcpipe q8_0 with float activations (HPCPIPE_Q8_ACTIVATIONS=float) as 'q8_0-float'")
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-weight-formats.json"))
     args = ap.parse_args(argv)
+    if args.quick and args.prefill_only:
+        ap.error("--quick (decode only) and --prefill-only leave nothing to measure")
     tps = [int(t) for t in args.tp.split(",")]
     formats = args.formats.split(",")
     if any(t < 1 for t in tps) or any(f not in FORMATS for f in formats):
@@ -252,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("q8_0-float", "q8_0", {"HPCPIPE_Q8_ACTIVATIONS": "float"}))
     for name, fmt, env in runs:
         for tp in tps:
-            row = run_hpcpipe(directory, fmt, prefill=False, tp=tp, env=env)
+            row = {} if args.prefill_only else run_hpcpipe(directory, fmt, prefill=False, tp=tp, env=env)
             if not args.quick:
-                row["prefill_512_s"] = run_hpcpipe(directory, fmt, prefill=True, tp=tp, env=env)["prefill_512_s"]
-            # tp ranks each read 1 / tp of the bytes, on as many cores: tp cores' copy rate over a token's bytes
-            row["limit_share"] = row["decode_tok_s"] / (tp * bandwidth / res["token_bytes"][fmt])
+                prefill = run_hpcpipe(directory, fmt, prefill=True, tp=tp, env=env)
+                row = {**prefill, **row, "prefill_512_s": prefill["prefill_512_s"]}
+            if not args.prefill_only:
+                # tp ranks each read 1 / tp of the bytes, on as many cores: tp cores' copy rate over a token's bytes
+                row["limit_share"] = row["decode_tok_s"] / (tp * bandwidth / res["token_bytes"][fmt])
             res["hpcpipe"][name if tp == 1 else f"{name} tp={tp}"] = row
             print(f"hpcpipe {name} tp={tp}: {json.dumps(row)}", flush=True)
     if args.llama_bin:
@@ -267,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             gguf = directory.with_name(f"{directory.name}-{outtype}.gguf")
             if not gguf.exists():
                 convert(directory, Path(args.converter), outtype, gguf)
-            row = {"decode_1t": llama_bench(binary, gguf, 1, 0, NEW), "decode_2t": llama_bench(binary, gguf, 2, 0, NEW)}
+            row = {} if args.prefill_only else {"decode_1t": llama_bench(binary, gguf, 1, 0, NEW),
+                                                "decode_2t": llama_bench(binary, gguf, 2, 0, NEW)}
             if not args.quick:
                 row["prefill_512_1t_s"] = PREFILL / llama_bench(binary, gguf, 1, PREFILL, 0)["tok_s"]
                 row["prefill_512_2t_s"] = PREFILL / llama_bench(binary, gguf, 2, PREFILL, 0)["tok_s"]
-            row["limit_share_1t"] = row["decode_1t"]["tok_s"] / (bandwidth / res["token_bytes"][fmt])
+            if not args.prefill_only:
+                row["limit_share_1t"] = row["decode_1t"]["tok_s"] / (bandwidth / res["token_bytes"][fmt])
             res["llama.cpp"][outtype] = row
             print(f"llama.cpp {outtype}: {json.dumps(row)}", flush=True)
     res["load_after"] = os.getloadavg()

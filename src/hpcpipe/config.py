@@ -129,7 +129,7 @@ class ServeConfig:
     micro_batches: int = 0       # groups the running sequences are spread over (0 = pp: every stage busy)
     max_queue: int = 256         # requests waiting for a slot; one more is answered 429
     kv_cache: bool = True        # false: recompute the whole prefix for every token (the baseline)
-    prefill_tokens: int = 64     # prompt tokens one work item carries at most (longer prompts: in chunks); 0 = all
+    prefill_tokens: int = 128    # prompt tokens one work item carries at most (longer prompts: in chunks); 0 = all
     model_name: str = ""         # id in /v1/models and responses; "" = the weights' file or directory name
     kv_block: int = 16           # positions per KV-cache block (paged cache: docs/serve.md)
     kv_blocks: int = 0           # KV blocks per stage's pool; 0 = max_sequences whole contexts (or windows)

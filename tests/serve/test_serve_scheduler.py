@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from hpcpipe.config import ServeConfig
 from hpcpipe.serve.broker import Request
 from hpcpipe.serve.sampling import SamplingParams
 from hpcpipe.serve.scheduler import ReplicaScheduler
@@ -202,3 +203,13 @@ def test_depth_one_waits_for_each_chunk():
     assert s.next_item() is None
     with pytest.raises(ValueError, match="depth=0"):
         ReplicaScheduler(1, 1, 8, depth=0)
+
+
+def test_the_default_config_prefills_a_long_prompt_in_chunks_of_128():
+    # 128, not 64, since a 522-token prompt reached its first token sooner at pp = 2 (docs/kernels.md "Prefill")
+    s = ReplicaScheduler(slots=2, groups=1, seq_len=512, prefill_tokens=ServeConfig().prefill_tokens, depth=2)
+    s.submit(request(0, prompt=range(1, 301)))
+    chunks = []
+    while (item := s.next_item()) is not None:
+        chunks += [(seg.start, seg.length) for seg in item.segments]
+    assert chunks == [(0, 128), (128, 128)]          # depth 2: two chunks in flight, the third waits

@@ -151,3 +151,37 @@ class StagePlan:
         if status:
             raise ValueError(f"stage plan: a row's slot or position is outside {self.slots} slots of {self.seq_len}")
         return h
+
+
+def attend(qkv: np.ndarray, cache: np.ndarray, tables: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+           n_heads: int, n_kv: int, seq_len: int, window: int = 0) -> np.ndarray:
+    """Run the compiled attention step alone (tests): write the rows' keys and values of ``qkv`` ((m, (H + 2 K) hd)
+    float32 rows, q | k | v) into ``cache`` ((2, K, pages, page, hd) float32, in place) at ``slots``, ``positions``
+    through ``tables``, and return each row's heads (m, H hd) over its sequence up to its position."""
+    lib = library()
+    two, kv, pages, page, hd = cache.shape
+    m = qkv.shape[0]
+    if (two, kv) != (2, n_kv) or cache.dtype != np.float32 or not cache.flags.c_contiguous \
+            or qkv.dtype != np.float32 or qkv.shape != (m, (n_heads + 2 * n_kv) * hd) or not qkv.flags.c_contiguous:
+        raise ValueError(f"attend: qkv {qkv.dtype} {qkv.shape} and cache {cache.dtype} {cache.shape} do not hold "
+                         f"{n_heads} heads and {n_kv} kv heads")
+    slots_, max_pages = tables.shape
+    tables = np.ascontiguousarray(tables, dtype=np.int64)
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if slots.shape != (m,) or positions.shape != (m,) or (slots < 0).any() or (slots >= slots_).any() \
+            or (positions < 0).any() or (positions >= min(seq_len, max_pages * page)).any() \
+            or (tables < 0).any() or (tables >= pages).any():
+        raise ValueError("attend: a slot, position or block table entry is outside the cache")
+    stage = Stage(0, 0, n_heads, n_kv, hd, 0, slots_, seq_len, 0, 0, 0, 0, 0.0, 0.0, 1.0 / np.sqrt(hd), 0.0,
+                  None, None, None, page, pages, max_pages, tables.ctypes.data)
+    scratch = np.empty(int(lib.hp_scratch_floats(ctypes.byref(stage), m)), dtype=np.float32)
+    pointers = 2 * seq_len * ((ctypes.sizeof(ctypes.c_void_p) + 3) // 4)      # stage.c's layout: pointers first
+    heads = np.empty((m, n_heads * hd), dtype=np.float32)
+    fn = lib.hp_attend
+    fn.argtypes = [ctypes.POINTER(Stage), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    fn(ctypes.byref(stage), cache.ctypes.data, qkv.ctypes.data, m, slots.ctypes.data, positions.ctypes.data, window,
+       heads.ctypes.data, scratch[pointers:].ctypes.data, scratch.ctypes.data)
+    return heads

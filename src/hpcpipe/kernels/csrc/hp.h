@@ -1,5 +1,5 @@
 /* hpcpipe's CPU kernels: weight products for float32 / bfloat16 / float16 / q8_0 weights, the decoder's
- * elementwise steps, decode attention over a KV cache, and a whole decode stage as one call.
+ * elementwise steps, attention over a paged KV cache (decode rows and prompt chunks), and a whole decode stage as one call.
  *
  * Everything computes in float32, except q8_0 products where the CPU has AVX512-VNNI: they quantize the activations
  * to q8 blocks too and sum int8 x int8 products exactly in int32 (q8_vnni.c; hp_q8_int8_activations). A weight is stored as the model file has it, (out, in) row-major
@@ -83,6 +83,9 @@ void hp_rope(float *x, int64_t m, int64_t heads, int64_t hd, int64_t stride, con
              const int64_t *positions);
 void hp_swiglu(const float *gate_up, float *out, int64_t m, int64_t ff);   /* rows of gate | up -> silu(g) u */
 void hp_gelu(float *x, int64_t n);                                        /* tanh approximation, in place */
+/* attention of the m rows (keys and values written to the cache first); scores: hp_scratch_floats' share,
+ * HP_TILE_LANES x seq_len + HP_TILE_LANES x hd floats and at least (n_heads / n_kv) x seq_len (attend.c) */
+#define HP_TILE_LANES 16
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
                const int64_t *positions, int64_t window, float *heads, float *scores, const float **rows);
 int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slots, const int64_t *positions,

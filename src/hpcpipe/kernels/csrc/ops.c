@@ -1,5 +1,4 @@
-/* The decoder's row-wise steps in float32: RMSNorm, LayerNorm, RoPE, SwiGLU, tanh-GELU, and decode attention
- * of many rows over their sequences' cached keys and values (each row sees its own sequence up to its position).
+/* The decoder's row-wise steps in float32: RMSNorm, LayerNorm, RoPE, SwiGLU, tanh-GELU (attention: attend.c).
  * The formulas are the NumPy layers' (hpcpipe.nn.core); sums run in another order, so results agree to
  * float32 rounding, not bit for bit.
  */
@@ -7,11 +6,8 @@
 
 #include "hp.h"
 
-#if HP_X86
-#include <immintrin.h>
-#endif
+#include "hp_vec.h"
 
-#define HP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
 /* sum of n floats in float32 as 16 running partial sums (what a vector loop does): NumPy's float32 rounding
  * and overflow (an overflowing row becomes inf, then NaN, on both paths), with error growing as n / 16 */
@@ -100,48 +96,7 @@ void hp_gelu(float *x, int64_t n) {
     }
 }
 
-/* ---- attention ------------------------------------------------------------------------------------------- */
-
-static void attend_portable(const hp_stage *s, const float *const *keys, const float *const *values, const float *q,
-                            int64_t n, float *out, float *scores) {
-    /* one query head against n keys and values of one kv head (keys[t], values[t]: position t's hd values) */
-    int64_t hd = s->hd;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        float acc = 0.0f;
-        for (int64_t i = 0; i < hd; i++) acc += q[i] * keys[t][i];
-        scores[t] = acc * s->scale;
-        if (scores[t] > mx) mx = scores[t];
-    }
-    for (int64_t t = 0; t < n; t++) {
-        scores[t] = expf(scores[t] - mx);
-        sum += scores[t];
-    }
-    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        float p = scores[t] / sum;
-        for (int64_t i = 0; i < hd; i++) out[i] += p * values[t][i];
-    }
-}
-
 #if HP_X86
-/* e^x for x <= 0 (softmax terms): 2^n e^r with |r| <= ln2 / 2 and a degree-6 polynomial; about 1 ulp */
-static HP_TARGET inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* sigmoid(g) = 1 / (1 + e^-g) from e = e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below */
 static HP_TARGET inline __m512 sigmoid512(__m512 g) {
     __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
@@ -178,92 +133,4 @@ static HP_TARGET void gelu_avx512(float *x, int64_t n) {
     }
 }
 
-static HP_TARGET void attend_avx512(const hp_stage *s, const float *const *keys, const float *const *values,
-                                    const float *q,
-                                    int64_t group, int64_t n, float *out, float *scores) {
-    /* the `group` query heads of one kv head (q: group x hd, out: group x hd) against its n keys and values */
-    int64_t hd = s->hd, hv = hd / 16;
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * hd;
-        float *sc = scores + g * n;
-        __m512 qv[16];
-        for (int64_t i = 0; i < hv; i++) qv[i] = _mm512_loadu_ps(qg + i * 16);
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < n; t++) {
-            const float *kt = keys[t];
-            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-            for (int64_t i = 1; i < hv; i++) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + i * 16), acc);
-            sc[t] = _mm512_reduce_add_ps(acc) * s->scale;
-        }
-        for (int64_t t = 0; t < n; t += 16) {
-            __mmask16 mask = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-            mx = _mm512_mask_max_ps(mx, mask, mx, _mm512_maskz_loadu_ps(mask, sc + t));
-        }
-        __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), total = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t += 16) {
-            __mmask16 mask = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + t), top));
-            e = _mm512_maskz_mov_ps(mask, e);
-            _mm512_mask_storeu_ps(sc + t, mask, e);
-            total = _mm512_add_ps(total, e);
-        }
-        float inv = 1.0f / _mm512_reduce_add_ps(total);
-        __m512 acc[16];
-        for (int64_t i = 0; i < hv; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t++) {
-            __m512 p = _mm512_set1_ps(sc[t]);
-            const float *vt = values[t];
-            for (int64_t i = 0; i < hv; i++) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + i * 16), acc[i]);
-        }
-        __m512 scale = _mm512_set1_ps(inv);
-        for (int64_t i = 0; i < hv; i++) _mm512_storeu_ps(out + g * hd + i * 16, _mm512_mul_ps(acc[i], scale));
-    }
-}
-
 #endif
-
-void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
-               const int64_t *positions, int64_t window, float *heads, float *scores, const float **rows) {
-    /* every row's keys and values are written first, so rows of one prompt see each other causally.
-     * The cache is paged: (2, K, pages, page, hd); a sequence's position t lives in block
-     * tables[slot][t / page] at offset t % page, so attention reads its keys through one row pointer per
-     * position (rows: 2 x seq_len pointers of scratch), never a copy. */
-    int64_t hd = s->hd, H = s->n_heads, K = s->n_kv, B = s->page, P = s->pages, width = (H + 2 * K) * hd;
-    int64_t G = H / K;
-    float *key_cache = cache, *value_cache = cache + K * P * B * hd;
-    const float **krows = rows, **vrows = rows + s->seq_len;
-    for (int64_t r = 0; r < m; r++) {
-        const float *row = qkv + r * width;
-        int64_t block = s->tables[slots[r] * s->max_pages + positions[r] / B], off = positions[r] % B;
-        for (int64_t j = 0; j < K; j++) {
-            int64_t at = ((j * P + block) * B + off) * hd;
-            for (int64_t i = 0; i < hd; i++) {
-                key_cache[at + i] = row[(H + j) * hd + i];
-                value_cache[at + i] = row[(H + K + j) * hd + i];
-            }
-        }
-    }
-    for (int64_t r = 0; r < m; r++) {
-        const float *row = qkv + r * width;
-        const int64_t *table = s->tables + slots[r] * s->max_pages;
-        int64_t first = window > 0 && positions[r] >= window ? positions[r] - window + 1 : 0;
-        int64_t n = positions[r] + 1 - first;
-        for (int64_t j = 0; j < K; j++) {
-            for (int64_t t = 0; t < n; t++) {
-                int64_t at = ((j * P + table[(first + t) / B]) * B + (first + t) % B) * hd;
-                krows[t] = key_cache + at;
-                vrows[t] = value_cache + at;
-            }
-            float *out = heads + r * H * hd + j * G * hd;
-#if HP_X86
-            if (hp_avx512 && hd % 16 == 0 && hd <= 256) {
-                attend_avx512(s, krows, vrows, row + j * G * hd, G, n, out, scores);
-                continue;
-            }
-#endif
-            {
-                for (int64_t g = 0; g < G; g++) attend_portable(s, krows, vrows, row + (j * G + g) * hd, n, out + g * hd, scores);
-            }
-        }
-    }
-}

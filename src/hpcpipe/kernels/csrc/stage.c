@@ -21,7 +21,9 @@
 int64_t hp_scratch_floats(const hp_stage *s, int64_t m) {
     int64_t qkv = (s->n_heads + 2 * s->n_kv) * s->hd, up = s->act == HP_SWIGLU ? 2 * s->ff : s->ff;
     int64_t pointers = 2 * s->seq_len * PTR_FLOATS;
-    return pointers + m * (s->d + qkv + s->n_heads * s->hd + up + s->ff) + (s->n_heads / s->n_kv) * s->seq_len + 64;
+    int64_t group = s->n_heads / s->n_kv, lanes = group > HP_TILE_LANES ? group : HP_TILE_LANES;
+    int64_t scores = lanes * s->seq_len + HP_TILE_LANES * s->hd;   /* hp_attend's: a query tile's, or a row's */
+    return pointers + m * (s->d + qkv + s->n_heads * s->hd + up + s->ff) + scores + 64;
 }
 
 static void add_bias(float *y, const float *b, int64_t m, int64_t n) {

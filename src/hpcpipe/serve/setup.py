@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, sequence_pages
+from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
@@ -78,6 +78,17 @@ class ServeSetup:
     def kv_window(self) -> int:
         """The sliding window under which sequences give back KV blocks (hpcpipe.nn.memory.kv_window), or 0."""
         return kv_window(self.config, self.model)
+
+    @property
+    def kv_ring(self) -> int:
+        """KV blocks of each slot's ring for the windowed blocks of a model mixing them with full-attention blocks
+        (hpcpipe.nn.memory.ring_pages), or 0."""
+        return ring_pages(self.config, self.model)
+
+    @property
+    def ring_window(self) -> int:
+        """The window of the blocks kept in rings (hpcpipe.nn.memory.ring_window), or 0."""
+        return ring_window(self.config, self.model)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

@@ -111,17 +111,19 @@ def test_the_memory_check_counts_the_rings():
 
     keys = {"kind": "llama", "vocab_size": 64, "seq_len": 1024, "d_model": 16, "n_heads": 2, "n_blocks": 4,
             "sliding_window": 16, "sliding_layers": [1, 2, 3]}
-    sets = [f"model.{k}={v!r}".replace("'", '"') for k, v in keys.items()]
+    sets = [f"model.{k}={v!r}".replace("'", '"') for k, v in keys.items()] + ["serve.prefill_tokens=0"]
     config = load_config(None, sets)
     model = model_def(config)
     assert ring_window(config, model) == 16 and ring_pages(config, model) == RING
     # a full block: max_sequences contexts of 1024 / 16 blocks; a windowed one: max_sequences rings of 3
-    full = load_config(None, sets[:-2])
+    full = load_config(None, sets[:-3] + sets[-1:])
     whole = [range(0, 6)]
     assert decode_rank_bytes(full, whole)[1] * (64 + 3 * RING) == decode_rank_bytes(config, whole)[1] * 4 * 64
-    # prompt-lookup speculation writes 4 tokens past the next one: a ring holds them too; no cache, no rings
+    # prompt-lookup speculation writes 4 tokens past the next one, a prompt chunk of 64 (serve.prefill_tokens)
+    # 63: a ring holds them too, so chunks are not cut shorter; no cache, no rings
     spec = load_config(None, [*sets, 'serve.speculate="ngram"', "serve.speculate_tokens=4"])
     assert ring_pages(spec, model) == 4
+    assert ring_pages(load_config(None, [*sets, "serve.prefill_tokens=64"]), model) == 7
     assert ring_pages(load_config(None, [*sets, "serve.kv_cache=false"]), model) == 0
 
 
@@ -133,40 +135,46 @@ def _greedy(model, directory, ids, new=40):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,pp,kernels", [("qwen2-max-window-layers", 1, "compiled"),
-                                             ("qwen2-max-window-layers", 1, "numpy"),
-                                             ("qwen2-max-window-layers", 2, "compiled"),
-                                             ("qwen2-layer-types", 2, "numpy")])
-def test_a_mixed_model_serves_transformers_text_from_rings(models, name, pp, kernels):
+@pytest.mark.parametrize("name,pp,tp,kernels", [("qwen2-max-window-layers", 1, 1, "compiled"),
+                                                ("qwen2-max-window-layers", 1, 1, "numpy"),
+                                                ("qwen2-max-window-layers", 2, 1, "compiled"),
+                                                ("qwen2-max-window-layers", 1, 2, "compiled"),
+                                                ("qwen2-layer-types", 2, 1, "numpy")])
+def test_a_mixed_model_serves_transformers_text_from_rings(models, name, pp, tp, kernels):
     from hpcpipe.serve.setup import prepare
 
     directory, model = models[name]
     ids = [int(i) for i in np.random.default_rng(2).integers(5, 250, 40)]      # 40 + 40 tokens: 5 windows
     want = _greedy(model, directory, ids)
-    setup = prepare(directory, pp, None, [f"parallel.pp={pp}"])
+    # prompts not cut in chunks of serve.prefill_tokens: rings of the window's blocks, chunks cut at their room
+    sets = [f"parallel.pp={pp}", f"parallel.tp={tp}", "serve.prefill_tokens=0"]
+    setup = prepare(directory, pp * tp, None, sets)
     assert setup.ring_window == WINDOW and setup.kv_ring == RING
     env = {"HPCPIPE_KERNELS": kernels}
-    with Server(pp, directory, "--set", f"parallel.pp={pp}", env=env) as server:
+    with Server(pp * tp, directory, *[a for s in sets for a in ("--set", s)], env=env) as server:
         for _ in range(2):        # the second request reuses the slot: its rings start from zero again
             got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
             assert got.choices[0].text == want
-    # prompt-lookup speculation writes 4 tokens past the next one: the rings hold them too (4 blocks)
+    # prompt-lookup speculation writes 4 tokens past the next one, prompt chunks 8: rings of 4 blocks
     if kernels == "numpy":
-        sets = ["--set", f"parallel.pp={pp}", "--set", 'serve.speculate="ngram"', "--set", "serve.prefill_tokens=8"]
-        assert prepare(directory, pp, None, [s for s in sets if s != "--set"]).kv_ring == RING + 1
-        with Server(pp, directory, *sets, env=env) as server:
+        sets = [f"parallel.pp={pp}", 'serve.speculate="ngram"', "serve.prefill_tokens=8"]
+        assert prepare(directory, pp, None, sets).kv_ring == RING + 1
+        with Server(pp, directory, *[a for s in sets for a in ("--set", s)], env=env) as server:
             got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
             assert got.choices[0].text == want
 
 
 @pytest.mark.slow
 def test_generate_runs_a_mixed_model_from_rings_at_pp2(models, tmp_path):
+    from hpcpipe.serve.setup import prepare
+
     directory, model = models["qwen2-layer-types"]
     fast = transformers.AutoTokenizer.from_pretrained(str(directory))
     prompt = fast.decode([int(i) for i in np.random.default_rng(4).integers(5, 250, 40)])
     ids = fast(prompt)["input_ids"]
     assert WINDOW < len(ids) <= CONTEXT - 40
+    assert prepare(directory, 2, None, ["parallel.pp=2", "serve.prefill_tokens=0"]).kv_ring == RING
     proc, result = generate(tmp_path, 2, directory, prompt, "--set", "parallel.pp=2", "--temperature", "0",
-                            "--max-new-tokens", "40")
+                            "--max-new-tokens", "40", "--set", "serve.prefill_tokens=0")
     assert proc.returncode == 0, proc.stderr
     assert result["completion"] == _greedy(model, directory, ids), result

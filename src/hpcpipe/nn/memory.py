@@ -128,10 +128,11 @@ def ring_window(config: Config, model: Any) -> int:
 
 
 def ring_pages_of(config: Config, model: Any, window: int) -> int:
-    """KV blocks of one slot's ring for a ``window`` (its keys, the block it starts in, the block a new token
-    opens, the tokens a verified speculation writes past the next one)."""
+    """KV blocks of one slot's ring for a ``window``: its keys, the block it starts in, the block a new token
+    opens, and what one work item writes past the next token (a prompt chunk of serve.prefill_tokens, or the
+    tokens a verified speculation writes), so that prompt chunks are not cut shorter than the rest's."""
     srv = config.serve
-    ahead = srv.speculate_tokens if srv.speculate and srv.kv_cache else 0
+    ahead = max(srv.speculate_tokens if srv.speculate and srv.kv_cache else 0, srv.prefill_tokens)
     return held_pages(model.shape.seq_len, srv.kv_block, window, ahead)
 
 

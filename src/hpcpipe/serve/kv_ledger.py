@@ -42,9 +42,10 @@ class KVLedger:
     """Block tables of one replica's sequences over a pool of ``blocks`` KV blocks of ``page`` positions."""
 
     def __init__(self, blocks: int, page: int, seq_len: int, prefix_cache: bool = True, window: int = 0,
-                 ahead: int = 0, ring: int = 0):
+                 ahead: int = 0, ring: int = 0, ring_span: int = 0):
         self.span = held_pages(seq_len, page, window, ahead)      # blocks one sequence holds at most at once
-        self.ring, self.ring_span = ring, held_pages(seq_len, page, ring, ahead) if ring else 0
+        # a ring's blocks per slot: as the stages allocate it (hpcpipe.nn.memory.ring_pages), at least the window's
+        self.ring, self.ring_span = ring, max(ring_span, held_pages(seq_len, page, ring, ahead)) if ring else 0
         if blocks < self.span:
             what = f"one context of {seq_len} tokens" if not window else \
                 f"one sequence's {window}-token sliding window ({self.span} blocks)"

@@ -4,14 +4,15 @@
 
 A random float32 Llama-kind model (d 256, 8 query and 8 key-value heads of 32, ff 512, 8 blocks; blocks 2-7
 with a 512-token sliding window, blocks 0-1 full: Qwen2's max_window_layers = 2) runs one sequence of
-``--context`` positions through one whole-model compiled DecodeStage of 8 slots, as serving does: its prompt in
-chunks of serve.prefill_tokens (512) cut at the room the serving ledger leaves (hpcpipe.serve.kv_ledger), then
-32 decoded tokens. Each mode runs in its own process: ``rings`` (the windowed blocks' keys in a ring of
-held_pages(window) KV blocks per slot, hpcpipe.nn.core.kv_pages.ring_layout) and ``whole`` (every block's keys
-in the pool of 8 whole contexts, as before). Reported per mode: the stage's KV bytes (reserved), the peak
-resident memory (VmHWM) and its rise over the process before the stage was built (the host cache is committed
-as it is written: the rise is the KV written plus scratch), and the memory check's KV bytes per rank
-(hpcpipe.nn.memory.decode_rank_bytes) for serve.max_sequences = 8.
+``--context`` positions through one whole-model compiled DecodeStage of 8 slots, as serving does: its prompt
+in chunks of serve.prefill_tokens (64, the default) cut at the room the serving ledger leaves
+(hpcpipe.serve.kv_ledger), then 32 decoded tokens. Each mode runs in its own process: ``rings`` (the windowed
+blocks' keys in a ring of held_pages(window + prefill_tokens) KV blocks per slot,
+hpcpipe.nn.core.kv_pages.ring_layout) and ``whole`` (every block's keys in the pool of 8 whole contexts, as
+before). Reported per mode: the stage's KV bytes (reserved), the peak resident memory (VmHWM) and its rise
+over the process before the stage was built (the host cache is committed as it is written: the rise is the
+KV written plus scratch), and the memory check's KV bytes per rank (hpcpipe.nn.memory.decode_rank_bytes) for
+serve.max_sequences = 8.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 from bench_schedules import dated_out, write_results
 
 MODEL = {"kind": "llama", "vocab_size": 256, "d_model": 256, "n_heads": 8, "n_kv_heads": 8, "n_blocks": 8,
          "d_ff": 512, "sliding_window": 512, "sliding_layers": [2, 3, 4, 5, 6, 7]}
-SLOTS, PAGE, CHUNK, NEW = 8, 16, 512, 32
+SLOTS, PAGE, NEW = 8, 16, 32
 
 
 def _kib(field: str) -> int:
@@ -61,6 +61,7 @@ def run_mode(mode: str, context: int) -> dict:
 
     config = _config(context)
     model = model_def(config)
+    chunk = config.serve.prefill_tokens
     rng = np.random.default_rng(0)
     arrays = {i: {name: (np.ones(shape, np.float32) if "norm" in name else
                          (rng.standard_normal(shape, dtype=np.float32) * 0.05))
@@ -72,14 +73,14 @@ def run_mode(mode: str, context: int) -> dict:
     stage = DecodeStage(model, range(model.n_layers), arrays, np, "float32", SLOTS, compiled=True, kv_block=PAGE,
                         kv_blocks=SLOTS * whole, kv_ring=ring)
     del arrays
-    ledger = KVLedger(SLOTS * whole, PAGE, context, prefix_cache=False, ring=window)
+    ledger = KVLedger(SLOTS * whole, PAGE, context, prefix_cache=False, ring=window, ring_span=ring)
     tokens = rng.integers(0, MODEL["vocab_size"], context).tolist()
     prompt = context - NEW
     seq = Sequence(Request("b", tokens[:prompt], NEW, SamplingParams(), 0.0), 0, 0, tokens[:prompt])
     assert ledger.admit(seq)
-    start, items = time.perf_counter(), 0
+    items = 0
     while seq.cached < context:
-        end = min(context, ledger.room(seq), seq.cached + CHUNK if seq.cached < prompt else seq.cached + 1,
+        end = min(context, ledger.room(seq), seq.cached + chunk if seq.cached < prompt else seq.cached + 1,
                   prompt if seq.cached < prompt else context)
         update = ledger.grow(seq, end)
         if seq.cached == 0:
@@ -88,10 +89,9 @@ def run_mode(mode: str, context: int) -> dict:
             stage.set_pages(*update)
         stage.forward(np.asarray(tokens[seq.cached:end], dtype=np.int64), [Segment(0, seq.cached, end - seq.cached)])
         seq.cached, items = end, items + 1
-    seconds = time.perf_counter() - start
     peak = _kib("VmHWM")
     return {"mode": mode, "ring_blocks_per_slot": ring, "kv_bytes_reserved": stage.cache_bytes,
-            "ring_bytes_reserved": stage.ring_bytes, "work_items": items, "seconds": round(seconds, 2),
+            "ring_bytes_reserved": stage.ring_bytes, "work_items": items,
             "rss_before_stage": before, "peak_rss": peak, "peak_rss_rise": peak - before}
 
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": "python bench/bench_window_rings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "load_1min": os.getloadavg()[0], "model": MODEL, "context": args.context, "slots": SLOTS, "kv_block": PAGE,
-        "prefill_chunk": CHUNK, "new_tokens": NEW, "runs": runs,
+        "prefill_chunk": _config(args.context).serve.prefill_tokens, "new_tokens": NEW, "runs": runs,
         "memory_check_kv_bytes": {"rings": decode_rank_bytes(_config(args.context), layout)[1],
                                   "whole": decode_rank_bytes(_config(args.context, window=False), layout)[1]},
     }

@@ -178,3 +178,24 @@ def test_generate_runs_a_mixed_model_from_rings_at_pp2(models, tmp_path):
                             "--max-new-tokens", "40", "--set", "serve.prefill_tokens=0")
     assert proc.returncode == 0, proc.stderr
     assert result["completion"] == _greedy(model, directory, ids), result
+
+
+@pytest.mark.slow
+def test_a_pool_short_of_the_full_blocks_context_is_one_line_and_exit_2(models):
+    import subprocess
+
+    from support import ROOT
+    from support.launch import command
+
+    directory, _ = models["qwen2-max-window-layers"]
+    for sets, words in ((["serve.kv_blocks=4"], "serve.kv_blocks = 4 KV blocks of serve.kv_block = 16 positions "
+                         "cannot hold one context of model.seq_len = 128 tokens, which its full-attention blocks "
+                         "read whole (its blocks with the 16-token sliding window keep their own rings): at least "
+                         "8 are needed"),
+                        (["serve.kv_block=0"], "serve.kv_block")):
+        proc = subprocess.run(command(1, "hpcpipe.generate", ["--weights", str(directory), "--prompt", "abc",
+                                                              *[a for s in sets for a in ("--set", s)]]),
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr

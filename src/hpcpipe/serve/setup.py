@@ -198,9 +198,12 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     tokenizer = _tokenizer(source, given, shape.vocab)
     whole = sequence_pages(cfg, model)
     if cfg.serve.kv_blocks and cfg.serve.kv_blocks < whole:
-        window = kv_window(cfg, model)
+        window, ring = kv_window(cfg, model), ring_window(cfg, model)
         held = f"one context of model.seq_len = {shape.seq_len} tokens" if not window else \
             f"one sequence's {window}-token sliding window"
+        if ring:       # only the windowed blocks keep rings: the pool is the full-attention blocks'
+            held += (f", which its full-attention blocks read whole (its blocks with the {ring}-token sliding "
+                     f"window keep their own rings)")
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
     check_decode_memory(cfg, ranges, world_size)

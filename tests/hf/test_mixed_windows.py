@@ -111,19 +111,21 @@ def test_the_memory_check_counts_the_rings():
 
     keys = {"kind": "llama", "vocab_size": 64, "seq_len": 1024, "d_model": 16, "n_heads": 2, "n_blocks": 4,
             "sliding_window": 16, "sliding_layers": [1, 2, 3]}
-    sets = [f"model.{k}={v!r}".replace("'", '"') for k, v in keys.items()] + ["serve.prefill_tokens=0"]
+    sets = [f"model.{k}={v!r}".replace("'", '"') for k, v in keys.items()] + ["serve.prefill_tokens=0", "parallel.pp=1"]
     config = load_config(None, sets)
     model = model_def(config)
     assert ring_window(config, model) == 16 and ring_pages(config, model) == RING
     # a full block: max_sequences contexts of 1024 / 16 blocks; a windowed one: max_sequences rings of 3
-    full = load_config(None, sets[:-3] + sets[-1:])
+    full = load_config(None, sets[:-4] + sets[-2:])
     whole = [range(0, 6)]
     assert decode_rank_bytes(full, whole)[1] * (64 + 3 * RING) == decode_rank_bytes(config, whole)[1] * 4 * 64
     # prompt-lookup speculation writes 4 tokens past the next one, a prompt chunk of 64 (serve.prefill_tokens)
-    # 63: a ring holds them too, so chunks are not cut shorter; no cache, no rings
+    # 64, and pp of them may be in flight: a ring holds them too, so chunks are not cut shorter; no cache, no
+    # rings
     spec = load_config(None, [*sets, 'serve.speculate="ngram"', "serve.speculate_tokens=4"])
     assert ring_pages(spec, model) == 4
     assert ring_pages(load_config(None, [*sets, "serve.prefill_tokens=64"]), model) == 7
+    assert ring_pages(load_config(None, [*sets, "serve.prefill_tokens=64", "parallel.pp=2"]), model) == 11
     assert ring_pages(load_config(None, [*sets, "serve.kv_cache=false"]), model) == 0
 
 
@@ -144,7 +146,7 @@ def test_a_mixed_model_serves_transformers_text_from_rings(models, name, pp, tp,
     from hpcpipe.serve.setup import prepare
 
     directory, model = models[name]
-    ids = [int(i) for i in np.random.default_rng(2).integers(5, 250, 40)]      # 40 + 40 tokens: 5 windows
+    ids = [int(i) for i in np.random.default_rng(2).integers(5, 250, 60)]      # 60 + 40 tokens: a ring holds 48
     want = _greedy(model, directory, ids)
     # prompts not cut in chunks of serve.prefill_tokens: rings of the window's blocks, chunks cut at their room
     sets = [f"parallel.pp={pp}", f"parallel.tp={tp}", "serve.prefill_tokens=0"]
@@ -155,9 +157,9 @@ def test_a_mixed_model_serves_transformers_text_from_rings(models, name, pp, tp,
         for _ in range(2):        # the second request reuses the slot: its rings start from zero again
             got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
             assert got.choices[0].text == want
-    # prompt-lookup speculation writes 4 tokens past the next one, prompt chunks 8: rings of 4 blocks
+    # prompt-lookup speculation writes 4 tokens past the next one, pp prompt chunks of 8 / pp: rings of 4 blocks
     if kernels == "numpy":
-        sets = [f"parallel.pp={pp}", 'serve.speculate="ngram"', "serve.prefill_tokens=8"]
+        sets = [f"parallel.pp={pp}", 'serve.speculate="ngram"', f"serve.prefill_tokens={8 // pp}"]
         assert prepare(directory, pp, None, sets).kv_ring == RING + 1
         with Server(pp, directory, *[a for s in sets for a in ("--set", s)], env=env) as server:
             got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)

@@ -124,7 +124,7 @@ def test_one_full_attention_block_keeps_every_block():
     assert sequence_window(model_def(config)) == 16
     assert pool_pages(config, model_def(config)) == config.serve.max_sequences * 3     # 128 positions: 8 blocks
     mixed = load_config(None, [f"model.{k}={v!r}".replace("'", '"') for k, v in mistral.items()]
-                        + ["model.sliding_layers=[0, 2]"])
+                        + ["model.sliding_layers=[0, 2]", "parallel.pp=1"])
     assert sequence_window(model_def(mixed)) == 0
     assert pool_pages(mixed, model_def(mixed)) == mixed.serve.max_sequences * 8
     assert joint_window(16, 0) == 0 and joint_window(16, 8) == 16

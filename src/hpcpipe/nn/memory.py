@@ -129,10 +129,12 @@ def ring_window(config: Config, model: Any) -> int:
 
 def ring_pages_of(config: Config, model: Any, window: int) -> int:
     """KV blocks of one slot's ring for a ``window``: its keys, the block it starts in, the block a new token
-    opens, and what one work item writes past the next token (a prompt chunk of serve.prefill_tokens, or the
-    tokens a verified speculation writes), so that prompt chunks are not cut shorter than the rest's."""
+    opens, and what the items in flight write past the next token (the tokens a verified speculation writes, or
+    a prompt's chunks of serve.prefill_tokens, up to pp of them at once), so that prompt chunks are neither cut
+    shorter nor kept from following each other through the stages."""
     srv = config.serve
-    ahead = max(srv.speculate_tokens if srv.speculate and srv.kv_cache else 0, srv.prefill_tokens)
+    ahead = max(srv.speculate_tokens if srv.speculate and srv.kv_cache else 0,
+                srv.prefill_tokens * config.parallel.pp)
     return held_pages(model.shape.seq_len, srv.kv_block, window, ahead)
 
 

@@ -201,3 +201,24 @@ def test_a_pool_short_of_the_full_blocks_context_is_one_line_and_exit_2(models):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
         assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_sequence_starting_in_a_slot_zeroes_its_rings(models):
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.core.decode import DecodeStage
+    from hpcpipe.nn.registry import model_def
+    from hpcpipe.state.sources import resolve_weights
+
+    source = resolve_weights(models["qwen2-layer-types"][0]).forward_only("float32")
+    model = model_def(from_dict({"model": source.model, "parallel": {"pp": 1}}))
+    stage = DecodeStage(model, range(model.n_layers), source.read(list(range(model.n_layers))), np, "float32", 3,
+                        compiled=False, kv_block=PAGE, kv_blocks=3 * CONTEXT // PAGE, kv_ring=RING)
+    rings = stage._ring_cache
+    rings[...] = np.nan                       # what a failed sequence may leave (masked reads would give NaN)
+    stage.set_pages(1, 0, [0, 1])
+    assert not rings[:, :, :, RING:2 * RING].any() and np.isnan(rings[:, :, :, :RING]).all()
+    assert np.isnan(rings[:, :, :, 2 * RING:]).all()
+    stage.set_pages(1, 2, [2])                # a sequence growing keeps its rings
+    assert not rings[:, :, :, RING:2 * RING].any()
+    stage.clear_slot(2)
+    assert not rings[:, :, :, 2 * RING:].any()

@@ -205,7 +205,12 @@ class DecodeStage:
         A table from block 0 starts a sequence: its rings are zeroed (a failed sequence's NaN, masked by a weight
         of 0, must not reach the NumPy attention of the next; see :meth:`clear_pages`)."""
         self.paged.set_pages(slot, first, pages)
-        if first == 0 and self.rings is not None:
+        if first == 0:
+            self._clear_rings(slot)
+
+    def _clear_rings(self, slot: int) -> None:
+        """Zero ``slot``'s rings in every windowed block (none without rings)."""
+        if self.rings is not None:
             ring = self.rings.tables[slot, 0]
             self._ring_cache[:, :, :, ring:ring + self.rings.pages // self.slots] = 0
 
@@ -219,8 +224,9 @@ class DecodeStage:
             self._cache[:, :, :, self.xp.asarray(np.asarray(pages, dtype=np.int64))] = 0
 
     def clear_slot(self, slot: int) -> None:
-        """Zero the KV blocks of one slot's table in every local block (see :meth:`clear_pages`)."""
+        """Zero the KV blocks of one slot's table (and its rings) in every local block (see :meth:`clear_pages`)."""
         self.clear_pages(self.paged.tables[slot])
+        self._clear_rings(slot)
 
     def _input(self, x: Any, plan: CallPlan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""

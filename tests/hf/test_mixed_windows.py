@@ -157,13 +157,16 @@ def test_a_mixed_model_serves_transformers_text_from_rings(models, name, pp, tp,
         for _ in range(2):        # the second request reuses the slot: its rings start from zero again
             got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
             assert got.choices[0].text == want
-    # prompt-lookup speculation writes 4 tokens past the next one, pp prompt chunks of 8 / pp: rings of 4 blocks
+    # speculation writes 4 tokens past the next one, pp prompt chunks of 8 / pp: rings of 4 blocks; prompt lookup,
+    # and the model as its own draft (the draft's stage keeps whole contexts: its catch-up writes a whole prompt)
     if kernels == "numpy":
-        sets = [f"parallel.pp={pp}", 'serve.speculate="ngram"', f"serve.prefill_tokens={8 // pp}"]
-        assert prepare(directory, pp, None, sets).kv_ring == RING + 1
-        with Server(pp, directory, *[a for s in sets for a in ("--set", s)], env=env) as server:
-            got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40, temperature=0)
-            assert got.choices[0].text == want
+        for how in ('serve.speculate="ngram"', f'serve.speculate="draft"|serve.draft="{directory}"'):
+            sets = [f"parallel.pp={pp}", *how.split("|"), f"serve.prefill_tokens={8 // pp}"]
+            assert prepare(directory, pp, None, sets).kv_ring == RING + 1
+            with Server(pp, directory, *[a for s in sets for a in ("--set", s)], env=env) as server:
+                got = server.client().completions.create(model=directory.name, prompt=ids, max_tokens=40,
+                                                         temperature=0)
+                assert got.choices[0].text == want
 
 
 @pytest.mark.slow

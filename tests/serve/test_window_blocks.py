@@ -1,7 +1,8 @@
 """Under a sliding window on every block a sequence gives back its KV blocks before the window (no MPI, no model):
 it holds ``held_pages`` blocks at most however long it runs, a pool of that many blocks serves a context many
 times longer, a shared prefix block is only dropped from the sequence's table, and the table entries it drops
-name a block it still holds. A model with one full-attention block keeps every block."""
+name a block it still holds. A model with one full-attention block keeps every block, and its windowed blocks'
+rings (hpcpipe.nn.core.kv_pages.ring_layout) cut prompt chunks at their room."""
 
 import pytest
 
@@ -124,16 +125,35 @@ def test_one_full_attention_block_keeps_every_block():
     assert sequence_window(model_def(config)) == 16
     assert pool_pages(config, model_def(config)) == config.serve.max_sequences * 3     # 128 positions: 8 blocks
     mixed = load_config(None, [f"model.{k}={v!r}".replace("'", '"') for k, v in mistral.items()]
-                        + ["model.sliding_layers=[0, 2]"])
+                        + ["model.sliding_layers=[0, 2]", "parallel.pp=1"])
     assert sequence_window(model_def(mixed)) == 0
     assert pool_pages(mixed, model_def(mixed)) == mixed.serve.max_sequences * 8
     assert joint_window(16, 0) == 0 and joint_window(16, 8) == 16
-    # the memory check counts the pool: 3 blocks a sequence under the window, 8 with a full-attention block
+    # the memory check counts the pool: 3 blocks a sequence under the window; with a full-attention block, 8 for
+    # it and a ring for each windowed block (hpcpipe.nn.core.kv_pages.ring_layout) of 7: the window's 16
+    # positions and a prompt chunk's 64 (serve.prefill_tokens), the block the window starts in and a new one
     whole = [range(0, 5)]
-    assert decode_rank_bytes(config, whole)[1] * 8 == decode_rank_bytes(mixed, whole)[1] * 3 > 0
+    assert decode_rank_bytes(config, whole)[1] * (8 + 2 * 7) == decode_rank_bytes(mixed, whole)[1] * 3 * 3 > 0
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_a_pool_smaller_than_one_window_is_refused(blocks):
     with pytest.raises(ValueError, match="cannot hold one sequence's 16-token sliding window"):
         KVLedger(blocks, 16, 128, window=16)
+
+
+def test_a_ring_cuts_prompt_chunks_at_its_room_and_keeps_every_block():
+    # a model mixing windowed and full blocks: the windowed blocks' rings hold 4 blocks of 4 (an 8-token window);
+    # the full blocks keep the pool, so nothing is given back, and there are no prefix hits
+    sched = ReplicaScheduler(2, 1, 96, kv_block=4, ring=8, ring_span=held_pages(96, 4, 8), prefill_tokens=0)
+    sched.submit(Request("a", list(range(30)), 50, SamplingParams(temperature=0.0), 0.0))
+    lengths, most = [], 0
+    while not sched.idle and len(lengths) < 200:
+        item = sched.next_item()
+        assert item is not None
+        lengths.append(item.segments[0].length)
+        most = max(most, sched.kv.pool.in_use)
+        sched.complete(item.group, [7] * len(item.segments))
+    # the prompt in chunks of the ring's room (positions 0-15, 16-23, 24-29), then one item a token
+    assert sched.idle and lengths[:3] == [16, 8, 6] and lengths[3:] == [1] * 49
+    assert most == 80 // 4 and not sched.kv.prefix_cache

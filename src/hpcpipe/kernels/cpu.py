@@ -38,7 +38,7 @@ class Block(ctypes.Structure):
     _fields_ = [("norm1_w", _ptr), ("norm1_b", _ptr), ("qkv", Weight), ("qkv_b", _ptr), ("q_norm_w", _ptr),
                 ("k_norm_w", _ptr), ("o", Weight), ("o_b", _ptr), ("norm2_w", _ptr), ("norm2_b", _ptr),
                 ("up", Weight), ("up_b", _ptr), ("down", Weight), ("down_b", _ptr), ("cache", _ptr),
-                ("window", _i64)]
+                ("window", _i64), ("tables", _ptr), ("pages", _i64)]
 
 
 class Stage(ctypes.Structure):

@@ -69,31 +69,48 @@ def _vector(v: np.ndarray | None) -> np.ndarray | None:
     return None if v is None else np.ascontiguousarray(v, dtype=np.float32)
 
 
+def _check_cache(cache: np.ndarray, n: int, n_kv: int, hd: int, tables: np.ndarray, seq_len: int) -> None:
+    """Raise ValueError unless ``cache`` holds ``n`` blocks' paged keys and values read through ``tables``."""
+    blocks, two, kv, _, page, width = cache.shape
+    if (blocks, two, kv, width) != (n, 2, n_kv, hd) or cache.dtype != np.float32 or not cache.flags.c_contiguous:
+        raise ValueError(f"stage plan: cache of shape {cache.shape} {cache.dtype} does not hold {n} "
+                         f"blocks of {n_kv} kv heads of {hd}")
+    if tables.dtype != np.int64 or not tables.flags.c_contiguous or tables.shape[1] * page < seq_len:
+        raise ValueError(f"stage plan: block tables {tables.dtype} {tables.shape} do not cover {seq_len} "
+                         f"positions in blocks of {page}")
+
+
 class StagePlan:
     """Every block of a decode stage as one ``hp_stage``: ``forward`` runs them all over the rows in one call."""
 
     def __init__(self, kind: FusedKind, blocks: list[FusedBlock], d: int, n_heads: int, n_kv: int, hd: int, ff: int,
                  cache: np.ndarray, rope: tuple[np.ndarray, np.ndarray] | None, tables: np.ndarray, seq_len: int,
-                 reduce: Callable[[np.ndarray], object] | None = None):
+                 reduce: Callable[[np.ndarray], object] | None = None,
+                 ring: tuple[np.ndarray, np.ndarray] | None = None):
         self.lib = library()
         if self.lib is None:
             raise RuntimeError("stage plan: the compiled kernels are not available")
-        n, two, kv, pages, page, width = cache.shape
-        if (n, two, kv, width) != (len(blocks), 2, n_kv, hd) or cache.dtype != np.float32 \
-                or not cache.flags.c_contiguous:
-            raise ValueError(f"stage plan: cache of shape {cache.shape} {cache.dtype} does not hold {len(blocks)} "
-                             f"blocks of {n_kv} kv heads of {hd}")
+        # ``ring``: (cache, tables) of the windowed blocks (window > 0), which then keep their keys apart
+        ringed = [ring is not None and b.window > 0 for b in blocks]
+        _check_cache(cache, ringed.count(False), n_kv, hd, tables, seq_len)
+        if ring is not None:
+            _check_cache(ring[0], ringed.count(True), n_kv, hd, ring[1], seq_len)
+            if ring[1].shape != tables.shape or ring[0].shape[4] != cache.shape[4]:
+                raise ValueError(f"stage plan: ring tables {ring[1].shape} of blocks of {ring[0].shape[4]} do not "
+                                 f"match the stage's {tables.shape} of {cache.shape[4]}")
+        pages, page = cache.shape[3], cache.shape[4]
         slots, max_pages = tables.shape
-        if tables.dtype != np.int64 or not tables.flags.c_contiguous or max_pages * page < seq_len:
-            raise ValueError(f"stage plan: block tables {tables.dtype} {tables.shape} do not cover {seq_len} "
-                             f"positions in blocks of {page}")
         self.d, self.slots, self.seq_len = d, slots, seq_len
         self.tables = tables                          # the stage's, updated in place: the struct points at it
         self.cache = cache
-        self._keep: list = [blocks]                   # every array a struct points to stays alive with the plan
+        self._keep: list = [blocks, ring]                 # every array a struct points to stays alive with the plan
         self.rope = None if rope is None else tuple(np.ascontiguousarray(t, dtype=np.float32) for t in rope)
         self._blocks = (Block * len(blocks))()
+        used = {False: 0, True: 0}                    # blocks placed so far in the stage's cache and in the rings
         for i, b in enumerate(blocks):
+            store, own = ring if ringed[i] else (cache, None)
+            where = store[used[ringed[i]]].ctypes.data
+            used[ringed[i]] += 1
             vectors = {name: _vector(getattr(b, name)) for name in ("norm1_w", "norm1_b", "qkv_b", "o_b", "norm2_w",
                                                                     "norm2_b", "up_b", "down_b", "q_norm_w",
                                                                     "k_norm_w")}
@@ -102,7 +119,8 @@ class StagePlan:
             self._blocks[i] = Block(addr["norm1_w"], addr["norm1_b"], weight_struct(b.qkv), addr["qkv_b"],
                                     addr["q_norm_w"], addr["k_norm_w"], weight_struct(b.o), addr["o_b"],
                                     addr["norm2_w"], addr["norm2_b"], weight_struct(b.up), addr["up_b"],
-                                    weight_struct(b.down), addr["down_b"], cache[i].ctypes.data, b.window)
+                                    weight_struct(b.down), addr["down_b"], where, b.window,
+                                    None if own is None else own.ctypes.data, 0 if own is None else store.shape[3])
         cos, sin = self.rope if self.rope is not None else (None, None)
         self._stage = Stage(len(blocks), d, n_heads, n_kv, hd, ff, slots, seq_len, _NORMS[kind.norm],
                             _ACTS[kind.act], int(kind.rope), 0, kind.eps, kind.qk_eps, 1.0 / np.sqrt(hd), 0.0,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcpipe.config import DECODERS, Config
-from hpcpipe.nn.core.kv_pages import held_pages, sequence_window
+from hpcpipe.nn.core.kv_pages import held_pages, mixed_window, sequence_window
 from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.registry import model_def, model_specs
 from hpcpipe.schedule.ir import rank_stages
@@ -118,12 +118,39 @@ def sequence_pages(config: Config, model: Any) -> int:
     return held_pages(model.shape.seq_len, srv.kv_block, kv_window(config, model), ahead)
 
 
+def ring_window(config: Config, model: Any) -> int:
+    """The window of a model's windowed blocks when they keep their keys in per-slot rings beside full-attention
+    blocks (hpcpipe.nn.core.kv_pages.ring_layout), or 0: no KV cache (every step recomputes the whole sequence),
+    no such mix, or a ring as long as the context."""
+    srv = config.serve
+    window = mixed_window(model) if srv.kv_cache else 0
+    return window if window and ring_pages_of(config, model, window) < -(-model.shape.seq_len // srv.kv_block) else 0
+
+
+def ring_pages_of(config: Config, model: Any, window: int) -> int:
+    """KV blocks of one slot's ring for a ``window``: its keys, the block it starts in, the block a new token
+    opens, and what the items in flight write past the next token (the tokens a verified speculation writes, or
+    a prompt's chunks of serve.prefill_tokens, up to pp of them at once), so that prompt chunks are neither cut
+    shorter nor kept from following each other through the stages."""
+    srv = config.serve
+    ahead = max(srv.speculate_tokens if srv.speculate and srv.kv_cache else 0,
+                srv.prefill_tokens * config.parallel.pp)
+    return held_pages(model.shape.seq_len, srv.kv_block, window, ahead)
+
+
+def ring_pages(config: Config, model: Any) -> int:
+    """KV blocks of each slot's ring for the windowed blocks (:func:`ring_window`), 0 without rings."""
+    window = ring_window(config, model)
+    return ring_pages_of(config, model, window) if window else 0
+
+
 def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, int]:
     """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
 
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
     per block, keys and values of its KV-block pool (``serve.kv_blocks`` of ``serve.kv_block`` positions; 0:
-    ``serve.max_sequences`` whole contexts of ``seq_len`` tokens, or their windows' blocks: :func:`pool_pages`). With
+    ``serve.max_sequences`` whole contexts of ``seq_len`` tokens, or their windows' blocks: :func:`pool_pages`); a
+    windowed block beside full-attention blocks holds ``serve.max_sequences`` rings instead (:func:`ring_pages`). With
     tensor parallelism (parallel.tp) a rank holds about 1/tp of both: its heads' key/value heads
     (at least one) and its part of every matrix (norms are replicated but small). With expert parallelism
     (parallel.ep) a rank holds 1/ep of every block's experts.
@@ -137,13 +164,15 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     srv = config.serve
     pages = pool_pages(config, model)
     per_block = 2 * pages * srv.kv_block * kv_heads * head_dim * itemsize
+    per_ring = 2 * srv.max_sequences * ring_pages(config, model) * srv.kv_block * kv_heads * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:
         params = sum(held_elements(model, i, config.parallel.ep) for i in groups)
         if shape.tied and len(specs) - 1 in groups and 0 not in groups:
             params += specs[0].n_params
-        blocks = sum(1 for i in groups if 1 <= i <= shape.n_blocks)
-        mine = (-(-params // tp) * itemsize, blocks * per_block)
+        blocks = [i for i in groups if 1 <= i <= shape.n_blocks]
+        ringed = sum(1 for i in blocks if model.window(i) > 0) if per_ring else 0
+        mine = (-(-params // tp) * itemsize, (len(blocks) - ringed) * per_block + ringed * per_ring)
         worst = max(worst, mine, key=sum)
     return worst
 

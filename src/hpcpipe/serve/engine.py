@@ -81,7 +81,7 @@ def build_stage(setup: ServeSetup, topo: Topology, backend: Any, world: Comm, po
         srv = setup.config.serve
         stage = DecodeStage(model, mine, arrays, backend.xp, setup.config.model.dtype, srv.max_sequences,
                             tok_emb=table, tp=tp, weight_format=fmt, release=True, kv_block=srv.kv_block,
-                            kv_blocks=setup.kv_blocks, ep=ep)
+                            kv_blocks=setup.kv_blocks, ep=ep, kv_ring=setup.kv_ring)
     return stage
 
 
@@ -194,7 +194,7 @@ def run(setup: ServeSetup, world: Comm, open_source: Callable[[], Source], stop:
                                      kv_blocks=setup.kv_blocks, prefix_cache=srv.prefix_cache,
                                      proposer=build_proposer(setup, backend, samplers.vocab),
                                      speculate_tokens=srv.speculate_tokens if srv.speculate else 0,
-                                     window=setup.kv_window)
+                                     window=setup.kv_window, ring=setup.ring_window, ring_span=setup.kv_ring)
         # expert parallelism: the heads of an ep group agree every step and leave together (serve.ep_lockstep)
         lockstep = Lockstep(ep, lambda: control.finished) if ep is not None else None
         head = Head(stage, scheduler, pp_box, setup.pp, backend.xp, samplers, lambda events: control.report(events),

@@ -19,6 +19,12 @@ With a window a sequence commits at most ``span`` blocks (:func:`hpcpipe.nn.core
 reserved stays min(span, blocks it has yet to drop or write), a trimmed block's place in the reservation is
 promised again, and a work item writes no further than ``room`` (the scheduler cuts a prompt chunk there and
 waits for its items in flight): the pool never runs short and a sequence of any length fits ``span`` blocks.
+
+A model mixing windowed and full-attention blocks (``ring``: the windowed blocks' window) keeps every block of
+the pool (its full blocks read them all), while its windowed blocks keep their keys in a ring of ``ring_span``
+blocks per slot (hpcpipe.nn.core.kv_pages.ring_layout): ``room`` then stops a work item at the ring's end, so no
+write lands on a ring block a query still reads. A ring holds one sequence's keys only, so such a model finds no
+prefix hits (a hit's windowed keys are in another slot's ring).
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ class KVLedger:
     """Block tables of one replica's sequences over a pool of ``blocks`` KV blocks of ``page`` positions."""
 
     def __init__(self, blocks: int, page: int, seq_len: int, prefix_cache: bool = True, window: int = 0,
-                 ahead: int = 0):
+                 ahead: int = 0, ring: int = 0, ring_span: int = 0):
         self.span = held_pages(seq_len, page, window, ahead)      # blocks one sequence holds at most at once
+        # a ring's blocks per slot: as the stages allocate it (hpcpipe.nn.memory.ring_pages), at least the window's
+        self.ring, self.ring_span = ring, max(ring_span, held_pages(seq_len, page, ring, ahead)) if ring else 0
         if blocks < self.span:
             what = f"one context of {seq_len} tokens" if not window else \
                 f"one sequence's {window}-token sliding window ({self.span} blocks)"
             raise ValueError(f"{blocks} KV blocks of {page} positions cannot hold {what}")
         self.pool = BlockPool(blocks)
-        self.page, self.seq_len, self.prefix_cache, self.window = page, seq_len, prefix_cache, window
+        self.page, self.seq_len, self.window = page, seq_len, window
+        self.prefix_cache = prefix_cache and not ring
         self.stats = PrefixStats()
 
     def blocks_for(self, positions: int) -> int:
@@ -79,13 +88,18 @@ class KVLedger:
         self.stats.count(len(prompt), seq.cached)
         return True
 
-    def _before_window(self, cached: int) -> int:
+    def _before_window(self, cached: int, window: int | None = None) -> int:
         """Blocks wholly before the window of a query at position ``cached`` (0 without a window)."""
-        return max(0, (cached - self.window + 1) // self.page) if self.window else 0
+        window = self.window if window is None else window
+        return max(0, (cached - window + 1) // self.page) if window else 0
 
     def room(self, seq: Any) -> int:
-        """Positions [0, room) ``seq`` may write now without holding more than ``span`` blocks."""
-        return self.seq_len if not self.window else (seq.dropped + self.span) * self.page
+        """Positions [0, room) ``seq`` may write now without holding more than ``span`` blocks (nor writing past
+        its ring, on a ring block the next query still reads)."""
+        room = self.seq_len if not self.window else (seq.dropped + self.span) * self.page
+        if self.ring:
+            room = min(room, (self._before_window(seq.cached, self.ring) + self.ring_span) * self.page)
+        return room
 
     def trim(self, seq: Any) -> None:
         """Give back the blocks of ``seq`` wholly before the window of its next query (position ``seq.cached``),

@@ -44,8 +44,10 @@ def check_forward(stage: Any, link: Any, pp_rank: int, pp: int, xp: Any, to_host
     None when the stage's output is finite (and every stage before it found nothing), else one line
     saying which stage first gave non-finite values.
     """
-    # the pool holds one whole context, or under a sliding window at least one window's blocks
-    ids = probe_ids(vocab, min(stage.shape.seq_len, stage.paged.pages * stage.paged.page))
+    # the pool holds one whole context, or under a sliding window at least one window's blocks; a windowed
+    # block's ring (beside full blocks) holds the positions one call may write
+    rings = stage.rings.pages // stage.slots if stage.rings is not None else stage.paged.pages
+    ids = probe_ids(vocab, min(stage.shape.seq_len, stage.paged.pages * stage.paged.page, rings * stage.paged.page))
     pages = list(range(-(-len(ids) // stage.paged.page)))
     problem, out = None, None
     if pp_rank == 0:

@@ -110,7 +110,8 @@ class ReplicaScheduler:
 
     def __init__(self, slots: int, groups: int, seq_len: int, kv_cache: bool = True, prefill_tokens: int = 0,
                  stop_ids: tuple[int, ...] = (), depth: int = 1, kv_block: int = 16, kv_blocks: int = 0,
-                 prefix_cache: bool = True, proposer: Any = None, speculate_tokens: int = 0, window: int = 0):
+                 prefix_cache: bool = True, proposer: Any = None, speculate_tokens: int = 0, window: int = 0,
+                 ring: int = 0, ring_span: int = 0):
         if slots < 1 or groups < 1 or depth < 1:
             raise ValueError(f"a replica needs at least one slot, group and stage, got slots={slots} groups={groups} "
                              f"depth={depth}")
@@ -133,11 +134,14 @@ class ReplicaScheduler:
         self.speculate_tokens = speculate_tokens
         # the KV blocks (0: every slot's whole context, or under a sliding window on every block (``window``:
         # hpcpipe.nn.core.kv_pages.sequence_window) the blocks a sequence holds at most); prefix caching and
-        # giving back the blocks before the window need the cache (kv_cache)
-        window = window if kv_cache else 0
+        # giving back the blocks before the window need the cache (kv_cache); ``ring``: the window of windowed
+        # blocks beside full ones, whose keys the stages keep in per-slot rings of ``ring_span`` blocks
+        # (kv_pages.ring_layout)
+        window, ring = (window, ring) if kv_cache else (0, 0)
         ahead = speculate_tokens if self.proposer is not None else 0
         span = held_pages(seq_len, kv_block, window, ahead)
-        self.kv = KVLedger(kv_blocks or slots * span, kv_block, seq_len, prefix_cache and kv_cache, window, ahead)
+        self.kv = KVLedger(kv_blocks or slots * span, kv_block, seq_len, prefix_cache and kv_cache, window, ahead,
+                           ring, ring_span)
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     @property

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
-from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, sequence_pages
+from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
@@ -78,6 +78,17 @@ class ServeSetup:
     def kv_window(self) -> int:
         """The sliding window under which sequences give back KV blocks (hpcpipe.nn.memory.kv_window), or 0."""
         return kv_window(self.config, self.model)
+
+    @property
+    def kv_ring(self) -> int:
+        """KV blocks of each slot's ring for the windowed blocks of a model mixing them with full-attention blocks
+        (hpcpipe.nn.memory.ring_pages), or 0."""
+        return ring_pages(self.config, self.model)
+
+    @property
+    def ring_window(self) -> int:
+        """The window of the blocks kept in rings (hpcpipe.nn.memory.ring_window), or 0."""
+        return ring_window(self.config, self.model)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -187,9 +198,12 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     tokenizer = _tokenizer(source, given, shape.vocab)
     whole = sequence_pages(cfg, model)
     if cfg.serve.kv_blocks and cfg.serve.kv_blocks < whole:
-        window = kv_window(cfg, model)
+        window, ring = kv_window(cfg, model), ring_window(cfg, model)
         held = f"one context of model.seq_len = {shape.seq_len} tokens" if not window else \
             f"one sequence's {window}-token sliding window"
+        if ring:       # only the windowed blocks keep rings: the pool is the full-attention blocks'
+            held += (f", which its full-attention blocks read whole (its blocks with the {ring}-token sliding "
+                     f"window keep their own rings)")
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
     check_decode_memory(cfg, ranges, world_size)

@@ -48,6 +48,10 @@ typedef struct {
     const float *down_b;
     float *cache;                     /* keys then values, paged: (2, n_kv, pages, page, hd) */
     int64_t window;                   /* > 0: a row attends to its sequence's last `window` positions only */
+    /* the block's own KV block tables and pool size (a windowed block of a model mixing windowed and full
+     * blocks keeps its keys in per-slot rings: hpcpipe.nn.core.kv_pages); NULL: the stage's */
+    const int64_t *tables;
+    int64_t pages;
 } hp_block;
 
 typedef struct {

@@ -66,7 +66,9 @@ int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slot
             hp_rope(qkv, m, H, hd, width, s->cos, s->sin, positions);
             hp_rope(qkv + H * hd, m, K, hd, width, s->cos, s->sin, positions);
         }
-        hp_attend(s, blk->cache, qkv, m, slots, positions, blk->window, heads, scores, rows);
+        hp_stage own = *s;            /* a block with its own tables (a windowed block's rings) reads through them */
+        if (blk->tables) { own.tables = blk->tables; own.pages = blk->pages; }
+        hp_attend(&own, blk->cache, qkv, m, slots, positions, blk->window, heads, scores, rows);
         if (blk->o_b || s->reduce) {   /* (sum over tp of heads Wo^T) + b) + h, the NumPy path's order */
             hp_matmul(&blk->o, heads, m, H * hd, u, d, 0);
             if (s->reduce && s->reduce(s->reduce_ctx, u, m * d)) return -2;

@@ -35,7 +35,7 @@ from hpcpipe.nn.core.decode_steps import DecoderSteps
 from hpcpipe.nn.core.flash import flash_forward
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
-from hpcpipe.nn.core.kv_pages import PagedLayout
+from hpcpipe.nn.core.kv_pages import PagedLayout, held_pages, ring_layout
 
 
 class DecodeStage:
@@ -54,13 +54,15 @@ class DecodeStage:
     available; the NumPy steps compute with the weights widened to the stage's dtype. ``release``: drop each
     block's arrays from ``arrays`` once built (a loader's copies: the peak stays one block above the weights).
     ``kv_block``: positions per KV block; ``kv_blocks``: KV blocks in the pool (None: every slot's whole context,
-    each slot owning its own; otherwise a caller sets the slots' tables with :meth:`set_pages`).
+    each slot owning its own; otherwise a caller sets the slots' tables with :meth:`set_pages`). ``kv_ring``:
+    KV blocks of each slot's ring for the windowed blocks (hpcpipe.nn.core.kv_pages.ring_layout; 0: every block
+    keeps its keys in the pool), whose caller writes no further ahead than the ring holds (serve.kv_ledger.room).
     """
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
                  weight_format: str = "float32", compiled: bool | None = None, release: bool = False,
-                 ep: Any = None, kv_block: int = 16, kv_blocks: int | None = None):
+                 ep: Any = None, kv_block: int = 16, kv_blocks: int | None = None, kv_ring: int = 0):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
@@ -85,21 +87,46 @@ class DecodeStage:
         self.group = self.n_heads // self.n_kv_heads
         kv, dh = self.n_kv_heads, self.head_dim
         self.windows = [model.window(i) for i in groups if 1 <= i <= shape.n_blocks]   # per local block
+        self.rings = self._rings(kv_ring)
+        ringed = [self.rings is not None and w > 0 for w in self.windows]
         self._fused = None
         if self.compiled:
             for i in groups:
                 self._check_group(i, arrays)
             self._fused = FusedStage(model, groups, arrays, weight_format, self.paged, self._tied_table(tok_emb),
-                                     release, self.steps.tp)
-            self._cache = self._fused.cache
+                                     release, self.steps.tp, self.rings)
+            self._cache, self._ring_cache = self._fused.cache, self._fused.ring_cache
         else:
             params = {i: self._load_group(i, arrays) for i in groups}
             self.steps.build(params, self._head_table(params, tok_emb))
             # one allocation: cache[b, 0] keys and cache[b, 1] values of local block b, (kv, pages, page, dh) each
-            self._cache = self.paged.allocate(xp, self.dtype, len(self.steps.blocks), kv, dh)
+            self._cache = self.paged.allocate(xp, self.dtype, ringed.count(False), kv, dh)
+            self._ring_cache = None if self.rings is None else \
+                self.rings.allocate(xp, self.dtype, ringed.count(True), kv, dh)
+        # each local block's cache: the pool's, or (a windowed block beside full ones) its rings'
+        taken = {False: 0, True: 0}
+        self._block_caches = []
+        for ring in ringed:
+            self._block_caches.append((self._ring_cache if ring else self._cache)[taken[ring]])
+            taken[ring] += 1
+        self._ringed = ringed
         self._scale = 1.0 / math.sqrt(dh)
         self._scratch = None                      # gathered keys and values of the decode rows, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
+
+    def _rings(self, kv_ring: int) -> Any:
+        """The windowed blocks' ring layout when ``kv_ring`` asks for one and the stage has such a block, checked:
+        a ring holds at least the blocks one window's keys span and the block a new token opens."""
+        if not isinstance(kv_ring, int | np.integer) or isinstance(kv_ring, bool) or kv_ring < 0:
+            raise ValueError(f"decode stage: kv_ring must be a non-negative integer, got {kv_ring!r}")
+        window = max(self.windows, default=0)
+        if not kv_ring or not window:
+            return None
+        least = held_pages(self.shape.seq_len, self.paged.page, window)
+        if kv_ring < least:
+            raise ValueError(f"decode stage: a ring of {kv_ring} KV blocks of {self.paged.page} positions cannot hold "
+                             f"a {window}-token sliding window (at least {least} blocks)")
+        return ring_layout(self.slots, self.shape.seq_len, self.paged.page, int(kv_ring))
 
     def _check_group(self, index: int, arrays: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """Return group ``index``'s arrays after checking their names and shapes ((out, in) for a RowWeight)."""
@@ -164,11 +191,28 @@ class DecodeStage:
     def cache_bytes(self) -> int:
         """Bytes of this stage's KV cache: 2 x local blocks x KV blocks x kv_block x n_kv_heads x head_dim x
         itemsize."""
-        return int(self._cache.nbytes)
+        return int(self._cache.nbytes) + self.ring_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the windowed blocks' rings (0 without): 2 x windowed blocks x slots x kv_ring x kv_block x
+        n_kv_heads x head_dim x itemsize."""
+        return 0 if self._ring_cache is None else int(self._ring_cache.nbytes)
 
     def set_pages(self, slot: int, first: int, pages: list[int]) -> None:
-        """Give ``slot`` the KV blocks ``pages`` as its blocks ``first``, ``first + 1``, ... (checked)."""
+        """Give ``slot`` the KV blocks ``pages`` as its blocks ``first``, ``first + 1``, ... (checked).
+
+        A table from block 0 starts a sequence: its rings are zeroed (a failed sequence's NaN, masked by a weight
+        of 0, must not reach the NumPy attention of the next; see :meth:`clear_pages`)."""
         self.paged.set_pages(slot, first, pages)
+        if first == 0:
+            self._clear_rings(slot)
+
+    def _clear_rings(self, slot: int) -> None:
+        """Zero ``slot``'s rings in every windowed block (none without rings)."""
+        if self.rings is not None:
+            ring = self.rings.tables[slot, 0]
+            self._ring_cache[:, :, :, ring:ring + self.rings.pages // self.slots] = 0
 
     def clear_pages(self, pages: list[int]) -> None:
         """Zero the keys and values of these KV blocks in every local block.
@@ -176,12 +220,13 @@ class DecodeStage:
         Positions past a sequence's length are masked with a weight of exactly 0, but 0 x NaN is NaN: a
         sequence whose forward overflowed leaves values that would poison the next sequence in its KV blocks.
         """
-        if len(pages):
+        if len(pages) and self._cache.shape[0]:
             self._cache[:, :, :, self.xp.asarray(np.asarray(pages, dtype=np.int64))] = 0
 
     def clear_slot(self, slot: int) -> None:
-        """Zero the KV blocks of one slot's table in every local block (see :meth:`clear_pages`)."""
+        """Zero the KV blocks of one slot's table (and its rings) in every local block (see :meth:`clear_pages`)."""
         self.clear_pages(self.paged.tables[slot])
+        self._clear_rings(slot)
 
     def _input(self, x: Any, plan: CallPlan) -> Any:
         """Return the stage's first activations: embedded tokens (group 0) or the previous stage's rows."""
@@ -317,6 +362,7 @@ class DecodeStage:
         their log-probabilities), else C-contiguous activations (n_rows, d_model).
         """
         plan = plan_call(segments, self.paged, self.xp, self._fused is None)
+        rings = plan_call(segments, self.rings, self.xp) if self.rings is not None and self._fused is None else None
         if rows is not None:
             bad = [r for r in rows if not 0 <= r < plan.n_rows]
             if bad:
@@ -327,9 +373,10 @@ class DecodeStage:
         h = self._input(x, plan)
         steps = self.steps
         context = steps.prepare(lambda: self._positions(plan))
-        for index, cache in enumerate(self._cache):
-            window = self.windows[index]
-            h = steps.block(index, h, context, lambda q, k, v, c=cache, w=window: self._attend(q, k, v, c, plan, w))
+        for index, cache in enumerate(self._block_caches):
+            window, at = self.windows[index], rings if self._ringed[index] else plan
+            h = steps.block(index, h, context,
+                            lambda q, k, v, c=cache, w=window, p=at: self._attend(q, k, v, c, p, w))
         if not self.has_head:
             return self.xp.ascontiguousarray(h)
         if plan.last_rows is not None:

@@ -81,7 +81,7 @@ class FusedStage:
     """Layer groups ``groups`` of a decoder model, computed by the compiled kernels (see the module docstring)."""
 
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]], fmt: str, paged: Any,
-                 tok_emb: Any = None, release: bool = False, tp: Any = None):
+                 tok_emb: Any = None, release: bool = False, tp: Any = None, rings: Any = None):
         shape = model.shape
         self.model, self.shape, self.fmt = model, shape, fmt
         self.tp = tp if is_split(tp) else None
@@ -94,14 +94,18 @@ class FusedStage:
             raise ValueError(f"decode stage: {problem}")
         n_heads, n_kv = model.local_heads(self.tp)
         hd = shape.head_dim
-        self.cache = paged.allocate(np, np.float32, len(blocks), n_kv, hd)
+        # a windowed block beside full ones keeps its keys in per-slot rings (``rings``: kv_pages.ring_layout)
+        ringed = [rings is not None and model.window(i) > 0 for i in blocks]
+        self.cache = paged.allocate(np, np.float32, ringed.count(False), n_kv, hd)
+        self.ring_cache = rings.allocate(np, np.float32, ringed.count(True), n_kv, hd) if rings is not None else None
         # block by block, each block's arrays released (with ``release``) once its fused form exists
         fused = [model.fused_block(arrays.pop(i) if release else arrays[i], fmt, i) for i in blocks]
         kind = model.fused_kind()
         rope = model.rope(np, np.float32).tables(shape.seq_len) if kind.rope else None
         ff = fused[0].down.shape[1] if fused else shape.ff          # the rank's ff part under tp
         self.plan = StagePlan(kind, fused, shape.d_model, n_heads, n_kv, hd, ff, self.cache, rope,
-                              paged.tables, shape.seq_len, self.tp.sum_ if self.tp is not None else None) \
+                              paged.tables, shape.seq_len, self.tp.sum_ if self.tp is not None else None,
+                              None if rings is None else (self.ring_cache, rings.tables)) \
             if blocks else None
         self.table = self.pos_emb = None
         if self.has_embedding:

@@ -14,6 +14,12 @@ Under a sliding window on every block (Mistral v0.1) a sequence's blocks wholly 
 are never read again: the scheduler gives them back to the pool and points their table entries at a block the
 sequence still holds (finite values, masked), so a sequence holds :func:`held_pages` blocks at most.
 
+A model mixing windowed and full-attention blocks (Qwen2's max_window_layers, layer_types) keeps its full blocks'
+keys in the pool and its windowed blocks' in a ring per slot (:func:`ring_layout`): ``ring`` KV blocks of their
+own, block i of a sequence in the slot's ring block ``i % ring``, a fixed table no one updates. The scheduler
+never lets a work item write past the ring's room (hpcpipe.serve.kv_ledger.room), so a block a query still reads
+is never overwritten; those layers then hold ``slots x ring`` blocks, not ``slots`` whole contexts.
+
 A host (NumPy) cache is reserved, not filled: its memory is anonymous pages the kernel commits on the first
 write, so a rank holds the KV blocks its sequences have written, not the whole context's (a 32-token run of a
 30-block model with an 8192-position context: ~1.4 MB of 377 MB). NumPy's own large arrays ask for huge pages
@@ -93,3 +99,18 @@ def held_pages(seq_len: int, page: int, window: int = 0, ahead: int = 0) -> int:
     new token opens), ``ahead``: tokens a verified speculation writes past the next one."""
     whole = -(-seq_len // page)
     return whole if not window else min(whole, -(-(window + ahead) // page) + 2)
+
+
+def mixed_window(model: Any) -> int:
+    """The window of the windowed blocks of a model that also has full-attention blocks (their keys then go in
+    per-slot rings: :func:`ring_layout`), or 0 (no window, or a window on every block: :func:`sequence_window`)."""
+    windows = [model.window(i) for i in range(1, model.shape.n_blocks + 1)]
+    return max(windows) if windows and min(windows) == 0 else 0
+
+
+def ring_layout(slots: int, seq_len: int, page: int, ring: int) -> PagedLayout:
+    """The fixed layout of the windowed blocks' rings: slot s's block i in KV block ``s * ring + i % ring``."""
+    layout = PagedLayout(slots, seq_len, page, slots * ring)
+    layout.tables[:] = np.arange(slots, dtype=np.int64)[:, None] * ring + \
+        np.arange(layout.max_pages, dtype=np.int64)[None, :] % ring
+    return layout

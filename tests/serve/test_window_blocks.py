@@ -121,11 +121,12 @@ def test_the_scheduler_serves_a_long_context_from_a_window_sized_pool():
 def test_one_full_attention_block_keeps_every_block():
     mistral = {"kind": "llama", "vocab_size": 64, "seq_len": 128, "d_model": 16, "n_heads": 2, "n_blocks": 3,
                "sliding_window": 16}
-    config = load_config(None, [f"model.{k}={v!r}".replace("'", '"') for k, v in mistral.items()])
+    chunks = ["serve.prefill_tokens=64"]     # a ring holds a prompt chunk: its size is pinned here
+    config = load_config(None, [f"model.{k}={v!r}".replace("'", '"') for k, v in mistral.items()] + chunks)
     assert sequence_window(model_def(config)) == 16
     assert pool_pages(config, model_def(config)) == config.serve.max_sequences * 3     # 128 positions: 8 blocks
     mixed = load_config(None, [f"model.{k}={v!r}".replace("'", '"') for k, v in mistral.items()]
-                        + ["model.sliding_layers=[0, 2]", "parallel.pp=1"])
+                        + ["model.sliding_layers=[0, 2]", "parallel.pp=1"] + chunks)
     assert sequence_window(model_def(mixed)) == 0
     assert pool_pages(mixed, model_def(mixed)) == mixed.serve.max_sequences * 8
     assert joint_window(16, 0) == 0 and joint_window(16, 8) == 16

@@ -25,10 +25,12 @@
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
-/* x's rows as q8 blocks: xq (K bytes a row) and the block scales dx
+/* x's rows as q8 blocks: xq (K bytes a row; with ``offset`` each value + 128 as uint8) and the block scales dx
  * (nb a row). A block holding Inf or NaN gets a NaN scale, so the product is NaN as the float one would be. */
-static VNNI_TARGET void quantize_rows(const float *x, int64_t m, int64_t ldx, int64_t K, int8_t *xq, float *dx) {
+static VNNI_TARGET void quantize_rows(const float *x, int64_t m, int64_t ldx, int64_t K, int8_t *xq, float *dx,
+                                      int offset) {
     int64_t nb = K / 32;
+    const __m128i flip = _mm_set1_epi8((char)0x80);
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             __m512 v0 = _mm512_loadu_ps(x + r * ldx + b * 32), v1 = _mm512_loadu_ps(x + r * ldx + b * 32 + 16);
@@ -38,6 +40,10 @@ static VNNI_TARGET void quantize_rows(const float *x, int64_t m, int64_t ldx, in
             __m512 vid = _mm512_set1_ps(bad ? 0.0f : id);
             __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)));
             __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)));
+            if (offset) {
+                q0 = _mm_xor_si128(q0, flip);
+                q1 = _mm_xor_si128(q1, flip);
+            }
             _mm_storeu_si128((__m128i *)(xq + r * K + b * 32), q0);
             _mm_storeu_si128((__m128i *)(xq + r * K + b * 32 + 16), q1);
             dx[r * nb + b] = bad ? NAN : d;
@@ -93,35 +99,33 @@ static VNNI_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, cons
 ROW_TILE_FN(row_tile8, 8)
 ROW_TILE_FN(row_tile1, 1)
 
-/* R rows of x (signed q8 values in xq, K bytes a row; their -128 sum per int32 lane in cx, K / 4 a row; scales
- * expanded per pair in xe, le floats a row) by C weight rows, the weights made unsigned (w + 128, one xor per
- * weight vector for all R rows): each dot product starts from x's correction, so its int32 sum is x . w exactly. */
-#define ROWS_STEP(R, C, mask, lmask)                                                                            \
+/* R rows of x (x + 128 as uint8 in xu, K bytes a row; scales expanded per pair in xe, le floats a row) by C
+ * weight rows. corr[c] = -128 sum(w) per int32 lane, shared by the R rows. */
+#define ROWS_STEP(R, C, mask)                                                                                   \
     {                                                                                                           \
-        __m512i wu[C];                                                                                          \
+        __m512i wv[C], corr[C];                                                                                 \
         __m512 we[C];                                                                                           \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                                  \
             if (pf) _mm_prefetch((const char *)pf + c * K + (b0 + j) * 32, _MM_HINT_T0);                        \
-            wu[c] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q + c * K + (b0 + j) * 32), c80);            \
+            wv[c] = _mm512_maskz_loadu_epi8(mask, q + c * K + (b0 + j) * 32);                                   \
+            corr[c] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c80, wv[c]));                            \
             we[c] = _mm512_permutexvar_ps(idx, dw[c]);                                                          \
         }                                                                                                       \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
-            __m512i xv = _mm512_maskz_loadu_epi8(mask, xq + r * K + (b0 + j) * 32);                             \
-            __m512i xc = _mm512_maskz_loadu_epi32(lmask, cx + r * (K / 4) + (b0 + j) * 8);                      \
+            __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + r * K + (b0 + j) * 32);                             \
             __m512 xs = _mm512_loadu_ps(xe + r * le + (b0 + j) * 8);                                            \
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                              \
-                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xc, wu[c], xv)), we[c]);        \
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[c], xv, wv[c])), we[c]);   \
                 acc[r][c] = _mm512_fmadd_ps(t, xs, acc[r][c]);                                                  \
             }                                                                                                   \
         }                                                                                                       \
     }
 
 #define ROWS_TILE_FN(NAME, R, C)                                                                                \
-static VNNI_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const int8_t *xq, const int32_t *cx, \
-                             const float *xe, int64_t le, float *y, int64_t ldy, int accumulate,                \
-                             const int8_t *pf) {                                                                \
+static VNNI_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const int8_t *xu, const float *xe,  \
+                             int64_t le, float *y, int64_t ldy, int accumulate, const int8_t *pf) {             \
     const int64_t nb = K / 32;                                                                                  \
-    const __m512i two = _mm512_set1_epi32(2), c80 = _mm512_set1_epi8((char)0x80);                               \
+    const __m512i zero = _mm512_setzero_si512(), two = _mm512_set1_epi32(2), c80 = _mm512_set1_epi8((char)0x80); \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
@@ -132,9 +136,8 @@ static VNNI_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, cons
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                                                    \
             dw[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sm, d + c * nb + b0));                            \
         __m512i idx = PAIR_INDEX;                                                                               \
-        for (; j + 2 <= nc; j += 2, idx = _mm512_add_epi32(idx, two))                                          \
-            ROWS_STEP(R, C, ~(__mmask64)0, (__mmask16)0xffff)                                                   \
-        if (j < nc) ROWS_STEP(R, C, (__mmask64)0xffffffffu, (__mmask16)0xff)                                    \
+        for (; j + 2 <= nc; j += 2, idx = _mm512_add_epi32(idx, two)) ROWS_STEP(R, C, ~(__mmask64)0)           \
+        if (j < nc) ROWS_STEP(R, C, (__mmask64)0xffffffffu)                                                     \
     }                                                                                                           \
     STORE_TILE(R, C)                                                                                            \
 }
@@ -144,17 +147,6 @@ ROWS_TILE_FN(rows_tile41, 4, 1)
 ROWS_TILE_FN(rows_tile14, 1, 4)
 ROWS_TILE_FN(rows_tile11, 1, 1)
 
-/* -128 times the sum of each 4 values of x's q8 rows (the int32 lane a dot product puts them in), K / 4 a row:
- * what the w + 128 of the several-row tiles adds, taken off where each dot product starts */
-static VNNI_TARGET void x_corrections(const int8_t *xq, int64_t m, int64_t K, int32_t *cx) {
-    const __m512i zero = _mm512_setzero_si512(), c80 = _mm512_set1_epi8((char)0x80);
-    for (int64_t i = 0; i < m * K; i += 32) {          /* K % 32 == 0: whole blocks, 8 lanes each */
-        __m512i xv = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + i)));
-        __m512i s = _mm512_dpbusd_epi32(zero, c80, xv);
-        _mm256_storeu_si256((__m256i *)(cx + i / 4), _mm512_castsi512_si256(_mm512_sub_epi32(zero, s)));
-    }
-}
-
 /* each row's block scales as 16-float vectors [dx_b x8, dx_b+1 x8] per pair of blocks (le floats a row) */
 static void expand_scales(const float *dx, int64_t m, int64_t nb, float *xe, int64_t le) {
     for (int64_t r = 0; r < m; r++)
@@ -162,24 +154,19 @@ static void expand_scales(const float *dx, int64_t m, int64_t nb, float *xe, int
             for (int i = 0; i < 8; i++) xe[r * le + b * 8 + i] = b < nb ? dx[r * nb + b] : 0.0f;
 }
 
-#define YB 64          /* outputs of y a block of the several-row product computes into contiguous scratch */
-
 int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy,
                       int accumulate) {
     const int8_t *q = (const int8_t *)w->data;
     const uint16_t *d = w->scales;
     int64_t N = w->rows, K = w->cols, nb = K / 32, le = (nb + 1) / 2 * 16, n = 0;
-    /* scratch: the scales, and (several rows) the expanded scales and the corrections, then the quantized rows */
-    size_t floats = (size_t)(m * nb) + (m > 1 ? (size_t)(m * le) + (size_t)(m * K / 4) + (size_t)(m * YB) : 0);
-    size_t bytes = floats * sizeof(float) + (size_t)(m * K);
+    /* scratch: the quantized rows, their scales, and (several rows) the expanded scales */
+    size_t bytes = (size_t)(m * K) + (size_t)(m * nb) * sizeof(float) + (m > 1 ? (size_t)(m * le) * sizeof(float) : 0);
     float stack[2048];
     float *dx = bytes <= sizeof(stack) ? stack : (float *)malloc(bytes);
     if (!dx) return 0;                               /* no memory: the caller's float path needs none */
     float *xe = dx + m * nb;
-    int32_t *cx = (int32_t *)(xe + (m > 1 ? m * le : 0));
-    float *yb = (float *)cx + (m > 1 ? m * K / 4 : 0);
-    int8_t *xq = (int8_t *)(dx + floats);
-    quantize_rows(x, m, ldx, K, xq, dx);
+    int8_t *xq = (int8_t *)(xe + (m > 1 ? m * le : 0));
+    quantize_rows(x, m, ldx, K, xq, dx, m > 1);
     if (m == 1) {
         /* each step also prefetches the next tile's weights (8 rows ahead: 8 K bytes over K / 64 steps of 8 lines):
          * a tile reads 8 short streams at once, which the hardware prefetchers follow late (decode then ran at
@@ -192,32 +179,22 @@ int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx
         for (; n < N; n++) row_tile1(q + n * K, d + n * nb, K, xq, dx, q + n * K, y + n, accumulate);
     } else {
         expand_scales(dx, m, nb, xe, le);
-        x_corrections(xq, m, K, cx);
-#define ROWS_CALL(TILE, PF) TILE(q + n * K, d + n * nb, K, xq + r * K, cx + r * (K / 4), xe + r * le, le, \
-                                 yb + r * YB + (n - n0), YB, 0, PF)
-        /* YB columns at a time into yb (m x YB floats), then added or copied into y: y's rows are N floats apart,
-         * and where that is a multiple of 4 KiB (the head's 49152, gate | up's 3072) the rows of a tile's outputs
-         * share one L1 set and evicted each other (32 rows: 40 GFLOP/s, not 110) */
-        for (int64_t n0 = 0; n0 < N; n0 += YB) {
-            int64_t n1 = N - n0 < YB ? N : n0 + YB;
-            /* the first row tile of each 4 weight rows prefetches the next 4 (one line a row a step, as it reads
-             * its own): the later row tiles find them in L1 anyway, and a served model's weights come from L3 */
-            for (n = n0; n + 4 <= n1; n += 4) {
-                int64_t r = 0;
-                const int8_t *pf = n + 8 <= N ? q + (n + 4) * K : NULL;
-                for (int64_t i = 0; pf && i < 4 * nb * 2; i += 64)
-                    _mm_prefetch((const char *)(d + (n + 4) * nb) + i, _MM_HINT_T0);
-                for (; r + 4 <= m; r += 4, pf = NULL) ROWS_CALL(rows_tile44, pf);
-                for (; r < m; r++, pf = NULL) ROWS_CALL(rows_tile14, pf);
-            }
-            for (; n < n1; n++) {
-                int64_t r = 0;
-                for (; r + 4 <= m; r += 4) ROWS_CALL(rows_tile41, NULL);
-                for (; r < m; r++) ROWS_CALL(rows_tile11, NULL);
-            }
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t c = 0; c < n1 - n0; c++)
-                    y[r * ldy + n0 + c] = accumulate ? y[r * ldy + n0 + c] + yb[r * YB + c] : yb[r * YB + c];
+#define ROWS_CALL(TILE, PF) \
+    TILE(q + n * K, d + n * nb, K, xq + r * K, xe + r * le, le, y + r * ldy + n, ldy, accumulate, PF)
+        /* the first row tile of each 4 weight rows prefetches the next 4 (one line a row a step, as it reads its
+         * own): the later row tiles find them in L1 anyway, and a served model's weights come from L3 */
+        for (; n + 4 <= N; n += 4) {
+            int64_t r = 0;
+            const int8_t *pf = n + 8 <= N ? q + (n + 4) * K : NULL;
+            for (int64_t i = 0; pf && i < 4 * nb * 2; i += 64)
+                _mm_prefetch((const char *)(d + (n + 4) * nb) + i, _MM_HINT_T0);
+            for (; r + 4 <= m; r += 4, pf = NULL) ROWS_CALL(rows_tile44, pf);
+            for (; r < m; r++, pf = NULL) ROWS_CALL(rows_tile14, pf);
+        }
+        for (; n < N; n++) {
+            int64_t r = 0;
+            for (; r + 4 <= m; r += 4) ROWS_CALL(rows_tile41, NULL);
+            for (; r < m; r++) ROWS_CALL(rows_tile11, NULL);
         }
     }
     if (dx != stack) free(dx);

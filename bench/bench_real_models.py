@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         res["transformers"] = transformers_rates(directory, texts, longs[0], args.quick)
         print("transformers:", json.dumps(res["transformers"]), flush=True)
     res["hpcpipe_settings"] = args.hpcpipe_set
+    res["hpcpipe_from"] = importlib.util.find_spec("hpcpipe").origin      # which checkout's code and kernels ran
     res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port, args.weight_format,
                                    args.clients32_only, tuple(args.hpcpipe_set))
     print("hpcpipe:", json.dumps(res["hpcpipe"]), flush=True)

@@ -57,8 +57,9 @@ def test_int8_products_equal_the_reference_of_the_same_math(int8, m):
 @needs_int8
 @pytest.mark.parametrize("m", range(1, 71))
 def test_int8_products_at_every_row_count_and_ragged_outputs(int8, m):
-    # the several-row path computes 64 outputs at a time into scratch (4 x 4 tiles, then single rows and columns)
-    # and prefetches the next 4 weight rows: output counts around those steps, into a wider output, added to
+    # the several-row path runs 4 x 4 tiles, then single rows and single weight rows, and its first row tile
+    # prefetches the next 4 weight rows (not past the last whole tile): row and output counts around those steps,
+    # into a wider output (nothing written beside it), then added to
     rng = np.random.default_rng(100 + m)
     for n, k in ((5, 64), (64, 32), (67, 96), (131, 64)):
         w = quantize_q8_0(rng.standard_normal((n, k)).astype(np.float32))

@@ -1,7 +1,8 @@
 """A SmolLM2-135M-shaped Hugging Face model served by hpcpipe, by transformers and by llama.cpp's server on the
 same cores: decode tokens/s at batch 1 and with 32 concurrent clients, and the time of a 512-token prefill.
 
-    python bench/bench_real_models.py [--llama-server PATH] [--converter PATH] [--quick] [--out FILE]
+    python bench/bench_real_models.py [--llama-server PATH] [--converter PATH] [--quick] [--clients32-only]
+                                      [--hpcpipe-set KEY=VALUE ...] [--out FILE]
 
 The model is random (nothing can be downloaded here) but has SmolLM2-135M's shape: d 576, 30 blocks, 9 query
 / 3 key-value heads of 64, ff 1536, vocab 49152, tied embeddings, float32, RoPE theta 100000; its tokenizer
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -199,20 +201,26 @@ class Server:
 
 
 def hpcpipe_rates(directory: Path, texts: list[str], longs: list[str], quick: bool, port: int,
-                  weight_format: str = "float32") -> dict:
-    """hpcpipe serve: batch 1 at pp=1, 32 clients at pp=2 (one BLAS thread per rank), 512-token prefills."""
+                  weight_format: str = "float32", clients32_only: bool = False, extra: tuple = ()) -> dict:
+    """hpcpipe serve: batch 1 at pp=1, 32 clients at pp=2 (one BLAS thread per rank), 512-token prefills
+    (``clients32_only``: the 32 clients at pp=2 only); ``extra``: more --set KEY=VALUE for every server."""
     out = {}
     base = f"http://127.0.0.1:{port}"
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     common = ["--set", "model.seq_len=1024", "--set", "serve.max_sequences=32", "--set", "run.backend=\"numpy\"",
               "--set", f"model.weight_format=\"{weight_format}\""]
-    for pp in (1, 2):
+    common += [arg for setting in extra for arg in ("--set", setting)]
+    for pp in (2,) if clients32_only else (1, 2):
         argv = ["mpiexec", "-n", str(pp), sys.executable, "-m", "hpcpipe.serve", "--weights", str(directory),
                 "--port", str(port), "--set", f"parallel.pp={pp}", *common]
         with Server(argv, r"serving .* on http", env, f"/tmp/bench-hpcpipe-pp{pp}.log"):
-            out[f"pp{pp}_batch1"] = load(base, texts, 1, 2 if quick else 4)
+            if not clients32_only:
+                out[f"pp{pp}_batch1"] = load(base, texts, 1, 2 if quick else 4)
             out[f"pp{pp}_clients32"] = load(base, texts, 32 if not quick else 4, 1 if quick else 2)
-            out[f"pp{pp}_prefill_512_s"] = prefill_seconds(base, longs)
+            if not clients32_only:
+                out[f"pp{pp}_prefill_512_s"] = prefill_seconds(base, longs)
+    if clients32_only:
+        return out
     # the prefill with the pipeline tuned for it: 128-token chunks, and the blocks cut evenly (the default
     # cut counts the head's products for every row, as a decode step runs them; a prefill needs one row)
     argv += ["--set", "serve.prefill_tokens=128", "--set", "parallel.stage_layers=[16,16]"]
@@ -231,11 +239,12 @@ def convert_gguf(directory: Path, converter: Path, gguf: Path, outtype: str = "f
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def llama_cpp_rates(server: Path, gguf: Path, texts: list[str], longs: list[str], quick: bool, port: int) -> dict:
+def llama_cpp_rates(server: Path, gguf: Path, texts: list[str], longs: list[str], quick: bool, port: int,
+                    clients32_only: bool = False) -> dict:
     """llama.cpp's server: batch 1 on one and two threads, 32 concurrent clients (32 slots) on two threads."""
     out = {}
     base = f"http://127.0.0.1:{port}"
-    for threads, slots in ((1, 1), (2, 1), (2, 32)):
+    for threads, slots in ((2, 32),) if clients32_only else ((1, 1), (2, 1), (2, 32)):
         argv = [str(server), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
                 "-np", str(slots), "-c", str(1024 * slots), "--no-warmup"]
         with Server(argv, r"listening on http", None, f"/tmp/bench-llama-{threads}-{slots}.log"):
@@ -258,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default="", help="llama.cpp's llama-server binary (skipped when absent)")
     ap.add_argument("--converter", default="", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--quick", action="store_true", help="fewer clients and requests (a smoke run)")
+    ap.add_argument("--clients32-only", action="store_true",
+                    help="only the 32 concurrent clients: hpcpipe pp=2 and llama-server 2 threads 32 slots")
+    ap.add_argument("--hpcpipe-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another --set for hpcpipe's servers (e.g. serve.micro_batches=4); repeatable")
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-real-models.json"))
     args = ap.parse_args(argv)
@@ -272,17 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: one-core copy {res['machine']['copy_bytes_per_s'] / 1e9:.1f} GB/s, float32 GEMM "
           f"{res['machine']['gemm_flops'] / 1e9:.0f} GFLOP/s (all cores)", flush=True)
     res["load_before"] = os.getloadavg()[0]
-    if not args.skip_transformers:
+    if not (args.skip_transformers or args.clients32_only):
         res["transformers"] = transformers_rates(directory, texts, longs[0], args.quick)
         print("transformers:", json.dumps(res["transformers"]), flush=True)
-    res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port, args.weight_format)
+    res["hpcpipe_settings"] = args.hpcpipe_set
+    res["hpcpipe_from"] = importlib.util.find_spec("hpcpipe").origin      # which checkout's code and kernels ran
+    res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port, args.weight_format,
+                                   args.clients32_only, tuple(args.hpcpipe_set))
     print("hpcpipe:", json.dumps(res["hpcpipe"]), flush=True)
     if args.llama_server and args.converter:
         outtype = GGUF_TYPES[args.weight_format]
         gguf = directory / f"model-{outtype}.gguf"
         if not gguf.exists():
             convert_gguf(directory, Path(args.converter), gguf, outtype)
-        res["llama_cpp"] = llama_cpp_rates(Path(args.llama_server), gguf, texts, longs, args.quick, args.port)
+        res["llama_cpp"] = llama_cpp_rates(Path(args.llama_server), gguf, texts, longs, args.quick, args.port,
+                                           args.clients32_only)
         print("llama.cpp:", json.dumps(res["llama_cpp"]), flush=True)
     res["load_after"] = os.getloadavg()[0]
     report(res)
@@ -305,20 +322,20 @@ def report(res: dict) -> None:
           f"({1 / floor:.0f} tokens/s) at this machine's copy bandwidth")
     rows = [("transformers, batch 1 (2 threads)", tf.get("batch1_tokens_per_s", nan)),
             ("transformers, 32 prompts batched", tf.get("batch32_tokens_per_s", nan)),
-            ("hpcpipe pp=1, batch 1", hp["pp1_batch1"]["tokens_per_s"]),
-            ("hpcpipe pp=2, batch 1", hp["pp2_batch1"]["tokens_per_s"]),
-            ("hpcpipe pp=1, 32 clients", hp["pp1_clients32"]["tokens_per_s"]),
-            ("hpcpipe pp=2, 32 clients", hp["pp2_clients32"]["tokens_per_s"])]
+            *((f"hpcpipe pp={key[2]}, {'batch 1' if key.endswith('batch1') else '32 clients'}",
+               hp[key]["tokens_per_s"]) for key in ("pp1_batch1", "pp2_batch1", "pp1_clients32", "pp2_clients32")
+              if key in hp)]
     rows += [(f"llama.cpp, {k}", v["tokens_per_s"]) for k, v in lc.items() if isinstance(v, dict)]
     for name, rate in rows:
         print(f"  {name:<40} {rate:8.1f} tokens/s")
-    llama_prefill = f", llama.cpp (2 threads) {lc['threads2_prefill_512_s']:.3f} s" \
-        if "threads2_prefill_512_s" in lc else ""
-    print(f"  prefill 512: transformers {tf.get('prefill_512_s', nan):.3f} s, "
-          f"hpcpipe pp=1 {hp['pp1_prefill_512_s']:.3f} s, "
-          f"pp=2 {hp['pp2_prefill_512_s']:.3f} s (tuned: {hp['pp2_tuned_prefill_512_s']:.3f} s){llama_prefill}")
-    best_prefill = min(hp["pp1_prefill_512_s"], hp["pp2_prefill_512_s"], hp["pp2_tuned_prefill_512_s"])
-    goals = []
+    goals, best_prefill = [], nan
+    if "pp1_prefill_512_s" in hp:          # not with --clients32-only
+        llama_prefill = f", llama.cpp (2 threads) {lc['threads2_prefill_512_s']:.3f} s" \
+            if "threads2_prefill_512_s" in lc else ""
+        print(f"  prefill 512: transformers {tf.get('prefill_512_s', nan):.3f} s, "
+              f"hpcpipe pp=1 {hp['pp1_prefill_512_s']:.3f} s, "
+              f"pp=2 {hp['pp2_prefill_512_s']:.3f} s (tuned: {hp['pp2_tuned_prefill_512_s']:.3f} s){llama_prefill}")
+        best_prefill = min(hp["pp1_prefill_512_s"], hp["pp2_prefill_512_s"], hp["pp2_tuned_prefill_512_s"])
     if tf:
         goals += [("batch 1 at pp=1 >= 2x transformers", hp["pp1_batch1"]["tokens_per_s"] / tf["batch1_tokens_per_s"],
                    2.0), ("prefill 512 no slower than transformers (best layout)", tf["prefill_512_s"] / best_prefill,

@@ -46,7 +46,7 @@ def _weight(kind, w):
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 9, 33])
 def test_products_equal_the_reference_at_ragged_shapes(paths, kind, m):
     rng = np.random.default_rng(m)
-    for n, k in ((1, 32), (3, 15), (4, 16), (8, 17), (9, 64), (33, 100), (13, 576)):
+    for n, k in ((1, 32), (3, 15), (4, 16), (8, 17), (9, 64), (33, 100), (13, 576), (70, 96)):
         if kind == "q8_0" and k % 32:
             continue
         rw = _weight(kind, rng.standard_normal((n, k)).astype(np.float32))

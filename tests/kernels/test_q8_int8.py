@@ -55,6 +55,27 @@ def test_int8_products_equal_the_reference_of_the_same_math(int8, m):
 
 
 @needs_int8
+@pytest.mark.parametrize("m", range(1, 71))
+def test_int8_products_at_every_row_count_and_ragged_outputs(int8, m):
+    # the several-row path runs 4 x 4 tiles, then single rows and single weight rows, and its first row tile
+    # prefetches the next 4 weight rows (not past the last whole tile): row and output counts around those steps,
+    # into a wider output (nothing written beside it), then added to
+    rng = np.random.default_rng(100 + m)
+    for n, k in ((5, 64), (64, 32), (67, 96), (131, 64)):
+        w = quantize_q8_0(rng.standard_normal((n, k)).astype(np.float32))
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+        want, scale = reference(w, x)
+        out = rng.standard_normal((m, n + 9)).astype(np.float32)
+        base = out.copy()
+        cpu.matmul(w, x, out[:, 3:3 + n])
+        assert np.all(np.abs(out[:, 3:3 + n] - want) <= 1e-5 * scale + 1e-30), (m, n, k)
+        assert np.array_equal(out[:, :3], base[:, :3]) and np.array_equal(out[:, 3 + n:], base[:, 3 + n:])
+        got = out[:, 3:3 + n].copy()
+        cpu.matmul(w, x, out[:, 3:3 + n], accumulate=True)
+        np.testing.assert_allclose(out[:, 3:3 + n], 2 * got, rtol=1e-6, atol=1e-6)
+
+
+@needs_int8
 @pytest.mark.parametrize("m", [1, 6])
 def test_int8_products_stay_within_the_rounding_bound_of_the_float_product(int8, m):
     # x = dx q + e with |e| <= dx / 2 per value, so |y_int8 - y_float| <= sum over blocks of dx / 2 sum_k |w_k|

@@ -180,7 +180,7 @@ FORMAT_FNS(f16, LOAD_F16, 2)
     {                                                                                                           \
         __m512 we[C], wo[C];                                                                                    \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            if (C == 8) _mm_prefetch(pf + (k) * 16 + c * 64, _MM_HINT_T0);                                      \
+            if (pf) _mm_prefetch(pf + (k) * 2 * C + c * 64, _MM_HINT_T0);   /* the next C rows: C lines a step */ \
             __m512i v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)(wp + c * row_bytes) + (k));           \
             we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                              \
             wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                             \
@@ -247,10 +247,13 @@ static HP_TARGET void matmul_bf16(const hp_weight *w, const float *x, int64_t m,
             bf16_tile18(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, base + (n + 8 < N ? n + 8 : n) * rb);
         for (; n < N; n++) bf16_tile11(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, NULL);
     } else {
+        /* the first row tile of each 4 weight rows prefetches the next 4 (4 lines a step; the later tiles find
+         * them in L1): a served model's weights come from L3, which the hardware prefetchers fetch late */
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;
-            for (; r + 4 <= m; r += 4)
-                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
+            const char *pf = n + 8 <= N ? base + (n + 4) * rb : NULL;
+            for (; r + 4 <= m; r += 4, pf = NULL)
+                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, pf);
             for (; r < m; r++)
                 for (int c = 0; c < 4; c++)
                     bf16_tile11(base + (n + c) * rb, rb, K, xd + r * ld, ld, y + r * ldy + n + c, ldy, accumulate,

@@ -194,7 +194,8 @@ def test_a_pool_short_of_the_full_blocks_context_is_one_line_and_exit_2(models):
 
     directory, _ = models["qwen2-max-window-layers"]
     # with 64-token prompt chunks a ring (7 blocks) is shorter than the 128-token context (8), so rings are kept
-    for sets, words in ((["serve.kv_blocks=4", "serve.prefill_tokens=64"], "serve.kv_blocks = 4 KV blocks of serve.kv_block = 16 positions "
+    for sets, words in ((["serve.kv_blocks=4", "serve.prefill_tokens=64"],
+                         "serve.kv_blocks = 4 KV blocks of serve.kv_block = 16 positions "
                          "cannot hold one context of model.seq_len = 128 tokens, which its full-attention blocks "
                          "read whole (its blocks with the 16-token sliding window keep their own rings): at least "
                          "8 are needed"),

@@ -109,7 +109,8 @@ def probe(work: Path, rate: str) -> dict:
 def plan(work: Path, profiles: Path, network: str | None) -> list[dict]:
     """The planner's plans for 2 ranks (within a node, or 2 nodes x 1 rank over network), fastest first."""
     out = work / f"plans-{time.monotonic_ns()}.json"
-    more = ["--nodes", "2", "--network", network] if network else []
+    # the emulated nodes share this host's cores and memory: profiled side by side, as within a node
+    more = ["--nodes", "2", "--network", network, "--host-shared"] if network else []
     run([sys.executable, "-m", "hpcpipe.plan", "--config", str(CONFIG), "--ranks", "2", "--global-batch", "32",
          "--memory-per-rank", "4GiB", "--profile-dir", str(profiles), "--json", str(out), *more], work)
     return json.loads(out.read_text())["plans"]

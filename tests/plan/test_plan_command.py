@@ -113,6 +113,23 @@ def test_second_plan_reads_the_cache(planned):
     assert "profiling" not in proc.stderr
 
 
+def test_emulated_nodes_on_this_host_plan_with_the_profile_of_ranks_side_by_side(planned, tmp_path):
+    # 2 nodes x 1 rank in network namespaces of this host: both ranks still share its cores and memory, so the
+    # plan takes the profile measured with 2 ranks side by side (the one-node plan's, cached), not one alone
+    tmp, _ = planned
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+    probe = {"p2p": [[n, 2e-5 + n / 1e9] for n in sizes], "allreduce": [[n, 4e-5 + 2 * n / 1e9] for n in sizes],
+             "baseline_rss_bytes": 70_000_000, "mpi": "hpcpipe: MPI: test", "ranks": 2}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    (tmp_path / "mlp.toml").write_text(MLP)
+    shutil.copytree(tmp / "profiles", tmp_path / "profiles")
+    proc = _plan(["--config", "mlp.toml", "--ranks", "2", "--nodes", "2", "--network", "probe.json", "--host-shared",
+                  "--max-micro-batches", "8"], tmp_path / "profiles", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "profile: cached" in proc.stdout and "2 rank(s) side by side" in proc.stdout, proc.stdout
+    assert "between nodes (2 x 1 ranks" in proc.stdout
+
+
 def test_a_damaged_cached_profile_is_measured_again(planned, tmp_path):
     tmp, _ = planned
     shutil.copytree(tmp / "profiles", tmp_path / "profiles")
@@ -194,6 +211,7 @@ def test_a_budget_below_what_the_model_alone_needs_is_refused_before_measuring(t
     (["--ranks", "2", "--nodes", "0"], "--nodes must be a positive integer"),
     (["--ranks", "3", "--nodes", "2", "--network", "exists.toml"], "--ranks 3 is not a multiple of --nodes 2"),
     (["--ranks", "2", "--nodes", "2"], "--nodes 2 needs --network PROBE.json"),
+    (["--ranks", "2", "--host-shared"], "--host-shared says the --nodes are emulated on this host"),
     (["--ranks", "2", "--network", "exists.toml"], "--network is the link between nodes: give --nodes"),
     (["--ranks", "2", "--nodes", "2", "--network", "missing.json"], "--network 'missing.json': cannot read it"),
     (["--ranks", "2", "--nodes", "2", "--network", "exists.toml"], "--network 'exists.toml' is not JSON"),

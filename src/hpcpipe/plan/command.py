@@ -94,6 +94,9 @@ def _parser() -> CommandParser:
                    "a node (default 1)")
     p.add_argument("--network", metavar="PROBE.json", help="the link between nodes: the probe run on 2 ranks of "
                    "2 nodes (mpiexec -ppn 1 -n 2 python -m hpcpipe.plan.probe --out PROBE.json); needed with --nodes")
+    p.add_argument("--host-shared", action="store_true", help="the --nodes are emulated on this one host (network "
+                   "namespaces: jobs/netns-cluster.sh): every rank shares its cores and memory, so the profile "
+                   "measures them side by side as on one node")
     p.add_argument("--profile-dir", help=f"profile cache (default $HPCPIPE_PROFILE_DIR or {default_cache_dir()})")
     p.add_argument("--refresh-profile", action="store_true", help="measure again even when a profile is cached")
     add_print_config(p)
@@ -114,6 +117,9 @@ def _check_args(args) -> None:
         raise ConfigError(f"--nodes {args.nodes} needs --network PROBE.json, the link between two nodes measured "
                           f"once: mpiexec -ppn 1 -n 2 (one rank on each of 2 nodes) python -m hpcpipe.plan.probe "
                           f"--out PROBE.json")
+    if args.host_shared and args.nodes == 1:
+        raise ConfigError("--host-shared says the --nodes are emulated on this host: give --nodes (more than 1) "
+                          "and --network with it")
     if args.network is not None and args.nodes == 1:
         raise ConfigError("--network is the link between nodes: give --nodes (more than 1) with it")
     if args.cores is not None and args.cores > host_cores():
@@ -196,7 +202,9 @@ def run(args) -> int:
     here = host_cores()
     global_batch = args.global_batch or configured_global_batch(config, args.ranks)
     per_node = args.ranks // args.nodes     # a node like this one holds these ranks: its memory and cores are theirs
-    local_ranks = per_node if args.cores is not None else min(per_node, here)
+    # emulated nodes share this host: their ranks compute side by side here, as the ranks of one node would
+    per_host = args.ranks if args.host_shared else per_node
+    local_ranks = per_host if args.cores is not None else min(per_host, here)
     if budget is not None:
         budget_how = "--memory-per-rank"
     else:
@@ -205,9 +213,9 @@ def run(args) -> int:
     # before anything is allocated: a model no plan can hold is refused from arithmetic alone
     memory_floor.check_budget(config, args.ranks, global_batch, budget, budget_how)
     rows = micro_batch_rows(config, global_batch, args.ranks, args.max_micro_batches)
-    threads = plan_threads(per_node, args.cores, here)
+    threads = plan_threads(per_host, args.cores, here)
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
-    concurrent = max(1, min(per_node if args.cores is None else args.cores, here) // threads)
+    concurrent = max(1, min(per_host if args.cores is None else args.cores, here) // threads)
     sizes = profile_sizes(rows, largest=largest_profiled_rows(config))
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
                            args.refresh_profile, concurrent,

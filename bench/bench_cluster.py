@@ -1,30 +1,36 @@
 """2 emulated nodes (jobs/netns-cluster.sh) vs one: GPT training and llama serving at dp=2, pp=2, tp=2, and the planner.
 
-    python bench/bench_cluster.py [--rates 10gbit,1gbit] [--rounds 2] [--steps 8] [--out FILE]   # as root
+    python bench/bench_cluster.py [--rates 10gbit,1gbit] [--rounds 2] [--steps 8] [--profile-each-round]
+                                  [--statistic rounds|min|median] [--no-within] [--no-serve] [--out FILE]  # as root
 
 Each layout runs on 2 ranks placed **within a node** (both ranks in node 0: MPICH's shared memory) and
 **across nodes** (one rank on each of 2 nodes, every message over TCP through the shaped links), at each
 link rate. Every rank has one BLAS thread (HPCPIPE_THREADS=1): the 2 "nodes" share this machine's cores.
 
 * Training: configs/plan-gpt.toml (GPT, vocab 8192, 4 blocks of d 128, untied, Adam), global batch 32
-  sequences. The planner (``python -m hpcpipe.plan --ranks 2 --global-batch 32``) plans it once within a
-  node and, per rate, for 2 nodes x 1 rank with ``--nodes 2 --network PROBE.json``, PROBE.json being
-  ``python -m hpcpipe.plan.probe`` run on one rank of each node (the comm model calibrated across the
-  links). Of each plan list the fastest plan of each layout (dp=2, pp=2, tp=2) is run as predicted for
-  --steps steps, --rounds times in turns; measured = median of step_time_s after the first 2 steps, the
-  fastest round (--statistic min, the default: the machine is shared, the planner predicts a quiet one)
-  or the median of the rounds. Before every run the bench waits up to --quiet-wait s for the cores to be
-  --quiet idle, and records the idle share and load it ran under. Bytes per step per link: the metrics'
-  link_bytes (what each node sent to the
-  other in the step) and, as a check, the link's own counter over the whole run (with TCP/IP headers,
-  start-up and MPI's own messages).
+  sequences. The planner (``python -m hpcpipe.plan --ranks 2 --global-batch 32``) plans it within a node
+  and for 2 nodes x 1 rank with ``--nodes 2 --network PROBE.json --host-shared``, PROBE.json being
+  ``python -m hpcpipe.plan.probe`` run on one rank of each node at that rate (the comm model calibrated
+  across the links, once per rate). Of the first round's plans the fastest plan of each layout (dp=2, pp=2,
+  tp=2) is a row; every round runs each row once (--steps steps, rows in turns), measured = the run's median
+  step_time_s after the first 2 steps. By default the profile (layer bench and engine calibration) is
+  measured once, at the first rate, and the row's error is its prediction against the fastest round
+  (--statistic min) or the rounds' median (median). With --profile-each-round every round first measures
+  the profile again (a new cache but for the within-node comm probe) and plans again, each row runs the same
+  plan (layout, schedule, micro-batches) as that round predicts it, and its error is the median over the
+  rounds of each round's error against its own prediction (--statistic rounds): this VM's speed drifts by
+  tens of per cent within minutes. Every statistic is kept in the results. Before every run and planning the
+  bench waits up to --quiet-wait s for the cores to be --quiet idle, and records the idle share and load it
+  ran under. Bytes per step per link: the metrics' link_bytes (what each node sent to the other in the step)
+  and, as a check, the link's own counter over the whole run (with TCP/IP headers, start-up and MPI's own
+  messages).
 * Serving: a random llama (d 256, 4 blocks, 8 heads / 4 key-value heads, vocabulary 256, bytes
   tokenizer) at dp=2, pp=2, tp=2; 8 clients send 24 requests (32-byte prompts, 32 new tokens, greedy);
   tokens per second over the whole load, the median request latency, and the bytes the link carried.
 
-Results: bench/results/<today>-cluster.json (with the probes, blocking and polled allreduce; the planner's engine
-calibration, its tp run's collective seconds; each layer group's whole and tp = 2 split times, ``split_s``), and a
-table printed for docs/cluster.md.
+Results: bench/results/<today>-cluster.json (with the probes, blocking and polled allreduce; each planning's
+profile: its load, seconds and the planner's engine calibration, its tp run's collective seconds; each layer
+group's whole and tp = 2 split times, ``split_s``, of the first), and a table printed for docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -48,12 +54,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from bench_schedules import ENV, MPIEXEC, dated_out, idle_fraction, wait_quiet, write_results  # noqa: E402
+from cluster_rows import LAYOUTS, STATISTICS, best_per_layout, describe, print_tables, same_plan, summarise  # noqa: E402
 
 SCRIPT = ROOT / "jobs" / "netns-cluster.sh"
 NAME, NET = "hpcbench", "10.213.11"
 CLUSTER_ENV = {"HPCPIPE_NETNS_NAME": NAME, "HPCPIPE_NETNS_NET": NET, "HPCPIPE_NETNS_DIR": f"/run/{NAME}-netns"}
 CONFIG = ROOT / "configs" / "plan-gpt.toml"
-LAYOUTS = {"dp=2": (2, 1, 1), "pp=2": (1, 2, 1), "tp=2": (1, 1, 2)}
 WARMUP = 2
 LLAMA = {"kind": "llama", "vocab_size": 256, "seq_len": 256, "d_model": 256, "n_heads": 8, "n_kv_heads": 4,
          "n_blocks": 4, "d_ff": 768, "tie_embeddings": False, "dtype": "float32"}
@@ -114,20 +120,6 @@ def plan(work: Path, profiles: Path, network: str | None) -> list[dict]:
     run([sys.executable, "-m", "hpcpipe.plan", "--config", str(CONFIG), "--ranks", "2", "--global-batch", "32",
          "--memory-per-rank", "4GiB", "--profile-dir", str(profiles), "--json", str(out), *more], work)
     return json.loads(out.read_text())["plans"]
-
-
-def best_per_layout(plans: list[dict]) -> dict[str, dict]:
-    """The fastest plan of each layout (plans come fastest first)."""
-    out = {}
-    for name, (dp, pp, tp) in LAYOUTS.items():
-        out[name] = next(p for p in plans if (p["dp"], p["pp"], p["tp"]) == (dp, pp, tp))
-    return out
-
-
-def describe(p: dict) -> str:
-    """A plan in a few words: layout, schedule, micro-batches x size."""
-    v = f" v={p['virtual_stages']}" if p["virtual_stages"] > 1 else ""
-    return f"dp={p['dp']} pp={p['pp']} tp={p['tp']} {p['schedule']}{v} {p['micro_batches']}x{p['micro_batch_size']}"
 
 
 def train_once(p: dict, within: bool, steps: int, work: Path, quiet: tuple[float, float]) -> dict:
@@ -229,6 +221,67 @@ def machine() -> dict:
     return {"load_1min": os.getloadavg()[0], "idle_share": idle_fraction(1.0), "time": time.strftime("%H:%M:%S")}
 
 
+def fresh_profiles(work: Path, base: Path) -> Path:
+    """An empty profile cache but for base's within-node comm model (the probe is kept, the rest measured again)."""
+    out = work / f"profiles-{time.monotonic_ns()}"
+    out.mkdir()
+    for comm in base.glob("comm-*.json"):
+        shutil.copy(comm, out)
+    return out
+
+
+def plan_round(work: Path, profiles: Path, network: str, placements: list[str], quiet: tuple[float, float]) -> dict:
+    """Each placement's plans on the profile in ``profiles`` (measured first when it has none), and that profile."""
+    idle, load = wait_quiet(*quiet), os.getloadavg()[0]
+    t0 = time.perf_counter()
+    plans = {where: plan(work, profiles, None if where == "within" else network) for where in placements}
+    profile = json.loads(next(profiles.glob("layers-*.json")).read_text())
+    return {"plans": plans, "profile": profile, "seconds": time.perf_counter() - t0, "idle_before": idle,
+            "load_before": load, "load_after": os.getloadavg()[0]}
+
+
+def train_rate(rate: str, placements: list[str], args, work: Path, base: Path, results: dict) -> None:
+    """The training rows at one link rate: --rounds rounds, each (re)planned then every row run, in turns."""
+    quiet = (args.quiet, args.quiet_wait)
+    rows: dict[tuple[str, str], list[dict]] = {(where, name): [] for where in placements for name in LAYOUTS}
+    chosen: dict[tuple[str, str], dict] = {}
+    picks = []
+    for r in range(args.rounds):
+        if r == 0 or args.profile_each_round:
+            fresh = args.profile_each_round and any(base.glob("layers-*.json"))
+            print(f"{rate} round {r + 1}: planning{' (profile measured again)' if fresh else ''} ...", flush=True)
+            done = plan_round(work, fresh_profiles(work, base) if fresh else base, results["probes"][rate]["file"],
+                              placements, quiet)
+            plans, profile = done.pop("plans"), done.pop("profile")
+            results["profiles"].append({"rate": rate, "round": r, **done, "engine": profile.get("engine"),
+                                        "profile_load": profile.get("load")})
+            picks.append(plans["across"][0])
+            if "engine" not in results:
+                # the planner's calibration against real runs (engine factors; tp: the seconds its collectives
+                # took), and each layer group's whole and tp = 2 split times at the largest profiled size
+                results["engine"] = profile.get("engine")
+                results["split_s"] = {str(g["index"]): {op: [g[op][size], g.get(f"{op}/tp2", {}).get(size)]
+                                                        for op in "FB"}
+                                      for g in profile["layers"]["groups"].values() for size in [max(g["F"], key=int)]}
+        for where in placements:
+            for name in LAYOUTS:
+                if r == 0:
+                    chosen[(where, name)] = best_per_layout(plans[where])[name]
+                p = same_plan(plans[where], chosen[(where, name)])
+                print(f"{rate} round {r + 1} {where} {describe(p)} ...", flush=True)
+                run = train_once(p, where == "within", args.steps, work, quiet)
+                rows[(where, name)].append({"round": r, "plan": describe(p), "predicted_s": p["step_time_s"], **run})
+    results["plans"][rate] = {name: chosen[("across", name)] for name in LAYOUTS}
+    if "within" in placements:
+        results["plans"]["within"] = {name: chosen[("within", name)] for name in LAYOUTS}
+    results["plans"][f"{rate}-pick"] = picks[0]
+    results["plans"][f"{rate}-picks"] = picks
+    for (where, name), runs in rows.items():
+        results["training"].append({"rate": rate if where == "across" else "shared memory", "placement": where,
+                                    "layout": name, "plan": describe(chosen[(where, name)]),
+                                    **summarise(runs, results["statistic"]), "runs": runs})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -236,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="training runs per configuration, in turns (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8; 2 are warm-up)")
     parser.add_argument("--no-serve", action="store_true", help="skip the serving part")
-    parser.add_argument("--statistic", choices=("min", "median"), default="min",
-                        help="over the rounds: the fastest (default) or the median")
+    parser.add_argument("--no-within", action="store_true", help="run the rows across nodes only (not within one)")
+    parser.add_argument("--profile-each-round", action="store_true",
+                        help="measure the planner's profile again at the start of every round and compare each "
+                             "round's runs with that round's prediction")
+    parser.add_argument("--statistic", choices=tuple(STATISTICS), default=None,
+                        help="the row's error: rounds (median of the rounds' errors, each against its own round's "
+                             "prediction; the default with --profile-each-round), min (the fastest round; the default "
+                             "otherwise) or median (the rounds' median step)")
     parser.add_argument("--quiet", type=float, default=0.7, help="idle share to wait for before each run (0.7)")
     parser.add_argument("--quiet-wait", type=float, default=120, help="longest wait for it, seconds (120)")
     parser.add_argument("--out", default=dated_out("cluster"),
@@ -247,53 +306,35 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_cluster: needs root (jobs/netns-cluster.sh makes network namespaces)")
     if args.steps <= WARMUP or args.rounds < 1:
         raise SystemExit(f"bench_cluster: --steps must exceed the {WARMUP} warm-up steps and --rounds be >= 1")
+    statistic = args.statistic or ("rounds" if args.profile_each_round else "min")
     rates = [r for r in args.rates.split(",") if r]
+    if not rates:
+        raise SystemExit("bench_cluster: --rates names no rate (e.g. 10gbit,1gbit)")
     work = Path(tempfile.mkdtemp(prefix="hpcpipe-bench-cluster-", dir="/var/tmp"))
-    results: dict = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-                     "config": str(CONFIG.relative_to(ROOT)), "llama": LLAMA, "rates": rates,
-                     "rounds": args.rounds, "steps": args.steps, "statistic": args.statistic,
-                     "quiet": [args.quiet, args.quiet_wait],
-                     "machine_before": machine(), "probes": {}, "plans": {}, "training": [], "serving": []}
-    profiles = work / "profiles"
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
+                     "cores": os.cpu_count(), "config": str(CONFIG.relative_to(ROOT)), "llama": LLAMA, "rates": rates,
+                     "rounds": args.rounds, "steps": args.steps, "profile_each_round": args.profile_each_round,
+                     "statistic": statistic, "statistic_text": STATISTICS[statistic],
+                     "quiet": [args.quiet, args.quiet_wait], "machine_before": machine(), "probes": {}, "plans": {},
+                     "profiles": [], "training": [], "serving": []}
     quiet = (args.quiet, args.quiet_wait)
-    pick = min if args.statistic == "min" else statistics.median
     try:
-        print("planning within a node ...", flush=True)
-        results["plans"]["within"] = within_plans = best_per_layout(plan(work, profiles, None))
-        # the planner's calibration against real runs (engine factors; tp: the seconds its collectives took), and
-        # each layer group's whole and tp = 2 split times at the largest profiled size (what tp saves of it)
-        profile = json.loads(next(profiles.glob("layers-*.json")).read_text())
-        results["engine"] = profile.get("engine")
-        results["split_s"] = {str(g["index"]): {op: [g[op][size], g.get(f"{op}/tp2", {}).get(size)] for op in "FB"}
-                              for g in profile["layers"]["groups"].values()
-                              for size in [max(g["F"], key=int)]}
         weights = work / "llama.h5"
-        write_llama(weights)
+        if not args.no_serve:
+            write_llama(weights)
         for index, rate in enumerate(rates):
             cluster("up", "2", rate)
             try:
                 results["probes"][rate] = net = probe(work, rate)
                 print(f"{rate}: probe between nodes {net['p2p_4KiB_us']:.0f} us for 4 KiB, "
                       f"{net['p2p_64MiB_gbit_s']:.2f} Gbit/s for 64 MiB", flush=True)
-                results["plans"][rate] = across_plans = best_per_layout(all_plans := plan(work, profiles, net["file"]))
-                results["plans"][f"{rate}-pick"] = all_plans[0]
-                placements = [("across", across_plans)] + ([("within", within_plans)] if index == 0 else [])
-                runs = {(where, name): [] for where, plans in placements for name in plans}
-                for _ in range(args.rounds):
-                    for where, plans in placements:
-                        for name, p in plans.items():
-                            print(f"{rate} {where} {describe(p)} ...", flush=True)
-                            runs[(where, name)].append(train_once(p, where == "within", args.steps, work, quiet))
-                for (where, name), done in runs.items():
-                    p = dict(placements)[where][name]
-                    measured = pick([r["step_s"] for r in done])
-                    results["training"].append({
-                        "rate": rate if where == "across" else "shared memory", "placement": where, "layout": name,
-                        "plan": describe(p), "predicted_s": p["step_time_s"], "measured_s": measured,
-                        "error": p["step_time_s"] / measured - 1, "runs": done})
+                within = index == 0 and not args.no_within
+                base = work / "profiles"
+                base.mkdir(exist_ok=True)
+                train_rate(rate, ["across"] + (["within"] if within else []), args, work, base, results)
                 if not args.no_serve:
                     for name, layout in LAYOUTS.items():
-                        for where in ("across",) + (("within",) if index == 0 else ()):
+                        for where in ("across",) + (("within",) if within else ()):
                             print(f"{rate} {where} serve {name} ...", flush=True)
                             r = serve_once(layout, where == "within", weights, work, quiet)
                             results["serving"].append({"rate": rate if where == "across" else "shared memory",
@@ -307,37 +348,6 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(results)
     print(f"\nwrote {args.out}")
     return 0
-
-
-def print_tables(results: dict) -> None:
-    """The tables of docs/cluster.md (markdown)."""
-    print("\n| link | placement | plan | predicted step s | measured step s | error | fastest step s | "
-          "bytes/step/link (metrics) | load |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for t in results["training"]:
-        link = max(statistics.median(r["link_bytes_per_step"][k] for r in t["runs"]) for k in range(2))
-        fastest = min(r["step_min_s"] for r in t["runs"])
-        # the load after the run that gave the measured time (with the median statistic: the rounds' median)
-        chosen = [r["load_after"] for r in t["runs"] if r["step_s"] == t["measured_s"]]
-        load = chosen[0] if chosen else statistics.median(r["load_after"] for r in t["runs"])
-        print(f"| {t['rate']} | {t['placement']} | {t['plan']} | {t['predicted_s']:.3f} | {t['measured_s']:.3f} | "
-              f"{t['error']:+.1%} | {fastest:.3f} | {link / 2**20:.2f} MiB | {load:.1f} |")
-    for rate in results["rates"]:
-        pick = results["plans"].get(f"{rate}-pick")
-        measured = {t["layout"]: t["measured_s"] for t in results["training"]
-                    if t["placement"] == "across" and t["rate"] == rate}
-        if pick and measured:
-            layout = next(n for n, lay in LAYOUTS.items() if lay == (pick["dp"], pick["pp"], pick["tp"]))
-            fastest = min(measured, key=measured.get)
-            print(f"{rate}, 2 nodes x 1 rank: planner picks {describe(pick)} (measured {measured[layout]:.3f} s); "
-                  f"measured best {fastest} ({measured[fastest]:.3f} s)")
-    if results["serving"]:
-        print("\n| link | placement | layout | tokens/s | median latency s | link bytes (both ways) | load |")
-        print("|---|---|---|---|---|---|---|")
-        for s in results["serving"]:
-            print(f"| {s['rate']} | {s['placement']} | {s['layout']} | {s['tokens_per_s']:.1f} | "
-                  f"{s['latency_p50_s']:.2f} | {sum(s['link_counter_bytes']) / 2**20:.1f} MiB | "
-                  f"{s['load_after']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """2 emulated nodes (jobs/netns-cluster.sh) vs one: GPT training and llama serving at dp=2, pp=2, tp=2, and the planner.
 
-    python bench/bench_cluster.py [--rates 10gbit,1gbit] [--rounds 2] [--steps 8] [--profile-each-round]
+    python bench/bench_cluster.py [--rates 10gbit,1gbit] [--rounds 3] [--steps 8] [--profile-once]
                                   [--statistic rounds|min|median] [--no-within] [--no-serve] [--out FILE]  # as root
 
 Each layout runs on 2 ranks placed **within a node** (both ranks in node 0: MPICH's shared memory) and
@@ -13,13 +13,14 @@ link rate. Every rank has one BLAS thread (HPCPIPE_THREADS=1): the 2 "nodes" sha
   ``python -m hpcpipe.plan.probe`` run on one rank of each node at that rate (the comm model calibrated
   across the links, once per rate). Of the first round's plans the fastest plan of each layout (dp=2, pp=2,
   tp=2) is a row; every round runs each row once (--steps steps, rows in turns), measured = the run's median
-  step_time_s after the first 2 steps. By default the profile (layer bench and engine calibration) is
-  measured once, at the first rate, and the row's error is its prediction against the fastest round
-  (--statistic min) or the rounds' median (median). With --profile-each-round every round first measures
-  the profile again (a new cache but for the within-node comm probe) and plans again, each row runs the same
-  plan (layout, schedule, micro-batches) as that round predicts it, and its error is the median over the
-  rounds of each round's error against its own prediction (--statistic rounds): this VM's speed drifts by
-  tens of per cent within minutes. Every statistic is kept in the results. Before every run and planning the
+  step_time_s after the first 2 steps. Every round first measures the planner's profile (layer bench and
+  engine calibration) again, in a new cache but for the within-node comm probe, and plans again; each row
+  runs the same plan (layout, schedule, micro-batches) as that round predicts it, and its error is the
+  median over the rounds of each round's error against its own prediction (--statistic rounds): this VM's
+  speed drifts by tens of per cent within minutes, and a profile measured once compared later rounds with
+  an earlier spell. --profile-once measures the profile once, at the first rate, and takes the prediction
+  against the fastest round (--statistic min) or the rounds' median (median). Every statistic is kept in
+  the results. Before every run and planning the
   bench waits up to --quiet-wait s for the cores to be --quiet idle, and records the idle share and load it
   ran under. Bytes per step per link: the metrics' link_bytes (what each node sent to the other in the step)
   and, as a check, the link's own counter over the whole run (with TCP/IP headers, start-up and MPI's own
@@ -84,6 +85,18 @@ def link_counters() -> list[int]:
     return [int(Path(f"/sys/class/net/{NAME}-v{k}/statistics/rx_bytes").read_text()) for k in range(2)]
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of all cores so far (/proc/stat): the hypervisor's share of this VM's time."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int]) -> float:
+    """The share of the cores' time since ``before`` (:func:`cpu_ticks`) the hypervisor ran something else."""
+    steal, total = cpu_ticks()
+    return (steal - before[0]) / max(total - before[1], 1)
+
+
 def run(argv: list[str], cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
     """Run a command with the bench's environment; SystemExit naming it when it fails."""
     env = {k: v for k, v in ENV.items() if k != "TMPDIR"}     # each node has its own /tmp
@@ -133,7 +146,7 @@ def train_once(p: dict, within: bool, steps: int, work: Path, quiet: tuple[float
             "log.metrics": f'"{metrics}"', "checkpoint.dir": '""', "log.progress": "false"}
     idle = wait_quiet(*quiet)
     load = os.getloadavg()[0]
-    before = link_counters()
+    before, ticks = link_counters(), cpu_ticks()
     run([*launcher(within), sys.executable, "-m", "hpcpipe.train", "--config", str(CONFIG),
          *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], work)
     kernel = [after - b for after, b in zip(link_counters(), before, strict=True)]
@@ -147,7 +160,7 @@ def train_once(p: dict, within: bool, steps: int, work: Path, quiet: tuple[float
             "sent_bytes_per_step": statistics.median(r["sent_bytes"] for r in records),
             "link_bytes_per_step": [statistics.median(x[k] for x in links) for k in range(2)] if links[0] else [0, 0],
             "link_counter_bytes_per_run": kernel, "steps": steps, "idle_before": idle, "load_before": load,
-            "load_after": os.getloadavg()[0]}
+            "load_after": os.getloadavg()[0], "steal_share": steal_share(ticks)}
 
 
 def write_llama(path: Path) -> None:
@@ -233,11 +246,11 @@ def fresh_profiles(work: Path, base: Path) -> Path:
 def plan_round(work: Path, profiles: Path, network: str, placements: list[str], quiet: tuple[float, float]) -> dict:
     """Each placement's plans on the profile in ``profiles`` (measured first when it has none), and that profile."""
     idle, load = wait_quiet(*quiet), os.getloadavg()[0]
-    t0 = time.perf_counter()
+    t0, ticks = time.perf_counter(), cpu_ticks()
     plans = {where: plan(work, profiles, None if where == "within" else network) for where in placements}
     profile = json.loads(next(profiles.glob("layers-*.json")).read_text())
     return {"plans": plans, "profile": profile, "seconds": time.perf_counter() - t0, "idle_before": idle,
-            "load_before": load, "load_after": os.getloadavg()[0]}
+            "load_before": load, "load_after": os.getloadavg()[0], "steal_share": steal_share(ticks)}
 
 
 def train_rate(rate: str, placements: list[str], args, work: Path, base: Path, results: dict) -> None:
@@ -286,17 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="10gbit,1gbit", help="link rates, comma-separated (default 10gbit,1gbit)")
-    parser.add_argument("--rounds", type=int, default=2, help="training runs per configuration, in turns (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="training runs per configuration, in turns (default 3)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8; 2 are warm-up)")
     parser.add_argument("--no-serve", action="store_true", help="skip the serving part")
     parser.add_argument("--no-within", action="store_true", help="run the rows across nodes only (not within one)")
-    parser.add_argument("--profile-each-round", action="store_true",
-                        help="measure the planner's profile again at the start of every round and compare each "
-                             "round's runs with that round's prediction")
+    parser.add_argument("--profile-each-round", action="store_true", default=True,
+                        help="(the default) measure the planner's profile again at the start of every round and "
+                             "compare each round's runs with that round's prediction")
+    parser.add_argument("--profile-once", dest="profile_each_round", action="store_false",
+                        help="measure the profile once, at the start (the bench before 2026-11-28 16:45 UTC)")
     parser.add_argument("--statistic", choices=tuple(STATISTICS), default=None,
                         help="the row's error: rounds (median of the rounds' errors, each against its own round's "
-                             "prediction; the default with --profile-each-round), min (the fastest round; the default "
-                             "otherwise) or median (the rounds' median step)")
+                             "prediction; the default), min (the fastest round; the default with --profile-once) or "
+                             "median (the rounds' median step)")
     parser.add_argument("--quiet", type=float, default=0.7, help="idle share to wait for before each run (0.7)")
     parser.add_argument("--quiet-wait", type=float, default=120, help="longest wait for it, seconds (120)")
     parser.add_argument("--out", default=dated_out("cluster"),

@@ -74,15 +74,17 @@ def print_tables(results: dict) -> None:
     """The tables of docs/cluster.md (markdown)."""
     print(f"\nerror: {STATISTICS[results['statistic']]}; goal: within 15 %")
     print("\n| link | placement | plan | predicted step s | measured step s | error | 15 % goal | errors by round | "
-          "fastest step error | bytes/step/link (metrics) | load before |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "fastest step error | bytes/step/link (metrics) | load before | steal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for t in results["training"]:
         link = max(statistics.median(r["link_bytes_per_step"][k] for r in t["runs"]) for k in range(2))
         loads = [r["load_before"] for r in t["runs"]]
         by_round = " / ".join(f"{e:+.0%}" for e in t["errors"])
+        steal = max((r.get("steal_share", 0.0) for r in t["runs"]), default=0.0)
         print(f"| {t['rate']} | {t['placement']} | {t['plan']} | {t['predicted_s']:.3f} | {t['measured_s']:.3f} | "
               f"{t['error']:+.1%} | {'met' if abs(t['error']) <= 0.15 else 'not met'} | {by_round} | "
-              f"{t['error_fastest']:+.1%} | {link / 2**20:.2f} MiB | {min(loads):.1f}-{max(loads):.1f} |")
+              f"{t['error_fastest']:+.1%} | {link / 2**20:.2f} MiB | {min(loads):.1f}-{max(loads):.1f} | "
+              f"{steal:.1%} |")
     for rate in results["rates"]:
         picks = results["plans"].get(f"{rate}-picks") or [results["plans"].get(f"{rate}-pick")]
         measured = {t["layout"]: t["measured_s"] for t in results["training"]

@@ -1,9 +1,9 @@
 """bench_cluster's rows: the same plan found in each round's plans, a row's errors over its rounds, the tables.
 
-A row is one layout at one placement and rate, run once a round. With ``--profile-each-round`` every
-round measures the planner's profile again right before its runs, so each run is compared with the
-prediction of its own round; the row's error is the median of those errors (the VM drifts by tens of
-per cent within minutes: a profile measured once at the start compares the runs with another spell).
+A row is one layout at one placement and rate, run once a round. By default every round measures the
+planner's profile again right before its runs, so each run is compared with the prediction of its own
+round; the row's error is the median of those errors (the VM drifts by tens of per cent within minutes:
+a profile measured once at the start, ``--profile-once``, compares the runs with another spell).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A SmolLM2-135M-shaped Hugging Face model served by hpcpipe, by transformers and by llama.cpp's server on the
 same cores: decode tokens/s at batch 1 and with 32 concurrent clients, and the time of a 512-token prefill.
 
-    python bench/bench_real_models.py [--llama-server PATH] [--converter PATH] [--quick] [--clients32-only]
-                                      [--hpcpipe-set KEY=VALUE ...] [--out FILE]
+    python bench/bench_real_models.py [--llama-server PATH] [--converter PATH] [--quick]
+                                      [--clients32-only | --prefill-only] [--hpcpipe-set KEY=VALUE ...] [--out FILE]
 
 The model is random (nothing can be downloaded here) but has SmolLM2-135M's shape: d 576, 30 blocks, 9 query
 / 3 key-value heads of 64, ff 1536, vocab 49152, tied embeddings, float32, RoPE theta 100000; its tokenizer
@@ -201,25 +201,27 @@ class Server:
 
 
 def hpcpipe_rates(directory: Path, texts: list[str], longs: list[str], quick: bool, port: int,
-                  weight_format: str = "float32", clients32_only: bool = False, extra: tuple = ()) -> dict:
+                  weight_format: str = "float32", only: str = "", extra: tuple = ()) -> dict:
     """hpcpipe serve: batch 1 at pp=1, 32 clients at pp=2 (one BLAS thread per rank), 512-token prefills
-    (``clients32_only``: the 32 clients at pp=2 only); ``extra``: more --set KEY=VALUE for every server."""
+    (``only``: "clients32", the 32 clients at pp=2 only; "prefill", the prefills only); ``extra``: more --set
+    KEY=VALUE for every server."""
     out = {}
     base = f"http://127.0.0.1:{port}"
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     common = ["--set", "model.seq_len=1024", "--set", "serve.max_sequences=32", "--set", "run.backend=\"numpy\"",
               "--set", f"model.weight_format=\"{weight_format}\""]
     common += [arg for setting in extra for arg in ("--set", setting)]
-    for pp in (2,) if clients32_only else (1, 2):
+    for pp in (2,) if only == "clients32" else (1, 2):
         argv = ["mpiexec", "-n", str(pp), sys.executable, "-m", "hpcpipe.serve", "--weights", str(directory),
                 "--port", str(port), "--set", f"parallel.pp={pp}", *common]
         with Server(argv, r"serving .* on http", env, f"/tmp/bench-hpcpipe-pp{pp}.log"):
-            if not clients32_only:
+            if not only:
                 out[f"pp{pp}_batch1"] = load(base, texts, 1, 2 if quick else 4)
-            out[f"pp{pp}_clients32"] = load(base, texts, 32 if not quick else 4, 1 if quick else 2)
-            if not clients32_only:
+            if only != "prefill":
+                out[f"pp{pp}_clients32"] = load(base, texts, 32 if not quick else 4, 1 if quick else 2)
+            if only != "clients32":
                 out[f"pp{pp}_prefill_512_s"] = prefill_seconds(base, longs)
-    if clients32_only:
+    if only == "clients32":
         return out
     # the prefill with the pipeline tuned for it: 128-token chunks, and the blocks cut evenly (the default
     # cut counts the head's products for every row, as a decode step runs them; a prefill needs one row)
@@ -240,17 +242,20 @@ def convert_gguf(directory: Path, converter: Path, gguf: Path, outtype: str = "f
 
 
 def llama_cpp_rates(server: Path, gguf: Path, texts: list[str], longs: list[str], quick: bool, port: int,
-                    clients32_only: bool = False) -> dict:
-    """llama.cpp's server: batch 1 on one and two threads, 32 concurrent clients (32 slots) on two threads."""
+                    only: str = "") -> dict:
+    """llama.cpp's server: batch 1 on one and two threads, 32 concurrent clients (32 slots) on two threads, the
+    prefill on two threads (``only``: as hpcpipe_rates)."""
     out = {}
     base = f"http://127.0.0.1:{port}"
-    for threads, slots in ((2, 32),) if clients32_only else ((1, 1), (2, 1), (2, 32)):
+    layouts = {"clients32": ((2, 32),), "prefill": ((2, 1),)}.get(only, ((1, 1), (2, 1), (2, 32)))
+    for threads, slots in layouts:
         argv = [str(server), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
                 "-np", str(slots), "-c", str(1024 * slots), "--no-warmup"]
         with Server(argv, r"listening on http", None, f"/tmp/bench-llama-{threads}-{slots}.log"):
             clients = 1 if slots == 1 else (32 if not quick else 4)
-            out[f"threads{threads}_clients{clients}"] = load(base, texts, clients, (2 if quick else 4)
-                                                             if clients == 1 else (1 if quick else 2))
+            if only != "prefill":
+                out[f"threads{threads}_clients{clients}"] = load(base, texts, clients, (2 if quick else 4)
+                                                                 if clients == 1 else (1 if quick else 2))
             if slots == 1 and threads == 2:
                 out["threads2_prefill_512_s"] = prefill_seconds(base, longs)
     return out
@@ -269,11 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer clients and requests (a smoke run)")
     ap.add_argument("--clients32-only", action="store_true",
                     help="only the 32 concurrent clients: hpcpipe pp=2 and llama-server 2 threads 32 slots")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the 512-token prefills: hpcpipe pp=1, pp=2 and pp=2 tuned; llama-server 2 threads")
     ap.add_argument("--hpcpipe-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another --set for hpcpipe's servers (e.g. serve.micro_batches=4); repeatable")
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--out", default=str(HERE / "results" / f"{time.strftime('%Y-%m-%d')}-real-models.json"))
     args = ap.parse_args(argv)
+    if args.clients32_only and args.prefill_only:
+        ap.error("--clients32-only and --prefill-only measure different things: give one")
+    only = "clients32" if args.clients32_only else "prefill" if args.prefill_only else ""
     half = args.weight_format != "float32"
     directory = Path(args.model_dir or "/tmp/hpcpipe-smollm2-shape" + ("-bf16" if half else ""))
     if not (directory / "config.json").exists():
@@ -285,13 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: one-core copy {res['machine']['copy_bytes_per_s'] / 1e9:.1f} GB/s, float32 GEMM "
           f"{res['machine']['gemm_flops'] / 1e9:.0f} GFLOP/s (all cores)", flush=True)
     res["load_before"] = os.getloadavg()[0]
-    if not (args.skip_transformers or args.clients32_only):
+    if not (args.skip_transformers or only):
         res["transformers"] = transformers_rates(directory, texts, longs[0], args.quick)
         print("transformers:", json.dumps(res["transformers"]), flush=True)
     res["hpcpipe_settings"] = args.hpcpipe_set
     res["hpcpipe_from"] = importlib.util.find_spec("hpcpipe").origin      # which checkout's code and kernels ran
     res["hpcpipe"] = hpcpipe_rates(directory, texts, longs, args.quick, args.port, args.weight_format,
-                                   args.clients32_only, tuple(args.hpcpipe_set))
+                                   only, tuple(args.hpcpipe_set))
     print("hpcpipe:", json.dumps(res["hpcpipe"]), flush=True)
     if args.llama_server and args.converter:
         outtype = GGUF_TYPES[args.weight_format]
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if not gguf.exists():
             convert_gguf(directory, Path(args.converter), gguf, outtype)
         res["llama_cpp"] = llama_cpp_rates(Path(args.llama_server), gguf, texts, longs, args.quick, args.port,
-                                           args.clients32_only)
+                                           only)
         print("llama.cpp:", json.dumps(res["llama_cpp"]), flush=True)
     res["load_after"] = os.getloadavg()[0]
     report(res)

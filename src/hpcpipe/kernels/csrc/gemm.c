@@ -21,45 +21,67 @@
 #define KC 192         /* columns of W a panel holds */
 #define MR 12          /* rows of x a register tile holds: 24 accumulators, two weight vectors, one broadcast */
 
-/* row n of W, columns [k0, k0 + kc) (k0 a multiple of 32), widened to float32 into out */
-static HP_TARGET void widen_row(const hp_weight *w, int64_t n, int64_t k0, int64_t kc, float *out) {
-    int64_t K = w->cols, k = 0;
+/* 16 weights of row n of W from column k (k a multiple of 16, k0-relative block start a multiple of 32),
+ * the first `valid` of them (the rest zero), widened to float32 */
+static HP_TARGET inline __m512 widen16(const hp_weight *w, int64_t n, int64_t k, __mmask16 valid) {
+    int64_t K = w->cols;
     switch (w->fmt) {
-    case HP_BF16: {
-        const uint16_t *p = (const uint16_t *)w->data + n * K + k0;
-        for (; k + 16 <= kc; k += 16)
-            _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + k))), 16)));
-        for (; k < kc; k++) out[k] = hp_bf16_to_f32(p[k]);
-        break;
-    }
-    case HP_F16: {
-        const uint16_t *p = (const uint16_t *)w->data + n * K + k0;
-        for (; k + 16 <= kc; k += 16) _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + k))));
-        for (; k < kc; k++) out[k] = hp_f16_to_f32(p[k]);
-        break;
-    }
+    case HP_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(valid, (const uint16_t *)w->data + n * K + k)), 16));
+    case HP_F16:
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, (const uint16_t *)w->data + n * K + k));
     case HP_Q8_0: {                       /* K % 32 == 0 (hp_matmul sends other widths to the portable path) */
-        const int8_t *q = (const int8_t *)w->data + n * K + k0;
-        const uint16_t *d = w->scales + n * (K / 32) + k0 / 32;
-        for (; k < kc; k += 16) {
-            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k))));
-            _mm512_storeu_ps(out + k, _mm512_mul_ps(v, _mm512_set1_ps(_cvtsh_ss(d[k / 32]))));
-        }
-        break;
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_maskz_loadu_epi8(valid, (const int8_t *)w->data + n * K + k)));
+        return _mm512_mul_ps(v, _mm512_set1_ps(_cvtsh_ss(w->scales[n * (K / 32) + k / 32])));
     }
     default:
-        memcpy(out, (const float *)w->data + n * K + k0, (size_t)kc * sizeof(float));
+        return _mm512_maskz_loadu_ps(valid, (const float *)w->data + n * K + k);
     }
 }
 
-/* rows [n0, n0 + cols) of W, columns [k0, k0 + kc), as a k-major panel of NR columns (zeros past cols) */
-static HP_TARGET void pack_panel(const hp_weight *w, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float *row,
+/* v[i][j] -> v[j][i] for a 16 x 16 block of floats in registers (4 rounds of in-lane and cross-lane shuffles) */
+static HP_TARGET inline void transpose16(__m512 v[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        for (int j = 0; j < 2; j++) {
+            __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + 2 + j]);
+            v[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            v[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    for (int i = 0; i < 16; i += 8) {
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(v[i + j], v[i + 4 + j], 0x88);
+            t[i + 4 + j] = _mm512_shuffle_f32x4(v[i + j], v[i + 4 + j], 0xdd);
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* rows [n0, n0 + cols) of W, columns [k0, k0 + kc), as a k-major panel of NR columns (zeros past cols):
+ * 16 rows by 16 columns at a time are widened into registers and transposed there (scalar stores with a
+ * 128-byte stride took a third of a 128-row product's time) */
+static HP_TARGET void pack_panel(const hp_weight *w, int64_t n0, int64_t cols, int64_t k0, int64_t kc,
                                  float *panel) {
-    for (int64_t c = 0; c < NR; c++) {
-        if (c < cols) widen_row(w, n0 + c, k0, kc, row);
-        else memset(row, 0, (size_t)kc * sizeof(float));
-        for (int64_t k = 0; k < kc; k++) panel[k * NR + c] = row[k];
+    __m512 v[16];
+    for (int64_t c0 = 0; c0 < NR; c0 += 16) {
+        for (int64_t k = 0; k < kc; k += 16) {
+            int64_t left = kc - k < 16 ? kc - k : 16;
+            __mmask16 valid = (__mmask16)(left == 16 ? 0xffff : (1u << left) - 1);
+            for (int i = 0; i < 16; i++)
+                v[i] = c0 + i < cols ? widen16(w, n0 + c0 + i, k0 + k, valid) : _mm512_setzero_ps();
+            transpose16(v);
+            for (int64_t j = 0; j < left; j++) _mm512_store_ps(panel + (k + j) * NR + c0, v[j]);
+        }
     }
 }
 
@@ -95,19 +117,54 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *,
 static const tile_fn TILES[MR + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8, tile9, tile10,
                                       tile11, tile12};
 
+/* The lines of the panel hp_gemm packs next, fetched into L2 a few at a time while the present panel's tiles
+ * run: a served model's weights come from memory, and 32 rows read 32 bytes at a time left the hardware
+ * prefetchers behind (the packing then waited on every load) */
+typedef struct {
+    const char *row;          /* the next line's row, from its first line */
+    int64_t stride, per_row, line, rows_left, total;
+} panel_fetch;
+
+static panel_fetch next_panel(const hp_weight *w, int64_t n0, int64_t k0) {
+    int64_t N = w->rows, K = w->cols;
+    panel_fetch f = {0, 0, 0, 0, 0, 0};
+    n0 += NR;
+    if (n0 >= N) {
+        n0 = 0;
+        k0 += KC;
+    }
+    if (k0 >= K) return f;
+    int64_t size = w->fmt == HP_F32 ? 4 : w->fmt == HP_Q8_0 ? 1 : 2;
+    int64_t kc = K - k0 < KC ? K - k0 : KC;
+    int64_t rows = N - n0 < NR ? N - n0 : NR;
+    f.row = (const char *)w->data + (n0 * K + k0) * size;
+    f.stride = K * size;
+    f.per_row = (kc * size + 63) / 64 + 1;    /* +1: a row's part need not start on a line */
+    f.rows_left = rows;
+    f.total = rows * f.per_row;
+    return f;
+}
+
+static HP_TARGET void fetch_some(panel_fetch *f, int64_t count) {
+    for (; count > 0 && f->rows_left > 0; count--) {
+        _mm_prefetch(f->row + f->line * 64, _MM_HINT_T1);
+        if (++f->line == f->per_row) {
+            f->line = 0;
+            f->row += f->stride;
+            f->rows_left--;
+        }
+    }
+}
+
 /* 0 when done; -1 when the panel's memory could not be had (the caller multiplies another way).
  * Columns of W go KC at a time (a multiple of 32: whole q8_0 blocks): the rows of x over those columns
  * (M x KC floats) stay in L2 while every panel passes, and a panel (NR x KC: 24 KiB) in L1 while every row
  * of x passes; y is added to from the second block on. */
 int hp_gemm(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int accumulate) {
     int64_t N = w->rows, K = w->cols;
+    if (m <= 0) return 0;
     float *panel = aligned_alloc(64, (size_t)(KC * NR) * sizeof(float));
-    float *row = malloc((size_t)KC * sizeof(float));
-    if (!panel || !row) {
-        free(panel);
-        free(row);
-        return -1;
-    }
+    if (!panel) return -1;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t kc = K - k0 < KC ? K - k0 : KC;
         int add = accumulate || k0 > 0;
@@ -115,15 +172,22 @@ int hp_gemm(const hp_weight *w, const float *x, int64_t m, int64_t ldx, float *y
             int64_t cols = N - n0 < NR ? N - n0 : NR;
             __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1);
             __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xffff : cols > 16 ? (1u << (cols - 16)) - 1 : 0);
-            pack_panel(w, n0, cols, k0, kc, row, panel);
+            pack_panel(w, n0, cols, k0, kc, panel);
+            panel_fetch ahead = next_panel(w, n0, k0);
+            int64_t per_tile = (ahead.total + (m + MR - 1) / MR - 1) / ((m + MR - 1) / MR);
             const float *xk = x + k0;
             int64_t r = 0;
-            for (; r + MR <= m; r += MR) tile12(panel, kc, xk + r * ldx, ldx, y + r * ldy + n0, ldy, m0, m1, add);
-            if (r < m) TILES[m - r](panel, kc, xk + r * ldx, ldx, y + r * ldy + n0, ldy, m0, m1, add);
+            for (; r + MR <= m; r += MR) {
+                fetch_some(&ahead, per_tile);
+                tile12(panel, kc, xk + r * ldx, ldx, y + r * ldy + n0, ldy, m0, m1, add);
+            }
+            if (r < m) {
+                fetch_some(&ahead, per_tile);
+                TILES[m - r](panel, kc, xk + r * ldx, ldx, y + r * ldy + n0, ldy, m0, m1, add);
+            }
         }
     }
     free(panel);
-    free(row);
     return 0;
 }
 

@@ -77,6 +77,7 @@ def test_mixed_calls_with_windows_and_cached_prefixes_equal_the_reference(paths,
         [(2, 90, 1), (0, 64, 64), (1, 0, 1)],                  # a 64-row chunk after a cached prefix of 64
         [(3, 100, 3), (1, 3, 20), (0, 150, 10)],               # short chunks, the last reaching seq_len
         [(1, 7, 70)],
+        [(0, 15, 1), (1, 16, 1), (2, 31, 1), (3, 47, 1)],       # decode rows over 16, 17, 32 and 48 keys
     ]
     for rows in calls:
         _check(rng, *heads, 64, window, rows)

@@ -61,6 +61,28 @@ def test_products_equal_the_reference_at_ragged_shapes(paths, kind, m):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "q8_0"])
+def test_a_rows_product_is_the_same_whichever_row_tile_computes_it(paths, kind):
+    # a row alone (m = 1), in a 4 x 4 tile, or left over beside one: bit for bit the same outputs, so a served
+    # sequence's logits do not depend on which others share its step (speculation's checks rely on it)
+    rng = np.random.default_rng(5)
+    for n, k in ((13, 576), (9, 100), (4, 32)):
+        if kind == "q8_0" and k % 32:
+            continue
+        rw = _weight(kind, rng.standard_normal((n, k)).astype(np.float32))
+        x = rng.standard_normal((7, k)).astype(np.float32)
+        together = cpu.matmul(rw, x)
+        for r in range(7):
+            np.testing.assert_array_equal(cpu.matmul(rw, x[r:r + 1])[0], together[r], err_msg=f"{kind} {n}x{k}")
+        np.testing.assert_array_equal(cpu.matmul(rw, x[2:7]), together[2:7])
+        base = rng.standard_normal((7, n)).astype(np.float32)
+        added = cpu.matmul(rw, x, base.copy(), accumulate=True)
+        for r in (0, 5):
+            np.testing.assert_array_equal(cpu.matmul(rw, x[r:r + 1], base[r:r + 1].copy(), accumulate=True)[0],
+                                          added[r])
+
+
+@needs_kernels
 def test_products_read_strided_rows_and_write_into_wider_outputs(paths):
     rng = np.random.default_rng(7)
     rw = _weight("bfloat16", rng.standard_normal((6, 48)).astype(np.float32))

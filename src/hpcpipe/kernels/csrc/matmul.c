@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "hp.h"
+#include "hp_vec.h"
 
 #if HP_X86
 #include <immintrin.h>
@@ -101,7 +102,38 @@ static void matmul_portable(const hp_weight *w, const float *x, int64_t m, int64
 /* ---- AVX-512 -------------------------------------------------------------------------------------------- */
 #if HP_X86
 
-#define HP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+/* each accumulator's lanes summed into y (or added to it); a 4 x 4 tile sums its 16 at once, in the order
+ * sum_lanes takes for one, so a row's outputs do not depend on the tile that computed them */
+static HP_TARGET inline void store_sums44(const __m512 *acc, float *y, int64_t ldy, int accumulate) {
+    __m512 v = sum_lanes16(acc);
+    __m128 r0 = _mm512_extractf32x4_ps(v, 0), r1 = _mm512_extractf32x4_ps(v, 1);
+    __m128 r2 = _mm512_extractf32x4_ps(v, 2), r3 = _mm512_extractf32x4_ps(v, 3);
+    if (accumulate) {
+        r0 = _mm_add_ps(r0, _mm_loadu_ps(y));
+        r1 = _mm_add_ps(r1, _mm_loadu_ps(y + ldy));
+        r2 = _mm_add_ps(r2, _mm_loadu_ps(y + 2 * ldy));
+        r3 = _mm_add_ps(r3, _mm_loadu_ps(y + 3 * ldy));
+    }
+    _mm_storeu_ps(y, r0);
+    _mm_storeu_ps(y + ldy, r1);
+    _mm_storeu_ps(y + 2 * ldy, r2);
+    _mm_storeu_ps(y + 3 * ldy, r3);
+}
+
+#define STORE_SUMS(R, C)                                                                                        \
+    if (R == 4 && C == 4) {                                                                                     \
+        /* a copy: passing acc's own address kept its 16 accumulators in memory through the whole loop */       \
+        __m512 all[16];                                                                                         \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C && c < 4; c++) all[r * 4 + c] = acc[r][c];          \
+        store_sums44(all, y, ldy, accumulate);                                                                  \
+    } else {                                                                                                    \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                              \
+                float v = sum_lanes(acc[r][c]);                                                                 \
+                if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                   \
+            }                                                                                                   \
+    }
 
 /* 16 weights of row p from column k (the first `rem` of them when rem < 16), as float32 */
 #define LOAD_F32(p, k, mask) _mm512_maskz_loadu_ps(mask, (const float *)(p) + (k))
@@ -109,10 +141,14 @@ static void matmul_portable(const hp_weight *w, const float *x, int64_t m, int64
 
 /* a tile of R rows of x by C rows of W; W rows row_bytes apart. Every loop over the tile is unrolled so the
  * R x C accumulators live in registers; the main loop reads whole vectors, one masked step takes the tail. */
-#define TILE_STEP(LOAD, R, C, k, mask)                                                                          \
+#define TILE_STEP(LOAD, ESIZE, R, C, k, mask)                                                                   \
     {                                                                                                           \
         __m512 wv[C];                                                                                           \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) wv[c] = LOAD(wp + c * row_bytes, k, mask);        \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
+            /* the next C rows (contiguous), as far into them as this step is into these: 16 ESIZE C bytes */   \
+            if (pf && c * 64 < 16 * ESIZE * C) _mm_prefetch(pf + (k) * ESIZE * C + c * 64, _MM_HINT_T1);        \
+            wv[c] = LOAD(wp + c * row_bytes, k, mask);                                                          \
+        }                                                                                                       \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
             __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + (k));                                         \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]); \
@@ -121,18 +157,14 @@ static void matmul_portable(const hp_weight *w, const float *x, int64_t m, int64
 
 #define TILE_FN(NAME, LOAD, ESIZE, R, C)                                                                        \
 static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *x, int64_t ldx, float *y, \
-                           int64_t ldy, int accumulate) {                                                       \
+                           int64_t ldy, int accumulate, const char *pf) {                                       \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
     int64_t k = 0;                                                                                              \
-    for (; k + 16 <= K; k += 16) TILE_STEP(LOAD, R, C, k, (__mmask16)0xffff)                                    \
-    if (k < K) TILE_STEP(LOAD, R, C, k, (__mmask16)((1u << (K - k)) - 1))                                      \
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            float v = _mm512_reduce_add_ps(acc[r][c]);                                                          \
-            if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                       \
-        }                                                                                                       \
+    for (; k + 16 <= K; k += 16) TILE_STEP(LOAD, ESIZE, R, C, k, (__mmask16)0xffff)                             \
+    if (k < K) TILE_STEP(LOAD, ESIZE, R, C, k, (__mmask16)((1u << (K - k)) - 1))                               \
+    STORE_SUMS(R, C)                                                                                            \
 }
 
 #define FORMAT_FNS(SUFFIX, LOAD, ESIZE)                                                                         \
@@ -144,27 +176,31 @@ static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_
                                       int64_t ldy, int accumulate) {                                            \
     const char *base = (const char *)w->data;                                                                   \
     int64_t N = w->rows, K = w->cols, rb = K * ESIZE, n = 0;                                                    \
+    /* each first tile of a group of weight rows prefetches the next group (see matmul_bf16) */              \
     if (m == 1) {                                                                                               \
-        for (; n + 8 <= N; n += 8) tile18_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate);       \
-        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate);               \
+        for (; n + 8 <= N; n += 8)                                                                              \
+            tile18_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate,                               \
+                            n + 16 <= N ? base + (n + 8) * rb : NULL);                                          \
+        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL);         \
         return;                                                                                                 \
     }                                                                                                           \
     for (; n + 4 <= N; n += 4) {                                                                                \
         int64_t r = 0;                                                                                          \
-        for (; r + 4 <= m; r += 4)                                                                              \
-            tile44_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate);          \
+        const char *pf = n + 8 <= N ? base + (n + 4) * rb : NULL;                                               \
+        for (; r + 4 <= m; r += 4, pf = NULL)                                                                   \
+            tile44_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate, pf);      \
         for (; r < m; r++) {                                                                                    \
             for (int c = 0; c < 4; c++)                                                                         \
                 tile11_##SUFFIX(base + (n + c) * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,         \
-                                accumulate);                                                                    \
+                                accumulate, NULL);                                                              \
         }                                                                                                       \
     }                                                                                                           \
     for (; n < N; n++) {                                                                                        \
         int64_t r = 0;                                                                                          \
         for (; r + 4 <= m; r += 4) tile41_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, \
-                                                   accumulate);                                                 \
+                                                   accumulate, NULL);                                           \
         for (; r < m; r++) tile11_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,         \
-                                           accumulate);                                                         \
+                                           accumulate, NULL);                                                   \
     }                                                                                                           \
 }
 
@@ -204,11 +240,7 @@ static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const f
     int64_t k = 0;                                                                                              \
     for (; k + 32 <= K; k += 32) BF16_STEP(R, C, k, (__mmask32)0xffffffffu)                                     \
     if (k < K) BF16_STEP(R, C, k, (__mmask32)((1u << (K - k)) - 1))                                            \
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            float v = _mm512_reduce_add_ps(acc[r][c]);                                                          \
-            if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                       \
-        }                                                                                                       \
+    STORE_SUMS(R, C)                                                                                            \
 }
 
 BF16_TILE_FN(bf16_tile44, 4, 4)
@@ -295,11 +327,7 @@ static HP_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const 
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            float v = _mm512_reduce_add_ps(acc[r][c]);                                                          \
-            if (accumulate) y[r * ldy + c] += v; else y[r * ldy + c] = v;                                       \
-        }                                                                                                       \
+    STORE_SUMS(R, C)                                                                                            \
 }
 
 Q8_TILE_FN(q8_tile44, 4, 4)

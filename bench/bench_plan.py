@@ -22,6 +22,7 @@ first (bench_schedules.wait_quiet); --rounds repeats every run, in turns, and --
 (default) or the fastest of the rounds' medians. ``--final-rounds K`` then runs the top plan and each grid
 configuration within --final-within of the fastest in K adjacent pairs (bench/plan_finals.py) and judges
 "within 5 %" by the median ratio of the pairs.
+The configurations and the grid live in bench/plan_grid.py, the timed training runs in bench/plan_runs.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,10 +41,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from bench_schedules import ENV, MPIEXEC, load, wait_quiet  # noqa: E402
+# plan_grid's predicted is not used here but stays importable as bench_plan.predicted (hence F401)
+from bench_schedules import ENV, load, wait_quiet  # noqa: E402
 from plan_finals import final_check, finalists, run_pairs  # noqa: E402
+from plan_grid import MATCH_KEYS, check_config, describe, grid, matching_plan, overrides_of, predicted  # noqa: E402, F401
+from plan_runs import combine_rounds, timed  # noqa: E402
 
-MATCH_KEYS = ("dp", "pp", "schedule", "virtual_stages", "micro_batches", "stage_layers")
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
@@ -55,112 +57,6 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in UNITS:
         raise SystemExit(f"bench_plan: error: --memory-per-rank {text!r} is not a size such as 8GiB or 512MB")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
-
-
-def describe(c: dict) -> str:
-    """One table cell naming a configuration: layout, schedule, micro-batches x size, stage cut."""
-    v = f" v={c['virtual_stages']}" if c["virtual_stages"] > 1 else ""
-    return (f"dp={c['dp']} pp={c['pp']} {c['schedule']}{v} {c['micro_batches']}x{c['micro_batch_size']} "
-            f"{c.get('stage_layers') or ''}").rstrip()
-
-
-def overrides_of(c: dict) -> list[str]:
-    """The --set items that make a config run configuration c (stage_layers [] = the FLOP-balanced cut)."""
-    cut = c.get("stage_layers", [])
-    return [f"parallel.dp={c['dp']}", f"parallel.pp={c['pp']}", f"parallel.schedule=\"{c['schedule']}\"",
-            f"parallel.virtual_stages={c['virtual_stages']}",
-            f"parallel.stage_layers={json.dumps(cut) if isinstance(cut, list) else repr(cut)}",
-            f"train.micro_batches={c['micro_batches']}", f"train.micro_batch_size={c['micro_batch_size']}"]
-
-
-def check_config(path: str, ranks: int, overrides: list[str]) -> tuple[dict | None, str]:
-    """Resolve a configuration without MPI: (its values with the stage cut, '') or (None, why it cannot run)."""
-    from hpcpipe.config import load_config, resolve_layout
-    from hpcpipe.errors import ConfigError, ScheduleError
-    from hpcpipe.nn.partition import partition
-    from hpcpipe.nn.registry import model_def
-    from hpcpipe.schedule.lower import lower
-    from hpcpipe.schedule.registry import build_schedule, shape_of
-    from hpcpipe.schedule.validate_programs import validate_programs
-    try:
-        cfg = load_config(path, overrides)
-        dp, pp = resolve_layout(cfg, ranks)
-        par, tr = cfg.parallel, cfg.train
-        cut = [len(r) for r in partition(model_def(cfg).specs, pp * par.virtual_stages, par.stage_layers)]
-        shape = shape_of(par.schedule, pp, tr.micro_batches, par.virtual_stages)
-        validate_programs(lower(build_schedule(par.schedule, pp, tr.micro_batches, par.virtual_stages), shape), shape)
-    except (ConfigError, ScheduleError) as exc:
-        return None, str(exc)
-    return {"dp": dp, "pp": pp, "schedule": par.schedule, "virtual_stages": par.virtual_stages,
-            "micro_batches": tr.micro_batches, "micro_batch_size": tr.micro_batch_size, "stage_layers": cut,
-            "n_layers": cfg.n_layers}, ""
-
-
-def grid(path: str, ranks: int, global_batch: int, base_size: int) -> tuple[list[dict], list[str]]:
-    """The hand-picked grid for this global batch and rank count; returns (runnable configs, skipped notes).
-
-    Every dp x pp = ranks layout; on pipelines GPipe, 1F1B at half, the base and twice the base micro-batch
-    count (base: micro-batches of the config's size), interleaved 1F1B (v=2), ZB-H1 at the base and twice,
-    ZB-V (v=2); without a pipeline a few micro-batch counts. Stage cut: hpcpipe's FLOP balancing.
-    """
-    picks = []
-    for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
-        dp = ranks // pp
-        base = max(1, global_batch // (dp * base_size))
-        if pp == 1:   # no pipeline: every schedule is the same, only the micro-batch count matters
-            picks += [("gpipe", 1, m, dp, pp) for m in (1, max(1, base // 4), base, 2 * base)]
-            continue
-        picks += [(s, v, m, dp, pp) for s, v, m in
-                  (("gpipe", 1, base), ("gpipe", 1, 2 * base), ("1f1b", 1, max(1, base // 2)), ("1f1b", 1, base),
-                   ("1f1b", 1, 2 * base), ("interleaved-1f1b", 2, base), ("zb-h1", 1, base), ("zb-h1", 1, 2 * base),
-                   ("zb-v", 2, base))]
-    out, skipped, seen = [], [], set()
-    for s, v, m, dp, pp in picks:
-        size = global_batch // (dp * m)
-        c = {"dp": dp, "pp": pp, "schedule": s, "virtual_stages": v, "micro_batches": m, "micro_batch_size": size}
-        key = json.dumps(c, sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
-        if size < 1 or dp * m * size != global_batch:
-            skipped.append(f"{describe(c)}: {dp} x {m} micro-batches do not divide the global batch {global_batch}")
-            continue
-        resolved, why = check_config(path, ranks, overrides_of({**c, "stage_layers": []}))
-        if resolved is None:
-            skipped.append(f"{describe(c)}: {why}")
-        else:
-            out.append({k: resolved[k] for k in MATCH_KEYS + ("micro_batch_size",)})
-    return out, skipped
-
-
-def train_run(config: str, ranks: int, sets: list[str], steps: int, warmup: int, tmp: str, name: str,
-              timeout: float) -> dict:
-    """Run mpiexec -n ranks python -m hpcpipe.train for `steps` steps; return the median step time and peak RSS."""
-    metrics = os.path.join(tmp, f"{name}.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)   # ours, from an earlier round: metrics files are appended to
-    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "hpcpipe.train", "--config", config,
-           "--set", f"train.steps={steps}", "--set", f"log.metrics={json.dumps(metrics)}",
-           "--set", 'checkpoint.dir=""', "--set", "log.progress=false", "--set", "log.every=1"]
-    for item in sets:
-        cmd += ["--set", item]
-    try:
-        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"cmd": shlex.join(cmd), "error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode:
-        lines = (proc.stderr + proc.stdout).strip().splitlines()
-        why = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "")
-        return {"cmd": shlex.join(cmd), "error": f"exit {proc.returncode}: {why.strip()}"}
-    records = [json.loads(line) for line in open(metrics)]
-    times = [r["step_time_s"] for r in records if r["step"] >= warmup]
-    if not times:
-        return {"cmd": shlex.join(cmd), "error": f"no steps after the {warmup} warm-up steps"}
-    summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("hpcpipe: trained")]
-    return {"cmd": shlex.join(cmd), "median_s": statistics.median(times), "times": times,
-            "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in records),
-            "peak_rss_bytes_by_rank": records[-1].get("peak_rss_bytes_by_rank"),
-            "summary": summary[-1] if summary else ""}
 
 
 def run_planner(args: argparse.Namespace, tmp: str) -> dict:
@@ -191,52 +87,6 @@ def run_planner(args: argparse.Namespace, tmp: str) -> dict:
     same = [describe(p) for p in first["plans"][:1]] == [describe(p) for p in second["plans"][:1]]
     return {"cmds": cmds, "wall_s": walls, "json": first, "best_toml": os.path.join(tmp, "best-1.toml"),
             "same_top_choice_cached": same}
-
-
-def matching_plan(plan_json: dict, c: dict) -> dict | None:
-    """The plan JSON's entry for configuration c, if it lists the same configuration."""
-    for p in plan_json.get("plans", []):
-        if all(p.get(k) == c.get(k) for k in MATCH_KEYS):
-            return p
-    return None
-
-
-def predicted(plan_json: dict, c: dict) -> float | None:
-    """The plan's predicted step time of configuration c, if the plan JSON lists the same configuration."""
-    p = matching_plan(plan_json, c)
-    return p["step_time_s"] if p else None
-
-
-def timed(args: argparse.Namespace, config: str, sets: list[str], tmp: str, name: str, label: str,
-          rnd: int) -> dict:
-    """One run of one configuration (round rnd), after waiting for a quiet machine."""
-    idle = wait_quiet(args.quiet_idle, args.quiet_wait)
-    r = train_run(config, args.ranks, sets, args.steps, args.warmup, tmp, name, args.timeout)
-    r.update(idle_before=idle, load_after=load(), round=rnd)
-    ok = "error" not in r
-    print(f"  {label:40s} " + (f"{r['median_s'] * 1e3:8.1f} ms/step, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
-                              if ok else r["error"]) + f"  (idle before {idle:.0%})", flush=True)
-    return r
-
-
-def combine_rounds(rounds: list[dict], statistic: str) -> dict:
-    """One configuration's result over its rounds: the statistic of the rounds' medians as its median_s.
-
-    "median" (the default) is the median of the rounds' medians; "fastest" their minimum. On this VM a
-    launch keeps its speed for all its steps but the next launch of the same configuration can compute
-    20-30 % faster or slower (the ranks' CPU time per action moves, not their waits): the fastest round
-    rewards the configuration that drew the luckiest launch, the median of several does not. Peak RSS is
-    the largest of the rounds', for the memory check.
-    """
-    ok = [r for r in rounds if "median_s" in r]
-    if not ok:
-        return {**rounds[-1], "round_medians_s": [None] * len(rounds)}
-    best = dict(min(ok, key=lambda r: r["median_s"]))
-    medians = [r["median_s"] for r in ok]
-    best.update(round_medians_s=[r.get("median_s") for r in rounds], fastest_s=min(medians),
-                median_s=statistics.median(medians) if statistic == "median" else min(medians),
-                peak_rss_bytes=max(r["peak_rss_bytes"] for r in ok), statistic=statistic)
-    return best
 
 
 def main_plan(args: argparse.Namespace, tmp: str) -> dict:

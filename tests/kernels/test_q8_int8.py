@@ -76,6 +76,25 @@ def test_int8_products_at_every_row_count_and_ragged_outputs(int8, m):
 
 
 @needs_int8
+def test_a_rows_int8_product_is_the_same_whichever_row_tile_computes_it(int8):
+    # one row (decode: |x| against w with x's signs) or several (prefill: x + 128 and a correction) give the same
+    # int32 dots; the scaling must round the same way too, so a served sequence's logits do not depend on the
+    # others in its step (test_cpu_kernels.py checks the float-activation tiles)
+    rng = np.random.default_rng(21)
+    for n, k in ((13, 576), (9, 96), (6, 32 * 17)):          # 18, 3 and 17 blocks: whole, odd and ragged steps
+        w = quantize_q8_0(rng.standard_normal((n, k)).astype(np.float32))
+        x = (rng.standard_normal((7, k)) * rng.uniform(0.01, 10, (7, 1))).astype(np.float32)
+        together = cpu.matmul(w, x)
+        for r in range(7):
+            np.testing.assert_array_equal(cpu.matmul(w, x[r:r + 1])[0], together[r], err_msg=f"{n}x{k} row {r}")
+        base = rng.standard_normal((7, n)).astype(np.float32)
+        added = cpu.matmul(w, x, base.copy(), accumulate=True)
+        for r in (0, 5):
+            np.testing.assert_array_equal(cpu.matmul(w, x[r:r + 1], base[r:r + 1].copy(), accumulate=True)[0],
+                                          added[r])
+
+
+@needs_int8
 @pytest.mark.parametrize("m", [1, 6])
 def test_int8_products_stay_within_the_rounding_bound_of_the_float_product(int8, m):
     # x = dx q + e with |e| <= dx / 2 per value, so |y_int8 - y_float| <= sum over blocks of dx / 2 sum_k |w_k|

@@ -115,8 +115,10 @@ ROW_TILE_FN(row_tile1, 1)
             __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + r * K + (b0 + j) * 32);                             \
             __m512 xs = _mm512_loadu_ps(xe + r * le + (b0 + j) * 8);                                            \
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                              \
-                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[c], xv, wv[c])), we[c]);   \
-                acc[r][c] = _mm512_fmadd_ps(t, xs, acc[r][c]);                                                  \
+                /* dot * (dx dw) in one FMA, as ROW_STEP rounds it: a row's product is the same alone or not */ \
+                __m512 s = _mm512_mul_ps(xs, we[c]);                                                            \
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[c], xv, wv[c])), s,     \
+                                            acc[r][c]);                                                         \
             }                                                                                                   \
         }                                                                                                       \
     }

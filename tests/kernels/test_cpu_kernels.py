@@ -63,8 +63,8 @@ def test_products_equal_the_reference_at_ragged_shapes(paths, kind, m):
 @needs_kernels
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "q8_0"])
 def test_a_rows_product_is_the_same_whichever_row_tile_computes_it(paths, kind):
-    # a row alone (m = 1), in a 4 x 4 tile, or left over beside one: bit for bit the same outputs, so a served
-    # sequence's logits do not depend on which others share its step (speculation's checks rely on it)
+    # a row alone (m = 1), in a 4 x 4 tile, or left over beside one: bit for bit the same outputs, so below the
+    # switch to the panel product (64 rows) a decode row's logits do not depend on which others share its step
     rng = np.random.default_rng(5)
     for n, k in ((13, 576), (9, 100), (4, 32)):
         if kind == "q8_0" and k % 32:

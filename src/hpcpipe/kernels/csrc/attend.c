@@ -103,21 +103,21 @@ static HP_TARGET void attend_avx512(const hp_stage *s, const float *const *keys,
         __m512 mx = _mm512_set1_ps(-INFINITY);
         /* 16 keys' dot products, their lanes summed together (sum_lanes16: a third of 16 separate sums' work) */
         __m512 scale = _mm512_set1_ps(s->scale), acc16[16];
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) {
+        int64_t key = 0;
+        for (; key + 16 <= n; key += 16) {
             for (int j = 0; j < 16; j++) {
-                const float *kt = keys[t + j];
+                const float *kt = keys[key + j];
                 __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
                 for (int64_t i = 1; i < hv; i++) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + i * 16), acc);
                 acc16[j] = acc;
             }
-            _mm512_storeu_ps(sc + t, _mm512_mul_ps(sum_lanes16(acc16), scale));
+            _mm512_storeu_ps(sc + key, _mm512_mul_ps(sum_lanes16(acc16), scale));
         }
-        for (; t < n; t++) {
-            const float *kt = keys[t];
+        for (; key < n; key++) {
+            const float *kt = keys[key];
             __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
             for (int64_t i = 1; i < hv; i++) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + i * 16), acc);
-            sc[t] = sum_lanes(acc) * s->scale;
+            sc[key] = sum_lanes(acc) * s->scale;
         }
         for (int64_t t = 0; t < n; t += 16) {
             __mmask16 mask = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);

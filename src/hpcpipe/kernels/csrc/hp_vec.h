@@ -27,7 +27,8 @@ static HP_TARGET inline __m512 exp512(__m512 x) {
 }
 
 /* The sum of a vector's 16 lanes, in the order sum_lanes16 adds each of its vectors: within each 128-bit lane
- * (e0 + e2) + (e1 + e3), then (L0 + L2) + (L1 + L3); so a row's product is the same whichever tile computed it */
+ * (e0 + e2) + (e1 + e3), then (L0 + L2) + (L1 + L3); so below the switch to gemm.c's panel (another order) a row's
+ * product is the same whichever row tile computed it */
 static HP_TARGET inline float sum_lanes(__m512 a) {
     __m512 t = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4e));              /* e0+e2, e1+e3 in each lane */
     t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));                       /* (e0+e2)+(e1+e3) */

@@ -145,8 +145,8 @@ static HP_TARGET inline void store_sums44(const __m512 *acc, float *y, int64_t l
     {                                                                                                           \
         __m512 wv[C];                                                                                           \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            /* the next C rows (contiguous), as far into them as this step is into these: 16 ESIZE C bytes */   \
-            if (pf && c * 64 < 16 * ESIZE * C) _mm_prefetch(pf + (k) * ESIZE * C + c * 64, _MM_HINT_T1);        \
+            /* this tile's share of the next C rows (contiguous): pfl lines a step */                           \
+            if (pf && c < pfl) _mm_prefetch(pf + ((k) >> 4) * pfl * 64 + c * 64, _MM_HINT_T1);                   \
             wv[c] = LOAD(wp + c * row_bytes, k, mask);                                                          \
         }                                                                                                       \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
@@ -157,7 +157,7 @@ static HP_TARGET inline void store_sums44(const __m512 *acc, float *y, int64_t l
 
 #define TILE_FN(NAME, LOAD, ESIZE, R, C)                                                                        \
 static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *x, int64_t ldx, float *y, \
-                           int64_t ldy, int accumulate, const char *pf) {                                       \
+                           int64_t ldy, int accumulate, const char *pf, int pfl) {                              \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
@@ -180,27 +180,33 @@ static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_
     if (m == 1) {                                                                                               \
         for (; n + 8 <= N; n += 8)                                                                              \
             tile18_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate,                               \
-                            n + 16 <= N ? base + (n + 8) * rb : NULL);                                          \
-        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL);         \
+                            n + 16 <= N ? base + (n + 8) * rb : NULL, 2 * ESIZE);                                          \
+        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL, 0);         \
         return;                                                                                                 \
     }                                                                                                           \
+    /* the next group's 4 rows are prefetched spread over its first `share` tiles, pfl lines a step each: \
+     * issued all in the first tile they queued behind each other and the later tiles waited on memory */       \
+    int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 * ESIZE / 4 / share;                                     \
+    if (pfl < 1) { pfl = 1; share = ESIZE; }                                                                    \
+    int64_t share_bytes = ((K + 15) >> 4) * pfl * 64;                                                           \
     for (; n + 4 <= N; n += 4) {                                                                                \
         int64_t r = 0;                                                                                          \
-        const char *pf = n + 8 <= N ? base + (n + 4) * rb : NULL;                                               \
-        for (; r + 4 <= m; r += 4, pf = NULL)                                                                   \
-            tile44_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate, pf);      \
+        const char *next = n + 8 <= N ? base + (n + 4) * rb : NULL;                                             \
+        for (int t = 0; r + 4 <= m; r += 4, t++)                                                                \
+            tile44_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, accumulate,           \
+                            next && t < share ? next + t * share_bytes : NULL, pfl);                            \
         for (; r < m; r++) {                                                                                    \
             for (int c = 0; c < 4; c++)                                                                         \
                 tile11_##SUFFIX(base + (n + c) * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,         \
-                                accumulate, NULL);                                                              \
+                                accumulate, NULL, 0);                                                              \
         }                                                                                                       \
     }                                                                                                           \
     for (; n < N; n++) {                                                                                        \
         int64_t r = 0;                                                                                          \
         for (; r + 4 <= m; r += 4) tile41_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, \
-                                                   accumulate, NULL);                                           \
+                                                   accumulate, NULL, 0);                                           \
         for (; r < m; r++) tile11_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,         \
-                                           accumulate, NULL);                                                   \
+                                           accumulate, NULL, 0);                                                   \
     }                                                                                                           \
 }
 
@@ -216,7 +222,7 @@ FORMAT_FNS(f16, LOAD_F16, 2)
     {                                                                                                           \
         __m512 we[C], wo[C];                                                                                    \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            if (pf) _mm_prefetch(pf + (k) * 2 * C + c * 64, _MM_HINT_T0);   /* the next C rows: C lines a step */ \
+            if (pf && c < pfl) _mm_prefetch(pf + ((k) >> 5) * pfl * 64 + c * 64, _MM_HINT_T0);   /* pfl lines a step */ \
             __m512i v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)(wp + c * row_bytes) + (k));           \
             we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                              \
             wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                             \
@@ -232,7 +238,7 @@ FORMAT_FNS(f16, LOAD_F16, 2)
 
 #define BF16_TILE_FN(NAME, R, C)                                                                                \
 static HP_TARGET void NAME(const char *wp, int64_t row_bytes, int64_t K, const float *xd, int64_t ld, float *y, \
-                           int64_t ldy, int accumulate, const char *pf) {                                       \
+                           int64_t ldy, int accumulate, const char *pf, int pfl) {                              \
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                                   \
     __m512 acc[R][C];                                                                                           \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
@@ -276,27 +282,32 @@ static HP_TARGET void matmul_bf16(const hp_weight *w, const float *x, int64_t m,
         /* a tile of 8 rows prefetches the next 8 (8 lines a step), as q8_vnni.c: the hardware prefetchers follow
          * its 8 short streams late */
         for (; n + 8 <= N; n += 8)
-            bf16_tile18(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, base + (n + 8 < N ? n + 8 : n) * rb);
-        for (; n < N; n++) bf16_tile11(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, NULL);
+            bf16_tile18(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, base + (n + 8 < N ? n + 8 : n) * rb,
+                        8);
+        for (; n < N; n++) bf16_tile11(base + n * rb, rb, K, xd, ld, y + n, ldy, accumulate, NULL, 0);
     } else {
-        /* the first row tile of each 4 weight rows prefetches the next 4 (4 lines a step; the later tiles find
-         * them in L1): a served model's weights come from L3, which the hardware prefetchers fetch late */
+        /* the row tiles of each 4 weight rows prefetch the next 4 (4 lines a step in all; the later tiles find
+         * them in L1): a served model's weights come from L3 or memory, which the hardware prefetchers fetch
+         * late. Spread over the first `share` tiles (as matmul_f32) rather than all issued by the first. */
+        int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 / share;
+        int64_t share_bytes = ((K + 31) >> 5) * pfl * 64;
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;
-            const char *pf = n + 8 <= N ? base + (n + 4) * rb : NULL;
-            for (; r + 4 <= m; r += 4, pf = NULL)
-                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, pf);
+            const char *next = n + 8 <= N ? base + (n + 4) * rb : NULL;
+            for (int t = 0; r + 4 <= m; r += 4, t++)
+                bf16_tile44(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate,
+                            next && t < share ? next + t * share_bytes : NULL, pfl);
             for (; r < m; r++)
                 for (int c = 0; c < 4; c++)
                     bf16_tile11(base + (n + c) * rb, rb, K, xd + r * ld, ld, y + r * ldy + n + c, ldy, accumulate,
-                                NULL);
+                                NULL, 0);
         }
         for (; n < N; n++) {
             int64_t r = 0;
             for (; r + 4 <= m; r += 4)
-                bf16_tile41(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
+                bf16_tile41(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL, 0);
             for (; r < m; r++)
-                bf16_tile11(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL);
+                bf16_tile11(base + n * rb, rb, K, xd + r * ld, ld, y + r * ldy + n, ldy, accumulate, NULL, 0);
         }
     }
     if (xd != stack) free(xd);

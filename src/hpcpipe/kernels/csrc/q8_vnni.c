@@ -106,7 +106,7 @@ ROW_TILE_FN(row_tile1, 1)
         __m512i wv[C], corr[C];                                                                                 \
         __m512 we[C];                                                                                           \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                                  \
-            if (pf) _mm_prefetch((const char *)pf + c * K + (b0 + j) * 32, _MM_HINT_T0);                        \
+            if (pf && c < pfl) _mm_prefetch((const char *)pf + c * K + (b0 + j) * 32, _MM_HINT_T0);             \
             wv[c] = _mm512_maskz_loadu_epi8(mask, q + c * K + (b0 + j) * 32);                                   \
             corr[c] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c80, wv[c]));                            \
             we[c] = _mm512_permutexvar_ps(idx, dw[c]);                                                          \
@@ -125,7 +125,7 @@ ROW_TILE_FN(row_tile1, 1)
 
 #define ROWS_TILE_FN(NAME, R, C)                                                                                \
 static VNNI_TARGET void NAME(const int8_t *q, const uint16_t *d, int64_t K, const int8_t *xu, const float *xe,  \
-                             int64_t le, float *y, int64_t ldy, int accumulate, const int8_t *pf) {             \
+                             int64_t le, float *y, int64_t ldy, int accumulate, const int8_t *pf, int pfl) {    \
     const int64_t nb = K / 32;                                                                                  \
     const __m512i zero = _mm512_setzero_si512(), two = _mm512_set1_epi32(2), c80 = _mm512_set1_epi8((char)0x80); \
     __m512 acc[R][C];                                                                                           \
@@ -181,22 +181,25 @@ int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx
         for (; n < N; n++) row_tile1(q + n * K, d + n * nb, K, xq, dx, q + n * K, y + n, accumulate);
     } else {
         expand_scales(dx, m, nb, xe, le);
-#define ROWS_CALL(TILE, PF) \
-    TILE(q + n * K, d + n * nb, K, xq + r * K, xe + r * le, le, y + r * ldy + n, ldy, accumulate, PF)
-        /* the first row tile of each 4 weight rows prefetches the next 4 (one line a row a step, as it reads its
-         * own): the later row tiles find them in L1 anyway, and a served model's weights come from L3 */
+#define ROWS_CALL(TILE, PF, PFL) \
+    TILE(q + n * K, d + n * nb, K, xq + r * K, xe + r * le, le, y + r * ldy + n, ldy, accumulate, PF, PFL)
+        /* the row tiles of each 4 weight rows prefetch the next 4 (one line a row a step, as they read their
+         * own), spread over the first `share` tiles, pfl rows each (as matmul_f32): the later row tiles find
+         * them in L1 anyway, and a served model's weights come from L3 or memory */
+        int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 / share;
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;
-            const int8_t *pf = n + 8 <= N ? q + (n + 4) * K : NULL;
-            for (int64_t i = 0; pf && i < 4 * nb * 2; i += 64)
+            const int8_t *next = n + 8 <= N ? q + (n + 4) * K : NULL;
+            for (int64_t i = 0; next && i < 4 * nb * 2; i += 64)
                 _mm_prefetch((const char *)(d + (n + 4) * nb) + i, _MM_HINT_T0);
-            for (; r + 4 <= m; r += 4, pf = NULL) ROWS_CALL(rows_tile44, pf);
-            for (; r < m; r++, pf = NULL) ROWS_CALL(rows_tile14, pf);
+            int t = 0;
+            for (; r + 4 <= m; r += 4, t++) ROWS_CALL(rows_tile44, next && t < share ? next + t * pfl * K : NULL, pfl);
+            for (; r < m; r++, t++) ROWS_CALL(rows_tile14, next && t == 0 ? next : NULL, 4);
         }
         for (; n < N; n++) {
             int64_t r = 0;
-            for (; r + 4 <= m; r += 4) ROWS_CALL(rows_tile41, NULL);
-            for (; r < m; r++) ROWS_CALL(rows_tile11, NULL);
+            for (; r + 4 <= m; r += 4) ROWS_CALL(rows_tile41, NULL, 0);
+            for (; r < m; r++) ROWS_CALL(rows_tile11, NULL, 0);
         }
     }
     if (dx != stack) free(dx);

@@ -144,11 +144,12 @@ static HP_TARGET inline void store_sums44(const __m512 *acc, float *y, int64_t l
 #define TILE_STEP(LOAD, ESIZE, R, C, k, mask)                                                                   \
     {                                                                                                           \
         __m512 wv[C];                                                                                           \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            /* this tile's share of the next C rows (contiguous): pfl lines a step */                           \
-            if (pf && c < pfl) _mm_prefetch(pf + ((k) >> 4) * pfl * 64 + c * 64, _MM_HINT_T1);                   \
-            wv[c] = LOAD(wp + c * row_bytes, k, mask);                                                          \
+        if (pf) {               /* this tile's share of the next C rows (contiguous): pfl lines a step */       \
+            _mm_prefetch(pf, _MM_HINT_T1);                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 1; c < C; c++) if (c < pfl) _mm_prefetch(pf + c * 64, _MM_HINT_T1); \
+            pf += pfl * 64;                                                                                     \
         }                                                                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) wv[c] = LOAD(wp + c * row_bytes, k, mask);          \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
             __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + (k));                                         \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]); \
@@ -221,8 +222,12 @@ FORMAT_FNS(f16, LOAD_F16, 2)
 #define BF16_STEP(R, C, k, mask)                                                                                \
     {                                                                                                           \
         __m512 we[C], wo[C];                                                                                    \
+        if (pf) {               /* the next rows: pfl lines a step (see TILE_STEP) */                           \
+            _mm_prefetch(pf, _MM_HINT_T0);                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 1; c < C; c++) if (c < pfl) _mm_prefetch(pf + c * 64, _MM_HINT_T0); \
+            pf += pfl * 64;                                                                                     \
+        }                                                                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                  \
-            if (pf && c < pfl) _mm_prefetch(pf + ((k) >> 5) * pfl * 64 + c * 64, _MM_HINT_T0);   /* pfl lines a step */ \
             __m512i v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)(wp + c * row_bytes) + (k));           \
             we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                              \
             wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                             \

@@ -1,7 +1,8 @@
 """An independent Llama for the tests: PyTorch float64 autograd written directly from the contract's equations.
 
 Not hpcpipe's code: the reference the hand-written forward and backward of the llama kind are checked against
-(tests/nn/test_llama_layers.py, the pipeline at every layout in tests/train/test_llama_pipeline.py).
+(tests/nn/test_llama_against_references.py, the pipeline at every layout in
+tests/train/test_llama_pipeline.py).
 """
 
 import math

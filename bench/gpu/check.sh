@@ -66,7 +66,16 @@ else
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     echo "hpcpipe could not be built here: using PYTHONPATH=$PWD/src"
 fi
-echo "mpiexec: $(command -v mpiexec || echo none)"
+# the mpiexec of the MPI mpi4py loads: the carried MPICH's, else the one beside this Python (a venv's mpich
+# wheel), else the first on PATH (which may be another MPI's: a site module beside a venv)
+if (( ${#carried[@]} )) && [ -x "$PREFIX/bin/mpiexec" ]; then
+    MPIEXEC="$PREFIX/bin/mpiexec"
+else
+    BESIDE="$(dirname "$($PY -c 'import sys; print(sys.executable)')")/mpiexec"
+    if [ -x "$BESIDE" ]; then MPIEXEC="$BESIDE"; else MPIEXEC="$(command -v mpiexec || true)"; fi
+fi
+[ -n "$MPIEXEC" ] && export HPCPIPE_GPU_MPIEXEC="$MPIEXEC"
+echo "mpiexec: ${MPIEXEC:-none} (first on PATH: $(command -v mpiexec || echo none))"
 $PY -c "import hpcpipe, mpi4py; from mpi4py import MPI; print('hpcpipe', hpcpipe.__file__); \
 print('mpi4py', mpi4py.__version__, '|', MPI.Get_library_version().splitlines()[0])" || echo "MPI does not load"
 

@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 
+from gpu_common import mpiexec
+
 
 def _try(fn):
     try:
@@ -54,7 +56,9 @@ def gpu_info() -> dict:
 
 def mpi_info() -> dict:
     """mpi4py, the MPI library it loaded, MPI.Query_cuda_support() and what hpcpipe concludes (comm.cuda_aware)."""
-    out = {"mpiexec": shutil.which("mpiexec"), "MPI4PY_LIBMPI": os.environ.get("MPI4PY_LIBMPI", "")}
+    launcher = mpiexec()
+    out = {"mpiexec": launcher if shutil.which(launcher) else None, "mpiexec_on_path": shutil.which("mpiexec"),
+           "MPI4PY_LIBMPI": os.environ.get("MPI4PY_LIBMPI", "")}
     try:
         import mpi4py
         from mpi4py import MPI

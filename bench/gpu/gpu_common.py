@@ -37,10 +37,23 @@ SIZES = {
 }
 
 
+MPIEXEC_ENV = "HPCPIPE_GPU_MPIEXEC"     # check.sh sets it to the mpiexec of the MPI that mpi4py loads
+
+
 def mpiexec() -> str:
-    """The mpiexec to start ranks with: the carried MPICH's on PATH, else the one beside this Python."""
-    found = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return found
+    """The mpiexec to start ranks with: $HPCPIPE_GPU_MPIEXEC (check.sh: the carried MPICH's), else the one beside
+    this Python (the venv's mpich wheel, the MPI its mpi4py loads), else the first on PATH.
+
+    The first on PATH may belong to another MPI than the one this Python's mpi4py loads (a site's module beside a
+    venv with the mpich wheel): ranks started by it would each be a world of one.
+    """
+    chosen = os.environ.get(MPIEXEC_ENV, "").strip()
+    if chosen:
+        return chosen
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec") or beside
 
 
 def child_env() -> dict[str, str]:

@@ -32,7 +32,11 @@ def chosen() -> str:
 
 
 def mpich_mpiexec() -> str:
-    """Return the mpiexec beside this interpreter (the venv's mpich wheel), else the one on PATH."""
+    """Return $HPCPIPE_GPU_MPIEXEC (bench/gpu/check.sh: its carried MPICH's), else the mpiexec beside this
+    interpreter (the venv's mpich wheel), else the one on PATH."""
+    chosen = os.environ.get("HPCPIPE_GPU_MPIEXEC", "").strip()
+    if chosen:
+        return chosen
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = beside if os.path.exists(beside) else shutil.which("mpiexec")
     if not found:

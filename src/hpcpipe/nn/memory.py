@@ -9,6 +9,7 @@ layer profile measure stashes with :func:`cache_bytes`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +145,19 @@ def ring_pages(config: Config, model: Any) -> int:
     return ring_pages_of(config, model, window) if window else 0
 
 
-def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, int]:
+def _kept_bytes(spec: Any, matrix_bytes: Callable[[tuple[int, ...]], float], itemsize: int) -> float:
+    """A block's bytes with its matrices as ``matrix_bytes`` says and everything else (vectors) in the run's dtype."""
+    return sum(math.prod(shape) * (matrix_bytes(shape) if len(shape) == 2 else itemsize)
+               for shape in spec.shapes.values())
+
+
+def decode_rank_bytes(config: Config, stage_ranges: list[range],
+                      matrix_bytes: Callable[[tuple[int, ...]], float] | None = None) -> tuple[int, int]:
     """Return (parameters, KV cache) bytes of the largest pipeline rank of a generation or serving layout.
+
+    ``matrix_bytes``: bytes per value of a block's (in, out) matrix of that shape as the stage keeps it
+    (model.weight_format stored / q8_0: hpcpipe.serve.setup.format_bytes); None: the run's dtype, as float32
+    keeps every parameter. Embeddings, the head and vectors are counted in the run's dtype either way.
 
     A rank holds its groups' parameters (and a tied head's copy of the embedding table) and,
     per block, keys and values of its KV-block pool (``serve.kv_blocks`` of ``serve.kv_block`` positions; 0:
@@ -167,12 +179,15 @@ def decode_rank_bytes(config: Config, stage_ranges: list[range]) -> tuple[int, i
     per_ring = 2 * srv.max_sequences * ring_pages(config, model) * srv.kv_block * kv_heads * head_dim * itemsize
     worst = (0, 0)
     for groups in stage_ranges:
-        params = sum(held_elements(model, i, config.parallel.ep) for i in groups)
-        if shape.tied and len(specs) - 1 in groups and 0 not in groups:
-            params += specs[0].n_params
         blocks = [i for i in groups if 1 <= i <= shape.n_blocks]
+        params = sum(held_elements(model, i, config.parallel.ep) * itemsize for i in groups
+                     if matrix_bytes is None or i not in blocks)
+        if matrix_bytes is not None:
+            params += sum(_kept_bytes(specs[i], matrix_bytes, itemsize) for i in blocks)
+        if shape.tied and len(specs) - 1 in groups and 0 not in groups:
+            params += specs[0].n_params * itemsize
         ringed = sum(1 for i in blocks if model.window(i) > 0) if per_ring else 0
-        mine = (-(-params // tp) * itemsize, (len(blocks) - ringed) * per_block + ringed * per_ring)
+        mine = (int(-(-params // tp)), (len(blocks) - ringed) * per_block + ringed * per_ring)
         worst = max(worst, mine, key=sum)
     return worst
 

@@ -15,12 +15,17 @@ weights.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
+from hpcpipe.kernels.formats import Q8_BLOCK, inference_format
+from hpcpipe.nn.core.fused_stage import compiled_available
 from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
@@ -37,6 +42,15 @@ if TYPE_CHECKING:
     from hpcpipe.nn.core.decoder_model import DecoderModel, DecoderShape
 
 GIB = 1024 ** 3
+Q8_BYTES = 1 + 2 / Q8_BLOCK        # a q8_0 value: its int8 and its share of the block's float16 scale
+MatrixBytes = Callable[[tuple[int, ...]], float]
+
+
+class TPPlace(NamedTuple):
+    """A tensor-parallel rank's place (what compiled_available asks of a tp group), before any group exists."""
+
+    size: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -118,21 +132,52 @@ def _model_config(source: WeightsSource, given: str, raw: dict[str, Any]) -> dic
 
 
 def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
-                        headroom: int | None = None) -> None:
+                        headroom: int | None = None, matrix_bytes: MatrixBytes | None = None,
+                        draft: tuple[int, int] = (0, 0)) -> None:
     """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
 
     The share is the smaller of the node's available memory over its ranks and this process's address-space
-    headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests).
+    headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests). ``matrix_bytes``:
+    the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
+    of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`).
     """
     if cfg.run.backend == "cupy":
         return
-    params, cache = decode_rank_bytes(cfg, ranges)
+    head = decode_rank_bytes(cfg, ranges[:1], matrix_bytes)
+    params, cache = max((head[0] + draft[0], head[1] + draft[1]), decode_rank_bytes(cfg, ranges[1:], matrix_bytes),
+                        key=sum)
     ranks_here = local_rank_count(default=world_size)   # a tp rank holds about 1/tp of its stage (counted)
     share, how = rank_share(ranks_here, available, headroom)
     if share is not None and params + cache > share:
+        with_draft = f" with serve.draft's model ({sum(draft) / GIB:.3g} GiB)" if sum(draft) else ""
         raise ConfigError(
-            f"a rank needs about {(params + cache) / GIB:.3g} GiB (parameters {params / GIB:.3g} GiB, KV cache "
-            f"{cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
+            f"a rank needs about {(params + cache) / GIB:.3g} GiB{with_draft} (parameters {params / GIB:.3g} GiB, "
+            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
+
+
+def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
+    """Bytes per value of a block's (in, out) matrix in the weight format the stages will keep (serve.engine's
+    choice: model.weight_format, "auto" as the compiled stage allows it), or None where that is float32."""
+    if cfg.parallel.ep > 1 or cfg.run.backend == "cupy":
+        return None                   # the engine widens to float32 there
+    tp = cfg.parallel.tp
+    ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
+    compiled = all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks)
+    fmt = inference_format(cfg.model.weight_format, compiled)
+    if fmt == "float32":
+        return None
+    stored = source.matrix_itemsize()
+    if fmt == "stored":
+        return lambda shape: stored
+    return lambda shape: Q8_BYTES if shape[0] % Q8_BLOCK == 0 else stored     # q8_0: whole blocks of 32 inputs
+
+
+def draft_bytes(cfg: Config, model: Any, draft: ServeSetup) -> tuple[int, int]:
+    """(parameters, KV cache) bytes of serve.draft's model on the head's rank: whole, in float32, with a pool of
+    as many KV blocks as the model's stages (serve.engine.build_proposer)."""
+    serve = replace(cfg.serve, kv_blocks=pool_pages(cfg, model))
+    dcfg = replace(draft.config, serve=serve, parallel=replace(draft.config.parallel, tp=1, ep=1))
+    return decode_rank_bytes(dcfg, [range(draft.shape.n_groups)])
 
 
 def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
@@ -206,9 +251,10 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                      f"window keep their own rings)")
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
-    check_decode_memory(cfg, ranges, world_size)
-    name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
+    check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
+                        draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0))
+    name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
 
 

@@ -109,6 +109,10 @@ class MergedSource:
                   shards(i, list(group)) if shards is not None else None)
         return arrays
 
+    def matrix_itemsize(self) -> int:
+        """4: the merged matrices are float sums (see forward_only)."""
+        return 4
+
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> MergedSource:
         """The merged view of the base's forward-only source (matrices as float arrays: they are sums, which the

@@ -135,6 +135,10 @@ class HDF5Source:
             out.update(part)
         return attrs, out
 
+    def matrix_itemsize(self) -> int:
+        """4: an hpcpipe file's matrices are read as float32 arrays, which a stored-format stage keeps as float32."""
+        return 4
+
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> Any:
         """This source itself: its arrays come as stored (float32) and the reader converts them; a checkpoint of a

@@ -175,6 +175,13 @@ class HFSource:
         raise ConfigError(f"{self.describe()} holds no optimizer state (it can start a run: model.init, not "
                           f"--resume)")
 
+    def matrix_itemsize(self) -> int:
+        """2 when the first block's matrices are stored in 16 bits (bfloat16, float16), else 4 (headers only)."""
+        for name in self.tensors.names():
+            if ".layers.0." in f".{name}" and len(self.tensors.info(name).shape) == 2:
+                return 2 if self.tensors.info(name).dtype in ("BF16", "F16") else 4
+        return 4
+
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> HFSource:
         """A new source reading in ``dtype``, with ``half_embedding`` keeping a 16-bit tok_emb as stored,

@@ -81,6 +81,10 @@ class WeightsSource(Protocol):
     def read_optimizer(self, indices: list[int], shards: Shards | None = None) -> OptimizerState:
         """Return (optimizer attributes, per-layer optimizer state); ConfigError unless the source holds some."""
 
+    def matrix_itemsize(self) -> int:
+        """Bytes per value of a block's matrix as ``forward_only(stored=True)`` keeps it: 2 for a 16-bit checkpoint's
+        (bfloat16, float16), 4 otherwise (float32 values, or float sums merged from adapters)."""
+
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> WeightsSource:
         """Return this source as a forward-only reader wants it: parameters in ``dtype`` where the source converts

@@ -4,7 +4,7 @@
                                          [--out FILE]
 
 Each of ``--blocks`` SmolLM2-135M-shaped blocks (fused q|k|v, o, gate|up, down) has its own weights, so a pass
-over them reads 226 MiB of float32 (16 blocks), more than this host's L3 holds for one core: the bytes come from
+over them reads 216 MiB of float32 (16 blocks), more than this host's L3 holds for one core: the bytes come from
 memory as a served stage's do, which ``bench_gemm.py --cold`` (64 MiB of copies, L3) does not show. One thread;
 the best of ``--repeats`` passes; GFLOP/s = 2 M N K summed over the products / seconds. To compare two builds, run
 it under each one's PYTHONPATH (``hpcpipe_from`` in the JSON names the one measured) one after the other.

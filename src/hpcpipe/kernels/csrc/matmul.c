@@ -177,12 +177,12 @@ static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_
                                       int64_t ldy, int accumulate) {                                            \
     const char *base = (const char *)w->data;                                                                   \
     int64_t N = w->rows, K = w->cols, rb = K * ESIZE, n = 0;                                                    \
-    /* each first tile of a group of weight rows prefetches the next group (see matmul_bf16) */              \
+    /* the tiles of a group of weight rows prefetch the next group (see matmul_bf16) */                         \
     if (m == 1) {                                                                                               \
         for (; n + 8 <= N; n += 8)                                                                              \
             tile18_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate,                               \
-                            n + 16 <= N ? base + (n + 8) * rb : NULL, 2 * ESIZE);                                          \
-        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL, 0);         \
+                            n + 16 <= N ? base + (n + 8) * rb : NULL, 2 * ESIZE);                               \
+        for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL, 0);      \
         return;                                                                                                 \
     }                                                                                                           \
     /* the next group's 4 rows are prefetched spread over its first `share` tiles, pfl lines a step each: \
@@ -199,15 +199,15 @@ static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_
         for (; r < m; r++) {                                                                                    \
             for (int c = 0; c < 4; c++)                                                                         \
                 tile11_##SUFFIX(base + (n + c) * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n + c, ldy,         \
-                                accumulate, NULL, 0);                                                              \
+                                accumulate, NULL, 0);                                                           \
         }                                                                                                       \
     }                                                                                                           \
     for (; n < N; n++) {                                                                                        \
         int64_t r = 0;                                                                                          \
         for (; r + 4 <= m; r += 4) tile41_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy, \
-                                                   accumulate, NULL, 0);                                           \
-        for (; r < m; r++) tile11_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,         \
-                                           accumulate, NULL, 0);                                                   \
+                                                   accumulate, NULL, 0);                                        \
+        for (; r < m; r++) tile11_##SUFFIX(base + n * rb, rb, K, x + r * ldx, ldx, y + r * ldy + n, ldy,        \
+                                           accumulate, NULL, 0);                                                \
     }                                                                                                           \
 }
 

@@ -7,7 +7,7 @@ without a C compiler the install still succeeds and hpcpipe computes with NumPy 
 
 from setuptools import Extension, setup
 
-SOURCES = ["matmul.c", "gemm.c", "ops.c", "attend.c", "q8_vnni.c", "stage.c"]
+SOURCES = ["matmul.c", "convert.c", "gemm.c", "ops.c", "attend.c", "q8_vnni.c", "stage.c"]
 FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-Wall"]
 
 setup(ext_modules=[Extension(

@@ -9,7 +9,6 @@
  */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "hp.h"
 #include "hp_vec.h"
@@ -20,33 +19,6 @@
 
 int hp_avx512 = 0;
 static int forced_portable = 0, vnni = 0, int8_activations = 1;
-
-float hp_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-float hp_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);                  /* inf, nan */
-    } else if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else {                                               /* subnormal: normalise */
-            int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 int hp_init(void) {
 #if HP_X86

@@ -33,7 +33,8 @@ def _protocol_members() -> dict[str, object]:
 
 def test_the_protocol_names_what_every_reader_uses():
     assert set(_protocol_members()) == {"path", "kind", "step", "n_layers", "model", "model_kind", "describe",
-                                        "check", "tokenizer", "read", "read_optimizer", "forward_only", "matrix_itemsize"}
+                                        "check", "tokenizer", "read", "read_optimizer", "forward_only",
+                                        "matrix_itemsize"}
 
 
 @pytest.mark.parametrize("cls", SOURCES, ids=lambda c: c.__name__)

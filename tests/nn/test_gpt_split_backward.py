@@ -4,6 +4,7 @@ whole model), forward_cache equals forward's cache, and train.recompute = "stage
 import numpy as np
 import pytest
 from gpt_layer_parts import gpt_attention, gpt_block, gpt_head, random_group
+from support.split_backward import assert_split_backward_equals_backward
 
 from hpcpipe.nn.core.decoder import Embedding
 from hpcpipe.nn.core.decoder_model import Decoder
@@ -11,7 +12,6 @@ from hpcpipe.nn.core.mlps import GeluMLP
 from hpcpipe.nn.core.norms import LayerNorm
 from hpcpipe.nn.gpt.model import GPTModel
 from hpcpipe.nn.gpt.shape import GPTShape
-from hpcpipe.nn.token_loss import token_cross_entropy
 
 # --- the split: backward_input + backward_weight == backward; backward_input touches no weight gradient
 
@@ -66,19 +66,7 @@ def test_gpt_split_backward_equals_backward():
     rng = np.random.default_rng(12)
     tokens, targets = rng.integers(0, 9, (2, 4)), rng.integers(0, 9, (2, 4))
     model = Decoder(GPTModel(shape), np, "float64", seed=3)
-    model.loss_and_grad(tokens, targets)
-    full = model.grad.copy()
-    model.grad[...] = 0
-    logits, caches = model.forward(tokens)
-    _, g = token_cross_entropy(np, logits, targets, 1.0 / targets.size)
-    states = []
-    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
-        g, state = layer.backward_input(cache, g)
-        states.append(state)
-    assert not model.grad.any()
-    for layer, cache, state in zip(reversed(model.layers), reversed(caches), states, strict=True):
-        layer.backward_weight(cache, state)
-    np.testing.assert_array_equal(model.grad, full)
+    assert_split_backward_equals_backward(model, tokens, targets)
 
 
 @pytest.mark.parametrize("name", ["embedding", "block", "head_tied", "head_untied", "dense_identity", "dense_gelu"])

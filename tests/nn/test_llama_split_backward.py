@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 from llama_layer_parts import CASES, SPLIT_SHAPE, build_layer, loaded_model, model_rope, random_groups
+from support.split_backward import assert_split_backward_equals_backward
 
 from hpcpipe.nn.core.attention import CausalAttention, SplitQKV
 from hpcpipe.nn.core.decoder import Embedding
@@ -13,7 +14,6 @@ from hpcpipe.nn.core.dense import linear
 from hpcpipe.nn.core.mlps import SwiGLU
 from hpcpipe.nn.core.norms import RMSNorm
 from hpcpipe.nn.llama.model import LlamaModel
-from hpcpipe.nn.token_loss import token_cross_entropy
 
 
 def _attention(params, grads, n_heads, n_kv_heads, rope, xp):
@@ -119,16 +119,4 @@ def test_model_split_backward_equals_backward():
     rng = np.random.default_rng(12)
     model = loaded_model(shape, random_groups(shape, rng))
     tokens, targets = rng.integers(0, shape.vocab, (2, 5)), rng.integers(0, shape.vocab, (2, 5))
-    model.loss_and_grad(tokens, targets)
-    full = model.grad.copy()
-    model.grad[...] = 0
-    logits, caches = model.forward(tokens)
-    _, g = token_cross_entropy(np, logits, targets, 1.0 / targets.size)
-    states = []
-    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
-        g, state = layer.backward_input(cache, g)
-        states.append(state)
-    assert not model.grad.any()
-    for layer, cache, state in zip(reversed(model.layers), reversed(caches), states, strict=True):
-        layer.backward_weight(cache, state)
-    np.testing.assert_array_equal(model.grad, full)
+    assert_split_backward_equals_backward(model, tokens, targets)

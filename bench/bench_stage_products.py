@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--formats {args.formats!r}: unknown {', '.join(unknown)} (of {', '.join(FORMATS)})")
     if args.blocks < 1 or args.repeats < 1 or min(rows) < 1:
         ap.error(f"--blocks {args.blocks}, --repeats {args.repeats} and every --rows ({args.rows}) must be at least 1")
+    out_dir = Path(args.out).resolve().parent
+    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+        ap.error(f"--out {args.out!r}: folder {str(out_dir)!r} does not exist or is not writable")
     if cpu.library() is None:
         print("the compiled kernels are not built", file=sys.stderr)
         return 1

@@ -37,7 +37,8 @@ def test_the_json_counts_each_pass_s_flops_and_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [(["--rows", "0,4"], "--rows (0,4)"), (["--rows", "a"], "--rows 'a'"),
-                                         (["--formats", "f64"], "unknown f64")])
+                                         (["--formats", "f64"], "unknown f64"),
+                                         (["--out", "/nonexistent/r.json"], "does not exist or is not writable")])
 def test_a_bad_option_is_one_line(args, words):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_stage_products.py"), *args],
                          capture_output=True, text=True)

@@ -20,6 +20,7 @@ The simulator itself is :mod:`hpcpipe.schedule.event_sim` (per action) and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hpcpipe.cli import CommandParser, reader_left
@@ -73,6 +74,21 @@ def _unit(args: argparse.Namespace) -> str:
     return f"units of --costs (F,B[,W[,comm]] = {args.costs} per stage; seconds when they are seconds)"
 
 
+def _plot_path_problem(path: str) -> str:
+    """Why matplotlib could not write its chart to ``path`` (empty: it can): checked before simulating."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"the folder {folder!r} does not exist or is not writable"
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in kinds:
+        return f"matplotlib cannot write a {suffix or 'suffix-less'} file; name it .png, .svg or .pdf " \
+               f"(it writes {', '.join(sorted(kinds))})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.simulate``; returns the exit status."""
     try:
@@ -112,6 +128,10 @@ def _main(argv: list[str] | None) -> int:
             print(f"hpcpipe: error: --plot needs matplotlib ({exc}): pip install matplotlib "
                   f"(or, in the source tree, pip install \".[plot]\")", file=sys.stderr)
             return 2
+        problem = _plot_path_problem(args.plot)
+        if problem:
+            print(f"hpcpipe: error: --plot {args.plot!r}: {problem}", file=sys.stderr)
+            return 2
     try:
         if args.measured:
             rows = measured_events(args.measured)
@@ -133,6 +153,11 @@ def _main(argv: list[str] | None) -> int:
                                    events=bool(args.per_action or args.ascii or args.plot))
     except ScheduleError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:      # the timeline grids of pp x micro-batches x virtual stages
+        print(f"hpcpipe: error: not enough memory to simulate --pp {args.pp} --micro-batches {args.micro_batches} "
+              f"--virtual-stages {args.virtual_stages} ({exc}): simulate fewer stages or micro-batches",
+              file=sys.stderr)
         return 2
     print(f"schedule {args.schedule}  pp={args.pp}  micro-batches={args.micro_batches}  "
           f"virtual stages={args.virtual_stages}" + (f"  tp={args.tp}" if args.tp != 1 else ""))

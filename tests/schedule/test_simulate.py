@@ -1,6 +1,9 @@
 """Simulator: closed-form bubbles and memory of every schedule, calibration, CLI, pictures."""
 
 import json
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -129,6 +132,29 @@ def test_plot_writes_png(tmp_path):
     measured = tmp_path / "m.png"
     assert main(["--measured", _fake_trace(tmp_path / "t.json"), "--plot", str(measured)]) == 0
     assert measured.stat().st_size > 0
+
+
+@pytest.mark.parametrize("where, words", [("nodir/t.png", "does not exist or is not writable"),
+                                          ("t.txt", "cannot write a txt file")])
+def test_a_plot_path_matplotlib_cannot_write_is_one_line_before_simulating(tmp_path, capsys, where, words):
+    # were tracebacks after the simulation ran (FileNotFoundError; matplotlib's ValueError)
+    pytest.importorskip("matplotlib")
+    assert main(["--pp", "4", "--micro-batches", "8", "--plot", str(tmp_path / where)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("error:") == 1 and words in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_schedule_too_large_for_memory_is_one_line():
+    # was numpy's _ArrayMemoryError traceback (--pp 100000 --micro-batches 100000 asks 37 GiB); the address space
+    # capped at 3 GiB so that any host runs out the same way
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.simulate", "--pp", "100000", "--micro-batches", "100000"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=cap, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "not enough memory to simulate --pp 100000 --micro-batches 100000" in proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])

@@ -32,10 +32,10 @@ from hpcpipe.h5files import member
 from hpcpipe.lazy_h5py import h5py
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
-from hpcpipe.state.adapters import export_peft, exported_source
+from hpcpipe.state.adapters import check_peft_exportable, export_peft, exported_source
 from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
-from hpcpipe.state.hf_convert import OutOfRange, check_new_directory, export_hf, import_hf
+from hpcpipe.state.hf_convert import OutOfRange, check_hf_exportable, check_new_directory, export_hf, import_hf
 from hpcpipe.state.hf_source import hf_source, is_hf_directory
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.outputs import check_writable, commit_output
@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                 source = resolve_weights(args.dir)
                 if args.format == "hf":
                     source = exported_source(source, args.merge_adapter)
+                    check_hf_exportable(source)       # the wrong kind of model is a usage error, as below
+                else:
+                    check_peft_exportable(source)
             except ConfigError as exc:
                 print(f"hpcpipe: error: {exc}", file=sys.stderr)
                 return 2

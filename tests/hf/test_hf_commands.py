@@ -110,3 +110,17 @@ def test_data_tokenized_otherwise_than_the_model_is_refused(hf, tmp_path, tokeni
                        timeout=120)
     one_error(proc, f"data.path {str(data)!r}", f"the {tokenizer['kind']} tokenizer", "its own Hugging Face tokenizer",
               f"--tokenizer {hf}")
+
+
+def test_an_export_the_model_has_no_form_for_is_a_usage_error(hf, tmp_path):
+    """Were exit 1 ("the checkpoint is bad"): an MLP asked as --format hf, a model without adapters as peft."""
+    from hpcpipe.config import from_dict
+    from hpcpipe.nn.mlp.model import initial_arrays, layer_specs
+    from hpcpipe.state.weights import write_weights
+    mlp = tmp_path / "mlp.h5"
+    specs = layer_specs(from_dict({"model": {"dims": [6, 5, 3]}, "parallel": {"pp": 1}}))
+    write_weights(mlp, initial_arrays(specs, [0, 1], seed=3, dtype="float32"), n_layers=2)
+    for source, fmt, words in ((mlp, "hf", "holds an MLP"), (hf, "peft", "holds no LoRA adapters")):
+        out = tmp_path / f"out-{fmt}"
+        one_error(run_module("hpcpipe.checkpoint", "export", source, out, "--format", fmt), words)
+        assert not out.exists()

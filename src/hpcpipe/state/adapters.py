@@ -176,12 +176,17 @@ def exported_source(source: WeightsSource, merge: bool) -> WeightsSource:
     return merged
 
 
-def export_peft(source: WeightsSource, out: str | Path) -> LoraSettings:
-    """Write a LoRA run's checkpoint's adapters as a new PEFT directory (one block in memory at a time)."""
-    merged = merged_if_adapted(source)
-    if merged is source:
+def check_peft_exportable(source: WeightsSource) -> None:
+    """Raise ConfigError unless the source is a LoRA run's checkpoint (it has adapters to write)."""
+    if merged_if_adapted(source) is source:
         raise ConfigError(f"{source.describe()} holds no LoRA adapters (its run had train.lora_rank = 0): "
                           f"export --format peft writes a LoRA run's adapters")
+
+
+def export_peft(source: WeightsSource, out: str | Path) -> LoraSettings:
+    """Write a LoRA run's checkpoint's adapters as a new PEFT directory (one block in memory at a time)."""
+    check_peft_exportable(source)
+    merged = merged_if_adapted(source)
     config = source.manifest["config"]
     keys = from_dict({"model": config["model"], "parallel": {"pp": 1}}).to_dict()["model"]
     adapters = {}

@@ -164,12 +164,17 @@ def _original_context(stored: Any, config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def check_hf_exportable(source: WeightsSource) -> None:
+    """Raise ConfigError unless the source's model has a Hugging Face form (a GPT or Llama-family decoder)."""
+    if source.model_kind not in DECODERS:
+        raise ConfigError(f"{source.describe()} holds an MLP; export --format hf writes GPT (gpt2) and Llama-family "
+                          f"models")
+
+
 def export_hf(source: WeightsSource, out: str | Path, dtype: str = "float32") -> None:
     """Write the model of a source (checkpoint, weights file) as a new Hugging Face directory at out."""
-    kind = source.model_kind
-    label = source.describe()
-    if kind not in DECODERS:
-        raise ConfigError(f"{label} holds an MLP; export --format hf writes GPT (gpt2) and Llama-family models")
+    check_hf_exportable(source)
+    kind, label = source.model_kind, source.describe()
     from hpcpipe.hf.names import hf_config_dict, hf_state
     from hpcpipe.hf.safetensors import write_sharded
     from hpcpipe.hf.tokenizer import write_tokenizer_dir

@@ -10,6 +10,7 @@ The split is stratified and seeded: 1437 training and 360 held-out images.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test-size", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if os.path.lexists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} exists and is not a directory: name a directory (it is made if missing)")
+    if not 0 < args.test_size < 1:
+        parser.error(f"--test-size must be between 0 and 1 (a fraction of the images), got {args.test_size}")
     digits = load_digits()
     x = digits.data / 16.0
     x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=args.test_size,

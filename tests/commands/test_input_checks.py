@@ -312,3 +312,16 @@ def test_simulate_plot_without_matplotlib_fails_before_simulating(tmp_path):
     assert proc.stderr.count("error:") == 1 and "--plot needs matplotlib" in proc.stderr
     assert "pip install matplotlib" in proc.stderr
     assert not out.exists()
+
+
+# -- examples/digits_to_hdf5.py ----------------------------------------------------------------------------
+
+def test_the_digits_example_refuses_a_file_as_its_output_folder(tmp_path):
+    # was a FileExistsError traceback (--out README.md)
+    pytest.importorskip("sklearn")
+    kept = tmp_path / "notes.txt"
+    kept.write_text("keep me")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "digits_to_hdf5.py"), "--out", str(kept)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and kept.read_text() == "keep me"

@@ -110,6 +110,14 @@ def test_start_on_a_taken_port_says_so(served):
         other.start()
 
 
+def test_a_host_that_does_not_resolve_names_the_host_not_the_port():
+    # said "(is another server using it? pick another with --port)" for --host nosuch.invalid
+    server = HttpServer(make_app(Broker(1), Metrics(), Tokenizer("bytes"), MODEL, 64), "nosuch.invalid", 0)
+    with pytest.raises(OSError, match="--host 'nosuch.invalid' does not resolve") as caught:
+        server.start()
+    assert "--port" not in str(caught.value)
+
+
 def test_stop_lets_an_open_stream_finish_and_stops_listening(served):
     s = served(step=0.01)
     chunks, errors = [], []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import hmac
 import json
 import numbers
@@ -359,7 +360,13 @@ def _listen(host: str, port: int) -> socket.socket:
     """Return a listening TCP socket on host:port (port 0: any free port); OSError says which address failed."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as exc:      # a name that does not resolve: the host is wrong, not the port
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: --host {host!r} does not resolve to an address "
+                                 f"here ({exc.strerror or exc}); give a local name or address, e.g. 127.0.0.1 "
+                                 f"or 0.0.0.0") from None
+    try:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as exc:
-        hint = " (is another server using it? pick another with --port)" if port else ""
+        hint = " (is another server using it? pick another with --port)" if port and exc.errno == errno.EADDRINUSE \
+            else ""
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None

@@ -42,7 +42,7 @@ INFER_FORMAT = "hpcpipe-infer"
 TEMP_SUFFIX_BYTES = 14   # ".NAME.tmp-XXXXXXXX" (the longest temporary name hpcpipe gives an output)
 # JSON kinds and the writer each marks its files with: one kind never replaces another kind's file
 WRITERS = {"trace": "hpcpipe.trace", "report": "hpcpipe.infer.report", "generate": "hpcpipe.generate"}
-_KINDS = {"infer": f"an hpcpipe.infer output (root attribute format = {INFER_FORMAT!r})",
+_KINDS = {"infer": f"an hpcpipe.infer output (whose root attribute format is {INFER_FORMAT!r})",
           **{kind: f"a file hpcpipe wrote as a {kind} (it starts with {{\"writer\": \"{w}\"}})"
              for kind, w in WRITERS.items()}}
 

@@ -75,6 +75,7 @@ def test_no_kv_cache_baseline_gives_the_same_tokens(weights, tmp_path):
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--set", "parallel.pp=3"], "world size 2 is not divisible by parallel.pp (3)"),
     (["--set", "model.n_heads=4"], "model.n_heads = 4 in the configuration does not match"),
+    (["--chat"], "no chat template; leave out --chat"),         # was the server's advice (/v1/completions)
 ])
 def test_bad_input_is_one_line_and_exit_2(weights, tmp_path, args, message):
     path, _ = weights["tied"]

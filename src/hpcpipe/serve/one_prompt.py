@@ -119,6 +119,9 @@ def prompt_ids(prompt: str, chat: bool, tokenizer) -> list[int]:
         what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
         raise ConfigError(f"--prompt is not valid UTF-8 text: {what} at position {at} (check the terminal's or "
                           f"the file's encoding)")
+    if chat and not hasattr(tokenizer, "files"):      # the server's 400 advises /v1/completions; here, this
+        raise ConfigError(f"--chat: this model has a {tokenizer.kind} tokenizer and no chat template; leave out "
+                          f"--chat to continue --prompt as plain text")
     job = {"chat": [{"role": "user", "content": prompt}]} if chat else {"text": prompt, "where": "--prompt"}
     limits = check_limits(None)
     try:

@@ -90,6 +90,16 @@ void hp_gelu(float *x, int64_t n);                                        /* tan
 /* attention of the m rows (keys and values written to the cache first); scores: hp_scratch_floats' share,
  * HP_TILE_LANES x seq_len + HP_TILE_LANES x hd floats and at least (n_heads / n_kv) x seq_len (attend.c) */
 #define HP_TILE_LANES 16
+
+/* How the row tiles of m rows of x (m / 4 tiles a group of weight rows) spread the prefetch of the next group,
+ * `lines` lines (or rows) a step in all: over the first *share tiles, the returned count a step each. Issued all
+ * by the first tile, the requests queued behind each other and the later tiles waited on memory. */
+static inline int hp_prefetch_split(int64_t m, int lines, int *share) {
+    int s = m >= 16 ? 4 : m >= 8 ? 2 : 1;
+    if (s > lines) s = lines;
+    *share = s;
+    return lines / s;
+}
 void hp_attend(const hp_stage *s, float *cache, const float *qkv, int64_t m, const int64_t *slots,
                const int64_t *positions, int64_t window, float *heads, float *scores, const float **rows);
 int hp_stage_forward(const hp_stage *s, float *h, int64_t m, const int64_t *slots, const int64_t *positions,

@@ -157,10 +157,8 @@ static HP_TARGET void matmul_##SUFFIX(const hp_weight *w, const float *x, int64_
         for (; n < N; n++) tile11_##SUFFIX(base + n * rb, rb, K, x, ldx, y + n, ldy, accumulate, NULL, 0);      \
         return;                                                                                                 \
     }                                                                                                           \
-    /* the next group's 4 rows are prefetched spread over its first `share` tiles, pfl lines a step each: \
-     * issued all in the first tile they queued behind each other and the later tiles waited on memory */       \
-    int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 * ESIZE / 4 / share;                                     \
-    if (pfl < 1) { pfl = 1; share = ESIZE; }                                                                    \
+    /* the next group's 4 rows, ESIZE lines a step, prefetched by the first tiles (hp_prefetch_split) */        \
+    int share, pfl = hp_prefetch_split(m, ESIZE, &share);                                                       \
     int64_t share_bytes = ((K + 15) >> 4) * pfl * 64;                                                           \
     for (; n + 4 <= N; n += 4) {                                                                                \
         int64_t r = 0;                                                                                          \
@@ -266,7 +264,7 @@ static HP_TARGET void matmul_bf16(const hp_weight *w, const float *x, int64_t m,
         /* the row tiles of each 4 weight rows prefetch the next 4 (4 lines a step in all; the later tiles find
          * them in L1): a served model's weights come from L3 or memory, which the hardware prefetchers fetch
          * late. Spread over the first `share` tiles (as matmul_f32) rather than all issued by the first. */
-        int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 / share;
+        int share, pfl = hp_prefetch_split(m, 4, &share);
         int64_t share_bytes = ((K + 31) >> 5) * pfl * 64;
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;

@@ -186,7 +186,7 @@ int hp_matmul_q8_vnni(const hp_weight *w, const float *x, int64_t m, int64_t ldx
         /* the row tiles of each 4 weight rows prefetch the next 4 (one line a row a step, as they read their
          * own), spread over the first `share` tiles, pfl rows each (as matmul_f32): the later row tiles find
          * them in L1 anyway, and a served model's weights come from L3 or memory */
-        int share = m >= 16 ? 4 : m >= 8 ? 2 : 1, pfl = 4 / share;
+        int share, pfl = hp_prefetch_split(m, 4, &share);
         for (; n + 4 <= N; n += 4) {
             int64_t r = 0;
             const int8_t *next = n + 8 <= N ? q + (n + 4) * K : NULL;

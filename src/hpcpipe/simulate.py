@@ -89,6 +89,16 @@ def _plot_path_problem(path: str) -> str:
     return ""
 
 
+EPILOG = """examples:
+  python -m hpcpipe.simulate --schedule 1f1b --pp 8 --micro-batches 32 --costs 1,2,1,0.1
+  python -m hpcpipe.simulate --schedule zb-h1 --pp 4 --micro-batches 8 --plot timeline.png
+  python -m hpcpipe.simulate --schedule 1f1b --pp 2 --micro-batches 16 --calibrate log.trace
+  python -m hpcpipe.simulate --measured log.trace --plot measured.png
+
+Costs are seconds (or any unit) per whole stage: F forward, B backward (input gradient), W weight gradient
+(zero-bubble schedules split B and W), comm a message between stages. exit status: 0 success, 2 bad input."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcpipe.simulate``; returns the exit status."""
     try:
@@ -98,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = CommandParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m hpcpipe.simulate", description=__doc__.split("\n\n")[0], epilog=EPILOG)
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages, one rank each (default 4)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches a step (default 8)")
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="model chunks per rank (default 1): more for interleaved-1f1b; zb-v needs 2")
     parser.add_argument("--costs", default="1,2,1,0", help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
     parser.add_argument("--calibrate", metavar="TRACE",
                         help="take costs from a training trace (log.trace) of the same model, any layout")

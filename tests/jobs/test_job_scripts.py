@@ -1,9 +1,13 @@
-"""The Slurm batch scripts refuse a bad HPCPIPE_PP before any arithmetic or launch (no Slurm, no MPI needed)."""
+"""The Slurm batch scripts refuse a bad HPCPIPE_PP before any arithmetic or launch (no Slurm, no MPI needed), and
+jobs/train.sbatch run with bash outside Slurm ends as a job would (no Slurm job id to ask about)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 from support import ROOT
@@ -44,3 +48,36 @@ def test_a_bad_tensor_parallel_width_is_exit_2_and_never_evaluated(tmp_path, scr
     out = result.stdout + result.stderr
     assert result.returncode == 2 and words in out, out
     assert not marker.exists()
+
+
+def test_train_script_outside_slurm_finishes_and_stops_cleanly(tmp_path):
+    """Run with bash outside Slurm (no job id): a finished run exits 0, a stop on SIGUSR1 exits 75 with its
+    checkpoint, and neither says anything about an unbound SLURM_JOB_ID (the script asked scontrol about it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # the task count as a user states it; the launcher beside this Python (the venv's mpiexec)
+    env.update({"SLURM_NTASKS": "2", "HPCPIPE_PP": "2", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT / "src"),
+                "HPCPIPE_CKPT_DIR": str(tmp_path / "ck"), "HPCPIPE_ARGS": "--set train.steps=2",
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + env["PATH"]})
+    done = subprocess.run(["bash", str(ROOT / "jobs" / "train.sbatch")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "unbound variable" not in out and "training exited with status 0" in out
+    env["HPCPIPE_ARGS"] = "--set train.steps=100000 --set checkpoint.every=1000000"
+    log = tmp_path / "stop.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", str(ROOT / "jobs" / "train.sbatch")], stdout=f, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp_path, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while "step" not in log.read_text().split("python -m hpcpipe.train", 1)[-1] and time.time() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGUSR1)
+            assert proc.wait(240) == 75, log.read_text()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert "unbound variable" not in out, out
+    assert "not a Slurm job: nothing to requeue; run again with HPCPIPE_RESUME=1 to continue" in out, out

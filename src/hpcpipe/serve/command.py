@@ -20,13 +20,15 @@ from hpcpipe.serve.setup import ServeSetup, prepare
 
 API_KEY_ENV = "HPCPIPE_API_KEY"
 
-DESCRIPTION = """Serve a GPT or Llama-family model over HTTP (the OpenAI completions and chat APIs) with pipeline
-(pp) x data (dp) x tensor (tp) parallelism over MPI. World rank 0 runs the HTTP front end; every dp replica is
+DESCRIPTION = """Serve a GPT, Llama-family (llama, mistral, qwen2, qwen3) or mixture-of-experts (mixtral, qwen3_moe)
+model over HTTP (the OpenAI completions and chat APIs) with pipeline (pp) x data (dp) x tensor (tp) parallelism
+over MPI, experts spread over parallel.ep replicas. World rank 0 runs the HTTP front end; every dp replica is
 one pipeline decoding its running sequences with continuous batching and a KV cache per stage, each stage
 split over parallel.tp ranks by heads (its KV cache too). The model and tokenizer are the ones
 stored with the weights; the layout comes from [parallel], the limits from [serve]."""
 
-EPILOG = """endpoints: POST /v1/completions (stream too), GET /v1/models, GET /health, GET /metrics (Prometheus)
+EPILOG = """endpoints: POST /v1/completions (logprobs, echo) and POST /v1/chat/completions, both streaming too,
+  GET /v1/models, GET /health, GET /metrics (Prometheus)
 
 examples:
   mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000
@@ -48,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandParser(prog="python -m hpcpipe.serve", description=DESCRIPTION, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, metavar="PATH",
-                        help="GPT weights file, checkpoint directory, step-NNNNNNNN directory or latest file")
+                        help="weights file, checkpoint directory, step-NNNNNNNN directory, latest file, or a "
+                             "Hugging Face model directory")
     parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (adapter_config.json, "
                         "adapter_model.safetensors) served on the --weights base, merged (same as --set model.adapter)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -29,9 +29,10 @@ from hpcpipe.runtime.stop_marker import write_stop_marker
 from hpcpipe.runtime.watchdog import Watchdog
 from hpcpipe.train.loop import train
 
-DESCRIPTION = """Train an MLP, a GPT or a Llama-family model (model.kind) with pipeline (pp) x data (dp) x tensor
-(tp) parallelism over MPI. Run under mpiexec/srun; world size must equal dp x pp x tp (parallel.tp, default 1,
-splits every stage's layers over tp ranks: attention by heads, the MLP by columns, the vocabulary).
+DESCRIPTION = """Train an MLP, a GPT, a Llama-family model or a mixture of experts (model.kind: mlp, gpt, llama,
+moe) with pipeline (pp) x data (dp) x tensor (tp) parallelism over MPI. Run under mpiexec/srun; world size must
+equal dp x pp x tp (parallel.tp, default 1, splits every stage's layers over tp ranks: attention by heads, the
+MLP by columns, the vocabulary; parallel.ep spreads a moe model's experts over that many dp replicas).
 Without --config the embedded default runs: dp=2 x pp=4 on 8 ranks, synthetic data."""
 
 

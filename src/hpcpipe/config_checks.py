@@ -108,6 +108,9 @@ def validate(config: Config) -> None:
     _require(1 <= srv.speculate_tokens <= 16, f"serve.speculate_tokens must be in 1..16, got {srv.speculate_tokens}")
     _require(srv.speculate != "draft" or bool(srv.draft),
              "serve.speculate = 'draft' needs serve.draft (a Hugging Face model directory with the same tokenizer)")
+    _require(not srv.draft or srv.speculate == "draft",
+             f"serve.draft {srv.draft!r} is used only with serve.speculate = 'draft' (it is {srv.speculate!r}): set "
+             f"serve.speculate = \"draft\", or leave out serve.draft")
     _require(config.log.every >= 1, f"log.every must be >= 1, got {config.log.every}")
     _require(config.run.backend in BACKENDS,
              f"run.backend {config.run.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -40,6 +40,7 @@ from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.runtime.progress import Progress
 from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import resolve_weights
+from hpcpipe.state.tokenizer import StoredTokenizer, read_stored
 from hpcpipe.state.weights_source import WeightsSource
 from hpcpipe.train.tokens import check_token_file
 
@@ -208,12 +209,44 @@ def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def _window(data: str | Path, x_name: str, longest: int) -> int:
-    """Return the token file's window length when it is at most ``longest`` (else ``longest``: refused later)."""
+    """Return the token file's window length when it is at most ``longest`` (the model's context); longer windows
+    are refused here, saying so (other shapes are ``longest``: refused later by the file's check)."""
     where = f"token file {str(data)!r}"
     with open_hdf5(data, where) as f:
         x = member(f, x_name, where)
         t = x.shape[1] if isinstance(x, h5py.Dataset) and x.ndim == 2 else 0
-    return t if 0 < t <= longest else longest
+    if t > longest:
+        raise ConfigError(f"dataset {x_name!r} in {where} holds windows of {t} tokens, longer than the model's "
+                          f"context of {longest}: write windows of at most {longest} (python examples/"
+                          f"text_to_hdf5.py ... --seq-len {longest})")
+    return t if t > 0 else longest
+
+
+def check_data_tokenizer(data: str | Path, source: WeightsSource) -> None:
+    """Refuse a token file written with another tokenizer than the model's (both stored): its ids would mean other
+    tokens to the model, and the loss would be a number about nothing (train refuses such data too)."""
+    where = f"--data {str(data)!r}"
+    with open_hdf5(data, where) as f:
+        written = read_stored(f, where)
+    own = source.tokenizer()
+    if written is None or own is None or _same_tokenizer(written, own):
+        return
+    what = "another Hugging Face tokenizer" if written.kind == own.kind == "hf" else f"the {written.kind} tokenizer"
+    mine = "its own Hugging Face tokenizer" if own.kind == "hf" else f"a {own.kind} tokenizer of its own"
+    how = f"--tokenizer {source.path}" if own.kind == "hf" and Path(source.path).is_dir() else \
+        "--tokenizer as the model's data was (the same text for chars)"
+    raise ConfigError(f"{where} was tokenized with {what}, but the model ({source.describe()}) has {mine}: the "
+                      f"data's token ids would mean other tokens to it; tokenize the text with the model's: "
+                      f"python examples/text_to_hdf5.py TEXT {how}")
+
+
+def _same_tokenizer(a: StoredTokenizer, b: StoredTokenizer) -> bool:
+    """Whether two stored tokenizers give the same ids: the same tokenizer.json (hf) or the same spec."""
+    if a.kind != b.kind:
+        return False
+    if a.kind == "hf":
+        return dict(a.files).get("tokenizer.json") == dict(b.files).get("tokenizer.json")
+    return json.loads(a.attr) == json.loads(b.attr)
 
 
 def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", y_name: str = "y",
@@ -239,6 +272,7 @@ def evaluate_tokens(source: WeightsSource, data: str | Path, x_name: str = "x", 
     definition, dtype = model_def(config), config.model.dtype
     shape = definition.shape
     n = check_token_file(data, x_name, y_name, shape.seq_len, shape.vocab)
+    check_data_tokenizer(data, source)
     model = load_decoder(source, definition, dtype, inference_format(weight_format))
     where = f"token file {str(data)!r}"
     total, step = 0.0, slab_rows(shape)

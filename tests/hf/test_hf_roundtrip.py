@@ -83,7 +83,8 @@ def test_import_train_export_and_transformers_loads_the_trained_model(tmp_path, 
 
 
 def test_model_from_hf_init_trains_without_restating_the_model(tmp_path):
-    """model.init = HF_DIR alone: the kind and shape come from config.json; model.seq_len may be shorter."""
+    """model.init = HF_DIR alone: the kind and shape come from config.json; model.seq_len may be shorter; without
+    data.path a warning says the model trains on synthetic tokens (it did so silently)."""
     hf = _hf_dir(tmp_path)
     data = _tokens(tmp_path / "tokens.h5", 300, 16)
     proc = run_command(2, "hpcpipe.train", ["--set", f'model.init="{hf}"', "--set", "model.seq_len=16",
@@ -91,6 +92,17 @@ def test_model_from_hf_init_trains_without_restating_the_model(tmp_path):
                                             "--set", "train.steps=1", "--set", 'checkpoint.dir=""',
                                             "--set", "log.progress=false"], timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert "synthetic" not in proc.stderr
+    # without data.path a pretrained model trains on random tokens: said, once, with the way to make real data
+    synthetic = run_command(2, "hpcpipe.train", ["--set", f'model.init="{hf}"', "--set", "model.seq_len=16",
+                                                 "--set", "parallel.pp=2", "--set", "train.steps=1",
+                                                 "--set", 'checkpoint.dir=""', "--set", "log.progress=false"],
+                            timeout=120)
+    assert synthetic.returncode == 0, synthetic.stderr
+    warning = (f"hpcpipe: warning: data.path is empty: model.init {str(hf)!r} trains on synthetic random tokens, "
+               f"which teach it nothing; set data.path to a token file (python examples/text_to_hdf5.py TEXT "
+               f"--tokenizer {hf})")
+    assert synthetic.stderr.count(warning) == 1, synthetic.stderr
     refused = run_command(2, "hpcpipe.train", ["--set", f'model.init="{hf}"', "--set", "model.d_model=64",
                                                "--set", "parallel.pp=2"], timeout=60)
     one_error(refused, "model.d_model = 64", "does not match")

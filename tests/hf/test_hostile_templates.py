@@ -136,3 +136,16 @@ def test_generate_chat_is_held_to_the_server_s_budgets(hf, content, words):
     start = time.monotonic()
     one_error(_generate(hf, content, "--chat"), *words)
     assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("template, words", [
+    (None, ["--chat: this model has no chat template (no chat_template in tokenizer_config.json"]),
+    ([{"name": "tool_use", "template": CHATML}], ["--chat: the model has chat templates ['tool_use'] but none "
+                                                  "named 'default'"]),
+])
+def test_generate_chat_without_a_template_says_to_leave_out_chat(hf, template, words):
+    """A Hugging Face model without a (default) chat template: --chat gave the server's advice (use the
+    completions endpoint) where the command's way is to leave out --chat."""
+    _template(hf, template)
+    message = one_error(_generate(hf, "hello", "--chat"), *words, "leave out --chat to continue --prompt as plain")
+    assert "completions endpoint" not in message

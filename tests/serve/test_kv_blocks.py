@@ -109,7 +109,11 @@ def test_ngram_proposals_follow_the_latest_earlier_occurrence(tokens, k, want):
     ("serve.speculate='eagle'", "serve.speculate must be '', 'ngram' or 'draft'"),
     ("serve.speculate_tokens=17", "serve.speculate_tokens must be in 1..16"),
     ("serve.speculate='draft'", "serve.speculate = 'draft' needs serve.draft"),
+    # a draft model with ngram (or no) speculation was ignored without a word
+    (("serve.speculate='ngram'", "serve.draft='small'"), "serve.draft 'small' is used only with serve.speculate "
+                                                         "= 'draft' \\(it is 'ngram'\\)"),
+    ("serve.draft='small'", "serve.draft 'small' is used only with serve.speculate = 'draft' \\(it is ''\\)"),
 ])
 def test_bad_serve_keys_are_refused_with_one_message(setting, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [setting])
+        load_config(None, list(setting) if isinstance(setting, tuple) else [setting])

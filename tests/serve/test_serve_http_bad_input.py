@@ -68,6 +68,9 @@ BAD = [
     ({"prompt": ["a"] * 33}, None, "prompt has 33 strings; at most 32 per request", "prompt"),
     ({"prompt": "hi", "stream": True, "stream_options": 1}, None, "stream_options must be an object",
      "stream_options"),
+    # as OpenAI's API and vLLM: options of a stream on a request that does not stream (was ignored)
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, None,
+     "stream_options is only allowed when stream is true", "stream_options"),
 ]
 
 

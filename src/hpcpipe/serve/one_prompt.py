@@ -119,9 +119,10 @@ def prompt_ids(prompt: str, chat: bool, tokenizer) -> list[int]:
         what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
         raise ConfigError(f"--prompt is not valid UTF-8 text: {what} at position {at} (check the terminal's or "
                           f"the file's encoding)")
-    if chat and not hasattr(tokenizer, "files"):      # the server's 400 advises /v1/completions; here, this
-        raise ConfigError(f"--chat: this model has a {tokenizer.kind} tokenizer and no chat template; leave out "
-                          f"--chat to continue --prompt as plain text")
+    if chat:          # the server's 400 advises /v1/completions; here, leaving out --chat
+        no_template = no_chat_template(tokenizer)
+        if no_template:
+            raise ConfigError(f"--chat: {no_template}; leave out --chat to continue --prompt as plain text")
     job = {"chat": [{"role": "user", "content": prompt}]} if chat else {"text": prompt, "where": "--prompt"}
     limits = check_limits(None)
     try:
@@ -129,6 +130,24 @@ def prompt_ids(prompt: str, chat: bool, tokenizer) -> list[int]:
             return pool.run([job])[0]
     except ApiError as exc:
         raise ConfigError(f"--chat: {exc.message}" if chat else exc.message) from None
+
+
+def no_chat_template(tokenizer) -> str:
+    """Why ``tokenizer``'s model cannot render a chat ('' when it has a chat template): a bytes or chars tokenizer,
+    or a Hugging Face one without a template (or with several, none named default)."""
+    from hpcpipe.hf.chat import ChatError, NoChatTemplate, chat_template
+    files = getattr(tokenizer, "files", None)
+    if files is None:
+        return f"this model has a {tokenizer.kind} tokenizer and no chat template"
+    try:
+        if chat_template(files) is None:
+            return ("this model has no chat template (no chat_template in tokenizer_config.json and no "
+                    "chat_template.jinja)")
+    except NoChatTemplate as exc:
+        return str(exc)
+    except ChatError:
+        return ""          # a broken template: rendering it says what is wrong
+    return ""
 
 
 def full_context_note(source: OneShot, request: Request, p: ServeSetup) -> str:

@@ -174,7 +174,9 @@ def stream_options(body: dict) -> tuple[bool, bool]:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
                        "stream_options")
-        include_usage = stream and options.get("include_usage", False)
+        if not stream:         # OpenAI's API and vLLM refuse it too; ignoring it hid a client's mistake
+            raise _bad("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = options.get("include_usage", False)
     return stream, include_usage
 
 

@@ -50,6 +50,18 @@ exit status: 0 success, 1 a rank failed (the job is aborted), 2 bad configuratio
   See docs/cluster.md."""
 
 
+def synthetic_data_warning(config: Any) -> str:
+    """What to say when a pretrained decoder (model.init) trains on synthetic tokens (no data.path): random ids
+    teach it nothing and its checkpoint is saved as if it had learned ('' otherwise; the embedded MLP default and a
+    decoder trained from scratch, a benchmark's way, run on synthetic data on purpose)."""
+    if config.data.path or not config.model.init or config.model.kind == "mlp":
+        return ""
+    from hpcpipe.state.hf_source import is_hf_directory
+    how = config.model.init if is_hf_directory(config.model.init) else "as the model's"
+    return (f"data.path is empty: model.init {config.model.init!r} trains on synthetic random tokens, which teach "
+            f"it nothing; set data.path to a token file (python examples/text_to_hdf5.py TEXT --tokenizer {how})")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
@@ -183,9 +195,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             for note in notes:       # which config a resumed run continues under
                 print(note, file=sys.stderr, flush=True)
             from hpcpipe.train.lr_schedule import schedule_warning
-            warning = schedule_warning(p.config.train)
-            if warning:
-                print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
+            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config)):
+                if warning:
+                    print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:
             # a finished run: nothing to train, nothing to save (every rank decides the same from the setup)
             if world.Get_rank() == 0:

@@ -61,3 +61,32 @@ def test_one_serve_request_on_the_device_equals_numpy_generate(weights, tmp_path
     assert choice["text"] == want["completion"], (choice, want)
     assert choice["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == NEW
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(weights, tmp_path_factory):
+    """The Llama above as a Hugging Face directory in bfloat16 (the usual published form)."""
+    from hpcpipe.state.hf_convert import export_hf
+    from hpcpipe.state.sources import resolve_weights
+    out = tmp_path_factory.mktemp("gpu-bf16") / "llama-bf16"
+    export_hf(resolve_weights(str(weights["llama"])), out, "bfloat16")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["stored", "q8_0"])
+def test_weights_kept_as_stored_on_the_device_generate_as_on_numpy(bf16_llama, tmp_path, fmt):
+    """A bfloat16 checkpoint with model.weight_format stored (its bits on the GPU) or q8_0 (quantized there as on
+    the CPU): the device's row products (hpcpipe.kernels.cuda) give the tokens of the CPU's compiled products,
+    both multiplying float32 activations (HPCPIPE_Q8_ACTIVATIONS=float: the CPU's int8 path is another sum)."""
+    device = device_backend()
+    runs = {}
+    for backend in ("numpy", device):
+        proc, runs[backend] = generate(tmp_path, 2, bf16_llama, PROMPT, "--max-new-tokens", str(NEW),
+                                       "--temperature", "0", "--set", "parallel.pp=2", "--set",
+                                       f"run.backend={backend}", "--set", "model.dtype=float32", "--set",
+                                       f'model.weight_format="{fmt}"', timeout=300,
+                                       env={"HPCPIPE_Q8_ACTIVATIONS": "float"})
+        assert proc.returncode == 0, proc.stderr
+    want, got = runs["numpy"], runs[device]
+    assert len(want["tokens"]) == NEW
+    assert got["tokens"] == want["tokens"], (fmt, got["completion"], want["completion"])

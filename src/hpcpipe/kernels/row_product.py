@@ -1,0 +1,65 @@
+"""A weight kept as stored (float32, bfloat16 / float16 bits or q8_0) standing in for a layer's float (in, out) matrix.
+
+The NumPy steps of a decode stage multiply ``x @ weight`` with weights widened to float32 at load. Where the compiled
+stage does not run them (a GPU: CuPy), a :class:`RowProduct` keeps the (out, in) :class:`RowWeight` on the device
+as it is stored (half the bytes of float32 for a bfloat16 checkpoint, 34/32 bytes a weight for q8_0) and ``x @ it``
+runs the backend's row product on it: :mod:`hpcpipe.kernels.cuda` on CuPy, :mod:`hpcpipe.kernels.cpu` on NumPy (what
+the CPU tests check the wiring with). The products are float32, so the results are the widened weights' up to
+summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.kernels.formats import RowWeight
+
+
+class RowProduct:
+    """A (out, in) row weight on the ``xp`` backend, multiplied from the left as an (in, out) matrix: ``x @ it``."""
+
+    # NumPy's and CuPy's ``x @ self`` return NotImplemented for an operand that opts out of ufuncs, so Python calls
+    # __rmatmul__ (NEP 13; cupy/_core/core.pyx: _should_use_rop)
+    __array_ufunc__ = None
+    __array_priority__ = 1000
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, weight: RowWeight, xp: Any):
+        if not isinstance(weight, RowWeight):
+            raise TypeError(f"row product: expected a RowWeight, got {type(weight).__name__}")
+        self.xp = xp
+        if xp is np:
+            from hpcpipe.kernels import cpu
+            if cpu.library() is None:
+                raise RuntimeError("row product: the compiled CPU kernels are not built (install with a C compiler)")
+            self.weight, self._matmul = weight, cpu.matmul
+        else:
+            from hpcpipe.kernels import cuda
+            self.weight, self._matmul = cuda.to_device(weight), cuda.matmul
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(in, out): the layer's matrix it stands for."""
+        rows, cols = self.weight.shape
+        return cols, rows
+
+    @property
+    def kind(self) -> str:
+        """The stored kind (float32, bfloat16, float16, q8_0)."""
+        return self.weight.kind
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device (values and scales)."""
+        return self.weight.nbytes
+
+    def __rmatmul__(self, x: Any) -> Any:
+        cols, rows = self.shape
+        if x.shape[-1] != cols:
+            raise ValueError(f"row product: input rows of {x.shape[-1]} values for a ({cols}, {rows}) weight")
+        lead = x.shape[:-1]
+        flat = self.xp.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
+        return self._matmul(self.weight, flat).reshape(*lead, rows)

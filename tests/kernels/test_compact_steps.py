@@ -1,0 +1,92 @@
+"""The NumPy steps of a decode stage with its weights kept as stored (RowProduct: what a GPU stage does with
+model.weight_format stored or q8_0, here through the compiled CPU products) equal the same steps with the weights
+widened at load (the reference): GPT and llama variants from a bfloat16 checkpoint (matrices as RowWeights, the
+embedding a 16-bit table), split stages with a tied head on either side, prompts and decode steps mixed."""
+
+import numpy as np
+import pytest
+from test_fused_stage import MODELS, _calls
+
+from hpcpipe.kernels import cpu
+from hpcpipe.kernels.formats import RowWeight
+from hpcpipe.kernels.row_product import RowProduct
+from hpcpipe.nn.core.decode import DecodeStage
+from hpcpipe.nn.core.decoder_model import Decoder
+from hpcpipe.nn.core.half_table import HalfTable
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="compiled kernels not built (no C compiler)")
+
+
+def _bf16_checkpoint(model, rng):
+    """The decoder's parameters, perturbed, as a bfloat16 checkpoint loads them: (out, in) RowWeights of bits for
+    the matrices, a HalfTable for the embedding, float32 vectors."""
+    ref = Decoder(model, np, "float32", seed=3)
+    out = {}
+    for i, group in enumerate(ref.params):
+        out[i] = {}
+        for name, value in group.items():
+            v = np.array(value) + rng.standard_normal(value.shape).astype(np.float32) * 0.2
+            bits = (np.ascontiguousarray(v).view(np.uint32) >> 16).astype(np.uint16)
+            if name == "tok_emb":
+                out[i][name] = HalfTable(bits, "bfloat16")
+            elif v.ndim == 2 and name.endswith("/weight"):
+                out[i][name] = RowWeight("bfloat16", np.ascontiguousarray(bits.T))
+            else:
+                out[i][name] = v
+    return out
+
+
+def _run(model, arrays, splits, fmt, compact, calls):
+    shape = model.shape
+    stages = []
+    for groups in splits:
+        tok = arrays[0]["tok_emb"] if shape.tied and 0 not in groups and shape.n_groups - 1 in groups else None
+        stages.append(DecodeStage(model, groups, arrays, np, "float32", 3, tok_emb=tok, compiled=False,
+                                  weight_format=fmt, compact=compact))
+    out = []
+    for x, segments in calls:
+        for stage in stages:
+            x = stage.forward(x, segments)
+        out.append(x)
+    return out, stages
+
+
+@pytest.mark.parametrize("fmt", ["stored", "q8_0"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_weights_kept_as_stored_equal_the_widened_steps(name, fmt):
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)     # q8_0 times float activations, as the GPU kernels and the widened steps
+    try:
+        model = MODELS[name]()
+        rng = np.random.default_rng(len(name))
+        arrays = _bf16_checkpoint(model, rng)
+        calls = _calls(model.shape.vocab, rng)
+        n = model.shape.n_groups
+        for splits in ([range(n)], [range(0, 2), range(2, n)], [range(0, n - 1), range(n - 1, n)]):
+            want, _ = _run(model, arrays, splits, fmt, False, calls)
+            got, stages = _run(model, arrays, splits, fmt, True, calls)
+            kept = [b for s in stages for b in s.steps.blocks]
+            products = [b.attn.o.weight for b in kept]
+            assert products and all(isinstance(p, RowProduct) for p in products)
+            # q8_0 where the input width is whole blocks of 32 (as GGUF), else as stored
+            assert all(p.kind == ("q8_0" if fmt == "q8_0" and p.shape[0] % 32 == 0 else "bfloat16")
+                       for p in products)
+            head = stages[-1].steps.head.weight
+            assert isinstance(head, RowProduct)
+            for step, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert g.shape == w.shape
+                assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, fmt, len(splits), step)
+    finally:
+        cpu.int8_activations(int8)
+
+
+def test_compact_is_refused_where_it_does_not_apply():
+    model = MODELS["llama_gqa_bias_tied"]()
+    arrays = _bf16_checkpoint(model, np.random.default_rng(0))
+    groups = range(model.shape.n_groups)
+    with pytest.raises(ValueError, match="weight format stored or q8_0, not 'float32' float32 uncompiled"):
+        DecodeStage(model, groups, arrays, np, "float32", 2, compiled=False, weight_format="float32", compact=True)
+    with pytest.raises(ValueError, match="not 'stored' float32 compiled"):
+        DecodeStage(model, groups, arrays, np, "float32", 2, compiled=True, weight_format="stored", compact=True)
+    stage = DecodeStage(model, groups, arrays, np, "float32", 2, compiled=False, weight_format="stored")
+    assert not stage.compact        # on NumPy the widened steps stay the default (the reference)

@@ -118,6 +118,8 @@ def report(results: dict) -> str:
                      f"{r['step_s']:8.3f} {mfu} {ratio}  {'-' if moved is None else moved}")
     for kind in ("gpt", "llama", "llama-stored"):
         res = results["phases"].get(f"serve-{kind}", {}).get("result")
+        if res and res.get("device_memory_mib_loaded") is not None:
+            lines.append(f"serve {kind:12s} GPU memory once loaded: {res['device_memory_mib_loaded']} MiB")
         for p in (res or {}).get("points", []):
             lines.append(f"serve {kind:12s} clients {p['clients']:3d}: {p['tokens_per_s']:8.1f} tokens/s, "
                          f"TTFT p50 {_ms(p['ttft_p50_ms'])}, inter-token p50 {_ms(p['itl_p50_ms'])} "

@@ -8,9 +8,10 @@ float32, random weights (normal 0.02), a 96-character tokenizer (one character =
 temporary HDF5 file. One server, one rank (pp = 1) on the GPU, serve.max_sequences = the largest client count;
 closed-loop streaming clients from bench/serve_load.py (seeded 32-character prompts, max_tokens 64,
 temperature 0): per point a warm-up, then a window whose completion tokens / window = tokens/s, with TTFT and
-inter-token p50/p99 and the server's own /metrics view. ``--weight-format stored`` / ``q8_0``: the model is
-written as a Hugging Face directory in bfloat16 (hpcpipe's export) and served with model.weight_format so, its
-matrices kept on the GPU as stored (hpcpipe.kernels.row_product) and multiplied by hpcpipe.kernels.cuda.
+inter-token p50/p99 and the server's own /metrics view; and the GPU memory the server holds once loaded
+(nvidia-smi). ``--weight-format stored`` / ``q8_0``: the model is written as a Hugging Face directory in bfloat16
+(hpcpipe's export) and served with model.weight_format so, its matrices kept on the GPU as stored
+(hpcpipe.kernels.row_product) and multiplied by hpcpipe.kernels.cuda.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def write_model(path: str, kind: str, shape: dict, seed: int = 0) -> dict:
     write_weights(path, groups, n_layers=len(groups), model_config=config,
                   attrs={"tokenizer": json.dumps({"kind": "chars", "chars": CHARS})})
     return {**config, "params": int(sum(a.size for g in groups.values() for a in g.values()))}
+
+
+def device_memory_mib() -> int | None:
+    """MiB of GPU memory the compute processes hold (nvidia-smi; the server is the only one during a phase), or
+    None without nvidia-smi (a rehearsal) or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return sum(int(line) for line in out.split() if line.strip().isdigit())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def prompts(n: int, chars: int, seed: int = 0) -> list[str]:
@@ -155,7 +169,8 @@ def main() -> None:
                     args.log, start_s=300)
     result = {"kind": args.kind, "model": model, "backend": args.backend, "weight_format": args.weight_format,
               "write_s": write_s,
-              "start_s": time.perf_counter() - t0, "points": []}
+              "start_s": time.perf_counter() - t0, "points": [],
+              "device_memory_mib_loaded": device_memory_mib()}    # weights and KV pool, before any request
     try:
         for clients in size["clients"]:
             r = measure(server.url, clients, texts, body, size["warmup_s"], size["window_s"], 100_000, 0)

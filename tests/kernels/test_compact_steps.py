@@ -5,7 +5,7 @@ embedding a 16-bit table), split stages with a tied head on either side, prompts
 
 import numpy as np
 import pytest
-from test_fused_stage import MODELS, _calls
+from test_fused_stage import MODELS, _calls, _outputs, _stages
 
 from hpcpipe.kernels import cpu
 from hpcpipe.kernels.formats import RowWeight
@@ -37,18 +37,8 @@ def _bf16_checkpoint(model, rng):
 
 
 def _run(model, arrays, splits, fmt, compact, calls):
-    shape = model.shape
-    stages = []
-    for groups in splits:
-        tok = arrays[0]["tok_emb"] if shape.tied and 0 not in groups and shape.n_groups - 1 in groups else None
-        stages.append(DecodeStage(model, groups, arrays, np, "float32", 3, tok_emb=tok, compiled=False,
-                                  weight_format=fmt, compact=compact))
-    out = []
-    for x, segments in calls:
-        for stage in stages:
-            x = stage.forward(x, segments)
-        out.append(x)
-    return out, stages
+    stages = _stages(model, arrays, splits, compiled=False, weight_format=fmt, compact=compact)
+    return _outputs(stages, calls), stages
 
 
 @pytest.mark.parametrize("fmt", ["stored", "q8_0"])

@@ -1,7 +1,8 @@
 """The NumPy steps of a decode stage with its weights kept as stored (RowProduct: what a GPU stage does with
 model.weight_format stored or q8_0, here through the compiled CPU products) equal the same steps with the weights
 widened at load (the reference): GPT and llama variants from a bfloat16 checkpoint (matrices as RowWeights, the
-embedding a 16-bit table), split stages with a tied head on either side, prompts and decode steps mixed."""
+embedding a 16-bit table) and from a float32 one ((in, out) arrays, a float table), split stages with a tied head on
+either side, prompts and decode steps mixed."""
 
 import numpy as np
 import pytest
@@ -90,3 +91,42 @@ def test_compact_is_refused_where_it_does_not_apply():
         DecodeStage(model, groups, arrays, np, "float32", 2, compiled=True, weight_format="stored", compact=True)
     stage = DecodeStage(model, groups, arrays, np, "float32", 2, compiled=False, weight_format="stored")
     assert not stage.compact        # on NumPy the widened steps stay the default (the reference)
+
+
+def _float_checkpoint(model, rng):
+    """The bfloat16 checkpoint's values as a float32 checkpoint holds them (an hpcpipe HDF5 file, a merged LoRA):
+    (in, out) float matrices and a float (vocab, d) embedding table."""
+    out = {}
+    for i, group in _bf16_checkpoint(model, rng).items():
+        out[i] = {name: (np.ascontiguousarray(v.dense().T) if isinstance(v, RowWeight) else
+                         RowWeight(v.kind, v.bits).dense() if isinstance(v, HalfTable) else v)
+                  for name, v in group.items()}
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["stored", "q8_0"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_float32_checkpoint_kept_as_stored_equals_the_widened_steps(name, fmt):
+    """Float (in, out) matrices become float32 or q8_0 row products; a tied head on a stage of its own keeps the
+    handed table in the weight format as the blocks do (q8_0 when d is whole blocks of 32, not widened floats)."""
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)
+    try:
+        model = MODELS[name]()
+        rng = np.random.default_rng(len(name) + 1)
+        arrays = _float_checkpoint(model, rng)
+        calls = _calls(model.shape.vocab, rng)
+        n, d = model.shape.n_groups, model.shape.d_model
+        for splits in ([range(n)], [range(0, n - 1), range(n - 1, n)]):
+            want, _ = _run(model, arrays, splits, fmt, False, calls)
+            got, stages = _run(model, arrays, splits, fmt, True, calls)
+            products = [b.attn.o.weight for s in stages for b in s.steps.blocks]
+            assert all(p.kind == ("q8_0" if fmt == "q8_0" and p.shape[0] % 32 == 0 else "float32")
+                       for p in products)
+            head = stages[-1].steps.head.weight
+            if model.shape.tied and len(splits) > 1:
+                assert head.kind == ("q8_0" if fmt == "q8_0" and d % 32 == 0 else "float32"), (name, fmt)
+            for step, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, fmt, len(splits), step)
+    finally:
+        cpu.int8_activations(int8)

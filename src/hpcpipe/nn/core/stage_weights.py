@@ -63,7 +63,12 @@ def compact_table(table: Any, fmt: str, xp: Any, loaded: bool) -> RowProduct:
     RowWeight or float array on the host) in weight format ``fmt``."""
     if isinstance(table, HalfTable):
         table = RowWeight(table.kind, table.bits)
-    if isinstance(table, RowWeight):
-        return RowProduct(table if loaded else row_weight(table, fmt), xp)
-    values = table if loaded else kept_values("tok_emb", table, fmt)
-    return RowProduct(RowWeight("float32", xp.ascontiguousarray(values, dtype=np.float32)), xp)
+    if loaded:                     # on xp already: shared with the embedding's gather, no second copy
+        if isinstance(table, RowWeight):
+            return RowProduct(table, xp)
+        return RowProduct(RowWeight("float32", xp.ascontiguousarray(table, dtype=np.float32)), xp)
+    # a host table: its (vocab, d) rows are the head's (out, in) already; made a row weight on the host (CuPy's
+    # ascontiguousarray takes only CuPy arrays), in the weight format (q8_0 blocks, not their widened floats)
+    if not isinstance(table, RowWeight):
+        table = RowWeight("float32", np.ascontiguousarray(table, dtype=np.float32))
+    return RowProduct(row_weight(table, fmt), xp)

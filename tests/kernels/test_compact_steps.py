@@ -130,3 +130,23 @@ def test_a_float32_checkpoint_kept_as_stored_equals_the_widened_steps(name, fmt)
                 assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, fmt, len(splits), step)
     finally:
         cpu.int8_activations(int8)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(MODELS) if MODELS[n]().shape.tied])
+def test_a_tied_table_kept_as_stored_is_shared_by_the_embedding_and_the_head(name):
+    """A stage that embeds and holds the tied head, its tok_emb a bfloat16 RowWeight (how serve reads a stored
+    checkpoint there): one copy of the table's bits, gathered from and multiplied by (not a float32 widening, which
+    would take twice a bfloat16 model's bytes for a small model's largest matrix)."""
+    model = MODELS[name]()
+    rng = np.random.default_rng(len(name) + 2)
+    arrays = _bf16_checkpoint(model, rng)
+    arrays[0]["tok_emb"] = RowWeight("bfloat16", arrays[0]["tok_emb"].bits)
+    calls = _calls(model.shape.vocab, rng)
+    splits = [range(model.shape.n_groups)]
+    want, _ = _run(model, arrays, splits, "stored", False, calls)
+    got, (stage,) = _run(model, arrays, splits, "stored", True, calls)
+    head, table = stage.steps.head.weight, stage.steps.tok_emb
+    assert head.kind == "bfloat16" and isinstance(table, HalfTable)
+    assert np.shares_memory(head.weight.data, table.bits)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, step)

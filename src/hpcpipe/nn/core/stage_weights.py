@@ -56,6 +56,16 @@ def compact_matrix(name: str, value: Any, fmt: str, xp: Any) -> RowProduct | Non
     return RowProduct(row_weight(value, fmt), xp)
 
 
+def shared_table(value: Any, fmt: str, dtype: Any, xp: Any) -> HalfTable | None:
+    """A stage's own 16-bit tok_emb (a bfloat16 / float16 RowWeight) that its tied head multiplies by, kept as stored
+    on ``xp`` in weight format stored: a HalfTable the embedding gathers from and the head's row product shares
+    (widened, the table took float32's bytes). None otherwise (q8_0 rounds the table, and gathers are not from
+    blocks)."""
+    if fmt != "stored" or not isinstance(value, RowWeight) or value.kind not in ("bfloat16", "float16"):
+        return None
+    return HalfTable(value.data, value.kind, dtype).on(xp)
+
+
 def compact_table(table: Any, fmt: str, xp: Any, loaded: bool) -> RowProduct:
     """The row product a tied head multiplies by, holding the (vocab, d) table's values as the widened steps' head
     does: ``loaded``, the stage's own embedding table as it was loaded (a HalfTable's bits on ``xp``, shared with the

@@ -9,7 +9,7 @@ import pytest
 from test_fused_stage import MODELS, _calls
 
 from hpcpipe.kernels import cpu
-from hpcpipe.kernels.formats import RowWeight
+from hpcpipe.kernels.formats import RowWeight, row_weight
 from hpcpipe.kernels.row_product import RowProduct
 from hpcpipe.nn.core.decode import DecodeStage
 from hpcpipe.nn.core.decoder_model import Decoder
@@ -150,3 +150,29 @@ def test_a_tied_table_kept_as_stored_is_shared_by_the_embedding_and_the_head(nam
     assert np.shares_memory(head.weight.data, table.bits)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, step)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
+def test_a_row_product_multiplies_as_the_matrix_it_stands_for(kind):
+    """``x @ product`` equals ``x @ W.T`` for rows of any leading shape (none, one, two axes, strided, float64, no
+    rows at all: what a widened (in, out) array takes), and refuses rows of the wrong width."""
+    int8 = cpu.int8_activations()
+    cpu.int8_activations(False)
+    try:
+        rng = np.random.default_rng(7)
+        w = rng.standard_normal((48, 64)).astype(np.float32)
+        weight = {"float32": RowWeight("float32", w),
+                  "bfloat16": RowWeight("bfloat16", (w.view(np.uint32) >> 16).astype(np.uint16)),
+                  "q8_0": row_weight(RowWeight("float32", w), "q8_0")}[kind]
+        product, dense = RowProduct(weight, np), weight.dense()
+        assert product.shape == (64, 48) and product.kind == kind
+        for x in (rng.standard_normal(64).astype(np.float32), rng.standard_normal((2, 3, 64)),
+                  rng.standard_normal((5, 128)).astype(np.float32)[:, ::2], np.zeros((0, 64), np.float32),
+                  np.zeros((2, 0, 64), np.float32)):
+            got, want = x @ product, x.astype(np.float32) @ dense.T
+            assert got.shape == want.shape and got.dtype == np.float32
+            assert np.abs(got - want).max(initial=0) <= 1e-5 * np.abs(want).max(initial=1)
+        with pytest.raises(ValueError, match="input rows of 63 values for a"):
+            np.ones((2, 63), np.float32) @ product
+    finally:
+        cpu.int8_activations(int8)

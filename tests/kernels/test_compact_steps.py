@@ -176,3 +176,21 @@ def test_a_row_product_multiplies_as_the_matrix_it_stands_for(kind):
             np.ones((2, 63), np.float32) @ product
     finally:
         cpu.int8_activations(int8)
+
+
+@pytest.mark.parametrize("name", ["gpt_untied", "llama_mqa_head_dim_scaled", "llama_gqa_bias_tied"])
+def test_a_16_bit_table_read_as_stored_is_gathered_from_as_stored(name):
+    """tok_emb read as a bfloat16 RowWeight (serve's stored read gives every matrix so, the embedding's too) on a
+    compact stage that embeds, with or without the head: kept as its bits (a HalfTable), not widened to float32."""
+    model = MODELS[name]()
+    rng = np.random.default_rng(len(name) + 3)
+    arrays = _bf16_checkpoint(model, rng)
+    arrays[0]["tok_emb"] = RowWeight("bfloat16", arrays[0]["tok_emb"].bits)
+    calls = _calls(model.shape.vocab, rng)
+    n = model.shape.n_groups
+    for splits in ([range(n)], [range(0, 2), range(2, n)]):
+        want, _ = _run(model, arrays, splits, "stored", False, calls)
+        got, stages = _run(model, arrays, splits, "stored", True, calls)
+        assert isinstance(stages[0].steps.tok_emb, HalfTable), (name, len(splits))
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, len(splits), step)

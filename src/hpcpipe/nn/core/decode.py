@@ -141,9 +141,9 @@ class DecodeStage:
             if isinstance(value, HalfTable):    # a 16-bit embedding table, gathered from as it is
                 out[name] = HalfTable(value.bits, value.kind, self.dtype).on(self.xp)
                 continue
-            if name == "tok_emb" and self.compact and self.has_head and self.shape.tied:
+            if name == "tok_emb" and self.compact:
                 table = shared_table(value, self.weight_format, self.dtype, self.xp)
-                if table is not None:          # gathered from and multiplied by as stored: one 16-bit copy
+                if table is not None:          # gathered from (and a tied head's) as stored: one 16-bit copy
                     out[name] = table
                     continue
             product = compact_matrix(name, value, self.weight_format, self.xp) if self.compact else None

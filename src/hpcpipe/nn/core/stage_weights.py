@@ -57,8 +57,8 @@ def compact_matrix(name: str, value: Any, fmt: str, xp: Any) -> RowProduct | Non
 
 
 def shared_table(value: Any, fmt: str, dtype: Any, xp: Any) -> HalfTable | None:
-    """A stage's own 16-bit tok_emb (a bfloat16 / float16 RowWeight) that its tied head multiplies by, kept as stored
-    on ``xp`` in weight format stored: a HalfTable the embedding gathers from and the head's row product shares
+    """A compact stage's own 16-bit tok_emb (a bfloat16 / float16 RowWeight, as a stored read gives it) kept as stored
+    on ``xp`` in weight format stored: a HalfTable the embedding gathers from and a tied head's row product shares
     (widened, the table took float32's bytes). None otherwise (q8_0 rounds the table, and gathers are not from
     blocks)."""
     if fmt != "stored" or not isinstance(value, RowWeight) or value.kind not in ("bfloat16", "float16"):

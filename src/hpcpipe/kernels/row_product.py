@@ -61,5 +61,7 @@ class RowProduct:
         if x.shape[-1] != cols:
             raise ValueError(f"row product: input rows of {x.shape[-1]} values for a ({cols}, {rows}) weight")
         lead = x.shape[:-1]
+        if not x.size:          # no rows: NumPy gives an empty array zero strides, which the products refuse
+            return self.xp.zeros((*lead, rows), dtype=np.float32)
         flat = self.xp.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
         return self._matmul(self.weight, flat).reshape(*lead, rows)

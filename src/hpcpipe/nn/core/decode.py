@@ -36,7 +36,7 @@ from hpcpipe.nn.core.flash import flash_forward
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
 from hpcpipe.nn.core.kv_pages import PagedLayout, stage_rings
-from hpcpipe.nn.core.stage_weights import compact_choice, compact_matrix, compact_table, widened
+from hpcpipe.nn.core.stage_weights import compact_choice, compact_matrix, compact_table, shared_table, widened
 
 
 class DecodeStage:
@@ -141,6 +141,11 @@ class DecodeStage:
             if isinstance(value, HalfTable):    # a 16-bit embedding table, gathered from as it is
                 out[name] = HalfTable(value.bits, value.kind, self.dtype).on(self.xp)
                 continue
+            if name == "tok_emb" and self.compact:
+                table = shared_table(value, self.weight_format, self.dtype, self.xp)
+                if table is not None:          # gathered from (and a tied head's) as stored: one 16-bit copy
+                    out[name] = table
+                    continue
             product = compact_matrix(name, value, self.weight_format, self.xp) if self.compact else None
             if product is not None:
                 out[name] = product

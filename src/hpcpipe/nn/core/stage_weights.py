@@ -56,6 +56,16 @@ def compact_matrix(name: str, value: Any, fmt: str, xp: Any) -> RowProduct | Non
     return RowProduct(row_weight(value, fmt), xp)
 
 
+def shared_table(value: Any, fmt: str, dtype: Any, xp: Any) -> HalfTable | None:
+    """A compact stage's own 16-bit tok_emb (a bfloat16 / float16 RowWeight, as a stored read gives it) kept as stored
+    on ``xp`` in weight format stored: a HalfTable the embedding gathers from and a tied head's row product shares
+    (widened, the table took float32's bytes). None otherwise (q8_0 rounds the table, and gathers are not from
+    blocks)."""
+    if fmt != "stored" or not isinstance(value, RowWeight) or value.kind not in ("bfloat16", "float16"):
+        return None
+    return HalfTable(value.data, value.kind, dtype).on(xp)
+
+
 def compact_table(table: Any, fmt: str, xp: Any, loaded: bool) -> RowProduct:
     """The row product a tied head multiplies by, holding the (vocab, d) table's values as the widened steps' head
     does: ``loaded``, the stage's own embedding table as it was loaded (a HalfTable's bits on ``xp``, shared with the
@@ -63,7 +73,12 @@ def compact_table(table: Any, fmt: str, xp: Any, loaded: bool) -> RowProduct:
     RowWeight or float array on the host) in weight format ``fmt``."""
     if isinstance(table, HalfTable):
         table = RowWeight(table.kind, table.bits)
-    if isinstance(table, RowWeight):
-        return RowProduct(table if loaded else row_weight(table, fmt), xp)
-    values = table if loaded else kept_values("tok_emb", table, fmt)
-    return RowProduct(RowWeight("float32", xp.ascontiguousarray(values, dtype=np.float32)), xp)
+    if loaded:                     # on xp already: shared with the embedding's gather, no second copy
+        if isinstance(table, RowWeight):
+            return RowProduct(table, xp)
+        return RowProduct(RowWeight("float32", xp.ascontiguousarray(table, dtype=np.float32)), xp)
+    # a host table: its (vocab, d) rows are the head's (out, in) already; made a row weight on the host (CuPy's
+    # ascontiguousarray takes only CuPy arrays), in the weight format (q8_0 blocks, not their widened floats)
+    if not isinstance(table, RowWeight):
+        table = RowWeight("float32", np.ascontiguousarray(table, dtype=np.float32))
+    return RowProduct(row_weight(table, fmt), xp)

@@ -142,10 +142,13 @@ def test_a_tied_table_kept_as_stored_is_shared_by_the_embedding_and_the_head(nam
         assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (name, step)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
-def test_a_row_product_multiplies_as_the_matrix_it_stands_for(kind):
+@pytest.mark.parametrize("widen_from", [None, 1, 4])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "q8_0"])
+def test_a_row_product_multiplies_as_the_matrix_it_stands_for(kind, widen_from):
     """``x @ product`` equals ``x @ W.T`` for rows of any leading shape (none, one, two axes, strided, float64, no
-    rows at all: what a widened (in, out) array takes), and refuses rows of the wrong width."""
+    rows at all: what a widened (in, out) array takes), and refuses rows of the wrong width; through the compiled
+    product, or (``widen_from``: from that many rows, as a GPU's prefill) the weight widened for the call and the
+    backend's BLAS."""
     int8 = cpu.int8_activations()
     cpu.int8_activations(False)
     try:
@@ -153,8 +156,10 @@ def test_a_row_product_multiplies_as_the_matrix_it_stands_for(kind):
         w = rng.standard_normal((48, 64)).astype(np.float32)
         weight = {"float32": RowWeight("float32", w),
                   "bfloat16": RowWeight("bfloat16", (w.view(np.uint32) >> 16).astype(np.uint16)),
+                  "float16": RowWeight("float16", w.astype(np.float16).view(np.uint16)),
                   "q8_0": row_weight(RowWeight("float32", w), "q8_0")}[kind]
-        product, dense = RowProduct(weight, np), weight.dense()
+        product, dense = RowProduct(weight, np, widen_from), weight.dense()
+        assert product.widen_from == widen_from
         assert product.shape == (64, 48) and product.kind == kind
         for x in (rng.standard_normal(64).astype(np.float32), rng.standard_normal((2, 3, 64)),
                   rng.standard_normal((5, 128)).astype(np.float32)[:, ::2], np.zeros((0, 64), np.float32),

@@ -16,6 +16,8 @@ import numpy as np
 
 from hpcpipe.kernels.formats import RowWeight
 
+WIDEN_ROWS = 32          # rows of x from which a GPU row product widens the weight (see RowProduct.__init__)
+
 
 class RowProduct:
     """A (out, in) row weight on the ``xp`` backend, multiplied from the left as an (in, out) matrix: ``x @ it``."""
@@ -27,10 +29,15 @@ class RowProduct:
     ndim = 2
     dtype = np.dtype(np.float32)
 
-    def __init__(self, weight: RowWeight, xp: Any):
+    def __init__(self, weight: RowWeight, xp: Any, widen_from: int | None = None):
         if not isinstance(weight, RowWeight):
             raise TypeError(f"row product: expected a RowWeight, got {type(weight).__name__}")
         self.xp = xp
+        # from this many rows of x the weight is widened for the call and multiplied by xp's matmul (cuBLAS): the
+        # GPU kernel reads a weight once per 8 rows of x, the widening about five times its bytes once (read,
+        # write and read float32), so a prefill or a large decode batch is cheaper widened. 32 is that estimate,
+        # not a measurement (no GPU lease yet). The CPU's compiled product has its own many-row path: never.
+        self.widen_from = widen_from if widen_from is not None else (None if xp is np else WIDEN_ROWS)
         if xp is np:
             from hpcpipe.kernels import cpu
             if cpu.library() is None:
@@ -64,4 +71,7 @@ class RowProduct:
         if not x.size:          # no rows: NumPy gives an empty array zero strides, which the products refuse
             return self.xp.zeros((*lead, rows), dtype=np.float32)
         flat = self.xp.ascontiguousarray(x.reshape(-1, cols), dtype=np.float32)
+        if self.weight.kind == "float32" or (self.widen_from is not None and flat.shape[0] >= self.widen_from):
+            # float32 values are multiplied as they are by the backend's BLAS; others widened for this call only
+            return (flat @ self.weight.dense().T).reshape(*lead, rows)
         return self._matmul(self.weight, flat).reshape(*lead, rows)

@@ -12,6 +12,7 @@ rewritten after every phase, so a run cut short still leaves its numbers:
   torch       bench/gpu/gpu_torch_train.py: fp32, TF32, bf16 autocast
   hpcpipe-pp2 the worker on 2 ranks sharing the GPU
   serve-gpt, serve-llama   bench/gpu/gpu_serve.py
+  serve-llama-stored       the Llama from a bfloat16 checkpoint kept as stored on the GPU (model.weight_format)
 
 MFU = tokens/s x FLOPs per token (bench/gpt_cost.py: 6 x non-embedding parameters + attention, causal mask
 counted fully) / the measured CuPy 2-D rate of the same precision. --rehearse (no CuPy): the quick sizes on
@@ -30,7 +31,8 @@ import time
 from gpu_common import HERE, ROOT, SIZES, Budget, last_json, mpiexec, run_logged
 
 # seconds each phase is expected to take at the full size (the budget check); quick sizes take a fraction
-ESTIMATE = {"matmul": 40, "hpcpipe-pp1": 90, "torch": 60, "hpcpipe-pp2": 90, "serve-gpt": 80, "serve-llama": 80}
+ESTIMATE = {"matmul": 40, "hpcpipe-pp1": 90, "torch": 60, "hpcpipe-pp2": 90, "serve-gpt": 80, "serve-llama": 80,
+            "serve-llama-stored": 80}
 
 
 def phases(args) -> list[tuple[str, list[str]]]:
@@ -46,6 +48,8 @@ def phases(args) -> list[tuple[str, list[str]]]:
     for kind in ("gpt", "llama"):
         out.append((f"serve-{kind}", [py, os.path.join(HERE, "gpu_serve.py"), "--kind", kind, "--size", size,
                                       "--backend", backend, "--log", args.log]))
+    out.append(("serve-llama-stored", [py, os.path.join(HERE, "gpu_serve.py"), "--kind", "llama", "--size", size,
+                                       "--backend", backend, "--log", args.log, "--weight-format", "stored"]))
     return out
 
 
@@ -112,10 +116,12 @@ def report(results: dict) -> str:
         moved = r["host_device_bytes_per_step_by_rank"]
         lines.append(f"{r['run']:12s} {r['pp']:2d} {r['precision']:5s} {r['tokens_per_s']:10.0f} "
                      f"{r['step_s']:8.3f} {mfu} {ratio}  {'-' if moved is None else moved}")
-    for kind in ("gpt", "llama"):
+    for kind in ("gpt", "llama", "llama-stored"):
         res = results["phases"].get(f"serve-{kind}", {}).get("result")
+        if res and res.get("device_memory_mib_loaded") is not None:
+            lines.append(f"serve {kind:12s} GPU memory once loaded: {res['device_memory_mib_loaded']} MiB")
         for p in (res or {}).get("points", []):
-            lines.append(f"serve {kind:5s} clients {p['clients']:3d}: {p['tokens_per_s']:8.1f} tokens/s, "
+            lines.append(f"serve {kind:12s} clients {p['clients']:3d}: {p['tokens_per_s']:8.1f} tokens/s, "
                          f"TTFT p50 {_ms(p['ttft_p50_ms'])}, inter-token p50 {_ms(p['itl_p50_ms'])} "
                          f"p99 {_ms(p['itl_p99_ms'])}, {p['requests_done']} requests done")
     for name, ph in results["phases"].items():

@@ -1,13 +1,17 @@
 """Serving on the GPU: decode tokens/s of ``python -m hpcpipe.serve`` at 1 and 64 concurrent streaming clients.
 
     python bench/gpu/gpu_serve.py --kind gpt --size full --log bench.log [--backend cupy]   # one JSON line
+                                  [--weight-format stored]
 
 One model per call: the benchmark GPT's shape (tied head) or a Llama of the same width (bench/gpu/gpu_common.SIZES),
 float32, random weights (normal 0.02), a 96-character tokenizer (one character = one token), written once to a
 temporary HDF5 file. One server, one rank (pp = 1) on the GPU, serve.max_sequences = the largest client count;
 closed-loop streaming clients from bench/serve_load.py (seeded 32-character prompts, max_tokens 64,
 temperature 0): per point a warm-up, then a window whose completion tokens / window = tokens/s, with TTFT and
-inter-token p50/p99 and the server's own /metrics view.
+inter-token p50/p99 and the server's own /metrics view; and the GPU memory the server holds once loaded
+(nvidia-smi). ``--weight-format stored`` / ``q8_0``: the model is written as a Hugging Face directory in bfloat16
+(hpcpipe's export) and served with model.weight_format so, its matrices kept on the GPU as stored
+(hpcpipe.kernels.row_product) and multiplied by hpcpipe.kernels.cuda.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +64,19 @@ def write_model(path: str, kind: str, shape: dict, seed: int = 0) -> dict:
     write_weights(path, groups, n_layers=len(groups), model_config=config,
                   attrs={"tokenizer": json.dumps({"kind": "chars", "chars": CHARS})})
     return {**config, "params": int(sum(a.size for g in groups.values() for a in g.values()))}
+
+
+def device_memory_mib() -> int | None:
+    """MiB of GPU memory the compute processes hold (nvidia-smi; the server is the only one during a phase), or
+    None without nvidia-smi (a rehearsal) or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return sum(int(line) for line in out.split() if line.strip().isdigit())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def prompts(n: int, chars: int, seed: int = 0) -> list[str]:
@@ -125,6 +143,7 @@ def main() -> None:
     ap.add_argument("--size", default="full", choices=sorted(SIZES))
     ap.add_argument("--backend", default="cupy")
     ap.add_argument("--log", required=True, help="file the server's output is appended to")
+    ap.add_argument("--weight-format", default="float32", choices=["float32", "stored", "q8_0"])
     args = ap.parse_args()
     size = SIZES[args.size]
     from serve_load import measure
@@ -133,16 +152,25 @@ def main() -> None:
     weights = os.path.join(tmp, f"bench-{args.kind}.h5")
     t0 = time.perf_counter()
     model = write_model(weights, args.kind, size[f"serve_{args.kind}"])
+    served, sets = weights, []
+    if args.weight_format != "float32":
+        from hpcpipe.state.hf_convert import export_hf
+        from hpcpipe.state.sources import resolve_weights
+        served = os.path.join(tmp, f"bench-{args.kind}-bf16")
+        export_hf(resolve_weights(weights), served, "bfloat16")
+        sets = ["model.dtype=float32", f'model.weight_format="{args.weight_format}"']
     write_s = time.perf_counter() - t0
     texts = prompts(64, size["prompt_chars"])
-    body = {"model": os.path.basename(weights), "max_tokens": size["max_tokens"], "temperature": 0.0, "seed": 0,
+    body = {"model": os.path.basename(served), "max_tokens": size["max_tokens"], "temperature": 0.0, "seed": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     top = max(size["clients"])
     t0 = time.perf_counter()
-    server = Server(weights, [f"run.backend={args.backend}", "parallel.pp=1", f"serve.max_sequences={top}"],
+    server = Server(served, [f"run.backend={args.backend}", "parallel.pp=1", f"serve.max_sequences={top}", *sets],
                     args.log, start_s=300)
-    result = {"kind": args.kind, "model": model, "backend": args.backend, "write_s": write_s,
-              "start_s": time.perf_counter() - t0, "points": []}
+    result = {"kind": args.kind, "model": model, "backend": args.backend, "weight_format": args.weight_format,
+              "write_s": write_s,
+              "start_s": time.perf_counter() - t0, "points": [],
+              "device_memory_mib_loaded": device_memory_mib()}    # weights and KV pool, before any request
     try:
         for clients in size["clients"]:
             r = measure(server.url, clients, texts, body, size["warmup_s"], size["window_s"], 100_000, 0)
@@ -151,7 +179,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     finally:
         result["exit_status"] = server.stop()
-        os.remove(weights)
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(result), flush=True)
 
 

@@ -61,3 +61,37 @@ def test_one_serve_request_on_the_device_equals_numpy_generate(weights, tmp_path
     assert choice["text"] == want["completion"], (choice, want)
     assert choice["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == NEW
+
+
+LONG_PROMPT = "hello world, " * 4      # 52 tokens: a prefill past RowProduct's widening threshold (32 rows)
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    """A Llama with room for the long prompt, as a Hugging Face directory in bfloat16 (the usual published form)."""
+    from hpcpipe.state.hf_convert import export_hf
+    from hpcpipe.state.sources import resolve_weights
+    tmp = tmp_path_factory.mktemp("gpu-bf16")
+    make_llama_weights(tmp / "llama.h5", seq_len=96)
+    export_hf(resolve_weights(str(tmp / "llama.h5")), tmp / "llama-bf16", "bfloat16")
+    return tmp / "llama-bf16"
+
+
+@pytest.mark.parametrize("fmt", ["stored", "q8_0"])
+def test_weights_kept_as_stored_on_the_device_generate_as_on_numpy(bf16_llama, tmp_path, fmt):
+    """A bfloat16 checkpoint with model.weight_format stored (its bits on the GPU) or q8_0 (quantized there as on
+    the CPU): the device's row products (hpcpipe.kernels.cuda) give the tokens of the CPU's compiled products,
+    both multiplying float32 activations (HPCPIPE_Q8_ACTIVATIONS=float: the CPU's int8 path is another sum). The
+    prompt's prefill takes the weights widened for the call (52 rows), each new token the row kernel (1 row)."""
+    device = device_backend()
+    runs = {}
+    for backend in ("numpy", device):
+        proc, runs[backend] = generate(tmp_path, 2, bf16_llama, LONG_PROMPT, "--max-new-tokens", str(NEW),
+                                       "--temperature", "0", "--set", "parallel.pp=2", "--set",
+                                       f"run.backend={backend}", "--set", "model.dtype=float32", "--set",
+                                       f'model.weight_format="{fmt}"', timeout=300,
+                                       env={"HPCPIPE_Q8_ACTIVATIONS": "float"})
+        assert proc.returncode == 0, proc.stderr
+    want, got = runs["numpy"], runs[device]
+    assert len(want["tokens"]) == NEW
+    assert got["tokens"] == want["tokens"], (fmt, got["completion"], want["completion"])

@@ -39,20 +39,30 @@ def _calls(vocab, rng):
     return calls
 
 
-def _run(model, arrays, splits, fmt, compiled, calls):
+def _stages(model, arrays, splits, **options):
+    """A decode stage for each range of layer groups (a tied head's stage gets the table), DecodeStage ``options``."""
     shape = model.shape
     stages = []
     for groups in splits:
         tok = arrays[0]["tok_emb"] if shape.tied and 0 not in groups and shape.n_groups - 1 in groups else None
-        stages.append(DecodeStage(model, groups, arrays, np, "float32", 3, tok_emb=tok, compiled=compiled,
-                                  weight_format=fmt))
-    assert all(s.compiled == compiled for s in stages)
+        stages.append(DecodeStage(model, groups, arrays, np, "float32", 3, tok_emb=tok, **options))
+    return stages
+
+
+def _outputs(stages, calls):
+    """Each call's output through the stages in turn."""
     out = []
     for x, segments in calls:
         for stage in stages:
             x = stage.forward(x, segments)
         out.append(x)
     return out
+
+
+def _run(model, arrays, splits, fmt, compiled, calls):
+    stages = _stages(model, arrays, splits, compiled=compiled, weight_format=fmt)
+    assert all(s.compiled == compiled for s in stages)
+    return _outputs(stages, calls)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "stored", "q8_0"])

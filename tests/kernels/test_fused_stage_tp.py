@@ -2,7 +2,8 @@
 columns, its ff slice of gate|up (fc) and down (proj), its vocabulary rows; the two row-parallel partial sums of
 every block are summed over the ranks from inside the C stage. Prefill of two sequences, decode steps of both
 and a third prompt beside them: the gathered logits equal the NumPy steps at tp = 2 and the compiled stage at
-tp = 1 within 1e-5 of the largest logit, for a llama kind (GQA, with and without sliding windows) and a GPT, in
+tp = 1 within 1e-5 of the largest logit (and the NumPy steps with the weights kept as stored, as a GPU stage
+keeps them, equal the widened ones), for a llama kind (GQA, with and without sliding windows) and a GPT, in
 float32 weights, stored bfloat16 and q8_0 (whose rank slices are whole blocks of 32); a q8_0 split that is not
 is refused with its reason."""
 
@@ -82,11 +83,12 @@ def _local(model, arrays, tp, rank):
     return out
 
 
-def _run(model, arrays, fmt, compiled, group, calls):
-    """Every call through a whole-model stage; logits gathered over the tp ranks (on rank 0)."""
+def _run(model, arrays, fmt, compiled, group, calls, compact=False):
+    """Every call through a whole-model stage; logits gathered over the tp ranks (on rank 0). ``compact``: the
+    NumPy steps with the weights kept as stored (a GPU stage's way, hpcpipe.nn.core.stage_weights)."""
     shape = model.shape
     stage = DecodeStage(model, range(shape.n_groups), arrays, np, "float32", 3, tp=group, weight_format=fmt,
-                        compiled=compiled)
+                        compiled=compiled, compact=compact)
     assert stage.compiled == compiled
     out = []
     for tokens, segments in calls:
@@ -127,14 +129,18 @@ def test_compiled_tp_2_equals_numpy_tp_2_and_compiled_tp_1(name, fmt):
     try:
         got = _run(model, mine(), fmt, True, group, calls)
         numpy_tp = _run(model, mine(), fmt, False, group, calls)
+        compact_tp = _run(model, mine(), fmt, False, group, calls, compact=True) if fmt != "float32" else None
         whole = _run(model, arrays, fmt, True, None, calls) if group.rank == 0 else None
     finally:
         cpu.int8_activations(int8)
     blocks = model.shape.n_blocks
     # each call: the embedding's lookup and two sums a block, all through the tp group
-    assert group.calls - before == 2 * len(calls) * (1 + 2 * blocks)      # the compiled and the NumPy runs
+    runs = 2 if compact_tp is None else 3                            # compiled, NumPy (widened, kept as stored)
+    assert group.calls - before == runs * len(calls) * (1 + 2 * blocks)
     if group.rank == 0:
         _close(got, numpy_tp, (name, fmt, "numpy tp=2"))
+        if compact_tp is not None:
+            _close(compact_tp, numpy_tp, (name, fmt, "numpy tp=2, kept as stored"))
         _close(got, whole, (name, fmt, "compiled tp=1"))
     else:
         assert all(g is None for g in got)

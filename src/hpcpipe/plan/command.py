@@ -21,7 +21,7 @@ import sys
 import time
 
 from hpcpipe.cli import CommandParser, add_print_config, print_config, reader_left
-from hpcpipe.config import DECODERS, Config, load_config
+from hpcpipe.config import DECODERS, Config
 from hpcpipe.config_toml import to_toml
 from hpcpipe.errors import EXIT_CONFIG, ConfigError
 from hpcpipe.plan import memory_floor, report
@@ -32,6 +32,7 @@ from hpcpipe.profiles.profile import default_cache_dir
 from hpcpipe.runtime.host_memory import available_bytes, rank_share
 from hpcpipe.state.outputs import check_writable, write_new
 from hpcpipe.state.sources import refuse_overwrite
+from hpcpipe.train.setup import load_run_config
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3,
          "gib": 1024 ** 3, "t": 1024 ** 4, "tib": 1024 ** 4, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
@@ -194,11 +195,12 @@ def run(args) -> int:
     """Plan and report; returns the exit status."""
     start = time.perf_counter()
     if args.print_config:
-        return print_config(load_config(args.config, args.set).to_dict(), "python -m hpcpipe.plan")
+        return print_config(load_run_config(args.config, args.set).to_dict(), "python -m hpcpipe.plan")
     _check_args(args)
     budget = parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None
     network = network_model(args.network) if args.network else None
-    config = load_config(args.config, args.set)
+    # as train reads it: a Hugging Face model.init restates the model's kind and shape from its config.json
+    config = load_run_config(args.config, args.set)
     here = host_cores()
     global_batch = args.global_batch or configured_global_batch(config, args.ranks)
     per_node = args.ranks // args.nodes     # a node like this one holds these ranks: its memory and cores are theirs

@@ -68,6 +68,9 @@ def calibration_rows(profile: Any) -> int:
     return max(fitting) if fitting else min(profile.sizes)
 
 
+PATH_KEYS = (("model", "init"), ("model", "adapter"), ("data", "path"), ("data", "eval_path"))
+
+
 def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, trace: str,
                 schedule: str = "1f1b", tp: int = 1) -> dict:
     out = config.to_dict()
@@ -76,6 +79,10 @@ def _run_config(config: Config, dp: int, pp: int, cut: list[int], rows: int, tra
     out["train"].update(steps=STEPS, micro_batches=MICRO_BATCHES * pp, micro_batch_size=rows, recompute="none")
     out["checkpoint"].update(dir="", resume=False)
     out["log"].update(trace=trace, metrics="", progress=False)
+    # the run starts in a temporary folder: files the config names relative to the planner's folder stay found
+    for section, key in PATH_KEYS:
+        if out[section].get(key):
+            out[section][key] = os.path.abspath(out[section][key])
     if not out["data"].get("path"):
         out["data"]["synthetic_samples"] = max(int(out["data"].get("synthetic_samples", 0)),
                                                dp * MICRO_BATCHES * pp * rows)

@@ -25,7 +25,9 @@ model over HTTP (the OpenAI completions and chat APIs) with pipeline (pp) x data
 over MPI, experts spread over parallel.ep replicas. World rank 0 runs the HTTP front end; every dp replica is
 one pipeline decoding its running sequences with continuous batching and a KV cache per stage, each stage
 split over parallel.tp ranks by heads (its KV cache too). The model and tokenizer are the ones
-stored with the weights; the layout comes from [parallel], the limits from [serve]."""
+stored with the weights; the layout comes from [parallel] (without parallel.pp: pp = world size / (dp x tp)
+when parallel.dp is given, else one stage per rank, as many as the layer groups allow, dp the rest and divisible
+by parallel.ep), the limits from [serve]."""
 
 EPILOG = """endpoints: POST /v1/completions (logprobs, echo) and POST /v1/chat/completions, both streaming too,
   GET /v1/models, GET /health, GET /metrics (Prometheus)

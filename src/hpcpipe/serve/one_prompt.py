@@ -29,7 +29,9 @@ DESCRIPTION = """Generate text from a GPT or Llama-family model (hpcpipe weights
 model directory) with pipeline (pp) x data (dp) x tensor (tp) parallelism over MPI: the prompt is
 prefilled through the pipeline, then each new token is decoded with a KV cache per stage (split over
 parallel.tp ranks by heads). The model and tokenizer are the ones stored with the weights; the layout comes
-from [parallel] (with no parallel key given: one stage per rank, as many as the layer groups allow)."""
+from [parallel]: without parallel.pp (other parallel keys may be given), pp = world size / (dp x tp) when
+parallel.dp is given, else one stage per rank, as many as the layer groups allow, dp the rest (divisible by
+parallel.ep); parallel.virtual_stages must be 1."""
 
 EPILOG = """examples:
   mpiexec -n 4 python -m hpcpipe.generate --weights gpt-text-ck --prompt "Q: What is" --max-new-tokens 60

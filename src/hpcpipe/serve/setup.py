@@ -5,9 +5,11 @@ Hugging Face directory's config.json) when they record one, else from ``--config
 config may restate a stored key but not contradict it, except ``model.seq_len`` of a Llama-family
 Hugging Face model, which may be set shorter than its config.json's context (the KV cache is
 allocated for ``serve.max_sequences`` sequences of ``seq_len`` tokens). The layout comes from
-``[parallel]``; when neither the config file nor ``--set`` gives a ``parallel`` key, every rank is a stage
-(pp = world size, or the largest divisor of it the layer count allows, dp the rest) instead of training's
-default pp = 4, so ``mpiexec -n 2 python -m hpcpipe.generate`` needs no ``--set parallel.pp=2``. The
+``[parallel]``; when neither the config file nor ``--set`` gives ``parallel.pp``, every rank is a stage
+(pp = world size / (dp x tp) when parallel.dp is given, else the largest divisor of world size / tp the layer
+count allows whose dp, the rest, parallel.ep divides) instead of training's default pp = 4, so
+``mpiexec -n 2 python -m hpcpipe.generate`` needs no ``--set parallel.pp=2``, with or without other parallel
+keys. The
 serving limits come from ``[serve]``, and text is encoded and decoded with the tokenizer stored with the
 weights.
 """
@@ -209,10 +211,37 @@ def kv_pool(cfg: Config) -> str:
             f"in KV blocks of serve.kv_block = {srv.kv_block} positions")
 
 
-def stages_per_world(world_size: int, n_layers: int) -> int:
-    """Pipeline stages when the config gives no layout: one per rank, or as many as the layers allow (the
-    largest divisor of the world size not above the layer count; dp takes the rest)."""
-    return max(d for d in range(1, min(world_size, n_layers) + 1) if world_size % d == 0)
+def stages_per_world(world_size: int, n_layers: int, ep: int = 1) -> int:
+    """Pipeline stages when the config gives no pp: one per rank, or as many as the layers allow (the largest
+    divisor of the world size not above the layer count whose dp, the rest, parallel.ep divides)."""
+    fits = [d for d in range(1, min(world_size, n_layers) + 1) if world_size % d == 0]
+    return max([d for d in fits if (world_size // d) % ep == 0] or fits)
+
+
+def decode_layout(raw: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Return raw config sections with parallel.pp decided when neither the config file nor ``--set`` gives it.
+
+    With parallel.dp given, pp = world size / (dp x tp); else :func:`stages_per_world` of the world size / tp,
+    with parallel.ep respected. A given pp wins; training's default pp = 4 is never used. ConfigError when
+    parallel.virtual_stages is not 1 (a decode step runs each stage once).
+    """
+    par = raw.get("parallel", {})
+    if not isinstance(par, dict):
+        return raw                         # from_dict names what [parallel] should be
+    vs = par.get("virtual_stages", 1)
+    if isinstance(vs, int) and vs != 1:
+        raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got {vs}")
+    if "pp" in par:
+        return raw
+    # the model's layer groups, from the keys as given (pp = 1 fits any model)
+    n_layers = from_dict({**raw, "parallel": {**par, "pp": 1}}).n_layers
+    tp, dp, ep = par.get("tp", 1), par.get("dp", "auto"), par.get("ep", 1)
+    if dp != "auto":
+        pp: int | str = "auto"             # world size / (dp x tp); resolve_layout names a mismatch
+    else:
+        grid = world_size // tp if world_size % tp == 0 else world_size   # resolve_layout names a tp mismatch
+        pp = stages_per_world(grid, n_layers, ep)
+    return {**raw, "parallel": {**par, "pp": pp}}
 
 
 def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,
@@ -221,15 +250,10 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     given = str(weights)
     source = resolve_weights(weights, "--weights")
     raw = _model_config(source, given, load_raw(config, overrides))
-    cfg = from_dict(raw)
-    if not raw.get("parallel"):    # no [parallel] key given: one stage per rank, not training's default pp
-        cfg = from_dict({**raw, "parallel": {"pp": stages_per_world(world_size, cfg.n_layers)}})
+    cfg = from_dict(decode_layout(raw, world_size))
     if cfg.model.kind not in DECODERS:
         raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT or a Llama-family model "
                           f"(model.kind = \"gpt\" or \"llama\")")
-    if cfg.parallel.virtual_stages != 1:
-        raise ConfigError(f"generation runs one stage per rank: parallel.virtual_stages must be 1, got "
-                          f"{cfg.parallel.virtual_stages}")
     source = source.forward_only(cfg.model.dtype)    # a Hugging Face model is read in the run's dtype
     if cfg.model.adapter:                             # --adapter: a PEFT directory merged into the base
         source = with_peft(source, cfg.model.adapter, cfg)

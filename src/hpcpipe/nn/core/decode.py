@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from hpcpipe.kernels.formats import FORMATS, RowWeight, kept_values, row_weight
+from hpcpipe.kernels.formats import FORMATS, RowWeight
 from hpcpipe.nn.core.decode_plan import CallPlan, DecodeBatch, Segment, all_rows, plan_call
 from hpcpipe.nn.core.decode_steps import DecoderSteps
 from hpcpipe.nn.core.flash import flash_forward
 from hpcpipe.nn.core.fused_stage import FusedStage, compiled_available
 from hpcpipe.nn.core.half_table import HalfTable
-from hpcpipe.nn.core.kv_pages import PagedLayout, held_pages, ring_layout
+from hpcpipe.nn.core.kv_pages import PagedLayout, stage_rings
+from hpcpipe.nn.core.stage_weights import compact_choice, compact_matrix, compact_table, shared_table, widened
 
 
 class DecodeStage:
@@ -51,7 +52,8 @@ class DecodeStage:
     ``weight_format`` (float32 | stored | q8_0, hpcpipe.kernels.formats) says how the weights are kept; the
     arrays are float (in, out) or :class:`hpcpipe.kernels.formats.RowWeight` (out, in) as stored. ``compiled``:
     run the compiled kernels (hpcpipe.nn.core.fused_stage), the NumPy steps, or (None) the compiled ones when
-    available; the NumPy steps compute with the weights widened to the stage's dtype. ``release``: drop each
+    available; the NumPy steps compute with the weights widened to the stage's dtype, or kept as stored
+    (``compact``; None: on a GPU in weight format stored or q8_0, hpcpipe.nn.core.stage_weights). ``release``: drop each
     block's arrays from ``arrays`` once built (a loader's copies: the peak stays one block above the weights).
     ``kv_block``: positions per KV block; ``kv_blocks``: KV blocks in the pool (None: every slot's whole context,
     each slot owning its own; otherwise a caller sets the slots' tables with :meth:`set_pages`). ``kv_ring``:
@@ -62,7 +64,8 @@ class DecodeStage:
     def __init__(self, model: Any, groups: range, arrays: dict[int, dict[str, Any]],
                  xp: Any, dtype: str, slots: int, tok_emb: Any = None, tp: Any = None,
                  weight_format: str = "float32", compiled: bool | None = None, release: bool = False,
-                 ep: Any = None, kv_block: int = 16, kv_blocks: int | None = None, kv_ring: int = 0):
+                 ep: Any = None, kv_block: int = 16, kv_blocks: int | None = None, kv_ring: int = 0,
+                 compact: bool | None = None):
         if not hasattr(model, "local_heads"):
             raise ValueError(f"decode stage: no KV-cached decoding for a model of type {type(model).__name__}")
         shape = model.shape
@@ -78,6 +81,7 @@ class DecodeStage:
                              "they compute (not experts; under tp, a rank's query heads split evenly over its "
                              "key/value heads), and only when built (pip install with a C compiler)")
         self.compiled = compiled_available(xp, dtype, tp, model) if compiled is None else compiled
+        self.compact = compact_choice(compact, xp, dtype, weight_format, model, self.compiled)
         self.shape, self.groups, self.xp, self.slots = shape, groups, xp, slots
         self.dtype = np.dtype(dtype)
         self.weight_format = weight_format
@@ -87,7 +91,7 @@ class DecodeStage:
         self.group = self.n_heads // self.n_kv_heads
         kv, dh = self.n_kv_heads, self.head_dim
         self.windows = [model.window(i) for i in groups if 1 <= i <= shape.n_blocks]   # per local block
-        self.rings = self._rings(kv_ring)
+        self.rings = stage_rings(kv_ring, self.windows, slots, shape.seq_len, self.paged.page)
         ringed = [self.rings is not None and w > 0 for w in self.windows]
         self._fused = None
         if self.compiled:
@@ -114,20 +118,6 @@ class DecodeStage:
         self._scratch = None                      # gathered keys and values of the decode rows, see _gather
         self._take_mode = {"mode": "clip"} if xp is np else {}
 
-    def _rings(self, kv_ring: int) -> Any:
-        """The windowed blocks' ring layout when ``kv_ring`` asks for one and the stage has such a block, checked:
-        a ring holds at least the blocks one window's keys span and the block a new token opens."""
-        if not isinstance(kv_ring, int | np.integer) or isinstance(kv_ring, bool) or kv_ring < 0:
-            raise ValueError(f"decode stage: kv_ring must be a non-negative integer, got {kv_ring!r}")
-        window = max(self.windows, default=0)
-        if not kv_ring or not window:
-            return None
-        least = held_pages(self.shape.seq_len, self.paged.page, window)
-        if kv_ring < least:
-            raise ValueError(f"decode stage: a ring of {kv_ring} KV blocks of {self.paged.page} positions cannot hold "
-                             f"a {window}-token sliding window (at least {least} blocks)")
-        return ring_layout(self.slots, self.shape.seq_len, self.paged.page, int(kv_ring))
-
     def _check_group(self, index: int, arrays: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """Return group ``index``'s arrays after checking their names and shapes ((out, in) for a RowWeight)."""
         group = arrays.get(index)
@@ -151,7 +141,16 @@ class DecodeStage:
             if isinstance(value, HalfTable):    # a 16-bit embedding table, gathered from as it is
                 out[name] = HalfTable(value.bits, value.kind, self.dtype).on(self.xp)
                 continue
-            value = self._widened(name, value)
+            if name == "tok_emb" and self.compact:
+                table = shared_table(value, self.weight_format, self.dtype, self.xp)
+                if table is not None:          # gathered from (and a tied head's) as stored: one 16-bit copy
+                    out[name] = table
+                    continue
+            product = compact_matrix(name, value, self.weight_format, self.xp) if self.compact else None
+            if product is not None:
+                out[name] = product
+                continue
+            value = widened(name, value, self.weight_format, self.dtype)
             out[name] = self.xp.ascontiguousarray(self.xp.asarray(value, dtype=self.dtype))
         return out
 
@@ -171,21 +170,17 @@ class DecodeStage:
         rows under tensor parallelism); None when not needed."""
         if not self.has_head or not self.shape.tied:
             return None
+        if self.compact:
+            table = params[0]["tok_emb"] if self.has_embedding else self._tied_table(tok_emb)
+            return compact_table(table, self.weight_format, self.xp, self.has_embedding)
         if self.has_embedding:
             table = params[0]["tok_emb"]
             return table.dense() if isinstance(table, HalfTable) else table
         table = self._tied_table(tok_emb)
         if isinstance(table, HalfTable):
             table = RowWeight(table.kind, table.bits)
-        return self.xp.ascontiguousarray(self.xp.asarray(self._widened("tok_emb", table), dtype=self.dtype))
-
-    def _widened(self, name: str, value: Any) -> Any:
-        """A parameter as the NumPy steps compute with it: the values the weight format keeps, in the training
-        layout ((in, out) matrices), widened to the stage's dtype once."""
-        if not isinstance(value, RowWeight):
-            return kept_values(name, value, self.weight_format)
-        value = row_weight(value, self.weight_format) if self.weight_format == "q8_0" else value
-        return value.dense(self.dtype) if name == "tok_emb" else value.dense(self.dtype).T
+        return self.xp.ascontiguousarray(self.xp.asarray(widened("tok_emb", table, self.weight_format, self.dtype),
+                                                         dtype=self.dtype))
 
     @property
     def cache_bytes(self) -> int:

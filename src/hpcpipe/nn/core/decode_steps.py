@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hpcpipe.kernels.row_product import RowProduct
 from hpcpipe.nn.core.activations import Activation
 from hpcpipe.nn.core.decoder import Block
 from hpcpipe.nn.core.dense import Dense, linear
@@ -74,6 +75,8 @@ class DecoderSteps:
 
     def _tied_head(self, table: Any) -> Dense:
         """The head multiplying by a tied table kept transposed (ColumnTable), which the embedding then gathers from."""
+        if isinstance(table, RowProduct):    # kept as stored (hpcpipe.nn.core.stage_weights): no transposed copy
+            return Dense(-1, table, None, None, None, Activation(), self.xp)
         table_t = self.xp.ascontiguousarray(table.T)
         if self.tok_emb is table:    # this stage embeds too: one copy, the transposed one
             self.tok_emb = ColumnTable(table_t)

@@ -114,3 +114,19 @@ def ring_layout(slots: int, seq_len: int, page: int, ring: int) -> PagedLayout:
     layout.tables[:] = np.arange(slots, dtype=np.int64)[:, None] * ring + \
         np.arange(layout.max_pages, dtype=np.int64)[None, :] % ring
     return layout
+
+
+def stage_rings(kv_ring: int, windows: list[int], slots: int, seq_len: int, page: int) -> PagedLayout | None:
+    """A decode stage's ring layout for its windowed blocks (``windows``: each local block's window, 0 for none)
+    when ``kv_ring`` asks for one and the stage has such a block (None otherwise), checked: a ring holds at least the
+    KV blocks one window's keys span and the block a new token opens."""
+    if not isinstance(kv_ring, int | np.integer) or isinstance(kv_ring, bool) or kv_ring < 0:
+        raise ValueError(f"decode stage: kv_ring must be a non-negative integer, got {kv_ring!r}")
+    window = max(windows, default=0)
+    if not kv_ring or not window:
+        return None
+    least = held_pages(seq_len, page, window)
+    if kv_ring < least:
+        raise ValueError(f"decode stage: a ring of {kv_ring} KV blocks of {page} positions cannot hold "
+                         f"a {window}-token sliding window (at least {least} blocks)")
+    return ring_layout(slots, seq_len, page, int(kv_ring))

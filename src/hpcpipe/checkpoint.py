@@ -27,18 +27,20 @@ from pathlib import Path
 
 from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.config import from_dict
-from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
+from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, UsageError
 from hpcpipe.h5files import member
 from hpcpipe.lazy_h5py import h5py
 from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.adapters import check_peft_exportable, export_peft, exported_source
 from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
+from hpcpipe.state.describe import describe_adapter, lora_lines
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
 from hpcpipe.state.hf_convert import OutOfRange, check_hf_exportable, check_new_directory, export_hf, import_hf
 from hpcpipe.state.hf_source import hf_source, is_hf_directory
 from hpcpipe.state.kinds import count_text, shape_text, stored_specs
 from hpcpipe.state.outputs import check_writable, commit_output
+from hpcpipe.state.peft import CONFIG as ADAPTER_CONFIG
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.sources import protected_paths, refuse_overwrite, resolve_step_dir, resolve_weights
 from hpcpipe.state.tokenizer import check_vocabulary
@@ -209,7 +211,9 @@ def _model_lines(source: WeightsSource) -> tuple[str, list[str]]:
 
 def _describe_weights_file(source: HDF5Source) -> list[str]:
     model, tokenizer = _model_lines(source)
-    lines = [f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, {model}",
+    partial = source.partial()
+    held = f"holds only {partial}, of a model of {model}" if partial else model
+    lines = [f"weights file {str(source.path)!r} (not a checkpoint directory): step {source.step}, {held}",
              *tokenizer]
     label = source.describe()
     with open_checked(source.path) as f:
@@ -232,6 +236,8 @@ def info(path: str | Path) -> str:
         return "\n".join(_describe_weights_file(resolve_weights(p)))
     if _hf_directory(p):
         return "\n".join(_describe_hf(p))
+    if p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not (p / cf.MANIFEST).exists():
+        return "\n".join(describe_adapter(p))
     lines = _describe_dir(p) if p.is_dir() and not (p / cf.MANIFEST).exists() else []
     source = checkpoint_source(resolve_step_dir(p))
     m = source.manifest
@@ -239,8 +245,10 @@ def info(path: str | Path) -> str:
     model, tokenizer = _model_lines(source)
     lines.append(f"checkpoint {str(source.path)!r}: step {source.step}, {model}")
     lines.extend(tokenizer)
-    lines.append(f"  saved at dp={lay.get('dp')} pp={lay.get('pp')} schedule={lay.get('schedule')} "
+    more = "".join(f" {k}={lay[k]}" for k in ("tp", "ep") if lay.get(k, 1) != 1)   # shown when used
+    lines.append(f"  saved at dp={lay.get('dp')} pp={lay.get('pp')}{more} schedule={lay.get('schedule')} "
                  f"virtual_stages={lay.get('virtual_stages')}")
+    lines.extend(lora_lines(m.get("config", {})))
     lines.append(f"  optimizer {opt.get('name')} (update count {opt.get('steps')}, state "
                  f"{', '.join(opt.get('state', [])) or 'none'}); data position {data.get('samples_seen')} samples")
     for e in m["files"]:
@@ -279,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p_export = sub.add_parser("export", help="write one weights file holding every layer (export PATH OUT), or a "
                                              "Hugging Face model directory (export PATH OUT --format hf)")
     p_export.add_argument("dir", metavar="PATH")
-    p_export.add_argument("out", metavar="OUT", help="the output: a new HDF5 weights file, or with --format hf a new "
-                                                     "directory (never an existing one)")
+    p_export.add_argument("out", metavar="OUT", help="the output: a new HDF5 weights file, or with --format hf or "
+                                                     "peft a new directory (never an existing one)")
     p_export.add_argument("--optimizer", action="store_true", help="also copy the optimizer state")
     p_export.add_argument("--format", choices=("hpcpipe", "hf", "peft"), default="hpcpipe",
                           help="hpcpipe: one HDF5 weights file (default); hf: a new Hugging Face model directory "
@@ -289,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                                "adapter_model.safetensors)")
     p_export.add_argument("--merge-adapter", action="store_true",
                           help="a LoRA run's checkpoint: write its model with the adapters merged (W + s A B)")
-    p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                          help="with --format hf: the safetensors' dtype (default float32)")
+    p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                          help="with --format hf or peft: the safetensors' dtype (default float32; a weights file "
+                               "is always float32)")
     p_import = sub.add_parser("import", help="write a Hugging Face model directory as one hpcpipe weights file: "
                                              "import HF_DIR OUT")
     p_import.add_argument("dir", metavar="HF_DIR", help="directory with config.json, *.safetensors, tokenizer.json")
@@ -301,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.lexists(args.dir):     # a typo, not a bad checkpoint
         print(f"hpcpipe: error: {args.dir!r} does not exist", file=sys.stderr)
         return 2
+    if args.command == "export" and args.dtype and args.format == "hpcpipe":
+        print(f"hpcpipe: error: --dtype {args.dtype} is for --format hf or peft: a weights file is float32",
+              file=sys.stderr)
+        return 2
     try:
         if args.command == "verify":
             root = Path(args.dir)
             targets = all_checkpoints(root) if args.all and root.is_dir() and not (root / cf.MANIFEST).exists() \
-                and not _hf_directory(root) else [root]
+                and not _hf_directory(root) and not (root / ADAPTER_CONFIG).is_file() else [root]
             if not targets:
                 raise ConfigError(f"{str(root)!r} holds no committed checkpoint")
             for target in targets:
@@ -338,11 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hpcpipe: error: {exc}", file=sys.stderr)
                 return 2
             if args.format == "peft":
-                settings = export_peft(source, args.out)
+                settings = export_peft(source, args.out, args.dtype or "float32")
                 print(f"exported the LoRA adapters (r = {settings.rank}, {', '.join(settings.targets)}) of "
                       f"{source.describe()} step {source.step} as a PEFT directory to {args.out!r}")
                 return 0
-            export_hf(source, args.out, args.dtype)
+            export_hf(source, args.out, args.dtype or "float32")
             print(f"exported {source.describe()} step {source.step} as a Hugging Face model to {args.out!r}")
         elif args.command == "export":
             # a bad target is a usage error (status 2), found before the checkpoint is read; what it must not
@@ -367,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
         # a Hugging Face directory is input, not a checkpoint; a value --dtype cannot hold is the flag's
-        return 2 if args.command == "import" or isinstance(exc, OutOfRange) else 1
+        # a PEFT adapter or one stage's file where a whole model belongs: UsageError
+        return 2 if args.command == "import" or isinstance(exc, OutOfRange | UsageError) else 1
     except WriteFailed as exc:
         print(f"hpcpipe: error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,9 @@
-"""Value ranges and cross-field rules of a configuration that do not depend on the world size."""
+"""Value ranges and cross-field rules of a configuration that do not depend on the world size, and the hint for a
+list of strings written without TOML quotes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.registry import KINDS as _KINDS
@@ -174,3 +175,12 @@ def tp_splits(mod: ModelConfig, tp: int) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def toml_hint(where: str, text: str, value: Any) -> str:
+    """A hint when a list of strings came as one string "[q_proj]": TOML (and so --set) needs each quoted."""
+    if not (text.startswith("list[str]") and isinstance(value, str) and value.strip().startswith("[")):
+        return ""
+    items = [item.strip().strip("'\"") for item in value.strip().strip("[]").split(",") if item.strip()]
+    example = "[" + ", ".join(f'"{item}"' for item in items) + "]"
+    return f" (TOML strings in a list need quotes: --set '{where}={example}', or {where} = {example} in the file)"

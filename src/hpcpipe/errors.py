@@ -20,6 +20,11 @@ class ConfigError(HpcpipeError):
     """The configuration, command line or an input file is invalid; raised before any collective."""
 
 
+class UsageError(ConfigError):
+    """Input that is fine but not what the command takes (a PEFT adapter given as a model): exit 2 even where a
+    bad input file exits 1 (``python -m hpcpipe.checkpoint``)."""
+
+
 class ScheduleError(HpcpipeError):
     """A schedule or its lowered program is malformed or would deadlock."""
 

@@ -61,7 +61,7 @@ def test_info_and_verify_describe_a_hugging_face_directory(hf):
 
 def test_export_help_says_out_is_a_directory_with_format_hf():
     proc = run_module("hpcpipe.checkpoint", "export", "--help")
-    assert proc.returncode == 0 and "with --format hf a new directory" in " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "with --format hf or peft a new directory" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

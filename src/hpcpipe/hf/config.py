@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcpipe.errors import ConfigError
+from hpcpipe.errors import ConfigError, UsageError
 from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.hf.model_files import model_file
 from hpcpipe.nn.registry import hf_kind, hf_model_types
@@ -66,6 +66,20 @@ def read_json_file(path: Path, what: str = "file") -> Any:
         raise ConfigError(f"{label} {exc}") from None
 
 
+ADAPTER_CONFIG = "adapter_config.json"   # what marks a PEFT adapter directory (hpcpipe.state.peft)
+
+
+def refuse_adapter_directory(path: str | Path, label: str = "") -> None:
+    """Raise UsageError when ``path`` is a PEFT adapter directory (adapter_config.json, no config.json): it is no
+    model by itself, and the message says how to use it."""
+    p = Path(path)
+    if p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").exists():
+        named = f"{label} {str(p)!r}" if label else repr(str(p))
+        raise UsageError(f"{named} is a PEFT adapter directory ({ADAPTER_CONFIG}), not a model: use it on its base "
+                         f"model (generate/serve --weights BASE --adapter DIR, or model.adapter = DIR with "
+                         f"model.init = BASE; train model.adapter = DIR to train it further)")
+
+
 def check_sizes(cfg: dict, label: str) -> None:
     """Refuse a config.json size key above :data:`SIZE_LIMITS` (one line naming key, value and limit), before any
     list, array or stage cut is built from it."""
@@ -85,6 +99,7 @@ def read_hf_config(directory: str | Path) -> HFModel:
         raise ConfigError(f"Hugging Face model directory {str(d)!r} does not exist")
     if not d.is_dir():
         raise ConfigError(f"Hugging Face model directory {str(d)!r} is not a directory")
+    refuse_adapter_directory(d)
     path = d / "config.json"
     cfg = read_json_file(path, "Hugging Face config")
     label = f"{str(path)!r}"

@@ -51,11 +51,19 @@ class LoraSettings:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
+def no_lora(hf: Any, kind: str) -> str:
+    """Why a kind takes no LoRA adapters, truly: none of its maps are a block's (mlp), or not supported yet (moe)."""
+    if hf is None:
+        return (f"model.kind = \"{kind}\" has no modules LoRA can target (LoRA adapts the linear maps of a GPT's or "
+                f"a Llama-family model's blocks)")
+    return (f"LoRA is not supported for model.kind = \"{kind}\" yet (hpcpipe's LoRA adapts the blocks of model.kind "
+            f"\"gpt\" and \"llama\")")
+
+
 def block_maps(hf: Any, keys: dict[str, Any], kind: str) -> dict[str, list[str]]:
     """{PEFT module name: [hpcpipe prefixes]} of the linear maps of a kind's block (``q_proj``: [``attn/q``])."""
     if hf is None or not hf.lora_targets:
-        raise ConfigError(f"train.lora_rank: model.kind = \"{kind}\" has no modules LoRA can target (LoRA adapts the "
-                          f"linear maps of a GPT's or a Llama-family model's blocks)")
+        raise ConfigError(f"train.lora_rank: {no_lora(hf, kind)}")
     out: dict[str, list[str]] = {}
     for piece in hf.pieces(keys, 1):
         if piece.name.endswith("/weight") and len(piece.shape) == 2:

@@ -14,6 +14,7 @@ Nothing is written: the view merges on every read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import from_dict
-from hpcpipe.errors import ConfigError
+from hpcpipe.errors import ConfigError, UsageError
 from hpcpipe.nn.lora import LoraSettings, block_maps
 from hpcpipe.nn.registry import KINDS, model_specs
+from hpcpipe.state.hf_convert import check_range
 from hpcpipe.state.peft import check_adapter, check_targets, read_adapter, read_arrays, write_adapter
 from hpcpipe.state.weights_source import Shards, WeightsSource
 
@@ -145,6 +147,9 @@ def merged_if_adapted(source: Any) -> Any:
 
 def with_peft(source: WeightsSource, directory: str | Path, config: Any, label: str = "--adapter") -> MergedSource:
     """A base source with a PEFT directory's adapters merged; ConfigError when the adapter does not fit the model."""
+    if isinstance(source, MergedSource) and source.adapters is None:
+        raise ConfigError(f"{label}: {source.base.describe()} was trained with LoRA and already includes its "
+                          f"adapters (it reads as its merged model); {label} is for a base model")
     adapter = read_adapter(directory, label)
     kind, keys = config.model.kind, config.to_dict()["model"]
     check_targets(adapter, kind, keys)
@@ -160,9 +165,20 @@ def with_peft(source: WeightsSource, directory: str | Path, config: Any, label: 
                         adapters, adapter.describe())
 
 
+def check_whole(source: WeightsSource) -> None:
+    """Raise UsageError when the source is one stage's file of a checkpoint (or another file of some layers only):
+    an export needs the whole model, which the step directory holds."""
+    partial = source.partial() if hasattr(source, "partial") else ""
+    if partial:
+        step_dir = Path(source.path).parent
+        where = f"pass the step directory {str(step_dir)!r}" if "stage's file" in partial else "pass a whole model"
+        raise UsageError(f"{source.describe()} holds only {partial}: export reads a whole model; {where}")
+
+
 def exported_source(source: WeightsSource, merge: bool) -> WeightsSource:
     """What ``checkpoint export`` writes of a source: a LoRA run's checkpoint only merged (``--merge-adapter``);
     ConfigError (a usage error) when merge does not fit the source."""
+    check_whole(source)
     merged = merged_if_adapted(source)
     if merged is source:
         if merge:
@@ -178,13 +194,35 @@ def exported_source(source: WeightsSource, merge: bool) -> WeightsSource:
 
 def check_peft_exportable(source: WeightsSource) -> None:
     """Raise ConfigError unless the source is a LoRA run's checkpoint (it has adapters to write)."""
+    check_whole(source)
     if merged_if_adapted(source) is source:
         raise ConfigError(f"{source.describe()} holds no LoRA adapters (its run had train.lora_rank = 0): "
                           f"export --format peft writes a LoRA run's adapters")
 
 
-def export_peft(source: WeightsSource, out: str | Path) -> LoraSettings:
-    """Write a LoRA run's checkpoint's adapters as a new PEFT directory (one block in memory at a time)."""
+def _base_directory(init: str, step_dir: Path, ck_dir: str) -> str | None:
+    """The absolute path of the Hugging Face directory a run tuned (model.init), or None: a relative model.init is
+    found from here or from the directory the run started in (its relative checkpoint.dir leads back to it)."""
+    if not init:
+        return None
+    starts = [Path.cwd()]
+    ck = Path(ck_dir) if ck_dir else None
+    root = Path(os.path.abspath(step_dir.parent))
+    if ck is not None and ck.parts and not ck.is_absolute() and ".." not in ck.parts:
+        for top in (root, root.parent):              # the root, or the root above a run directory
+            if top.parts[-len(ck.parts):] == ck.parts:
+                starts.append(top.parents[len(ck.parts) - 1])
+    for start in starts:
+        path = start / init
+        if (path / "config.json").is_file():
+            return os.path.abspath(path)
+    return None
+
+
+def export_peft(source: WeightsSource, out: str | Path, dtype: str = "float32") -> LoraSettings:
+    """Write a LoRA run's checkpoint's adapters as a new PEFT directory in ``dtype`` (one block in memory at a time);
+    its base_model_name_or_path is the absolute path of the run's model.init when that is a Hugging Face directory
+    here (what ``peft.AutoPeftModelForCausalLM`` loads from anywhere)."""
     check_peft_exportable(source)
     merged = merged_if_adapted(source)
     config = source.manifest["config"]
@@ -193,7 +231,8 @@ def export_peft(source: WeightsSource, out: str | Path) -> LoraSettings:
     for i in range(1, merged.n_blocks + 1):
         group = source.read([i])[i]
         adapters[i] = {name: array for name, array in group.items() if _is_adapter(name)}
-    init = keys.get("init") or ""
-    base = init if init and (Path(init) / "config.json").is_file() else None    # a Hugging Face model it tuned
-    write_adapter(out, adapters, merged.settings, keys["kind"], keys, base)
+    base = _base_directory(keys.get("init") or "", Path(source.path), config.get("checkpoint", {}).get("dir", ""))
+    check_range({f"layer {i} {name}": a for i, group in adapters.items() for name, a in group.items()}, dtype,
+                source.describe())                     # a value --dtype cannot hold: refused, nothing written
+    write_adapter(out, adapters, merged.settings, keys["kind"], keys, base, dtype)
     return merged.settings

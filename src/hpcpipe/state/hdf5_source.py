@@ -59,6 +59,17 @@ class HDF5Source:
             check_stage_file(self.path, self._entry(path), self.manifest, self.specs)
             self._verified.add(path)
 
+    def partial(self) -> str:
+        """'' for a whole model; for a weights file holding only some layers (one stage's file of a checkpoint) what
+        it holds: "layers [3, 4, 5] of 6, one stage's file of the checkpoint 'ck/step-00000020'"."""
+        held = sorted(self.files)
+        if self.kind != "file" or held == list(range(self.n_layers)):
+            return ""
+        parent = self.path.parent
+        whose = (f"one stage's file of the checkpoint {str(parent)!r}" if (parent / cf.MANIFEST).is_file()
+                 else "not a whole model")
+        return f"layers {held} of {self.n_layers}, {whose}"
+
     def _by_file(self, indices: list[int]) -> dict[Path, list[int]]:
         missing = [i for i in indices if i not in self.files]
         if missing:

@@ -26,13 +26,13 @@ import numpy as np
 
 from hpcpipe.config import from_dict
 from hpcpipe.errors import ConfigError
-from hpcpipe.hf.config import read_json_file
+from hpcpipe.hf.config import ADAPTER_CONFIG, read_json_file
 from hpcpipe.hf.safetensors import SafetensorsFile, write_safetensors
-from hpcpipe.nn.lora import LoraSettings, block_maps, peft_names
+from hpcpipe.nn.lora import LoraSettings, block_maps, no_lora, peft_names
 from hpcpipe.nn.registry import KINDS
 from hpcpipe.state import directory_protocol as cf
 
-CONFIG = "adapter_config.json"
+CONFIG = ADAPTER_CONFIG
 WEIGHTS = "adapter_model.safetensors"
 # keys whose other values PEFT computes differently from hpcpipe's LoRA: refused
 FIXED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None, "rank_pattern": {},
@@ -107,7 +107,7 @@ def check_targets(adapter: PeftAdapter, kind: str, keys: dict[str, Any]) -> None
     """Raise ConfigError unless the model's kind has every module the adapter targets."""
     hf = KINDS[kind].hf
     if hf is None or not hf.lora_targets:
-        raise ConfigError(f"{adapter.describe()}: model.kind = \"{kind}\" takes no LoRA adapters")
+        raise ConfigError(f"{adapter.describe()}: {no_lora(hf, kind)}")
     modules = block_maps(hf, keys, kind)
     unknown = [t for t in adapter.settings.targets if t not in modules]
     if unknown:
@@ -148,8 +148,9 @@ def read_arrays(adapter: PeftAdapter, kind: str, keys: dict[str, Any], specs: li
 
 
 def write_adapter(out: str | Path, arrays: dict[int, dict[str, np.ndarray]], settings: LoraSettings, kind: str,
-                  keys: dict[str, Any], base_name: str | None = None) -> None:
-    """Write the adapters of every block as a new PEFT directory at ``out`` (built under a temporary name)."""
+                  keys: dict[str, Any], base_name: str | None = None, dtype: str = "float32") -> None:
+    """Write the adapters of every block as a new PEFT directory at ``out`` (built under a temporary name), its
+    tensors in ``dtype``."""
     hf = KINDS[kind].hf
     tensors = {}
     for i, group in arrays.items():
@@ -165,7 +166,7 @@ def write_adapter(out: str | Path, arrays: dict[int, dict[str, np.ndarray]], set
     tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
     try:
         tmp.mkdir()
-        write_safetensors(tmp / WEIGHTS, tensors)
+        write_safetensors(tmp / WEIGHTS, tensors, dtype=dtype)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for path in tmp.iterdir():
             cf.fsync_path(path)

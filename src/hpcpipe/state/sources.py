@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import broken_symlink
+from hpcpipe.hf.config import refuse_adapter_directory
 from hpcpipe.lazy_h5py import h5py
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hdf5_source import checkpoint_source, file_source
@@ -56,6 +57,7 @@ def resolve_step_dir(path: str | Path) -> Path:
     broken = broken_symlink(p)
     if broken:
         raise ConfigError(f"checkpoint {str(p)!r} {broken}")
+    refuse_adapter_directory(p)
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint root "
                           f"(no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)")
@@ -93,6 +95,7 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
         return file_source(p)
     if is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not (p / cf.LATEST).exists():
         return hf_source(p)
+    refuse_adapter_directory(p, key)
     if key and p.is_dir() and not (p / cf.MANIFEST).exists() and not os.path.lexists(p / cf.LATEST):
         raise ConfigError(f"{key} {str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint "
                           f"root (no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)"

@@ -16,7 +16,7 @@ from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
-from hpcpipe.serve.setup import ServeSetup, prepare
+from hpcpipe.serve.setup import ServeSetup, kept_format, prepare
 
 API_KEY_ENV = "HPCPIPE_API_KEY"
 
@@ -74,6 +74,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def layout_words(p: ServeSetup) -> str:
+    """The serving line's description of a set-up job: its layout, weight format and adapter."""
+    cfg = p.config
+    words = f"dp={p.dp} x pp={p.pp}" + (f" x tp={p.tp}" if p.tp > 1 else "")
+    words += f", experts over ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
+    fmt = kept_format(cfg, p.model)
+    if fmt == "stored":          # "stored" alone would not say whether a float32 file's 4 bytes are kept
+        fmt = f"as stored ({'16-bit' if p.weights.matrix_itemsize() == 2 else 'float32'})"
+    words += f", weights {fmt}"
+    return words + (f", adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+
+
 def reachable_from_outside(host: str) -> bool:
     """Whether listening on host may accept connections from other machines (any address that is not loopback)."""
     try:
@@ -124,8 +136,7 @@ class Frontend:
             print(f"hpcpipe: warning: serving on {self.host}:{self.port}, which other machines can reach, without "
                   f"an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
                   f"(docs/serve.md)", file=sys.stderr, flush=True)
-        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}"
-              f"{f' x tp={p.tp}' if p.tp > 1 else ''}, "
+        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 ({layout_words(p)}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
         self.broker.set_ready()      # after the serving line: a probe that sees ok finds the line printed
 

@@ -157,15 +157,22 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
             f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
 
 
-def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
-    """Bytes per value of a block's (in, out) matrix in the weight format the stages will keep (serve.engine's
-    choice: model.weight_format, "auto" as the compiled stage allows it), or None where that is float32."""
-    if cfg.parallel.ep > 1 or cfg.run.backend == "cupy":
-        return None                   # the engine widens to float32 there
+def kept_format(cfg: Config, model: Any) -> str:
+    """The weight format the stages compute in (serve.engine's choice: model.weight_format, "auto" as the compiled
+    stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32)."""
     tp = cfg.parallel.tp
     ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
-    compiled = all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks)
-    fmt = inference_format(cfg.model.weight_format, compiled)
+    compiled = (cfg.parallel.ep == 1 and cfg.run.backend != "cupy"
+                and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
+    return inference_format(cfg.model.weight_format, compiled)
+
+
+def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
+    """Bytes per value of a block's (in, out) matrix in the weight format the stages will keep
+    (:func:`kept_format`), or None where that is float32 or counted so (an upper bound)."""
+    if cfg.parallel.ep > 1 or cfg.run.backend == "cupy":
+        return None                   # experts are widened to float32; a GPU stage's compact choice is made there
+    fmt = kept_format(cfg, model)
     if fmt == "float32":
         return None
     stored = source.matrix_itemsize()

@@ -1,0 +1,53 @@
+"""serve's start line says what is served: the layout (ep included), the weight format the stages compute in and
+an --adapter (a new-user run: it named only dp, pp and tp, so a q8_0 or adapted server looked like any other)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.hf import bytelevel_tokenizer, save_model, save_tokenizer, tiny_model
+
+from hpcpipe.serve.command import layout_words
+from hpcpipe.serve.setup import prepare
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny bf16 llama and a tiny mixtral (4 experts) with a 300-token tokenizer."""
+    folder = tmp_path_factory.mktemp("hf")
+    tok = bytelevel_tokenizer(["<|endoftext|>"], vocab_size=300)
+    out = {}
+    for arch, dtype in (("llama", "bfloat16"), ("mixtral", "float32")):
+        model = tiny_model(arch, vocab_size=tok.get_vocab_size(), eos_token_id=0, bos_token_id=0)
+        out[arch] = save_tokenizer(tok, save_model(model, folder / arch, dtype=dtype), eos_token="<|endoftext|>")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["float32", "stored", "q8_0"])
+def test_line_names_the_weight_format(models, fmt):
+    setup = prepare(models["llama"], 1, overrides=[f'model.weight_format="{fmt}"'])
+    named = "as stored (16-bit)" if fmt == "stored" else fmt      # the llama is saved in bfloat16
+    assert layout_words(setup) == f"dp=1 x pp=1, weights {named}"
+
+
+def test_auto_is_named_as_what_it_became(models):
+    from hpcpipe.kernels import cpu
+    from hpcpipe.kernels.formats import INFERENCE_DEFAULT
+    want = INFERENCE_DEFAULT if cpu.library() is not None else "float32"     # auto without compiled stages: float32
+    want = "as stored (16-bit)" if want == "stored" else want
+    setup = prepare(models["llama"], 2, overrides=["parallel.tp=2"])
+    assert layout_words(setup) == f"dp=1 x pp=1 x tp=2, weights {want}"
+
+
+def test_line_names_expert_parallelism(models):
+    setup = prepare(models["mixtral"], 2, overrides=["parallel.ep=2"])
+    assert layout_words(setup) == "dp=2 x pp=1, experts over ep=2, weights float32"
+
+
+def test_line_names_the_adapter(models, tmp_path):
+    pytest.importorskip("peft")
+    from support.lora import make_model_and_adapter
+    base, adapter = make_model_and_adapter(tmp_path, targets=["q_proj"])
+    setup = prepare(base, 1, overrides=[f"model.adapter={json.dumps(str(adapter))}"])
+    assert layout_words(setup) == f"dp=1 x pp=1, weights as stored (float32), adapter {adapter}"   # merged sums

@@ -26,90 +26,30 @@ import sys
 from pathlib import Path
 
 from hpcpipe.cli import CommandParser, reader_left
-from hpcpipe.config import from_dict
 from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, UsageError
 from hpcpipe.h5files import member
 from hpcpipe.lazy_h5py import h5py
-from hpcpipe.nn.registry import model_def
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.adapters import check_peft_exportable, export_peft, exported_source
 from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
 from hpcpipe.state.describe import describe_adapter, lora_lines
 from hpcpipe.state.hdf5_source import HDF5Source, checkpoint_source
 from hpcpipe.state.hf_convert import OutOfRange, check_hf_exportable, check_new_directory, export_hf, import_hf
-from hpcpipe.state.hf_source import hf_source, is_hf_directory
-from hpcpipe.state.kinds import count_text, shape_text, stored_specs
+from hpcpipe.state.hf_source import hf_source
+from hpcpipe.state.kinds import count_text, shape_text
 from hpcpipe.state.outputs import check_writable, commit_output
 from hpcpipe.state.peft import CONFIG as ADAPTER_CONFIG
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.sources import protected_paths, refuse_overwrite, resolve_step_dir, resolve_weights
-from hpcpipe.state.tokenizer import check_vocabulary
+from hpcpipe.state.verify import hf_directory, verify
 from hpcpipe.state.weights import (
-    check_weights,
     layer_group,
     members,
     open_checked,
-    read_layers,
-    read_optimizer,
     stored_layers,
     write_weights,
 )
 from hpcpipe.state.weights_source import WeightsSource
-
-
-def verify(path: str | Path) -> WeightsSource:
-    """Fully check one checkpoint or weights file: manifest, sizes, SHA-256, format, layers, shapes, checksums.
-
-    The checks are those every reader runs (:mod:`hpcpipe.state.manifest`) on every file,
-    plus a read of every dataset. Raises ConfigError naming the first bad file.
-    """
-    p = Path(path)
-    if p.is_file() and p.name != cf.LATEST:
-        return _verify_weights_file(p)
-    if _hf_directory(p):
-        return _verify_hf(p)
-    source = checkpoint_source(resolve_step_dir(p))
-    for entry in source.manifest["files"]:
-        path_i = source.path / entry["name"]
-        source.verify_file(path_i)
-        layers = [int(i) for i in entry["layers"]]
-        read_layers(path_i, layers)                       # every dataset through its fletcher32 check
-        read_optimizer(path_i, layers)
-    return source
-
-
-def _verify_weights_file(path: Path) -> WeightsSource:
-    """Check a single weights file: format, layers 0..n-1 with the shapes its stored model needs, checksums."""
-    source = resolve_weights(path)
-    label = f"weights file {str(path)!r}"
-    if not source.model:
-        raise ConfigError(f"{label} records no model config, so its shapes cannot be checked")
-    check_weights(path, stored_specs(source.model, label))
-    source.tokenizer()                                   # valid when present
-    read_layers(path, list(range(source.n_layers)))      # every dataset through its fletcher32 check
-    with open_checked(path) as f:
-        has_optimizer = member(f, "optimizer", label) is not None
-    if has_optimizer:
-        read_optimizer(path, list(range(source.n_layers)))
-    return source
-
-
-def _hf_directory(p: Path) -> bool:
-    """A Hugging Face model directory (config.json), not a checkpoint that happens to hold one."""
-    return is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not os.path.lexists(p / cf.LATEST)
-
-
-def _verify_hf(path: Path) -> WeightsSource:
-    """Check a Hugging Face model directory as generate would read it: config.json, tokenizer, every tensor's name,
-    shape and values (finite), a layer group at a time."""
-    source = hf_source(path)
-    config = from_dict({"model": source.model, "parallel": {"pp": 1}})
-    source.check(model_def(config).specs)
-    stored = source.tokenizer()
-    check_vocabulary(stored, config.model.vocab_size, source.describe())
-    for index in range(source.n_layers):
-        source.read([index])
-    return source
 
 
 def _describe_hf(path: Path) -> list[str]:
@@ -234,7 +174,7 @@ def info(path: str | Path) -> str:
     p = Path(path)
     if p.is_file() and p.name != cf.LATEST:
         return "\n".join(_describe_weights_file(resolve_weights(p)))
-    if _hf_directory(p):
+    if hf_directory(p):
         return "\n".join(_describe_hf(p))
     if p.is_dir() and (p / ADAPTER_CONFIG).is_file() and not (p / cf.MANIFEST).exists():
         return "\n".join(describe_adapter(p))
@@ -318,15 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             root = Path(args.dir)
             targets = all_checkpoints(root) if args.all and root.is_dir() and not (root / cf.MANIFEST).exists() \
-                and not _hf_directory(root) and not (root / ADAPTER_CONFIG).is_file() else [root]
+                and not hf_directory(root) and not (root / ADAPTER_CONFIG).is_file() else [root]
             if not targets:
                 raise ConfigError(f"{str(root)!r} holds no committed checkpoint")
             for target in targets:
                 source = verify(target)
                 manifest = getattr(source, "manifest", None)     # a Hugging Face directory has none
                 files = f"{len(manifest['files'])} files, " if manifest else ""
+                held = source.partial() if hasattr(source, "partial") else ""     # one stage's file: its layers
                 print(f"ok: {source.describe()} step {source.step}, {files}"
-                      f"{count_text(source.model_kind, source.n_layers)}")
+                      f"{held or count_text(source.model_kind, source.n_layers)}")
         elif args.command == "import":
             refused = export_output_error(args.out)
             if refused is None and os.path.lexists(args.out):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.config import from_dict
-from hpcpipe.errors import ConfigError, UsageError
+from hpcpipe.errors import ConfigError
 from hpcpipe.nn.lora import LoraSettings, block_maps
 from hpcpipe.nn.registry import KINDS, model_specs
 from hpcpipe.state.hf_convert import check_range
@@ -168,11 +168,8 @@ def with_peft(source: WeightsSource, directory: str | Path, config: Any, label: 
 def check_whole(source: WeightsSource) -> None:
     """Raise UsageError when the source is one stage's file of a checkpoint (or another file of some layers only):
     an export needs the whole model, which the step directory holds."""
-    partial = source.partial() if hasattr(source, "partial") else ""
-    if partial:
-        step_dir = Path(source.path).parent
-        where = f"pass the step directory {str(step_dir)!r}" if "stage's file" in partial else "pass a whole model"
-        raise UsageError(f"{source.describe()} holds only {partial}: export reads a whole model; {where}")
+    if hasattr(source, "require_whole"):
+        source.require_whole("export")
 
 
 def exported_source(source: WeightsSource, merge: bool) -> WeightsSource:

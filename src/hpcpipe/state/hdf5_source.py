@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcpipe.errors import ConfigError
+from hpcpipe.errors import ConfigError, UsageError
 from hpcpipe.hf.json_text import JSONTextError, loads
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.kinds import check_kind, count_text, specs_kind, stored_kind
@@ -70,6 +70,15 @@ class HDF5Source:
                  else "not a whole model")
         return f"layers {held} of {self.n_layers}, {whose}"
 
+    def require_whole(self, reader: str) -> None:
+        """Raise UsageError when this is a file of some layers only (one stage's file of a checkpoint): ``reader``
+        (an export, a run) needs the whole model, which the step directory holds."""
+        partial = self.partial()
+        if partial:
+            where = (f"pass the step directory {str(self.path.parent)!r}" if "stage's file" in partial
+                     else "pass a whole model")
+            raise UsageError(f"{self.describe()} holds only {partial}: {reader} reads a whole model; {where}")
+
     def _by_file(self, indices: list[int]) -> dict[Path, list[int]]:
         missing = [i for i in indices if i not in self.files]
         if missing:
@@ -100,6 +109,7 @@ class HDF5Source:
             raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
                               f"{'model.dims' if kind == 'mlp' else 'the model config'} describes {len(specs)}")
         if self.kind == "file":
+            self.require_whole(f"{key or 'the run'}")
             check_weights(self.path, specs)
             return
         for path, indices in self._by_file([s.index for s in specs]).items():

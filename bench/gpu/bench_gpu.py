@@ -13,6 +13,8 @@ rewritten after every phase, so a run cut short still leaves its numbers:
   hpcpipe-pp2 the worker on 2 ranks sharing the GPU
   serve-gpt, serve-llama   bench/gpu/gpu_serve.py
   serve-llama-stored       the Llama from a bfloat16 checkpoint kept as stored on the GPU (model.weight_format)
+  decode-graphs            bench/gpu/gpu_decode_graphs.py: one stage's decode steps, eager and replayed from CUDA
+                           graphs (1 and 64 sequences; bf16 as stored and float32)
 
 MFU = tokens/s x FLOPs per token (bench/gpt_cost.py: 6 x non-embedding parameters + attention, causal mask
 counted fully) / the measured CuPy 2-D rate of the same precision. --rehearse (no CuPy): the quick sizes on
@@ -32,7 +34,7 @@ from gpu_common import HERE, ROOT, SIZES, Budget, last_json, mpiexec, run_logged
 
 # seconds each phase is expected to take at the full size (the budget check); quick sizes take a fraction
 ESTIMATE = {"matmul": 40, "hpcpipe-pp1": 90, "torch": 60, "hpcpipe-pp2": 90, "serve-gpt": 80, "serve-llama": 80,
-            "serve-llama-stored": 80}
+            "serve-llama-stored": 80, "decode-graphs": 45}
 
 
 def phases(args) -> list[tuple[str, list[str]]]:
@@ -50,6 +52,8 @@ def phases(args) -> list[tuple[str, list[str]]]:
                                       "--backend", backend, "--log", args.log]))
     out.append(("serve-llama-stored", [py, os.path.join(HERE, "gpu_serve.py"), "--kind", "llama", "--size", size,
                                        "--backend", backend, "--log", args.log, "--weight-format", "stored"]))
+    out.append(("decode-graphs", [py, os.path.join(HERE, "gpu_decode_graphs.py"), "--size", size,
+                                  "--backend", backend]))
     return out
 
 
@@ -124,6 +128,10 @@ def report(results: dict) -> str:
             lines.append(f"serve {kind:12s} clients {p['clients']:3d}: {p['tokens_per_s']:8.1f} tokens/s, "
                          f"TTFT p50 {_ms(p['ttft_p50_ms'])}, inter-token p50 {_ms(p['itl_p50_ms'])} "
                          f"p99 {_ms(p['itl_p99_ms'])}, {p['requests_done']} requests done")
+    for p in (results["phases"].get("decode-graphs", {}).get("result") or {}).get("points", []):
+        lines.append(f"decode step {p['weights']:15s} {p['clients']:3d} sequences: eager "
+                     f"{p['eager_ms_per_step']:.2f} ms, CUDA graphs {p['graphed_ms_per_step']:.2f} ms "
+                     f"({p['speedup']:.2f}x), logits differ {p['max_rel_logit_diff']:.1e}")
     for name, ph in results["phases"].items():
         if ph["status"] != "ok":
             lines.append(f"{name}: {ph['status']}" + (f" ({ph.get('reason', '')})" if ph.get("reason") else ""))

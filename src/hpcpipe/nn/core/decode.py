@@ -365,7 +365,10 @@ class DecodeStage:
             plan.last_rows = self.xp.asarray(np.asarray(rows, dtype=np.int64))
         if self._fused is not None:
             return self._forward_fused(x, plan, segments)
-        h = self._input(x, plan)
+        return self._through(self._input(x, plan), plan, rings)
+
+    def _through(self, h: Any, plan: CallPlan, rings: CallPlan | None) -> Any:
+        """The NumPy steps' blocks and head over the first activations ``h`` (what a captured graph replays)."""
         steps = self.steps
         context = steps.prepare(lambda: self._positions(plan))
         for index, cache in enumerate(self._block_caches):

@@ -1,0 +1,183 @@
+"""A decode stage's decode-only steps replayed from captured graphs (as vLLM replays CUDA graphs for decoding).
+
+On a GPU a decode step of the NumPy steps is hundreds of small kernel launches, each a few microseconds of
+Python and driver time for a few microseconds of work. :class:`GraphedStage` wraps a
+:class:`~hpcpipe.nn.core.decode.DecodeStage`. A call whose segments are all one new token (and that asks for no
+logit rows) replays a graph captured once per shape: (rows, KV blocks attended, rounded up to a power of two,
+the padding hidden by the mask). Before each replay the call's tokens (or activations), positions, cache places
+and block tables are copied into that graph's own buffers. Any other call (a prompt, logit rows) runs the stage
+as it is, on the same KV cache.
+
+On CuPy a graph is captured on a stream of its own (a blocking one, so it stays ordered with the default
+stream's eager calls), from a memory pool of its own: its temporaries keep their addresses between replays and
+nothing else allocates there. The step runs eagerly once first, which compiles every kernel and fills the pool.
+On NumPy a "capture" keeps the step as a function and a "replay" calls it again over the same buffers and the
+same plan object. Every host value the step read when captured (shapes, the plan's Python fields) comes again
+from the capture's plan, as in a replayed GPU graph. So the CPU tests catch a step that depends on anything but
+its buffers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hpcpipe.nn.core.decode_plan import CallPlan, DecodeBatch, plan_call
+
+KEPT = 32         # graphs a stage keeps (the least recently replayed is dropped first)
+
+
+def graph_problem(stage: Any) -> str | None:
+    """Why a decode stage's steps cannot be replayed from graphs (None: they can)."""
+    if stage.compiled:
+        return "a compiled CPU stage already runs a step in one call"
+    if stage.steps.tp is not None:
+        return "tensor parallelism sums over MPI inside every block"
+    if stage.steps.ep is not None or not stage.steps.model.fusable():
+        return "experts route their rows on the host"
+    if stage.rings is not None:
+        return "ring caches of windowed blocks (serve.kv_ring) are planned per call"
+    return None
+
+
+def pages_bucket(npages: int, most: int) -> int:
+    """KV blocks a graph attends over for sequences needing ``npages``: the next power of two, at most ``most``."""
+    return min(1 << (npages - 1).bit_length(), most)
+
+
+def _put(dst: Any, src: Any) -> None:
+    """Copy ``src`` (host, or on dst's device) into the buffer ``dst`` in place."""
+    if isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray):
+        dst[...] = src
+    else:
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
+
+
+class StaticStep:
+    """One captured shape's buffers: the step's input and the plan it reads, refilled in place before a replay."""
+
+    def __init__(self, stage: Any, n: int, npages: int):
+        xp, page = stage.xp, stage.paged.page
+        self.npages, self.keys = npages, npages * page
+        self.input = xp.zeros(n, dtype=np.int64) if stage.has_embedding else \
+            xp.zeros((n, stage.shape.d_model), dtype=stage.dtype)
+        positions = xp.zeros(n, dtype=np.int64)
+        batch = DecodeBatch(None, xp.zeros(n, dtype=np.int64), xp.zeros(n, dtype=np.int64), n, self.keys,
+                            xp.zeros(n * npages, dtype=np.int64), xp.zeros((n, 1, 1, self.keys), dtype=bool),
+                            positions)
+        # host positions and slots stay the capture's: a replay never reads them (dev_positions is set)
+        self.plan = CallPlan(n, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), None, [], batch, positions)
+
+    def fill(self, x: Any, host: CallPlan, paged: Any) -> None:
+        """Copy one call's input (checked) and its rows' places, block tables and mask into the buffers."""
+        slots, positions = host.row_slots, host.positions
+        blocks, offsets = paged.where(slots, positions)
+        batch = self.plan.decode
+        _put(self.input, x)
+        _put(batch.blocks, blocks)
+        _put(batch.offsets, offsets)
+        _put(batch.gather, paged.tables[slots, :self.npages].reshape(-1))
+        _put(batch.future, (np.arange(self.keys)[None, :] > positions[:, None]).reshape(batch.future.shape))
+        _put(batch.row_positions, positions)
+
+
+class HostReplay:
+    """NumPy: the step kept as a function; a replay calls it again (over the capture's buffers and plan)."""
+
+    def __init__(self, step: Callable[[], Any]):
+        self.step = step
+
+    def replay(self) -> Any:
+        """Run the step; return its output."""
+        return self.step()
+
+
+class CudaReplay:
+    """CuPy: the step captured into a CUDA graph on ``stream`` from ``pool``, after one eager run."""
+
+    def __init__(self, step: Callable[[], Any], xp: Any, stream: Any, pool: Any):
+        with xp.cuda.using_allocator(pool.malloc), stream:
+            step()                        # eager once: compiles the kernels, leaves the pool its blocks
+            stream.begin_capture()
+            try:
+                out = step()
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:         # an invalidated capture says so here too; the step's error is the one
+                    pass
+                raise
+            self.graph = stream.end_capture()
+        self.out, self.stream = out, stream
+
+    def replay(self) -> Any:
+        """Launch the graph; return a copy of its output (the next replay overwrites the graph's own)."""
+        with self.stream:
+            self.graph.launch(self.stream)
+            return self.out.copy()
+
+
+class GraphedStage:
+    """A decode stage whose decode-only calls replay captured graphs; every other call and attribute is the
+    stage's own."""
+
+    def __init__(self, stage: Any, kept: int = KEPT):
+        problem = graph_problem(stage)
+        if problem is not None:
+            raise ValueError(f"decode graphs: not for this stage: {problem}")
+        self.stage, self.kept = stage, kept
+        self._graphs: OrderedDict[tuple[int, int], tuple[StaticStep, Any, Any]] = OrderedDict()
+        self.captured = self.replayed = 0
+        self._stream = self._pool = None
+        if stage.xp is not np:
+            self._stream = stage.xp.cuda.Stream()       # blocking: ordered with eager work on the default stream
+            self._pool = stage.xp.cuda.MemoryPool()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stage, name)
+
+    def forward(self, x: Any, segments: list, rows: list[int] | None = None) -> Any:
+        """The stage's forward (same arguments and result); decode-only calls from a graph."""
+        stage = self.stage
+        if rows is not None or not segments or any(getattr(s, "length", None) != 1 for s in segments):
+            return stage.forward(x, segments, rows)
+        host = plan_call(segments, stage.paged, np, attention=False)        # the segments checked
+        x = stage._token_ids(x, host) if stage.has_embedding else stage._activations(x, host)
+        page, most = stage.paged.page, stage.paged.max_pages
+        key = (host.n_rows, pages_bucket(int(host.positions.max()) // page + 1, most))
+        entry = self._graphs.pop(key, None)
+        if entry is None:
+            static = StaticStep(stage, *key)
+            self._fill(static, x, host)
+            runner = self._capture(static)
+            entry = (static, runner, stage._scratch)      # the scratch a captured graph writes stays alive
+            self.captured += 1
+        else:
+            self._fill(entry[0], x, host)
+        self._graphs[key] = entry
+        while len(self._graphs) > self.kept:
+            self._graphs.popitem(last=False)
+        self.replayed += 1
+        return entry[1].replay()
+
+    def _fill(self, static: StaticStep, x: Any, host: CallPlan) -> None:
+        if self._stream is None:
+            static.fill(x, host, self.stage.paged)
+            return
+        with self._stream:
+            static.fill(x, host, self.stage.paged)
+
+    def _capture(self, static: StaticStep) -> Any:
+        stage = self.stage
+
+        def step() -> Any:
+            h = stage.steps.embed(static.input, lambda: static.plan.dev_positions) if stage.has_embedding \
+                else static.input
+            return stage._through(h, static.plan, None)
+
+        if self._stream is None:
+            return HostReplay(step)
+        return CudaReplay(step, stage.xp, self._stream, self._pool)

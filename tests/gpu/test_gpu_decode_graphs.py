@@ -3,6 +3,8 @@ steps and NumPy's: a Llama (grouped-query attention, RoPE) and a GPT stage, weig
 as stored (bfloat16 row products), four sequences prefilled, then decoding with sequences joining and leaving
 and positions crossing KV blocks and the power-of-two buckets. A rehearsal (no GPU) replays on NumPy."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from support.gpu import device_backend
@@ -59,6 +61,16 @@ def _run(stages, calls, xp):
     return out
 
 
+def _stages(model, arrays, xp, stored: bool, compact=None):
+    """The model as two decode stages on ``xp`` (4 slots, KV blocks of 8)."""
+    fmt = {"weight_format": "stored"} if stored else {}      # a GPU stage keeps stored matrices as stored
+    n = model.shape.n_groups
+    tok = arrays[0]["tok_emb"] if model.shape.tied else None
+    return [DecodeStage(model, g, arrays, xp, "float32", 4, compiled=False, kv_block=8,
+                        tok_emb=tok if 0 not in g else None, compact=compact, **fmt)
+            for g in (range(0, 2), range(2, n))]
+
+
 @pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_replayed_decode_steps_equal_eager_and_numpy(kind, stored):
@@ -73,16 +85,10 @@ def test_replayed_decode_steps_equal_eager_and_numpy(kind, stored):
     model = MODELS[kind]()
     arrays = _arrays(model, stored)
     calls = _calls(model.shape.vocab, np.random.default_rng(3))
-    fmt = {"weight_format": "stored"} if stored else {}      # a GPU stage keeps stored matrices as stored
-    n = model.shape.n_groups
-    splits = [range(0, 2), range(2, n)]
+    compact = True if stored else None     # the rehearsal too keeps them as stored (compiled CPU row products)
 
     def stages(backend_xp, compact=None):
-        tok = arrays[0]["tok_emb"] if model.shape.tied else None
-        return [DecodeStage(model, g, arrays, backend_xp, "float32", 4, compiled=False, kv_block=8,
-                            tok_emb=tok if 0 not in g else None, compact=compact, **fmt) for g in splits]
-
-    compact = True if stored else None     # the rehearsal too keeps them as stored (compiled CPU row products)
+        return _stages(model, arrays, backend_xp, stored, compact)
 
     eager = _run(stages(xp, compact), calls, xp)
     graphed_stages = [GraphedStage(s) for s in stages(xp, compact)]
@@ -94,3 +100,24 @@ def test_replayed_decode_steps_equal_eager_and_numpy(kind, stored):
         assert np.abs(e - r).max() <= 1e-4 * np.abs(r).max(), (kind, stored, step)
     assert all(s.replayed == 40 and 2 <= s.captured <= 8 for s in graphed_stages), \
         [(s.replayed, s.captured) for s in graphed_stages]
+
+
+def test_replays_follow_the_callers_own_stream():
+    """Called under a stream of the caller's own (not CuPy's default stream), replays still come after its work
+    (prompts' cache writes, the previous stage's rows) and before its reads of their output: a graph ordered by
+    the legacy default stream's implicit synchronization alone would race here. The rehearsal has no streams."""
+    if device_backend() == "cupy":
+        import cupy as xp
+        own = xp.cuda.Stream(non_blocking=True)
+    else:
+        xp, own = np, contextlib.nullcontext()
+    model = MODELS["llama"]()
+    arrays = _arrays(model, False)
+    calls = _calls(model.shape.vocab, np.random.default_rng(4))
+    eager = _run(_stages(model, arrays, xp, False), calls, xp)
+    graphed_stages = [GraphedStage(s) for s in _stages(model, arrays, xp, False)]
+    with own:
+        graphed = _run(graphed_stages, calls, xp)
+    for step, (g, e) in enumerate(zip(graphed, eager, strict=True)):
+        assert np.abs(g - e).max() <= 1e-5 * np.abs(e).max(), step
+    assert all(s.replayed == 40 for s in graphed_stages)

@@ -8,9 +8,13 @@ the padding hidden by the mask). Before each replay the call's tokens (or activa
 and block tables are copied into that graph's own buffers. Any other call (a prompt, logit rows) runs the stage
 as it is, on the same KV cache.
 
-On CuPy a graph is captured on a stream of its own (a blocking one, so it stays ordered with the default
-stream's eager calls), from a memory pool of its own: its temporaries keep their addresses between replays and
-nothing else allocates there. The step runs eagerly once first, which compiles every kernel and fills the pool.
+On CuPy a graph is captured on a non-blocking stream of its own, from a memory pool of its own: its
+temporaries keep their addresses between replays and nothing else allocates there. The step runs eagerly once
+first, which compiles every kernel and fills the pool. Events order that stream with the caller's current stream
+both ways (its inputs and cache writes before a fill, the replay before the caller's next work), whatever stream
+that is: the legacy default stream's implicit ordering would hold only for it, not for a caller's own stream or
+per-thread default streams (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM), and while a blocking stream captures, any use of
+the legacy stream (by any thread) invalidates the capture.
 On NumPy a "capture" keeps the step as a function and a "replay" calls it again over the same buffers and the
 same plan object. Every host value the step read when captured (shapes, the plan's Python fields) comes again
 from the capture's plan, as in a replayed GPU graph. So the CPU tests catch a step that depends on anything but
@@ -20,7 +24,8 @@ its buffers.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -131,10 +136,12 @@ class GraphedStage:
         self.stage, self.kept = stage, kept
         self._graphs: OrderedDict[tuple[int, int], tuple[StaticStep, Any, Any]] = OrderedDict()
         self.captured = self.replayed = 0
-        self._stream = self._pool = None
+        self._stream = self._pool = self._events = None
         if stage.xp is not np:
-            self._stream = stage.xp.cuda.Stream()       # blocking: ordered with eager work on the default stream
-            self._pool = stage.xp.cuda.MemoryPool()
+            cuda = stage.xp.cuda
+            self._stream = cuda.Stream(non_blocking=True)      # ordered with the caller's stream by events only
+            self._pool = cuda.MemoryPool()
+            self._events = (cuda.Event(disable_timing=True), cuda.Event(disable_timing=True))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage, name)
@@ -148,27 +155,38 @@ class GraphedStage:
         x = stage._token_ids(x, host) if stage.has_embedding else stage._activations(x, host)
         page, most = stage.paged.page, stage.paged.max_pages
         key = (host.n_rows, pages_bucket(int(host.positions.max()) // page + 1, most))
-        entry = self._graphs.pop(key, None)
-        if entry is None:
-            static = StaticStep(stage, *key)
-            self._fill(static, x, host)
-            runner = self._capture(static)
-            entry = (static, runner, stage._scratch)      # the scratch a captured graph writes stays alive
-            self.captured += 1
-        else:
-            self._fill(entry[0], x, host)
-        self._graphs[key] = entry
-        while len(self._graphs) > self.kept:
-            self._graphs.popitem(last=False)
+        entry = self._graphs.get(key)
+        static = StaticStep(stage, *key) if entry is None else entry[0]    # new buffers zeroed on the caller's stream
+        with self._ordered():
+            static.fill(x, host, stage.paged)
+            if entry is None:
+                entry = (static, self._capture(static), stage._scratch)    # the scratch a graph writes stays alive
+                self.captured += 1
+                self._graphs[key] = entry
+                while len(self._graphs) > self.kept:
+                    self._graphs.popitem(last=False)
+            else:
+                self._graphs.move_to_end(key)
+            out = entry[1].replay()
         self.replayed += 1
-        return entry[1].replay()
+        return out
 
-    def _fill(self, static: StaticStep, x: Any, host: CallPlan) -> None:
+    @contextmanager
+    def _ordered(self) -> Iterator[None]:
+        """Run the body on the graph stream, after the caller's current stream's work so far (the inputs, the new
+        buffers, prompts' cache writes) and before its later work (reading the output, freeing the inputs, reusing
+        their memory, writing the cache). NumPy: no streams."""
         if self._stream is None:
-            static.fill(x, host, self.stage.paged)
+            yield
             return
-        with self._stream:
-            static.fill(x, host, self.stage.paged)
+        ready, done = self._events
+        caller = self.stage.xp.cuda.get_current_stream()
+        self._stream.wait_event(caller.record(ready))
+        try:
+            with self._stream:
+                yield
+        finally:
+            caller.wait_event(self._stream.record(done))
 
     def _capture(self, static: StaticStep) -> Any:
         stage = self.stage

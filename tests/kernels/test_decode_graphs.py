@@ -92,6 +92,30 @@ def test_graphs_are_dropped_least_recent_first():
     assert list(stage._graphs) == [(2, 4), (1, 1)] and stage.captured == 3
 
 
+def test_padding_reads_no_other_sequences_blocks():
+    """A bucket's padding KV blocks are masked, but a weight of 0 times Inf or NaN is NaN: a lone sequence whose
+    table still names a block it gave up (now another sequence's, here holding NaN) must not read it."""
+    model = MODELS["gpt_tied"]()
+    arrays = _arrays(model)
+    outs = []
+    for graphs in (False, True):
+        stage = DecodeStage(model, range(model.shape.n_groups), arrays, np, "float32", 2, compiled=False,
+                            kv_block=4, kv_blocks=12)
+        stage.set_pages(0, 0, [4, 5, 6, 7])      # an earlier sequence's blocks
+        stage.set_pages(0, 0, [1, 2, 3])         # the next sequence of slot 0: its table still names block 7
+        stage.set_pages(1, 0, [7, 8])
+        stage._cache[:, :, :, 7] = np.nan        # slot 1's values went non-finite
+        stage = GraphedStage(stage) if graphs else stage
+        ids = np.random.default_rng(2).integers(0, model.shape.vocab, 12)
+        out = [stage.forward(ids[:9], [Segment(0, 0, 9)])]
+        out += [stage.forward(ids[9 + t:10 + t], [Segment(0, 9 + t, 1)]) for t in range(3)]   # 3 blocks: bucket 4
+        outs.append(out)
+    assert stage.replayed == 3 and list(stage._graphs) == [(1, 4)]
+    for step, (w, g) in enumerate(zip(*outs, strict=True)):
+        assert np.isfinite(w).all() and np.isfinite(g).all(), step
+        assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), step
+
+
 def test_bucket_and_refusals():
     assert [pages_bucket(p, 6) for p in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
     model = MODELS["mistral_window"]()

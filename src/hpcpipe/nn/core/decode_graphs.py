@@ -84,7 +84,11 @@ class StaticStep:
         _put(self.input, x)
         _put(batch.blocks, blocks)
         _put(batch.offsets, offsets)
-        _put(batch.gather, paged.tables[slots, :self.npages].reshape(-1))
+        # the bucket's padding blocks (masked) read the row's first block again, not what a stale table entry names
+        # (another sequence's block: a weight of 0 times its Inf or NaN is NaN, which eager steps never read alone)
+        table = paged.tables[slots, :self.npages]
+        own = np.arange(self.npages)[None, :] <= (positions // paged.page)[:, None]
+        _put(batch.gather, np.where(own, table, table[:, :1]).reshape(-1))
         _put(batch.future, (np.arange(self.keys)[None, :] > positions[:, None]).reshape(batch.future.shape))
         _put(batch.row_positions, positions)
 

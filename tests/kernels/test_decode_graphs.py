@@ -128,6 +128,8 @@ def test_bucket_and_refusals():
     if cpu.library() is not None:
         fused = DecodeStage(model, groups, arrays, np, "float32", 2, compiled=True)
         assert "compiled CPU stage" in graph_problem(fused)
+    with pytest.raises(ValueError, match="graphs kept must be a positive integer, got 0"):
+        GraphedStage(DecodeStage(model, groups, arrays, np, "float32", 2, compiled=False), kept=0)
     with pytest.raises(ValueError, match="token id 41 out of range"):
         GraphedStage(DecodeStage(model, groups, arrays, np, "float32", 2, compiled=False)).forward(
             np.array([41]), [Segment(0, 0, 1)])

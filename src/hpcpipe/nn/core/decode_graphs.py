@@ -137,6 +137,8 @@ class GraphedStage:
         problem = graph_problem(stage)
         if problem is not None:
             raise ValueError(f"decode graphs: not for this stage: {problem}")
+        if isinstance(kept, bool) or not isinstance(kept, int) or kept < 1:
+            raise ValueError(f"decode graphs: graphs kept must be a positive integer, got {kept!r}")
         self.stage, self.kept = stage, kept
         self._graphs: OrderedDict[tuple[int, int], tuple[StaticStep, Any, Any]] = OrderedDict()
         self.captured = self.replayed = 0

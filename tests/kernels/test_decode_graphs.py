@@ -3,7 +3,7 @@
 On NumPy a capture keeps the step and a replay runs it again over the capture's buffers and plan object, so a
 step that read anything but its buffers at replay (a shape, a block table, a position baked in when captured)
 would compute the captured call's answer again and fail here. Every model kind of the fused-stage tests, whole
-and split stages, the weights widened and (where the compiled products are built) kept as stored; sequences
+and split stages, the weights widened and (where the compiled products are built) kept as stored or q8_0; sequences
 joining and leaving, positions crossing KV blocks, and prompts beside decode steps on the same cache."""
 
 import numpy as np
@@ -47,7 +47,7 @@ def _arrays(model):
     return {i: {name: np.array(v) for name, v in group.items()} for i, group in enumerate(ref.params)}
 
 
-@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("compact", [False, "stored", "q8_0"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_replayed_steps_equal_the_stage(name, compact):
     if compact and cpu.library() is None:
@@ -58,7 +58,7 @@ def test_replayed_steps_equal_the_stage(name, compact):
     n = model.shape.n_groups
     options = {"compiled": False, "kv_block": 4}
     if compact:
-        options.update(weight_format="stored", compact=True)
+        options.update(weight_format=compact, compact=True)
     int8 = cpu.int8_activations() if cpu.library() is not None else None
     if int8 is not None:
         cpu.int8_activations(False)

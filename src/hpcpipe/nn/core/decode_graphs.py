@@ -5,7 +5,7 @@ Python and driver time for a few microseconds of work. :class:`GraphedStage` wra
 :class:`~hpcpipe.nn.core.decode.DecodeStage`. A call whose segments are all one new token (and that asks for no
 logit rows) replays a graph captured once per shape: (rows, KV blocks attended, rounded up to a power of two,
 the padding hidden by the mask). Before each replay the call's tokens (or activations), positions, cache places
-and block tables are copied into that graph's own buffers. Any other call (a prompt, logit rows) runs the stage
+and block tables are copied into that graph's own buffers (the integers in one copy; the mask is made inside). Any other call (a prompt, logit rows) runs the stage
 as it is, on the same KV cache.
 
 On CuPy a graph is captured on a non-blocking stream of its own, from a memory pool of its own: its
@@ -62,35 +62,52 @@ def _put(dst: Any, src: Any) -> None:
 
 
 class StaticStep:
-    """One captured shape's buffers: the step's input and the plan it reads, refilled in place before a replay."""
+    """One captured shape's buffers: the step's input and the plan it reads, refilled in place before a replay.
+
+    The integers (token ids, cache places, positions, block tables) share one buffer, so a fill is one copy to the
+    device (and the activations' on a later stage); the mask is made inside the step from the positions."""
 
     def __init__(self, stage: Any, n: int, npages: int):
         xp, page = stage.xp, stage.paged.page
         self.npages, self.keys = npages, npages * page
-        self.input = xp.zeros(n, dtype=np.int64) if stage.has_embedding else \
-            xp.zeros((n, stage.shape.d_model), dtype=stage.dtype)
-        positions = xp.zeros(n, dtype=np.int64)
-        batch = DecodeBatch(None, xp.zeros(n, dtype=np.int64), xp.zeros(n, dtype=np.int64), n, self.keys,
-                            xp.zeros(n * npages, dtype=np.int64), xp.zeros((n, 1, 1, self.keys), dtype=bool),
-                            positions)
+        sizes = {"ids": n if stage.has_embedding else 0, "blocks": n, "offsets": n, "positions": n,
+                 "gather": n * npages}
+        total = sum(sizes.values())
+        self._host, self._ints = np.zeros(total, dtype=np.int64), xp.zeros(total, dtype=np.int64)
+        self.host, dev, at = {}, {}, 0
+        for name, size in sizes.items():
+            self.host[name], dev[name] = self._host[at:at + size], self._ints[at:at + size]
+            at += size
+        self.input = dev["ids"] if stage.has_embedding else xp.zeros((n, stage.shape.d_model), dtype=stage.dtype)
+        self._key_index = xp.arange(self.keys, dtype=np.int64)
+        positions = dev["positions"]
+        batch = DecodeBatch(None, dev["blocks"], dev["offsets"], n, self.keys, dev["gather"],
+                            xp.zeros((n, 1, 1, self.keys), dtype=bool), positions)
         # host positions and slots stay the capture's: a replay never reads them (dev_positions is set)
         self.plan = CallPlan(n, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), None, [], batch, positions)
 
     def fill(self, x: Any, host: CallPlan, paged: Any) -> None:
-        """Copy one call's input (checked) and its rows' places, block tables and mask into the buffers."""
+        """Copy one call's input (checked) and its rows' places and block tables into the buffers."""
         slots, positions = host.row_slots, host.positions
-        blocks, offsets = paged.where(slots, positions)
-        batch = self.plan.decode
-        _put(self.input, x)
-        _put(batch.blocks, blocks)
-        _put(batch.offsets, offsets)
+        out = self.host
+        if out["ids"].size:
+            out["ids"][:] = x
+        out["blocks"][:], out["offsets"][:] = paged.where(slots, positions)
+        out["positions"][:] = positions
         # the bucket's padding blocks (masked) read the row's first block again, not what a stale table entry names
         # (another sequence's block: a weight of 0 times its Inf or NaN is NaN, which eager steps never read alone)
         table = paged.tables[slots, :self.npages]
         own = np.arange(self.npages)[None, :] <= (positions // paged.page)[:, None]
-        _put(batch.gather, np.where(own, table, table[:, :1]).reshape(-1))
-        _put(batch.future, (np.arange(self.keys)[None, :] > positions[:, None]).reshape(batch.future.shape))
-        _put(batch.row_positions, positions)
+        out["gather"][:] = np.where(own, table, table[:, :1]).reshape(-1)
+        _put(self._ints, self._host)
+        if not out["ids"].size:
+            _put(self.input, x)
+
+    def mask(self, xp: Any) -> None:
+        """Hide each row's keys after its position (inside the step: from the positions on the device)."""
+        batch = self.plan.decode
+        n = batch.n
+        xp.greater(self._key_index[None, :], batch.row_positions[:, None], out=batch.future.reshape(n, self.keys))
 
 
 class HostReplay:
@@ -198,6 +215,7 @@ class GraphedStage:
         stage = self.stage
 
         def step() -> Any:
+            static.mask(stage.xp)
             h = stage.steps.embed(static.input, lambda: static.plan.dev_positions) if stage.has_embedding \
                 else static.input
             return stage._through(h, static.plan, None)

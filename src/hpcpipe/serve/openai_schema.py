@@ -174,10 +174,30 @@ def stream_options(body: dict) -> tuple[bool, bool]:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
                        "stream_options")
+        _refuse_unknown_stream_option(options)
         if not stream:         # OpenAI's API and vLLM refuse it too; ignoring it hid a client's mistake
             raise _bad("stream_options is only allowed when stream is true", "stream_options")
         include_usage = options.get("include_usage", False)
     return stream, include_usage
+
+
+# stream_options keys: include_usage, and OpenAI's include_obfuscation (padding of the chunks against
+# side channels; hpcpipe's chunks carry none, so either value streams the same text)
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+
+
+def _refuse_unknown_stream_option(options: dict) -> None:
+    """Raise ApiError(400) naming a stream_options key this server does not know (a misspelt include_usage
+    would silently drop the usage chunk)."""
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(STREAM_OPTIONS), n=1)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        raise _bad(f"unknown field stream_options.{unknown[0]}{hint} (stream_options takes "
+                   f"{', '.join(sorted(STREAM_OPTIONS))})", "stream_options")
+    if not isinstance(options.get("include_obfuscation", False), bool):
+        raise _bad(f"stream_options.include_obfuscation must be true or false, got "
+                   f"{options['include_obfuscation']!r}", "stream_options")
 
 
 def _prompts(body: dict, max_prompts: int, tokenizer) -> list[str | list[int]]:

@@ -1,0 +1,28 @@
+"""What a new user of the serving docs ran into (HTTP front end, no MPI): each test failed before its fix."""
+
+from __future__ import annotations
+
+from http_harness import MODEL
+
+
+def _stream(s, options: dict):
+    return s.post({"prompt": "ab", "max_tokens": 2, "stream": True, "stream_options": options})
+
+
+def test_a_misspelt_stream_option_is_a_400_naming_it(served):
+    s = served()
+    status, _, body = _stream(s, {"include_usag": True})   # was: 200, and the usage chunk silently left out
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    assert body["error"]["message"].startswith(
+        "unknown field stream_options.include_usag: did you mean 'include_usage'?"), body
+    status, _, body = _stream(s, {"include_usage": True, "include_obfuscation": "no"})
+    assert status == 400 and "include_obfuscation must be true or false, got 'no'" in body["error"]["message"]
+    assert s.engine.taken == {} and s.broker.outstanding == 0
+
+
+def test_openais_stream_options_are_accepted(served):
+    s = served()
+    chunks = list(s.client.completions.create(model=MODEL, prompt="ab", max_tokens=2, stream=True,
+                                              stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.total_tokens == 4
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "ba"

@@ -1,0 +1,47 @@
+"""Weights paths a new user gets wrong: each message names the setting the path came from and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from support.launch import one_error, run_module
+from support.serve import make_weights
+
+from hpcpipe.errors import ConfigError
+from hpcpipe.serve.setup import prepare
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("paths") / "model.h5"
+    make_weights(path, dtype="float32")
+    return path
+
+
+def _draft(model, draft):
+    return prepare(model, 1, None, ['serve.speculate="draft"', f'serve.draft="{draft}"'])
+
+
+def test_a_draft_path_is_named_as_serve_draft_not_as_weights(model, tmp_path):
+    with pytest.raises(ConfigError, match=r"^serve\.draft '[^']*nope' does not exist") as e:   # was: --weights 'nope'
+        _draft(model, tmp_path / "nope")
+    assert "--weights" not in str(e.value)
+    text = tmp_path / "notes.txt"
+    text.write_text("not weights")
+    with pytest.raises(ConfigError, match=r"^serve\.draft '[^']*notes\.txt' is not an HDF5 weights file$"):
+        _draft(model, text)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^serve\.draft '[^']*empty' is neither a checkpoint directory"):
+        _draft(model, tmp_path / "empty")
+    assert _draft(model, model).draft is not None                        # a good draft path still serves
+
+
+def test_a_file_of_a_hugging_face_directory_names_the_directory(tmp_path):
+    hf = tmp_path / "tiny-llama"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    for name in ("config.json", "model.safetensors"):      # was: "weights file '...' is not an HDF5 file" alone
+        proc = run_module("hpcpipe.generate", "--weights", hf / name, "--prompt", "hi")
+        line = one_error(proc, f"--weights '{hf / name}' is not an HDF5 weights file",
+                         f"it is a file of the Hugging Face model directory '{hf}': give the directory itself")
+        assert "Traceback" not in line

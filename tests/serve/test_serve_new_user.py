@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from http_harness import MODEL
 
 
@@ -26,3 +27,15 @@ def test_openais_stream_options_are_accepted(served):
                                               stream_options={"include_usage": True, "include_obfuscation": False}))
     assert chunks[-1].usage.total_tokens == 4
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "ba"
+
+
+def test_a_text_part_without_its_text_says_so():
+    from hpcpipe.hf.chat import ChatError, validate_messages
+    for part, got in (({"type": "text"}, "missing"), ({"type": "text", "text": 5}, "a int")):
+        with pytest.raises(ChatError) as e:     # was: 'must be {"type": "text", ...}, got type 'text''
+            validate_messages([{"role": "user", "content": [part]}])
+        assert str(e.value) == (f'messages[0].content[0] is a text part whose "text" is {got}: send '
+                                '{"type": "text", "text": "..."} with a string')
+    with pytest.raises(ChatError, match=r"only text is supported\), got type 'image_url'"):
+        validate_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}]}])[0]["content"] == "a"

@@ -39,3 +39,15 @@ def test_a_text_part_without_its_text_says_so():
     with pytest.raises(ChatError, match=r"only text is supported\), got type 'image_url'"):
         validate_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert validate_messages([{"role": "user", "content": [{"type": "text", "text": "a"}]}])[0]["content"] == "a"
+
+
+def test_the_openai_clients_models_retrieve_finds_the_served_model(served):
+    import openai
+    s = served()
+    model = s.client.models.retrieve(MODEL)            # was: 404 "no such endpoint: GET /v1/models/tiny-gpt"
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "hpcpipe")
+    assert model.created == s.client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist"):
+        s.client.models.retrieve("gpt-4o")
+    status, _, body = s.request("GET", "/v1/models/org/name")
+    assert status == 404 and body["error"]["code"] == "model_not_found", body

@@ -30,7 +30,7 @@ when parallel.dp is given, else one stage per rank, as many as the layer groups 
 by parallel.ep), the limits from [serve]."""
 
 EPILOG = """endpoints: POST /v1/completions (logprobs, echo) and POST /v1/chat/completions, both streaming too,
-  GET /v1/models, GET /health, GET /metrics (Prometheus)
+  GET /v1/models (and /v1/models/NAME), GET /health, GET /metrics (Prometheus)
 
 examples:
   mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000

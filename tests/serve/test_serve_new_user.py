@@ -51,3 +51,14 @@ def test_the_openai_clients_models_retrieve_finds_the_served_model(served):
         s.client.models.retrieve("gpt-4o")
     status, _, body = s.request("GET", "/v1/models/org/name")
     assert status == 404 and body["error"]["code"] == "model_not_found", body
+
+
+def test_an_authorization_header_without_bearer_is_named_not_called_missing(served):
+    s = served(api_key="sekrit")
+    for header, start in (({"Authorization": "sekrit"}, "the Authorization header is not 'Bearer <key>'"),
+                          ({"Authorization": "Basic c2Vrcml0"}, "the Authorization header is not 'Bearer <key>'"),
+                          ({}, "no API key given")):       # was: "no API key given" for all three
+        status, _, body = s.request("GET", "/v1/models", headers=header)
+        assert status == 401 and body["error"]["message"].startswith(start), body
+        assert "sekrit" not in body["error"]["message"] and body["error"]["code"] == "invalid_api_key"
+    assert s.client.models.list().data[0].id == MODEL

@@ -110,9 +110,12 @@ async def _require_api_key(request: web.Request, handler):
     """Answer 401 to a /v1/ request without the server's API key (when it has one)."""
     s = request.app[_STATE]
     if s["api_key"] and request.path.startswith(API_PREFIX):
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
-            err = ApiError(401, "no API key given: send the header 'Authorization: Bearer <key>' (the openai "
+            # a header that is there names its mistake (never its value: it may be the key itself)
+            what = "no API key given" if not header.strip() else "the Authorization header is not 'Bearer <key>'"
+            err = ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>' (the openai "
                                 "client's api_key) with the key the server was started with (HPCPIPE_API_KEY)",
                            code="invalid_api_key")
         elif not hmac.compare_digest(given.strip().encode("utf-8", "replace"), s["api_key"]):

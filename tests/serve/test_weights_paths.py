@@ -1,6 +1,9 @@
-"""Weights paths a new user gets wrong: each message names the setting the path came from and the fix."""
+"""What a new user of generate and serve got wrong or was told wrong: weights paths (each message names the
+setting the path came from and the fix) and the --help text."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from support.launch import one_error, run_module
@@ -45,3 +48,13 @@ def test_a_file_of_a_hugging_face_directory_names_the_directory(tmp_path):
         line = one_error(proc, f"--weights '{hf / name}' is not an HDF5 weights file",
                          f"it is a file of the Hugging Face model directory '{hf}': give the directory itself")
         assert "Traceback" not in line
+
+
+def test_generate_help_lists_every_key_of_its_json(model, tmp_path):
+    out = tmp_path / "out.json"
+    proc = run_module("hpcpipe.generate", "--weights", model, "--prompt", "ab", "--max-new-tokens", "2",
+                      "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    helped = " ".join(run_module("hpcpipe.generate", "--help").stdout.split())
+    listed = helped.split("--json FILE also writes {")[1].split("}")[0]
+    assert listed == ", ".join(f'"{k}"' for k in json.loads(out.read_text()))   # was: without "writer"

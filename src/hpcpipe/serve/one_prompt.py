@@ -41,9 +41,10 @@ EPILOG = """examples:
   mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --set parallel.pp=1 --set parallel.tp=2
 
 The completion is printed to stdout as it is generated (the prompt is not repeated), and nothing else is:
-the MPI line and the summary go to stderr. --json FILE also writes {"prompt", "completion", "prompt_tokens",
-"tokens", "finish_reason", "seconds", "ep_comm_s"} (ep_comm_s: the slowest rank's seconds in the experts'
-all-to-alls over the whole run, 0 without expert parallelism). A temperature below 1e-4 is greedy, as 0.
+the MPI line and the summary go to stderr. --json FILE also writes {"writer", "prompt", "completion",
+"prompt_tokens", "tokens", "finish_reason", "seconds", "ep_comm_s"} (writer: "hpcpipe.generate", so a later
+--json may replace the file; ep_comm_s: the slowest rank's seconds in the experts' all-to-alls over the whole
+run, 0 without expert parallelism). A temperature below 1e-4 is greedy, as 0.
 
 exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input, 75 stopped by
   SIGTERM/SIGUSR1 before the completion was whole (nothing written; run it again), 76 the watchdog saw

@@ -62,3 +62,14 @@ def test_an_authorization_header_without_bearer_is_named_not_called_missing(serv
         assert status == 401 and body["error"]["message"].startswith(start), body
         assert "sekrit" not in body["error"]["message"] and body["error"]["code"] == "invalid_api_key"
     assert s.client.models.list().data[0].id == MODEL
+
+
+def test_a_bad_response_format_names_the_field_once(served):
+    s = served()
+    for fmt, start in (({"type": "bogus"}, "response_format.type must be"),
+                       ("json", "response_format must be an object"),
+                       ({"type": "json_schema"}, "response_format.json_schema must be an object")):
+        status, _, body = s.post({"prompt": "ab", "max_tokens": 2, "response_format": fmt})
+        # was: "response_format: response_format.type must be ..."
+        assert status == 400 and body["error"]["message"].startswith(start), body
+        assert body["error"]["param"] == "response_format"

@@ -73,3 +73,12 @@ def test_a_bad_response_format_names_the_field_once(served):
         # was: "response_format: response_format.type must be ..."
         assert status == 400 and body["error"]["message"].startswith(start), body
         assert body["error"]["param"] == "response_format"
+
+
+def test_a_one_token_prompt_too_long_with_max_tokens_is_one_token(served):
+    s = served(seq_len=64)
+    status, _, body = s.post({"prompt": "a", "max_tokens": 64})
+    assert status == 400 and body["error"]["message"].startswith(        # was: "prompt has 1 tokens"
+        "prompt has 1 token and max_tokens is 64: 1 + 64 = 65 exceeds the model's context length of 64 tokens"), body
+    status, _, body = s.post({"prompt": "ab", "max_tokens": 63})
+    assert status == 400 and body["error"]["message"].startswith("prompt has 2 tokens and max_tokens is 63"), body

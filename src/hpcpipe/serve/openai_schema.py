@@ -135,7 +135,8 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
         for where, ids in zip(names, prompts, strict=True):
             if len(ids) + max_tokens > seq_len:
-                raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + "
+                raise _bad(f"{where} has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
+                           f"{max_tokens}: {len(ids)} + "
                            f"{max_tokens} = {len(ids) + max_tokens} exceeds the model's context length of {seq_len} "
                            f"tokens; shorten the prompt or lower max_tokens", "max_tokens")
         echoed = [e if isinstance(e, str) else next(decoded) for e in entries] if echo else None

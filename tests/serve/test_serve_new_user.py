@@ -82,3 +82,15 @@ def test_a_one_token_prompt_too_long_with_max_tokens_is_one_token(served):
         "prompt has 1 token and max_tokens is 64: 1 + 64 = 65 exceeds the model's context length of 64 tokens"), body
     status, _, body = s.post({"prompt": "ab", "max_tokens": 63})
     assert status == 400 and body["error"]["message"].startswith("prompt has 2 tokens and max_tokens is 63"), body
+
+
+def test_top_k_minus_one_is_off_as_in_vllm(served):
+    s = served()
+    unlimited = s.client.completions.create(model=MODEL, prompt="abc", max_tokens=3, seed=5,
+                                            extra_body={"top_k": -1})      # was: 400 "top_k must be ... got -1"
+    assert unlimited.choices[0].text == "cba"
+    assert [r.params.top_k for r in s.engine.taken.values()] == [0]
+    for bad in (-2, 257, 1.5):
+        status, _, body = s.post({"prompt": "ab", "max_tokens": 2, "top_k": bad})
+        assert status == 400 and body["error"]["message"].startswith(
+            "top_k must be an integer in [0, 256] (0 or -1 = off"), body

@@ -153,8 +153,10 @@ def parse_sampling(body: dict, tokenizer) -> SamplingParams:
     if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
     top_k = _get(body, "top_k", 0)
+    if top_k == -1 and _is_int(top_k):    # vLLM's "off", which clients written for vLLM send
+        top_k = 0
     if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:
-        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 = off; the vocabulary has "
+        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 or -1 = off; the vocabulary has "
                    f"{tokenizer.vocab_size} tokens), got {top_k!r}", "top_k")
     seed = body.get("seed")
     if seed is None:

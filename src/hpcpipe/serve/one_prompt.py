@@ -101,9 +101,11 @@ def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True
     if not tokenize:
         return None
     ids = prompt_ids(args.prompt, args.chat, p.tokenizer)
-    if len(ids) > p.shape.seq_len:
+    if len(ids) >= p.shape.seq_len:     # as serve: prompt + new tokens fit the context (it said "128 + 1 = 128")
+        fills = "" if len(ids) > p.shape.seq_len else \
+            f", which it fills: no token can follow it (at most {p.shape.seq_len - 1} prompt tokens)"
         raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
-                          f"{p.shape.seq_len} tokens")
+                          f"{p.shape.seq_len} tokens{fills}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
 

@@ -155,11 +155,17 @@ def no_chat_template(tokenizer) -> str:
     return ""
 
 
+def _tokens(n: int) -> str:
+    """'1 token', 'n tokens'."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def full_context_note(source: OneShot, request: Request, p: ServeSetup) -> str:
     """Why fewer tokens came than --max-new-tokens asked for, when the context filled up ('' otherwise)."""
     if source.finish != "length" or len(source.tokens) >= request.max_new:
         return ""
-    return (f" (the context is full: {len(request.prompt)} prompt + {len(source.tokens)} new tokens = "
+    return (f" (the context is full: {len(request.prompt)} prompt + {len(source.tokens)} new "
+            f"{_tokens(len(source.tokens)).split()[1]} = "
             f"model.seq_len {p.shape.seq_len}, short of --max-new-tokens {request.max_new})")
 
 
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
         if world.Get_rank() == 0:
             source = state["source"]
             rate = counts["tokens"] / counts["seconds"] if counts["seconds"] > 0 else 0.0
-            print(f"hpcpipe: generated {len(source.tokens)} tokens in {counts['seconds']:.2f} s "
+            print(f"hpcpipe: generated {_tokens(len(source.tokens))} in {counts['seconds']:.2f} s "
                   f"({rate:.1f} tokens/s), finish_reason {source.finish}{full_context_note(source, request, p)}",
                   file=sys.stderr, flush=True)
             if args.json:

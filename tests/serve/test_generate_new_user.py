@@ -58,3 +58,12 @@ def test_generate_help_lists_every_key_of_its_json(model, tmp_path):
     helped = " ".join(run_module("hpcpipe.generate", "--help").stdout.split())
     listed = helped.split("--json FILE also writes {")[1].split("}")[0]
     assert listed == ", ".join(f'"{k}"' for k in json.loads(out.read_text()))   # was: without "writer"
+
+
+def test_one_new_token_is_one_token(model, tmp_path):
+    proc = run_module("hpcpipe.generate", "--weights", model, "--prompt", "ab", "--max-new-tokens", "1")
+    assert proc.returncode == 0 and "hpcpipe: generated 1 token in " in proc.stderr, proc.stderr   # was: 1 tokens
+    proc = run_module("hpcpipe.generate", "--weights", model, "--prompt", "a" * 31, "--max-new-tokens", "5")
+    assert "generated 1 token in " in proc.stderr
+    assert "(the context is full: 31 prompt + 1 new token = model.seq_len 32, short of --max-new-tokens 5)" \
+        in proc.stderr, proc.stderr

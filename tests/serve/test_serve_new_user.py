@@ -94,3 +94,16 @@ def test_top_k_minus_one_is_off_as_in_vllm(served):
         status, _, body = s.post({"prompt": "ab", "max_tokens": 2, "top_k": bad})
         assert status == 400 and body["error"]["message"].startswith(
             "top_k must be an integer in [0, 256] (0 or -1 = off"), body
+
+
+def test_a_chat_chunk_bringing_only_logprob_rows_has_empty_content():
+    from hpcpipe.serve.responses import ChatShape
+    from hpcpipe.serve.token_text import TokenTexts
+    from hpcpipe.state.tokenizer import Tokenizer
+    head = {"cid": "chatcmpl-1", "created": 0, "model": MODEL, "texts": TokenTexts(Tokenizer("chars", "abc"))}
+    held = ChatShape().chunk(head, 0, "", None, rows=[(1, -0.5, [(1, -0.5)])])   # the token's text is held back
+    choice = held["choices"][0]
+    assert choice["delta"] == {"content": ""}, choice        # was: {} (delta.content None for the openai client)
+    assert choice["logprobs"]["content"][0]["token"] == "b"
+    assert ChatShape().chunk(head, 0, "", "length")["choices"][0]["delta"] == {}     # the finishing chunk: none
+    assert ChatShape().chunk(head, 0, "ab", None)["choices"][0]["delta"] == {"content": "ab"}

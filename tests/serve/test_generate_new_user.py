@@ -67,3 +67,36 @@ def test_one_new_token_is_one_token(model, tmp_path):
     assert "generated 1 token in " in proc.stderr
     assert "(the context is full: 31 prompt + 1 new token = model.seq_len 32, short of --max-new-tokens 5)" \
         in proc.stderr, proc.stderr
+
+
+def test_the_serving_line_of_an_ipv6_host_is_a_url_the_client_takes(model, tmp_path):
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import openai
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hpcpipe.serve", "--weights", str(model), "--host", "::1",
+                                 "--port", "0"], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.time() + 60     # start-up takes a few seconds; 60 under load
+        while not (found := re.search(r"serving 'model.h5' on (\S+) ", log.read_text())) and time.time() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert found, log.read_text()
+        url = found.group(1)
+        assert re.fullmatch(r"http://\[::1\]:\d+/v1", url), url          # was: http://::1:PORT/v1, no URL
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=20)
+        assert client.models.list().data[0].id == "model.h5"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -121,10 +121,10 @@ class Frontend:
         p = self.setup
         guard = f"API key required ({API_KEY_ENV})" if self.api_key else f"no API key ({API_KEY_ENV} unset)"
         if not self.api_key and reachable_from_outside(self.host):
-            print(f"hpcpipe: warning: serving on {self.host}:{self.port}, which other machines can reach, without "
-                  f"an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
+            print(f"hpcpipe: warning: serving on {authority(self.host, self.port)}, which other machines can reach, "
+                  f"without an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
                   f"(docs/serve.md)", file=sys.stderr, flush=True)
-        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 (dp={p.dp} x pp={p.pp}"
+        print(f"hpcpipe: serving {p.model_name!r} on {base_url(self.host, self.port)} (dp={p.dp} x pp={p.pp}"
               f"{f' x tp={p.tp}' if p.tp > 1 else ''}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
         self.broker.set_ready()      # after the serving line: a probe that sees ok finds the line printed
@@ -164,3 +164,13 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
                            lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one
+
+
+def authority(host: str, port: int) -> str:
+    """host:port as a URL writes it: an IPv6 address in brackets ([::1]:8000; 'http://::1:8000' is no URL)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def base_url(host: str, port: int) -> str:
+    """The server's OpenAI base URL, http://HOST:PORT/v1 (what the openai client's base_url takes)."""
+    return f"http://{authority(host, port)}/v1"

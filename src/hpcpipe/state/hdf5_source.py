@@ -100,6 +100,11 @@ class HDF5Source:
             raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
                               f"{'model.dims' if kind == 'mlp' else 'the model config'} describes {len(specs)}")
         if self.kind == "file":
+            partial = self.partial()
+            if "stage's file" in partial:   # it said "has layers [0, 1, 2, 3] but the model has 8 layer groups"
+                label = f"{key} {str(self.path)!r}" if key else self.describe()
+                raise ConfigError(f"{label} holds only {partial}: give that step directory {str(self.path.parent)!r}, "
+                                  f"which holds the whole model")
             check_weights(self.path, specs)
             return
         for path, indices in self._by_file([s.index for s in specs]).items():

@@ -104,7 +104,11 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
 
 
 def _hf_file_hint(p: Path) -> str:
-    """For a file inside a Hugging Face model directory (its config.json, a safetensors shard): name the directory."""
+    """For a file inside a Hugging Face model directory (its config.json, a safetensors shard) or a checkpoint's
+    step directory (its manifest.json): name the directory to give instead."""
+    if (p.parent / cf.MANIFEST).is_file():
+        return (f"; it is a file of the checkpoint step directory {str(p.parent)!r}: give the directory itself, "
+                f"which is read whole (its manifest and stage files)")
     if not is_hf_directory(p.parent):
         return ""
     return (f"; it is a file of the Hugging Face model directory {str(p.parent)!r}: give the directory itself "

@@ -100,3 +100,24 @@ def test_the_serving_line_of_an_ipv6_host_is_a_url_the_client_takes(model, tmp_p
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_ctrl_c_ends_serve_with_130_as_its_help_says(model, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    helped = " ".join(run_module("hpcpipe.serve", "--help").stdout.split())
+    assert "130 interrupted (SIGINT, Ctrl-C" in helped          # was: not among the exit statuses
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:      # SIGINT as a terminal delivers it (a background job would ignore it)
+        proc = subprocess.Popen([sys.executable, "-m", "hpcpipe.serve", "--weights", str(model), "--port", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60      # start-up takes a few seconds; 60 under load
+    while "serving 'model.h5'" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130, log.read_text()
+    assert "interrupted (SIGINT); ending the job (exit status 130)" in log.read_text()

@@ -44,7 +44,8 @@ A --host other than loopback without HPCPIPE_API_KEY is served, with a warning; 
 is refused. With work pending and no decode step for run.stall_timeout seconds (a stopped or hung rank),
 every thread's stack is dumped and the job aborted (exit 76); /health answers 503 after a quarter of that.
 exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input,
-  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted)."""
+  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted),
+  130 interrupted (SIGINT, Ctrl-C: every rank stops at once, requests in flight are cut off)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -124,7 +124,7 @@ def test_bad_data_is_one_line_exit_2(tmp_path, case):
 @pytest.mark.parametrize("case, message", [
     ("missing", "--weights '{w}' does not exist (give a weights file, a checkpoint directory or a Hugging Face "
                 "model directory)"),
-    ("not hdf5", "weights file '{w}' is not an HDF5 file"),
+    ("not hdf5", "--weights '{w}' is not an HDF5 weights file"),
     ("non-finite", "weights file '{w}': layers/0000/weight holds 20 non-finite value(s)"),
     ("overflowing", "the output of weights file '{w}' for row 0 of data file '{data}' is not finite"),
 ])

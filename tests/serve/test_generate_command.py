@@ -70,6 +70,8 @@ def test_no_kv_cache_baseline_gives_the_same_tokens(weights, tmp_path):
     (["--prompt", ""], "--prompt is empty"),
     (["--json", ""], "--json path is empty: name the file to write"),          # was: exit 0, nothing written
     (["--prompt", "a" * 33], "33 tokens long but the model's context is model.seq_len = 32"),
+    (["--prompt", "a" * 32], "32 tokens long but the model's context is model.seq_len = 32 tokens, which it fills: "
+                             "no token can follow it (at most 31 prompt tokens)"),    # was: 1 token, "32 + 1 = 32"
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),

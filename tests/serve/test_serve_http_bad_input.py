@@ -43,7 +43,7 @@ BAD = [
     ({"prompt": "hi", "temperature": "hot"}, None, "temperature must be a number", "temperature"),
     ({"prompt": "hi", "top_p": 0}, None, "top_p must be a number in (0, 1]", "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, None, "top_p must be a number in (0, 1]", "top_p"),
-    ({"prompt": "hi", "top_k": -1}, None, "top_k must be an integer in [0, 256]", "top_k"),
+    ({"prompt": "hi", "top_k": -2}, None, "top_k must be an integer in [0, 256]", "top_k"),   # -1: off
     ({"prompt": "hi", "top_k": 257}, None, "top_k must be an integer in [0, 256]", "top_k"),
     ({"prompt": "hi", "top_k": 2.5}, None, "top_k must be an integer", "top_k"),
     ({"prompt": "hi", "n": 0}, None, "n must be an integer in [1, 32], got 0", "n"),

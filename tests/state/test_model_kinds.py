@@ -115,3 +115,16 @@ def test_infer_refuses_a_gpt_checkpoint(gpt_checkpoint):
                     "inference (python -m hpcpipe.infer) covers MLP models; text generation is python -m "
                     "hpcpipe.generate (one prompt) or python -m hpcpipe.serve (HTTP)")
     assert not (gpt_checkpoint / "o.h5").exists()
+
+
+def test_a_file_of_a_checkpoint_step_directory_names_the_directory(gpt_checkpoint):
+    step = next((gpt_checkpoint / "ck").glob("run-*/step-*"))
+    stage = sorted(step.glob("stage-*.h5"))[0]
+    for module, args in (("hpcpipe.generate", ["--prompt", "ab"]), ("hpcpipe.evaluate", ["--data", "t.h5"])):
+        proc = run_module(module, "--weights", stage, *args, cwd=gpt_checkpoint)
+        # was: "weights file '...stage-000.h5' has layers [0, 1] but the model has 4 layer groups [0, 1, 2, 3]"
+        one_error(proc, f"'{stage}' holds only layers [0, 1] of 4, one stage's file of the checkpoint '{step}': ",
+                  f"reads a whole model; pass the step directory '{step}'")
+    proc = run_module("hpcpipe.generate", "--weights", step / "manifest.json", "--prompt", "ab")
+    one_error(proc, f"--weights '{step / 'manifest.json'}' is not an HDF5 weights file; it is a file of the checkpoint "
+                    f"step directory '{step}': give the directory itself")

@@ -88,7 +88,7 @@ def test_foreign_and_truncated_weights_files_are_refused(tmp_path):
         resolve_weights(truncated).read([0, 1, 2])
     text = tmp_path / "text.h5"
     text.write_text("hello")
-    with pytest.raises(ConfigError, match=r"text\.h5.*not an HDF5 file"):
+    with pytest.raises(ConfigError, match=r"text\.h5.*not an HDF5 weights file"):
         resolve_weights(text)
     with pytest.raises(ConfigError, match=r"does not exist"):
         resolve_weights(tmp_path / "nope")

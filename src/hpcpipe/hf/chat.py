@@ -90,7 +90,11 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                got = "missing" if part.get("text") is None else f"a {type(part['text']).__name__}"
+                raise ChatError(f"{where}.content[{j}] is a text part whose \"text\" is {got}: send "
+                                f"{{\"type\": \"text\", \"text\": \"...\"}} with a string")
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ChatError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}} (only text "
                                 f"is supported), got type {kind!r}")

@@ -30,7 +30,7 @@ when parallel.dp is given, else one stage per rank, as many as the layer groups 
 by parallel.ep), the limits from [serve]."""
 
 EPILOG = """endpoints: POST /v1/completions (logprobs, echo) and POST /v1/chat/completions, both streaming too,
-  GET /v1/models, GET /health, GET /metrics (Prometheus)
+  GET /v1/models (and /v1/models/NAME), GET /health, GET /metrics (Prometheus)
 
 examples:
   mpiexec -n 4 python -m hpcpipe.serve --weights gpt-text-ck --port 8000
@@ -44,7 +44,8 @@ A --host other than loopback without HPCPIPE_API_KEY is served, with a warning; 
 is refused. With work pending and no decode step for run.stall_timeout seconds (a stopped or hung rank),
 every thread's stack is dumped and the job aborted (exit 76); /health answers 503 after a quarter of that.
 exit status: 0 stopped by a signal after draining, 1 a rank failed, 2 bad configuration or input,
-  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted)."""
+  76 the watchdog saw no progress for run.stall_timeout seconds (stacks dumped, job aborted),
+  130 interrupted (SIGINT, Ctrl-C: every rank stops at once, requests in flight are cut off)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -133,10 +134,10 @@ class Frontend:
         p = self.setup
         guard = f"API key required ({API_KEY_ENV})" if self.api_key else f"no API key ({API_KEY_ENV} unset)"
         if not self.api_key and reachable_from_outside(self.host):
-            print(f"hpcpipe: warning: serving on {self.host}:{self.port}, which other machines can reach, without "
-                  f"an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
+            print(f"hpcpipe: warning: serving on {authority(self.host, self.port)}, which other machines can reach, "
+                  f"without an API key: anyone who reaches this node can use the server; set {API_KEY_ENV} "
                   f"(docs/serve.md)", file=sys.stderr, flush=True)
-        print(f"hpcpipe: serving {p.model_name!r} on http://{self.host}:{self.port}/v1 ({layout_words(p)}, "
+        print(f"hpcpipe: serving {p.model_name!r} on {base_url(self.host, self.port)} ({layout_words(p)}, "
               f"{p.config.serve.max_sequences} sequences per replica; {guard})", flush=True)
         self.broker.set_ready()      # after the serving line: a probe that sees ok finds the line printed
 
@@ -175,3 +176,13 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
                            lambda: f"rank {world.Get_rank()}")
     finally:
         stop.ignore()   # as train: a second signal while the ranks shut down must not kill one
+
+
+def authority(host: str, port: int) -> str:
+    """host:port as a URL writes it: an IPv6 address in brackets ([::1]:8000; 'http://::1:8000' is no URL)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def base_url(host: str, port: int) -> str:
+    """The server's OpenAI base URL, http://HOST:PORT/v1 (what the openai client's base_url takes)."""
+    return f"http://{authority(host, port)}/v1"

@@ -29,7 +29,7 @@ from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.chat_schema import check_chat
 from hpcpipe.serve.completion import Completion
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, usage
+from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, check_model, usage
 from hpcpipe.serve.prompt_pool import PromptPool
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.request_body import ClientGone, read_spec
@@ -50,7 +50,8 @@ API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
              limits: dict | None = None, api_key: str = "", stall_timeout: float = 0.0,
              prompts: PromptPool | None = None) -> web.Application:
-    """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models, /health, /metrics.
+    """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models (and
+    /v1/models/{model}), /health, /metrics.
 
     With an ``api_key``, every /v1/ request must carry ``Authorization: Bearer <api_key>`` (what the
     OpenAI clients send) or is answered 401. With a ``stall_timeout`` (run.stall_timeout, s), /health
@@ -76,6 +77,7 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
@@ -108,9 +110,12 @@ async def _require_api_key(request: web.Request, handler):
     """Answer 401 to a /v1/ request without the server's API key (when it has one)."""
     s = request.app[_STATE]
     if s["api_key"] and request.path.startswith(API_PREFIX):
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
-            err = ApiError(401, "no API key given: send the header 'Authorization: Bearer <key>' (the openai "
+            # a header that is there names its mistake (never its value: it may be the key itself)
+            what = "no API key given" if not header.strip() else "the Authorization header is not 'Bearer <key>'"
+            err = ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>' (the openai "
                                 "client's api_key) with the key the server was started with (HPCPIPE_API_KEY)",
                            code="invalid_api_key")
         elif not hmac.compare_digest(given.strip().encode("utf-8", "replace"), s["api_key"]):
@@ -123,10 +128,22 @@ async def _require_api_key(request: web.Request, handler):
     return await handler(request)
 
 
+def _model_object(s: dict) -> dict:
+    return {"id": s["model"], "object": "model", "created": s["started"], "owned_by": "hpcpipe"}
+
+
 async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_object(request.app[_STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model} (the openai client's models.retrieve): the served model, else 404 model_not_found."""
     s = request.app[_STATE]
-    return web.json_response({"object": "list", "data": [
-        {"id": s["model"], "object": "model", "created": s["started"], "owned_by": "hpcpipe"}]})
+    try:
+        check_model({"model": request.match_info["model"]}, s["model"])
+    except ApiError as err:
+        return _error(err)
+    return web.json_response(_model_object(s))
 
 
 async def _health(request: web.Request) -> web.Response:

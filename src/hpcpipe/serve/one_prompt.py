@@ -41,9 +41,10 @@ EPILOG = """examples:
   mpiexec -n 2 python -m hpcpipe.generate --weights model.h5 --prompt "abc" --set parallel.pp=1 --set parallel.tp=2
 
 The completion is printed to stdout as it is generated (the prompt is not repeated), and nothing else is:
-the MPI line and the summary go to stderr. --json FILE also writes {"prompt", "completion", "prompt_tokens",
-"tokens", "finish_reason", "seconds", "ep_comm_s"} (ep_comm_s: the slowest rank's seconds in the experts'
-all-to-alls over the whole run, 0 without expert parallelism). A temperature below 1e-4 is greedy, as 0.
+the MPI line and the summary go to stderr. --json FILE also writes {"writer", "prompt", "completion",
+"prompt_tokens", "tokens", "finish_reason", "seconds", "ep_comm_s"} (writer: "hpcpipe.generate", so a later
+--json may replace the file; ep_comm_s: the slowest rank's seconds in the experts' all-to-alls over the whole
+run, 0 without expert parallelism). A temperature below 1e-4 is greedy, as 0.
 
 exit status: 0 success, 1 a rank failed while running, 2 bad configuration or input, 75 stopped by
   SIGTERM/SIGUSR1 before the completion was whole (nothing written; run it again), 76 the watchdog saw
@@ -100,9 +101,11 @@ def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True
     if not tokenize:
         return None
     ids = prompt_ids(args.prompt, args.chat, p.tokenizer)
-    if len(ids) > p.shape.seq_len:
+    if len(ids) >= p.shape.seq_len:     # as serve: prompt + new tokens fit the context (it said "128 + 1 = 128")
+        fills = "" if len(ids) > p.shape.seq_len else \
+            f", which it fills: no token can follow it (at most {p.shape.seq_len - 1} prompt tokens)"
         raise ConfigError(f"--prompt is {len(ids)} tokens long but the model's context is model.seq_len = "
-                          f"{p.shape.seq_len} tokens")
+                          f"{p.shape.seq_len} tokens{fills}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     return Request("generate-0", [int(i) for i in ids], args.max_new_tokens, params, time.monotonic())
 
@@ -152,11 +155,17 @@ def no_chat_template(tokenizer) -> str:
     return ""
 
 
+def _tokens(n: int) -> str:
+    """'1 token', 'n tokens'."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def full_context_note(source: OneShot, request: Request, p: ServeSetup) -> str:
     """Why fewer tokens came than --max-new-tokens asked for, when the context filled up ('' otherwise)."""
     if source.finish != "length" or len(source.tokens) >= request.max_new:
         return ""
-    return (f" (the context is full: {len(request.prompt)} prompt + {len(source.tokens)} new tokens = "
+    return (f" (the context is full: {len(request.prompt)} prompt + {len(source.tokens)} new "
+            f"{_tokens(len(source.tokens)).split()[1]} = "
             f"model.seq_len {p.shape.seq_len}, short of --max-new-tokens {request.max_new})")
 
 
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None, stop: StopSignals | None = None) -> int:
         if world.Get_rank() == 0:
             source = state["source"]
             rate = counts["tokens"] / counts["seconds"] if counts["seconds"] > 0 else 0.0
-            print(f"hpcpipe: generated {len(source.tokens)} tokens in {counts['seconds']:.2f} s "
+            print(f"hpcpipe: generated {_tokens(len(source.tokens))} in {counts['seconds']:.2f} s "
                   f"({rate:.1f} tokens/s), finish_reason {source.finish}{full_context_note(source, request, p)}",
                   file=sys.stderr, flush=True)
             if args.json:

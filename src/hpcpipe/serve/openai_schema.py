@@ -135,7 +135,8 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
         for where, ids in zip(names, prompts, strict=True):
             if len(ids) + max_tokens > seq_len:
-                raise _bad(f"{where} has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids)} + "
+                raise _bad(f"{where} has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
+                           f"{max_tokens}: {len(ids)} + "
                            f"{max_tokens} = {len(ids) + max_tokens} exceeds the model's context length of {seq_len} "
                            f"tokens; shorten the prompt or lower max_tokens", "max_tokens")
         echoed = [e if isinstance(e, str) else next(decoded) for e in entries] if echo else None
@@ -152,8 +153,10 @@ def parse_sampling(body: dict, tokenizer) -> SamplingParams:
     if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
     top_k = _get(body, "top_k", 0)
+    if top_k == -1 and _is_int(top_k):    # vLLM's "off", which clients written for vLLM send
+        top_k = 0
     if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:
-        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 = off; the vocabulary has "
+        raise _bad(f"top_k must be an integer in [0, {tokenizer.vocab_size}] (0 or -1 = off; the vocabulary has "
                    f"{tokenizer.vocab_size} tokens), got {top_k!r}", "top_k")
     seed = body.get("seed")
     if seed is None:
@@ -174,10 +177,30 @@ def stream_options(body: dict) -> tuple[bool, bool]:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise _bad(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
                        "stream_options")
+        _refuse_unknown_stream_option(options)
         if not stream:         # OpenAI's API and vLLM refuse it too; ignoring it hid a client's mistake
             raise _bad("stream_options is only allowed when stream is true", "stream_options")
         include_usage = options.get("include_usage", False)
     return stream, include_usage
+
+
+# stream_options keys: include_usage, and OpenAI's include_obfuscation (padding of the chunks against
+# side channels; hpcpipe's chunks carry none, so either value streams the same text)
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+
+
+def _refuse_unknown_stream_option(options: dict) -> None:
+    """Raise ApiError(400) naming a stream_options key this server does not know (a misspelt include_usage
+    would silently drop the usage chunk)."""
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(STREAM_OPTIONS), n=1)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        raise _bad(f"unknown field stream_options.{unknown[0]}{hint} (stream_options takes "
+                   f"{', '.join(sorted(STREAM_OPTIONS))})", "stream_options")
+    if not isinstance(options.get("include_obfuscation", False), bool):
+        raise _bad(f"stream_options.include_obfuscation must be true or false, got "
+                   f"{options['include_obfuscation']!r}", "stream_options")
 
 
 def _prompts(body: dict, max_prompts: int, tokenizer) -> list[str | list[int]]:

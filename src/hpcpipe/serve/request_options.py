@@ -107,4 +107,5 @@ def parse_format(body: dict, tokenizer: Any) -> str:
     try:
         return compile_format(value, tokenizer)
     except GrammarError as exc:
-        raise ApiError(400, f"response_format: {exc}", "response_format") from None
+        message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
+        raise ApiError(400, message, "response_format") from None

@@ -56,8 +56,10 @@ class ChatShape:
 
     def chunk(self, head: dict, index: int, text: str, finish: str | None, rows: list | None = None,
               offsets: list[int] | None = None) -> dict:
-        """One content delta (the finishing chunk carries the finish reason and no more content)."""
-        return chat_chunk(head["cid"], head["created"], head["model"], {"content": text} if text else {}, finish,
+        """One content delta (the finishing chunk carries the finish reason and no more content); a chunk that
+        brings log-probability rows has content, "" when the tokens' text is held back (as completions' text)."""
+        delta = {"content": text} if text or rows else {}
+        return chat_chunk(head["cid"], head["created"], head["model"], delta, finish,
                           index=index, logprobs=None if rows is None else chat_logprobs(rows, head["texts"]))
 
     def usage_chunk(self, head: dict, usage: dict) -> dict:

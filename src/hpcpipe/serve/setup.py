@@ -112,23 +112,23 @@ class ServeSetup:
         return self.stored_tokenizer.eos_ids()
 
 
-def _tokenizer(source: WeightsSource, given: str, vocab: int) -> StoredTokenizer:
+def _tokenizer(source: WeightsSource, given: str, vocab: int, key: str = "--weights") -> StoredTokenizer:
     stored = source.tokenizer()
     if stored is None:
-        raise ConfigError(f"--weights {given!r} has no tokenizer attribute, so prompts cannot be turned into "
+        raise ConfigError(f"{key} {given!r} has no tokenizer attribute, so prompts cannot be turned into "
                           f"tokens; train on data written by examples/text_to_hdf5.py (its tokenizer is saved "
                           f"with every checkpoint), or set the root attribute tokenizer = '{{\"kind\": \"bytes\"}}'")
-    check_vocabulary(stored, vocab, f"--weights {given!r}")
+    check_vocabulary(stored, vocab, f"{key} {given!r}")
     return stored
 
 
-def _model_config(source: WeightsSource, given: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _model_config(source: WeightsSource, given: str, raw: dict[str, Any], key: str = "--weights") -> dict[str, Any]:
     """Return raw with the stored model's keys restated (a Hugging Face llama's seq_len may be shortened)."""
     if not source.model:
         raw.setdefault("model", {}).setdefault("kind", "gpt")
         return raw
     if source.model_kind not in DECODERS:
-        raise ConfigError(f"--weights {given!r} holds an MLP model ({source.n_layers} layers): text generation "
+        raise ConfigError(f"{key} {given!r} holds an MLP model ({source.n_layers} layers): text generation "
                           f"needs a GPT or a Llama-family model; MLPs run with python -m hpcpipe.infer")
     return restate_stored_shape(raw, source)
 
@@ -252,11 +252,12 @@ def decode_layout(raw: dict[str, Any], world_size: int) -> dict[str, Any]:
 
 
 def prepare(weights: str | Path, world_size: int, config: str | Path | None = None,
-            overrides: list[str] | tuple[str, ...] = ()) -> ServeSetup:
-    """Check weights, model, layout, tokenizer and memory locally; ConfigError names what is wrong."""
+            overrides: list[str] | tuple[str, ...] = (), key: str = "--weights") -> ServeSetup:
+    """Check weights, model, layout, tokenizer and memory locally; ConfigError names what is wrong (the weights
+    as ``key``: --weights, or serve.draft for a draft model)."""
     given = str(weights)
-    source = resolve_weights(weights, "--weights")
-    raw = _model_config(source, given, load_raw(config, overrides))
+    source = resolve_weights(weights, key)
+    raw = _model_config(source, given, load_raw(config, overrides), key)
     cfg = from_dict(decode_layout(raw, world_size))
     if cfg.model.kind not in DECODERS:
         raise ConfigError(f"model.kind = {cfg.model.kind!r}: text generation needs a GPT or a Llama-family model "
@@ -269,9 +270,9 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     specs = model.specs
     # a decode step is a forward: "profile" balances the measured forwards
     ranges = partition(specs, pp, stage_counts(cfg, pp, max(1, cfg.serve.max_sequences // pp), ("F",)))
-    source.check(specs, "--weights")
+    source.check(specs, key)
     shape = model.shape
-    tokenizer = _tokenizer(source, given, shape.vocab)
+    tokenizer = _tokenizer(source, given, shape.vocab, key)
     whole = sequence_pages(cfg, model)
     if cfg.serve.kv_blocks and cfg.serve.kv_blocks < whole:
         window, ring = kv_window(cfg, model), ring_window(cfg, model)
@@ -292,7 +293,8 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
 def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
     """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context."""
     where = f"serve.draft {cfg.serve.draft!r}"
-    draft = prepare(cfg.serve.draft, 1, None, ["parallel.pp=1", "parallel.dp=1", f"model.dtype={cfg.model.dtype!r}"])
+    draft = prepare(cfg.serve.draft, 1, None, ["parallel.pp=1", "parallel.dp=1", f"model.dtype={cfg.model.dtype!r}"],
+                    key="serve.draft")
     why = tokenizer_difference(tokenizer, draft.stored_tokenizer)
     if why:
         raise ConfigError(f"{where} has another tokenizer than the model ({why}): a draft model must share the "

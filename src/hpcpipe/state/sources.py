@@ -91,7 +91,7 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
         raise ConfigError(f"{key or 'weights path'} {str(p)!r} is {file_kind(p)}, not a weights file or a checkpoint")
     if p.is_file() and p.name != cf.LATEST:
         if not h5py.is_hdf5(p):
-            raise ConfigError(f"weights file {str(p)!r} is not an HDF5 file")
+            raise ConfigError(f"{key or 'weights file'} {str(p)!r} is not an HDF5 weights file{_hf_file_hint(p)}")
         return file_source(p)
     if is_hf_directory(p) and not (p / cf.MANIFEST).exists() and not (p / cf.LATEST).exists():
         return hf_source(p)
@@ -101,6 +101,18 @@ def resolve_weights(path: str | Path, key: str = "", hint: str = "") -> WeightsS
                           f"root (no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)"
                           f"{hint}")
     return checkpoint_source(resolve_step_dir(p))
+
+
+def _hf_file_hint(p: Path) -> str:
+    """For a file inside a Hugging Face model directory (its config.json, a safetensors shard) or a checkpoint's
+    step directory (its manifest.json): name the directory to give instead."""
+    if (p.parent / cf.MANIFEST).is_file():
+        return (f"; it is a file of the checkpoint step directory {str(p.parent)!r}: give the directory itself, "
+                f"which is read whole (its manifest and stage files)")
+    if not is_hf_directory(p.parent):
+        return ""
+    return (f"; it is a file of the Hugging Face model directory {str(p.parent)!r}: give the directory itself "
+            f"({str(p.parent)!r}), which is read whole (config.json, safetensors, tokenizer)")
 
 
 Protected = tuple[tuple[str, Path], ...]   # (label, path): "the weights file 'w.h5'", Path("w.h5")

@@ -5,8 +5,8 @@ Python and driver time for a few microseconds of work. :class:`GraphedStage` wra
 :class:`~hpcpipe.nn.core.decode.DecodeStage`. A call whose segments are all one new token (and that asks for no
 logit rows) replays a graph captured once per shape: (rows, KV blocks attended, rounded up to a power of two,
 the padding hidden by the mask). Before each replay the call's tokens (or activations), positions, cache places
-and block tables are copied into that graph's own buffers (the integers in one copy; the mask is made inside). Any other call (a prompt, logit rows) runs the stage
-as it is, on the same KV cache.
+and block tables are copied into that graph's own buffers (the integers in one copy; the mask is made inside).
+Any other call (a prompt, logit rows) runs the stage as it is, on the same KV cache.
 
 On CuPy a graph is captured on a non-blocking stream of its own, from a memory pool of its own: its
 temporaries keep their addresses between replays and nothing else allocates there. The step runs eagerly once

@@ -174,12 +174,14 @@ def _refuse_old_layout(path: Path, directory: str) -> None:
     """A fresh run must not take the pointer of a root written before run directories (its steps in the root).
 
     Its first save would point ROOT/latest at the fresh run's checkpoint, and nothing
-    would name the old run's any more: --resume could never continue it.
+    would name the old run's any more: --resume could never continue it. A `latest` that
+    is no checkpoint pointer at all (someone else's file) is refused too: the save would replace it.
     """
     try:
         name = cf.read_latest(path)
-    except ConfigError:
-        return
+    except ConfigError as exc:   # not a pointer hpcpipe wrote: its first save would replace the file
+        raise ConfigError(f"checkpoint.dir {directory!r}: {exc}; a fresh run's first save would replace that file: "
+                          f"move it away or set another checkpoint.dir") from None
     if name is not None and "/" not in name:
         raise ConfigError(f"checkpoint.dir {directory!r} holds a run saved before run directories existed (its "
                           f"latest names {name}, in the root itself): a fresh run would point that latest at its own "

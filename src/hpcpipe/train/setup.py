@@ -122,6 +122,20 @@ def check_resume(config: Config, source: HDF5Source) -> None:
     if source.step > config.train.steps:
         raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
                           f"train.steps = {config.train.steps}")
+    if config.model.init and config.model.init != saved["model"].get("init", ""):
+        check_resumed_init(config, source)
+
+
+def check_resumed_init(config: Config, source: HDF5Source) -> None:
+    """Refuse a model.init changed on --resume to another model: the run keeps it (a LoRA export's base)."""
+    try:
+        merged_if_adapted(resolve_weights(config.model.init, "model.init")).check(
+            base_specs(model_def(config).specs), "model.init")
+    except ConfigError as exc:
+        saved = source.manifest["config"]["model"].get("init", "")
+        raise ConfigError(f"{exc} (resuming {source.describe()}, saved with model.init = {saved!r}: --resume "
+                          f"continues the checkpoint's weights, and a new model.init must hold the same model, as it "
+                          f"names a LoRA export's base; leave model.init out)") from None
 
 
 def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = None) -> TrainSetup:

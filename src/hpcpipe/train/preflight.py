@@ -66,8 +66,14 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
             f"data {_gib(need.data)}) with {config.layers_text()}, parallel.pp = {pp}, "
             f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
             f"{config.train.micro_batch_size}; {where}: use more pipeline stages or nodes{_zero_hint(config, dp)}, "
-            f"or a smaller model or micro-batch")
+            f"or a smaller {_lora_hint(config)}model or micro-batch")
     return need
+
+
+def _lora_hint(config: Config) -> str:
+    """'train.lora_rank (now R), ' under LoRA: a rank far above the maps' widths is what fills the memory then."""
+    rank = config.train.lora_rank
+    return f"train.lora_rank (now {rank}), " if rank else ""
 
 
 def _zero_hint(config: Config, dp: int) -> str:

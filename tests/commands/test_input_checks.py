@@ -325,3 +325,22 @@ def test_the_digits_example_refuses_a_file_as_its_output_folder(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and kept.read_text() == "keep me"
+
+
+def test_the_digits_example_replaces_only_its_own_output(tmp_path):
+    # was: a file of the user's named data/digits-train.h5 replaced without a word
+    pytest.importorskip("sklearn")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "digits-train.h5").write_text("my own data")
+    argv = [sys.executable, str(ROOT / "examples" / "digits_to_hdf5.py"), "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and f"{out / 'digits-train.h5'} exist(s) and were not written by this example" \
+        in proc.stderr, proc.stderr
+    assert (out / "digits-train.h5").read_text() == "my own data" and not (out / "digits-test.h5").exists()
+    (out / "digits-train.h5").unlink()
+    for _ in range(2):                                   # its own earlier output is replaced: a rerun works
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+    (out / "digits-test.h5").write_text("mine again")
+    assert subprocess.run(argv + ["--force"], capture_output=True, text=True, timeout=120).returncode == 0

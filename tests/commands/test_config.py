@@ -52,6 +52,8 @@ def test_bad_values_are_refused_with_a_message_naming_them(overrides, message):
     (["model.steps=5"], "", "unknown key model.steps: did you mean train.steps? (known keys in [model]: "),
     ([], "[trian]\nsteps = 5\n", "unknown section [trian]: did you mean [train]? (known sections: "),
     (["train.xyzzy=1"], "", "unknown key train.xyzzy (known keys in [train]: "),      # nothing close: no guess
+    # a key above the first header: was "unknown section [steps]"
+    ([], "steps = 5\n[train]\nlr = 0.1\n", "key 'steps' is outside any section: write it under [train] (TOML"),
 ])
 def test_a_misspelled_key_suggests_the_closest_known_one(tmp_path, overrides, toml, message):
     """Issue #32: `--set train.setps=5` and `[trian]` name the key meant, in the same one line."""

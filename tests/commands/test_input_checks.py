@@ -344,3 +344,22 @@ def test_the_digits_example_replaces_only_its_own_output(tmp_path):
         assert proc.returncode == 0, proc.stderr
     (out / "digits-test.h5").write_text("mine again")
     assert subprocess.run(argv + ["--force"], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_warned_about(tmp_path):
+    # was silent: 1437 digits at micro_batch_size 200 repeated samples in every batch
+    from support.launch import train
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"], f["y"] = np.ones((10, 4), np.float32), np.zeros(10, np.int64)
+    config = {"model": {"dims": [4, 4, 3]}, "parallel": {"pp": 2}, "train": {"steps": 1, "loss": "cross_entropy",
+              "micro_batches": 2, "micro_batch_size": 8}, "checkpoint": {"dir": ""}, "log": {"progress": False},
+              "data": {"path": str(path)}}
+    proc = train(2, config)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"hpcpipe: warning: data.path {str(path)!r} holds 10 samples, fewer than one global batch (dp x "
+            f"train.micro_batches x train.micro_batch_size = 1 x 2 x 8 = 16): every step repeats samples within its "
+            f"batch") in proc.stderr.splitlines()
+    config["train"]["micro_batch_size"] = 5                    # exactly the file: no warning
+    proc = train(2, config)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

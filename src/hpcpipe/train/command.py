@@ -62,6 +62,19 @@ def synthetic_data_warning(config: Any) -> str:
             f"it nothing; set data.path to a token file (python examples/text_to_hdf5.py TEXT --tokenizer {how})")
 
 
+def small_data_warning(p: Any) -> str:
+    """What to say when the training set is smaller than one global batch: every step repeats samples in its batch
+    (the stream wraps around into the next epoch), so the steps see fewer distinct samples than they count."""
+    tr, where = p.config.train, (f"data.path {p.config.data.path!r} holds" if p.config.data.path
+                                 else "data.synthetic_samples is")
+    batch = p.dp * tr.micro_batches * tr.micro_batch_size
+    if not 0 < p.samples < batch:
+        return ""
+    return (f"{where} {p.samples} samples, fewer than one global batch (dp x train.micro_batches x "
+            f"train.micro_batch_size = {p.dp} x {tr.micro_batches} x {tr.micro_batch_size} = {batch}): every step "
+            f"repeats samples within its batch")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
@@ -195,7 +208,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             for note in notes:       # which config a resumed run continues under
                 print(note, file=sys.stderr, flush=True)
             from hpcpipe.train.lr_schedule import schedule_warning
-            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config)):
+            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config), small_data_warning(p)):
                 if warning:
                     print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:

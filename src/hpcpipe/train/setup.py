@@ -59,6 +59,7 @@ class TrainSetup:
     tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
     adapter: Any = None                    # model.adapter's PEFT directory (hpcpipe.state.peft), checked; fresh runs
     eval_rows: int = 0                     # data.eval_path's samples evaluated (whole global batches)
+    samples: int = 0                       # the training set's size (data.path's rows, or synthetic_samples)
 
     @property
     def pp(self) -> int:
@@ -152,8 +153,7 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs
     ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
-    if config.data.path:
-        check_data_file(config)
+    samples = check_data_file(config) if config.data.path else config.data.synthetic_samples
     init = resume = None
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
@@ -188,7 +188,7 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
         check_checkpoint_space(config, pp)
     return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume),
-                      adapter, check_eval_data(config, dp))
+                      adapter, check_eval_data(config, dp), samples)
 
 
 def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokenizer | None:

@@ -153,7 +153,6 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs
     ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
-    samples = check_data_file(config) if config.data.path else config.data.synthetic_samples
     init = resume = None
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
@@ -171,6 +170,8 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
         # a LoRA run's checkpoint starts a run as its merged model; a LoRA run's base holds no adapters
         init = merged_if_adapted(resolve_weights(config.model.init, "model.init"))
         init.check(base_specs(specs), "model.init")
+    # after the weights: a model.init of another kind is said as such, not as data of the wrong shape for this one
+    samples = check_data_file(config) if config.data.path else config.data.synthetic_samples
     adapter = None
     if config.model.adapter and not config.checkpoint.resume:
         adapter = read_adapter(config.model.adapter)

@@ -130,3 +130,18 @@ def test_resuming_under_another_schedule_drops_the_saved_virtual_stages(tmp_path
     assert "(resumed at step 2)" in proc.stdout and "dp=1 pp=2 schedule=1f1b stage_layers=[2, 2]" in proc.stdout
     assert _notes(proc.stderr)[0].endswith("except parallel.schedule 'zb-v' -> '1f1b', parallel.virtual_stages 2 -> 1, "
                                            "train.steps 2 -> 3"), proc.stderr
+
+
+def test_a_resume_whose_checkpoint_cannot_be_read_says_so_not_the_default_layout(tmp_path):
+    """A broken root pointer or a missing checkpoint.dir fell back to the command line's config, and the embedded
+    default's pp = 4 was then refused on 2 ranks: 'world size 2 is not divisible by parallel.pp (4)'."""
+    root = _start(tmp_path)
+    (root / "latest").write_text("garbage\n")
+    proc = run_command(2, "hpcpipe.train", ["--set", f"checkpoint.dir=\"{root}\"", "--resume"], cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
+    assert proc.returncode == 2 and errors == [f"hpcpipe: error: checkpoint pointer {str(root / 'latest')!r} holds "
+                                               f"'garbage', not a step-NNNNNNNN or run-NNNN/step-NNNNNNNN name"], \
+        proc.stderr
+    proc = run_command(2, "hpcpipe.train", ["--set", f"checkpoint.dir=\"{tmp_path / 'nope'}\"", "--resume"],
+                       cwd=tmp_path)
+    assert proc.returncode == 2 and "does not exist: nothing to resume" in proc.stderr, proc.stderr

@@ -41,17 +41,21 @@ def known_keys(saved: dict) -> dict[str, dict[str, Any]]:
     return out
 
 
+NOTHING_TO_RESUME = ": nothing to resume (without --resume a fresh run starts there)"
+
+
 def saved_config(raw: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str] | None:
-    """(the saved config, the checkpoint's path) of the checkpoint ``--resume`` continues, or None when there is none
-    to read here (prepare then says what is wrong, in its own order)."""
+    """(the saved config, the checkpoint's path) of the checkpoint ``--resume`` continues, or None when checkpoint.dir
+    is no checkpoint directory (prepare then says what is wrong, in its own order).
+
+    A checkpoint.dir that cannot be read (missing, a broken ``latest``) is said here, first: the layout check would
+    otherwise judge the command line's config alone and blame a layout the user never chose.
+    """
     checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
     directory = checkpoint.get("dir", CheckpointConfig.dir)
     if not isinstance(directory, str) or not directory:
         return None
-    try:
-        source = resolve_weights(directory, "checkpoint.dir")
-    except ConfigError:
-        return None
+    source = resolve_weights(directory, "checkpoint.dir", NOTHING_TO_RESUME)
     manifest = getattr(source, "manifest", None)
     if source.kind != "checkpoint" or not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
         return None

@@ -41,7 +41,7 @@ from hpcpipe.train.preflight import (
     check_memory,
     check_nothing_newer,
 )
-from hpcpipe.train.resume_config import resumed, saved_config
+from hpcpipe.train.resume_config import NOTHING_TO_RESUME, resumed, saved_config
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,7 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
     if config.checkpoint.resume:
-        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir",
-                                 ": nothing to resume (without --resume a fresh run starts there)")
+        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir", NOTHING_TO_RESUME)
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
         check_nothing_newer(resume)     # first: a live run there changes everything below under our feet

@@ -363,3 +363,15 @@ def test_a_training_set_smaller_than_one_global_batch_is_warned_about(tmp_path):
     config["train"]["micro_batch_size"] = 5                    # exactly the file: no warning
     proc = train(2, config)
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_cupy_without_a_gpu_is_one_line_from_rank_0(tmp_path):
+    # was every rank's '[rank N] error: ConfigError: ...' line and MPI_Abort, from inside the Trainer
+    from support.launch import one_error, train
+
+    from hpcpipe.runtime.backend import _gpu_count
+    if _gpu_count():
+        pytest.skip("CuPy sees a GPU here: run.backend = cupy is valid")
+    proc = train(2, {"parallel": {"pp": 2}, "train": {"steps": 1}, "checkpoint": {"dir": ""},
+                     "run": {"backend": "cupy"}})
+    one_error(proc, 'run.backend = "cupy" but CuPy is not installed or sees no GPU', alone=True)

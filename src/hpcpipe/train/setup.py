@@ -20,6 +20,7 @@ from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
+from hpcpipe.runtime.backend import check_backend
 from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
@@ -148,6 +149,7 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     if config.model.weight_format not in ("auto", "float32"):
         raise ConfigError(f"model.weight_format = {config.model.weight_format!r}: training keeps float32 weights; the "
                           f"weight formats are for generate, serve and evaluate (leave it \"auto\" or \"float32\")")
+    check_backend(config.run.backend)   # here, not in the Trainer: a rank's own error there was every rank's line
     dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages

@@ -188,7 +188,13 @@ def _print_config(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    import warnings
+
     from mpi4py import MPI
+
+    # a diverging step's NumPy "overflow encountered in matmul" named a line of nn/core as if it had failed; every
+    # non-finite step is found, skipped on every rank and said on the progress line (max_bad_steps: exit 77)
+    warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered", RuntimeWarning)
 
     from hpcpipe.train.setup import load_run_config, prepare
     from hpcpipe.train.trainer import Trainer

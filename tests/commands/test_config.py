@@ -106,3 +106,19 @@ def test_initial_weights_depend_only_on_seed_and_layer_index():
     w0, _ = init_layer(specs[0], seed=3)
     assert (w1 == w1_again).all() and w1.shape == (5, 6) and w0.shape == (4, 5)
     assert not (init_layer(specs[1], seed=4)[0] == w1).all()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=.1", "train.lr must be float, got '.1' (str) (not a TOML number; write --set train.lr=0.1, or "
+                    "lr = 0.1 in the file)"),
+    ('train.lr="0.1"', "train.lr must be float, got '0.1' (str) (not a TOML number; write --set train.lr=0.1, or "
+                       "lr = 0.1 in the file)"),
+    ("train.steps=1.", "train.steps must be int, got '1.' (str) (not a TOML number; write --set train.steps=1, or "
+                       "steps = 1 in the file)"),
+    ("train.steps=ten", "train.steps must be int, got 'ten' (str)"),          # no number: no hint
+])
+def test_a_number_toml_cannot_read_says_how_to_write_it(override, message):
+    # was only "must be float, got '.1' (str)": .1 looks like a number to anyone but TOML
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message

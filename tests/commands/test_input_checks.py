@@ -375,3 +375,13 @@ def test_cupy_without_a_gpu_is_one_line_from_rank_0(tmp_path):
     proc = train(2, {"parallel": {"pp": 2}, "train": {"steps": 1}, "checkpoint": {"dir": ""},
                      "run": {"backend": "cupy"}})
     one_error(proc, 'run.backend = "cupy" but CuPy is not installed or sees no GPU', alone=True)
+
+
+def test_a_set_value_the_shell_split_at_a_space_says_to_quote_it():
+    # was "unrecognized arguments: 8]" alone
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.train", "--print-config", "--set", "model.dims=[8,",
+                           "8]"], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2, proc.stderr
+    assert ("hpcpipe: error: unrecognized arguments: 8]; the shell split a value at its spaces: quote it whole, "
+            "--set 'model.dims=[8, 8]' (see python -m hpcpipe.train --help)") in proc.stderr.splitlines()

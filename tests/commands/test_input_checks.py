@@ -385,3 +385,12 @@ def test_a_set_value_the_shell_split_at_a_space_says_to_quote_it():
     assert proc.returncode == 2, proc.stderr
     assert ("hpcpipe: error: unrecognized arguments: 8]; the shell split a value at its spaces: quote it whole, "
             "--set 'model.dims=[8, 8]' (see python -m hpcpipe.train --help)") in proc.stderr.splitlines()
+
+
+def test_a_run_of_zero_steps_reports_no_loss_not_nan():
+    # was "trained 0 steps, loss nan -> nan": a diverged run's look for a run that did nothing
+    from support.launch import train
+    proc = train(2, {"parallel": {"pp": 2}, "train": {"steps": 0}, "checkpoint": {"dir": ""},
+                     "log": {"progress": False}})
+    assert proc.returncode == 0, proc.stderr
+    assert "hpcpipe: trained 0 steps, no loss (no step ran), 0 samples/s" in proc.stdout and "nan" not in proc.stdout

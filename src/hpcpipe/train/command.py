@@ -124,8 +124,10 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
     c = p.config
     resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
-    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
-          f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
+    # no step, no loss: "loss nan -> nan" read as a diverged run
+    losses = f"loss {summary['initial_loss']:.6g} -> {summary['final_loss']:.6g}" if summary["steps"] else \
+        "no loss (no step ran)"
+    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, {losses}, {summary['samples_per_s']:.0f} samples/s "
           f"(dp={p.dp} pp={p.pp}{f' tp={c.parallel.tp}' if c.parallel.tp > 1 else ''} schedule={c.parallel.schedule} "
           f"stage_layers={[len(r) for r in p.stage_ranges]} "
           f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "

@@ -160,3 +160,17 @@ def test_a_fresh_run_never_replaces_a_latest_file_that_is_no_checkpoint_pointer(
                     f"holds 'my notes, not a pointer', not a step-NNNNNNNN or run-NNNN/step-NNNNNNNN name; a fresh "
                     f"run's first save would replace that file: move it away or set another checkpoint.dir")
     assert file_tree(root) == before and cf.run_dirs(root) == []
+
+
+def test_a_fresh_run_refuses_a_hugging_face_model_directory_as_checkpoint_dir(tmp_path):
+    """checkpoint.dir = the model's own directory: its latest made every later reader (model.init, --weights) take
+    the directory for a checkpoint root, the trained step instead of the model."""
+    root = tmp_path / "model"
+    root.mkdir()
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    before = file_tree(root)
+    line = one_error(_train(root))
+    assert line == (f"hpcpipe: error: checkpoint.dir {str(root)!r} is a Hugging Face model directory (config.json): "
+                    f"a run's latest pointer there would make every reader (model.init, --weights, checkpoint) take "
+                    f"it for a checkpoint root instead of the model; set checkpoint.dir to another directory")
+    assert file_tree(root) == before

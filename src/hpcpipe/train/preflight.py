@@ -25,6 +25,7 @@ from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hdf5_source import HDF5Source
+from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder
@@ -168,6 +169,10 @@ def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
         raise ConfigError(f"checkpoint.dir {directory!r} is a run directory of {str(path.parent)!r}; a fresh run "
                           f"writes a new run-NNNN under the root: set checkpoint.dir = {str(path.parent)!r}, or "
                           f"add --resume to continue this run")
+    if not resume and is_hf_directory(path):
+        raise ConfigError(f"checkpoint.dir {directory!r} is a Hugging Face model directory (config.json): a run's "
+                          f"latest pointer there would make every reader (model.init, --weights, checkpoint) take it "
+                          f"for a checkpoint root instead of the model; set checkpoint.dir to another directory")
     pointer = path / cf.LATEST
     if (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
         raise ConfigError(f"checkpoint.dir {directory!r}: {str(pointer)!r} is not a file (the root's checkpoint "

@@ -17,13 +17,26 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+SOURCE = "sklearn.datasets.load_digits"     # the root attribute that marks this example's own output
+
 
 def write(path: Path, x: np.ndarray, y: np.ndarray) -> None:
     """Write one data file with checksummed datasets x and y."""
     with h5py.File(path, "w") as f:
         f.create_dataset("x", data=x.astype(np.float32), fletcher32=True, chunks=True)
         f.create_dataset("y", data=y.astype(np.int64), fletcher32=True, chunks=True)
-        f.attrs["source"] = "sklearn.datasets.load_digits"
+        f.attrs["source"] = SOURCE
+
+
+def foreign(path: Path) -> bool:
+    """Whether path exists and is not a digits file this example wrote (another file of that name is not replaced)."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs.get("source") != SOURCE
+    except OSError:    # not HDF5 at all, or unreadable
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,11 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="data", help="output directory (default: data)")
     parser.add_argument("--test-size", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="replace output files this example did not write")
     args = parser.parse_args(argv)
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out!r} exists and is not a directory: name a directory (it is made if missing)")
     if not 0 < args.test_size < 1:
         parser.error(f"--test-size must be between 0 and 1 (a fraction of the images), got {args.test_size}")
+    others = [str(Path(args.out) / name) for name in ("digits-train.h5", "digits-test.h5")
+              if foreign(Path(args.out) / name)]
+    if others and not args.force:
+        parser.error(f"{', '.join(others)} exist(s) and were not written by this example; it replaces only its own "
+                     f"earlier output: move them away, choose another --out, or pass --force")
     digits = load_digits()
     x = digits.data / 16.0
     x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=args.test_size,

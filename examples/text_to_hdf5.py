@@ -145,10 +145,19 @@ def convert(args: argparse.Namespace) -> str:
     if not 0 < args.held_out < 1:
         raise InputError(f"--held-out must be a fraction strictly between 0 and 1, got {args.held_out}")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {str(out)!r} is a file, not a directory: --out names the directory that gets "
+                         f"text-train.h5 and text-test.h5")
     targets = [out / "text-train.h5", out / "text-test.h5"]
     existing = [str(t) for t in targets if t.exists()]
     if existing and not args.force:
         raise InputError(f"{', '.join(existing)} already exist(s); remove or pass --force to replace")
+    stored = None
+    if args.tokenizer not in ("bytes", "chars"):     # before reading the text: a wrong directory is said at once
+        try:
+            stored = from_hf_directory(args.tokenizer)
+        except ConfigError as exc:
+            raise InputError(f"--tokenizer {args.tokenizer!r}: {exc}") from None
     text, files, skipped = read_texts(args.inputs)
     skips = "; skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) if skipped else ""
     print(f"read {len(files)} file(s), {len(text)} characters{skips}")
@@ -156,10 +165,6 @@ def convert(args: argparse.Namespace) -> str:
         tok = Tokenizer("bytes") if args.tokenizer == "bytes" else chars_tokenizer(text)
         stored, ids = StoredTokenizer(tok.to_json()), tok.encode(text)
     else:
-        try:
-            stored = from_hf_directory(args.tokenizer)
-        except ConfigError as exc:
-            raise InputError(f"--tokenizer {args.tokenizer!r}: {exc}") from None
         tok = stored.load()
         ids = tok.encode(text, add_special_tokens=False)
     cut = len(ids) - round(len(ids) * args.held_out)

@@ -58,6 +58,7 @@ class CommandParser(argparse.ArgumentParser):
                 continue
             joined.append(word)
             i += 1
+        self.words = joined
         return super().parse_known_args(joined, namespace)
 
     def _print_message(self, message: str, file=None) -> None:
@@ -67,7 +68,23 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str):
         """Print the usage and one ``hpcpipe: error:`` line (rank 0), then exit 2 (every rank)."""
         self.print_usage(sys.stderr)
-        self.exit(EXIT_CONFIG, f"hpcpipe: error: {message} (see {self.prog} --help)\n")
+        hint = split_value_hint(getattr(self, "words", [])) if message.startswith("unrecognized arguments") else ""
+        self.exit(EXIT_CONFIG, f"hpcpipe: error: {message}{hint} (see {self.prog} --help)\n")
+
+
+def split_value_hint(words: list[str]) -> str:
+    """'; quote it whole ...' when the shell split a value at its spaces (--set model.dims=[8, 8]), else ''."""
+    def still_open(text: str) -> bool:
+        return text.count("[") + text.count("{") > text.count("]") + text.count("}")
+
+    for i, word in enumerate(words):
+        if "=" in word and still_open(word):
+            for end in range(i + 1, len(words)):
+                text = " ".join(words[i:end + 1])
+                if not still_open(text):
+                    value = text.removeprefix("--set=")
+                    return f"; the shell split a value at its spaces: quote it whole, --set '{value}'"
+    return ""
 
 
 def add_print_config(parser: argparse.ArgumentParser) -> None:

@@ -329,6 +329,10 @@ def from_dict(raw: dict[str, Any]) -> Config:
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(sections), n=1)
         hint = f": did you mean [{close[0]}]?" if close else ""
+        homes = [n for n in sections if unknown[0] in {f.name for f in fields(hints[n])}]   # a key above every [table]
+        if homes and not isinstance(raw[unknown[0]], dict):
+            raise ConfigError(f"key {unknown[0]!r} is outside any section: write it under [{homes[0]}] (TOML keys "
+                              f"before the first [section] header belong to none)")
         raise ConfigError(f"unknown section [{unknown[0]}]{hint} (known sections: {', '.join(sections)})")
     model, train = raw.get("model"), raw.get("train", {})
     if isinstance(model, dict) and model.get("kind") in DECODERS and isinstance(train, dict):

@@ -3,6 +3,7 @@ list of strings written without TOML quotes."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from hpcpipe.errors import ConfigError
@@ -178,7 +179,17 @@ def tp_splits(mod: ModelConfig, tp: int) -> bool:
 
 
 def toml_hint(where: str, text: str, value: Any) -> str:
-    """A hint when a list of strings came as one string "[q_proj]": TOML (and so --set) needs each quoted."""
+    """A hint when a list of strings came as one string "[q_proj]": TOML (and so --set) needs each quoted; and when
+    a number came as a string (".1", "1.", a quoted "0.1"): TOML writes numbers bare, with a digit each side of '.'."""
+    if text in ("int", "float") and isinstance(value, str) and "_" not in value:   # Python's 1_0 is no guide
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        if not math.isfinite(number) or (text == "int" and not number.is_integer()):
+            return ""
+        shown = int(number) if text == "int" else number
+        return f" (not a TOML number; write --set {where}={shown}, or {where.split('.')[-1]} = {shown} in the file)"
     if not (text.startswith("list[str]") and isinstance(value, str) and value.strip().startswith("[")):
         return ""
     items = [item.strip().strip("'\"") for item in value.strip().strip("[]").split(",") if item.strip()]

@@ -38,6 +38,7 @@ from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.nn.registry import KINDS, model_def
 from hpcpipe.runtime.host_memory import keep_freed_memory
 from hpcpipe.runtime.progress import Progress
+from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import stored_config
 from hpcpipe.state.sources import resolve_weights
 from hpcpipe.state.tokenizer import StoredTokenizer, read_stored
@@ -233,8 +234,13 @@ def check_data_tokenizer(data: str | Path, source: WeightsSource) -> None:
         return
     what = "another Hugging Face tokenizer" if written.kind == own.kind == "hf" else f"the {written.kind} tokenizer"
     mine = "its own Hugging Face tokenizer" if own.kind == "hf" else f"a {own.kind} tokenizer of its own"
-    how = f"--tokenizer {source.path}" if own.kind == "hf" and Path(source.path).is_dir() else \
-        "--tokenizer as the model's data was (the same text for chars)"
+    if own.kind != "hf":
+        how = "--tokenizer as the model's data was (the same text for chars)"
+    elif is_hf_directory(source.path):
+        how = f"--tokenizer {source.path}"
+    else:   # a checkpoint or weights file is no --tokenizer: its export is a directory that holds the tokenizer
+        how = (f"--tokenizer HF_DIR, after python -m hpcpipe.checkpoint export {source.path} HF_DIR --format hf "
+               f"(it writes the model's tokenizer.json)")
     raise ConfigError(f"{where} was tokenized with {what}, but the model ({source.describe()}) has {mine}: the "
                       f"data's token ids would mean other tokens to it; tokenize the text with the model's: "
                       f"python examples/text_to_hdf5.py TEXT {how}")

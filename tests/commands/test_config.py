@@ -52,6 +52,8 @@ def test_bad_values_are_refused_with_a_message_naming_them(overrides, message):
     (["model.steps=5"], "", "unknown key model.steps: did you mean train.steps? (known keys in [model]: "),
     ([], "[trian]\nsteps = 5\n", "unknown section [trian]: did you mean [train]? (known sections: "),
     (["train.xyzzy=1"], "", "unknown key train.xyzzy (known keys in [train]: "),      # nothing close: no guess
+    # a key above the first header: was "unknown section [steps]"
+    ([], "steps = 5\n[train]\nlr = 0.1\n", "key 'steps' is outside any section: write it under [train] (TOML"),
 ])
 def test_a_misspelled_key_suggests_the_closest_known_one(tmp_path, overrides, toml, message):
     """Issue #32: `--set train.setps=5` and `[trian]` name the key meant, in the same one line."""
@@ -104,3 +106,19 @@ def test_initial_weights_depend_only_on_seed_and_layer_index():
     w0, _ = init_layer(specs[0], seed=3)
     assert (w1 == w1_again).all() and w1.shape == (5, 6) and w0.shape == (4, 5)
     assert not (init_layer(specs[1], seed=4)[0] == w1).all()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=.1", "train.lr must be float, got '.1' (str) (not a TOML number; write --set train.lr=0.1, or "
+                    "lr = 0.1 in the file)"),
+    ('train.lr="0.1"', "train.lr must be float, got '0.1' (str) (not a TOML number; write --set train.lr=0.1, or "
+                       "lr = 0.1 in the file)"),
+    ("train.steps=1.", "train.steps must be int, got '1.' (str) (not a TOML number; write --set train.steps=1, or "
+                       "steps = 1 in the file)"),
+    ("train.steps=ten", "train.steps must be int, got 'ten' (str)"),          # no number: no hint
+])
+def test_a_number_toml_cannot_read_says_how_to_write_it(override, message):
+    # was only "must be float, got '.1' (str)": .1 looks like a number to anyone but TOML
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message

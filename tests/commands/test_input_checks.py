@@ -325,3 +325,72 @@ def test_the_digits_example_refuses_a_file_as_its_output_folder(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and kept.read_text() == "keep me"
+
+
+def test_the_digits_example_replaces_only_its_own_output(tmp_path):
+    # was: a file of the user's named data/digits-train.h5 replaced without a word
+    pytest.importorskip("sklearn")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "digits-train.h5").write_text("my own data")
+    argv = [sys.executable, str(ROOT / "examples" / "digits_to_hdf5.py"), "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and f"{out / 'digits-train.h5'} exist(s) and were not written by this example" \
+        in proc.stderr, proc.stderr
+    assert (out / "digits-train.h5").read_text() == "my own data" and not (out / "digits-test.h5").exists()
+    (out / "digits-train.h5").unlink()
+    for _ in range(2):                                   # its own earlier output is replaced: a rerun works
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+    (out / "digits-test.h5").write_text("mine again")
+    assert subprocess.run(argv + ["--force"], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_warned_about(tmp_path):
+    # was silent: 1437 digits at micro_batch_size 200 repeated samples in every batch
+    from support.launch import train
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"], f["y"] = np.ones((10, 4), np.float32), np.zeros(10, np.int64)
+    config = {"model": {"dims": [4, 4, 3]}, "parallel": {"pp": 2}, "train": {"steps": 1, "loss": "cross_entropy",
+              "micro_batches": 2, "micro_batch_size": 8}, "checkpoint": {"dir": ""}, "log": {"progress": False},
+              "data": {"path": str(path)}}
+    proc = train(2, config)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"hpcpipe: warning: data.path {str(path)!r} holds 10 samples, fewer than one global batch (dp x "
+            f"train.micro_batches x train.micro_batch_size = 1 x 2 x 8 = 16): every step repeats samples within its "
+            f"batch") in proc.stderr.splitlines()
+    config["train"]["micro_batch_size"] = 5                    # exactly the file: no warning
+    proc = train(2, config)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
+def test_cupy_without_a_gpu_is_one_line_from_rank_0(tmp_path):
+    # was every rank's '[rank N] error: ConfigError: ...' line and MPI_Abort, from inside the Trainer
+    from support.launch import one_error, train
+
+    from hpcpipe.runtime.backend import _gpu_count
+    if _gpu_count():
+        pytest.skip("CuPy sees a GPU here: run.backend = cupy is valid")
+    proc = train(2, {"parallel": {"pp": 2}, "train": {"steps": 1}, "checkpoint": {"dir": ""},
+                     "run": {"backend": "cupy"}})
+    one_error(proc, 'run.backend = "cupy" but CuPy is not installed or sees no GPU', alone=True)
+
+
+def test_a_set_value_the_shell_split_at_a_space_says_to_quote_it():
+    # was "unrecognized arguments: 8]" alone
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.train", "--print-config", "--set", "model.dims=[8,",
+                           "8]"], capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2, proc.stderr
+    assert ("hpcpipe: error: unrecognized arguments: 8]; the shell split a value at its spaces: quote it whole, "
+            "--set 'model.dims=[8, 8]' (see python -m hpcpipe.train --help)") in proc.stderr.splitlines()
+
+
+def test_a_run_of_zero_steps_reports_no_loss_not_nan():
+    # was "trained 0 steps, loss nan -> nan": a diverged run's look for a run that did nothing
+    from support.launch import train
+    proc = train(2, {"parallel": {"pp": 2}, "train": {"steps": 0}, "checkpoint": {"dir": ""},
+                     "log": {"progress": False}})
+    assert proc.returncode == 0, proc.stderr
+    assert "hpcpipe: trained 0 steps, no loss (no step ran), 0 samples/s" in proc.stdout and "nan" not in proc.stdout

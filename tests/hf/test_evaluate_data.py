@@ -67,3 +67,24 @@ def test_windows_longer_than_the_context_are_refused_saying_so(tmp_path):
     one_error(_evaluate(model, _tokens(tmp_path, "long", str(model), 96)),
               "holds windows of 96 tokens, longer than the model's context of 64",
               "write windows of at most 64", "--seq-len 64")
+
+
+def test_bytes_data_on_a_checkpoint_names_a_tokenizer_that_text_to_hdf5_takes(tmp_path):
+    """The advice was `--tokenizer ck/run-0001/step-00000001`, a directory text_to_hdf5 refuses (no tokenizer.json):
+    it is now the export that writes one, and following it gives data evaluate scores."""
+    from support.launch import run_command
+    model = _hf_dir(tmp_path, "llama", 0)
+    own = _tokens(tmp_path, "own", str(model), 32)
+    proc = run_command(1, "hpcpipe.train", ["--set", f"model.init={json.dumps(str(model))}", "--set",
+                                            f"data.path={json.dumps(str(own))}", "--set", "model.seq_len=32",
+                                            "--set", "parallel.pp=1", "--set", "train.steps=1", "--set",
+                                            f"checkpoint.dir={json.dumps(str(tmp_path / 'ck'))}",
+                                            "--set", "log.progress=false"], timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    step = tmp_path / "ck" / "run-0001" / "step-00000001"
+    one_error(_evaluate(step, _tokens(tmp_path, "bytes", "bytes", 32)), "was tokenized with the bytes tokenizer",
+              f"--tokenizer HF_DIR, after python -m hpcpipe.checkpoint export {step} HF_DIR --format hf")
+    exported = run_module("hpcpipe.checkpoint", "export", step, tmp_path / "hf-out", "--format", "hf")
+    assert exported.returncode == 0, exported.stderr
+    proc = _evaluate(step, _tokens(tmp_path, "exported", str(tmp_path / "hf-out"), 32))
+    assert proc.returncode == 0 and json.loads(proc.stdout)["step"] == 1, proc.stderr

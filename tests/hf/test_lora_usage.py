@@ -120,3 +120,18 @@ def test_set_of_an_unquoted_list_hints_at_toml_quotes():
     with pytest.raises(ConfigError) as caught:
         from_dict(load_raw(None, ["train.lora_targets=5"]))
     assert "quotes" not in str(caught.value)
+
+
+def test_resume_refuses_a_model_init_of_another_model(lora_run):
+    """--resume --set model.init=<a GPT-2> used to train on and save that path as the run's base: the PEFT export
+    of the llama's adapters then named the GPT-2 as base_model_name_or_path."""
+    from support.hf import save_model, tiny_model
+    tmp, _, _, ck = lora_run
+    other = save_model(tiny_model("gpt2"), tmp / "models" / "gpt2")
+    before = sorted(p.name for p in (ck / "run-0001").iterdir())
+    proc = run_command(2, "hpcpipe.train", ["--resume", "--set", 'checkpoint.dir="ck"', "--set", "train.steps=2",
+                                            "--set", f"model.init={json.dumps(str(other))}", "--set",
+                                            "log.progress=false"], timeout=240, cwd=ck.parent)
+    one_error(proc, f"model.init {str(other)!r} holds a GPT model", 'this run has model.kind = "llama"',
+              "saved with model.init = '../models/base'", "leave model.init out")
+    assert sorted(p.name for p in (ck / "run-0001").iterdir()) == before

@@ -50,6 +50,27 @@ def test_a_bad_tensor_parallel_width_is_exit_2_and_never_evaluated(tmp_path, scr
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("script,given,knob", [
+    ("train.sbatch", "--set parallel.pp=1", "use HPCPIPE_PP and HPCPIPE_TP"),
+    ("train.sbatch", "--set=parallel.dp=2", "use HPCPIPE_PP and HPCPIPE_TP"),
+    ("train.sbatch", '--set checkpoint.dir="myck"', "use HPCPIPE_CKPT_DIR"),
+    ("serve.sbatch", "--set parallel.tp=2", "use HPCPIPE_PP and HPCPIPE_TP"),
+    ("infer.sbatch", "--set parallel.pp=1", "use HPCPIPE_PP"),
+])
+def test_a_key_the_script_sets_itself_in_hpcpipe_args_is_refused(tmp_path, script, given, knob):
+    """HPCPIPE_ARGS="--set parallel.pp=1 --set checkpoint.dir=..." ran at pp = 4 into checkpoints/<job name>:
+    the script's own --set came last and won without a word."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLURM_NTASKS": "4", "HPCPIPE_WEIGHTS": "w.h5",
+           "HPCPIPE_INPUT": "in.h5", "HPCPIPE_ARGS": f"--set train.steps=2 {given}",
+           "HPCPIPE_LAUNCHER": str(tmp_path / "no-such-launcher")}
+    result = subprocess.run(["bash", str(ROOT / "jobs" / script)], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=60, check=False)
+    out = result.stdout + result.stderr
+    key = given.split()[-1].removeprefix("--set=")
+    assert result.returncode == 2 and f"HPCPIPE_ARGS sets {key}, which this script sets" in out and knob in out, out
+    assert "HPCPIPE_LAUNCHER must be" not in out          # refused before the launch is even prepared
+
+
 def test_train_script_outside_slurm_finishes_and_stops_cleanly(tmp_path):
     """Run with bash outside Slurm (no job id): a finished run exits 0, a stop on SIGUSR1 exits 75 with its
     checkpoint, and neither says anything about an unbound SLURM_JOB_ID (the script asked scontrol about it)."""

@@ -86,3 +86,11 @@ def test_the_estimate_is_what_a_trainers_buffers_hold(train):
         trainer.close()
     est = estimate_rank_bytes(config, [range(4)], 1, "interleaved", dp=1)
     assert held == (est.parameters, est.optimizer)
+
+
+def test_a_lora_rank_that_does_not_fit_is_named():
+    """lora_rank = 1e8 on a d_model = 32 llama: the refusal advised a smaller model, not the rank that filled it."""
+    config = _config(lora_rank=100_000_000, lora_targets=["q_proj"])
+    with pytest.raises(ConfigError) as info:
+        check_memory(config, [range(4)], 1, "interleaved", 1, available=1 << 30, ranks_here=1, headroom=0)
+    assert "or a smaller train.lora_rank (now 100000000), model or micro-batch" in str(info.value)

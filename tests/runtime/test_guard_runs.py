@@ -173,7 +173,8 @@ def test_m_bad_steps_in_a_row_abort_with_status_77(tmp_path):
     result = run(command(8, "hpcpipe.train", _args(tmp_path, train={"max_bad_steps": 3})), timeout=120,
                  env={"HPCPIPE_NAN": "rank=7,step=2,count=100,what=loss"})
     assert result.returncode == errors.EXIT_DIVERGED, result.stderr
-    assert result.stderr.count("3 steps in a row (steps 2..4) had a non-finite loss") == 1, result.stderr
+    assert result.stderr.count("3 steps in a row (steps 3..5, the metrics' \"step\" 2..4) had a non-finite "
+                               "loss") == 1, result.stderr
     assert len(metrics_losses(tmp_path / "m.jsonl")) == 5
     assert not (tmp_path / "ck").exists()
     assert wait_until_gone(str(tmp_path), 10) == []
@@ -217,3 +218,16 @@ def test_repeated_stop_signals_still_end_in_75(tmp_path):
         assert proc.returncode == errors.EXIT_PREEMPTED, err
     assert "BAD TERMINATION" not in out + err and "exit status 75" in out, out + err
     assert json.loads((tmp_path / "stop.json").read_text())["status"] == 75
+
+
+def test_the_diverged_steps_are_numbered_as_the_progress_lines_that_skipped_them(tmp_path):
+    """The console said 'step 2/20 ... SKIPPED' .. 'step 6/20 ... SKIPPED' and then 'steps 1..5' (the metrics'
+    numbering), 'the parameters are still those from before step 1' (the console's step 2 made them)."""
+    result = run(command(2, "hpcpipe.train", sets(parallel={"pp": 2}, train={"steps": 20, "lr": 1e30},
+                                                    checkpoint={"dir": ""}, log={"progress": True})), timeout=120)
+    assert result.returncode == errors.EXIT_DIVERGED, result.stderr
+    skipped = [line.split("] step ")[1].split()[0] for line in result.stdout.splitlines() if "SKIPPED" in line]
+    assert skipped == ["2/20", "3/20", "4/20", "5/20", "6/20"], result.stdout
+    assert "5 steps in a row (steps 2..6, the metrics' \"step\" 1..5) had a non-finite loss or gradient " \
+           "(train.max_bad_steps = 5); the parameters are still those after step 1;" in result.stderr, result.stderr
+    assert "RuntimeWarning" not in result.stderr         # NumPy's overflow warnings named a line of nn/core

@@ -119,6 +119,11 @@ def test_cli_into_a_reader_that_left_stops_quietly():
 
 def test_cli_bad_costs_and_schedule_exit_2(capsys):
     assert main(["--costs", "1,x"]) == 2
+    for costs in ("1,nan,1,1", "1,inf", "nan,1"):            # were accepted: "step time nan units", exit 0
+        assert main(["--costs", costs]) == 2
+        assert f"finite non-negative numbers F,B[,W[,comm]], got '{costs}'" in capsys.readouterr().err
+    assert main(["--tp", "2", "--tp-comm", "nan,0"]) == 2
+    assert "--tp-comm expects two finite non-negative numbers" in capsys.readouterr().err
     assert main(["--schedule", "interleaved-1f1b", "--pp", "4", "--micro-batches", "6",
                  "--virtual-stages", "2"]) == 2
     assert "micro-batches: 6" in capsys.readouterr().err

@@ -88,6 +88,12 @@ def test_gpt_checkpoint_as_model_init_of_an_mlp_run_is_refused(gpt_checkpoint, t
     line = _refused_before_any_collective(proc)
     assert "holds a GPT model (model.kind = \"gpt\", 4 layer groups); this run has model.kind = \"mlp\"" in line
     assert not (tmp_path / "ck2").exists()
+    # with the GPT's token file as data.path too: the model is named first (was: "dataset 'x' in 't.h5' has shape
+    # (9, 6); model.dims[0] = 16 needs (N, 16)", advice to change the MLP the user never meant)
+    proc = _train(tmp_path, "--set", f"model.init={json.dumps(str(gpt_checkpoint / 'ck'))}", "--set",
+                  f"data.path={json.dumps(str(gpt_checkpoint / 't.h5'))}", model={"dims": [16, 16, 16]}, ck="ck2")
+    line = _refused_before_any_collective(proc)
+    assert "holds a GPT model (model.kind = \"gpt\", 4 layer groups); this run has model.kind = \"mlp\"" in line
 
 
 def test_mlp_weights_as_model_init_of_a_gpt_run_are_refused(tmp_path):

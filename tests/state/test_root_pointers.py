@@ -146,3 +146,31 @@ def test_a_fresh_run_into_a_root_of_the_old_layout_is_refused_and_the_old_run_st
     resumed = train(2, old, "--resume")
     assert resumed.returncode == 0 and "resumed at step 2" in resumed.stdout, resumed.stderr
     assert cf.read_latest(root) == "step-00000003"
+
+
+def test_a_fresh_run_never_replaces_a_latest_file_that_is_no_checkpoint_pointer(tmp_path):
+    """checkpoint.dir holding someone else's file named latest: the first save used to replace it silently."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "latest").write_text("my notes, not a pointer\n")
+    (root / "readme.txt").write_text("keep me\n")
+    before = file_tree(root)
+    line = one_error(_train(root))
+    assert line == (f"hpcpipe: error: checkpoint.dir {str(root)!r}: checkpoint pointer {str(root / 'latest')!r} "
+                    f"holds 'my notes, not a pointer', not a step-NNNNNNNN or run-NNNN/step-NNNNNNNN name; a fresh "
+                    f"run's first save would replace that file: move it away or set another checkpoint.dir")
+    assert file_tree(root) == before and cf.run_dirs(root) == []
+
+
+def test_a_fresh_run_refuses_a_hugging_face_model_directory_as_checkpoint_dir(tmp_path):
+    """checkpoint.dir = the model's own directory: its latest made every later reader (model.init, --weights) take
+    the directory for a checkpoint root, the trained step instead of the model."""
+    root = tmp_path / "model"
+    root.mkdir()
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    before = file_tree(root)
+    line = one_error(_train(root))
+    assert line == (f"hpcpipe: error: checkpoint.dir {str(root)!r} is a Hugging Face model directory (config.json): "
+                    f"a run's latest pointer there would make every reader (model.init, --weights, checkpoint) take "
+                    f"it for a checkpoint root instead of the model; set checkpoint.dir to another directory")
+    assert file_tree(root) == before

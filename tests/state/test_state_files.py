@@ -77,8 +77,16 @@ def test_foreign_and_truncated_weights_files_are_refused(tmp_path):
     foreign = tmp_path / "foreign.h5"
     with h5py.File(foreign, "w") as f:
         f["layers/0000/weight"] = np.zeros((6, 5), np.float32)
-    with pytest.raises(ConfigError, match=r"foreign\.h5.*not an hpcpipe file"):
+    with pytest.raises(ConfigError, match=r"foreign\.h5.*not an hpcpipe weights file \(no root attribute format = "
+                                          r"'hpcpipe'\)$"):
         resolve_weights(foreign)
+    data_file = tmp_path / "data.h5"            # a data file given as weights: said so ('format = None' was all)
+    with h5py.File(data_file, "w") as f:
+        f["x"], f["y"] = np.zeros((4, 5), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ConfigError) as info:
+        resolve_weights(data_file)
+    assert str(info.value) == (f"weights file {str(data_file)!r} is not an hpcpipe weights file (no root attribute "
+                               f"format = 'hpcpipe'; it holds x, y: a data file?)")
     good = tmp_path / "w.h5"
     write_weights(good, _arrays(), n_layers=3)
     data = good.read_bytes()

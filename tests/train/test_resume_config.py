@@ -103,6 +103,10 @@ def test_the_saved_config_is_the_base_and_the_command_line_wins():
     assert merged(saved, {"parallel": {"pp": 2}})["parallel"] == {"pp": 2, "virtual_stages": 1}
     assert merged(saved, {"parallel": {"pp": 2, "dp": 4}})["parallel"] == {"pp": 2, "dp": 4, "virtual_stages": 1}
     assert merged(saved, {"parallel": {"virtual_stages": 2}})["parallel"] == {"pp": 4, "dp": 2, "virtual_stages": 2}
+    # another schedule drops the saved virtual stages and cut (zb-v's 2 under 1f1b); the same one keeps them
+    zbv = {**saved, "parallel": {**saved["parallel"], "schedule": "zb-v", "virtual_stages": 2}}
+    assert merged(zbv, {"parallel": {"schedule": "1f1b"}})["parallel"] == {"pp": 4, "dp": 2, "schedule": "1f1b"}
+    assert merged(zbv, {"parallel": {"schedule": "zb-v"}})["parallel"] == zbv["parallel"]
     # another model kind: the saved model keys go, so the refusal names the kinds
     assert merged(saved, {"model": {"kind": "gpt"}})["model"] == {"kind": "gpt"}
     gpt = {**saved, "model": {"kind": "gpt", "d_model": 16}}
@@ -110,3 +114,34 @@ def test_the_saved_config_is_the_base_and_the_command_line_wins():
     assert merged(gpt, {"model": {"d_model": 8}})["model"] == {"kind": "gpt", "d_model": 8}
     config = from_dict(merged(saved, {"train": {"steps": 200}, "checkpoint": {"resume": True}}))
     assert isinstance(config, Config) and differences(saved, config) == ["train.steps 100 -> 200"]
+
+
+def test_resuming_under_another_schedule_drops_the_saved_virtual_stages(tmp_path):
+    """A zb-v run (virtual_stages = 2) resumed with --set parallel.schedule="1f1b" was refused: '1f1b runs one
+    stage per rank (virtual stages: 2)', a value the command line never gave."""
+    root = tmp_path / "ck"
+    started = {**STARTED, "model": {"dims": [8, 6, 6, 6, 8]},
+               "parallel": {"dp": 1, "pp": 2, "schedule": "zb-v", "virtual_stages": 2}}
+    proc = run_command(2, "hpcpipe.train", sets(**started) + ["--set", f"checkpoint.dir=\"{root}\""], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_command(2, "hpcpipe.train", ["--set", f"checkpoint.dir=\"{root}\"", "--set", "train.steps=3",
+                                            "--set", 'parallel.schedule="1f1b"', "--resume"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "(resumed at step 2)" in proc.stdout and "dp=1 pp=2 schedule=1f1b stage_layers=[2, 2]" in proc.stdout
+    assert _notes(proc.stderr)[0].endswith("except parallel.schedule 'zb-v' -> '1f1b', parallel.virtual_stages 2 -> 1, "
+                                           "train.steps 2 -> 3"), proc.stderr
+
+
+def test_a_resume_whose_checkpoint_cannot_be_read_says_so_not_the_default_layout(tmp_path):
+    """A broken root pointer or a missing checkpoint.dir fell back to the command line's config, and the embedded
+    default's pp = 4 was then refused on 2 ranks: 'world size 2 is not divisible by parallel.pp (4)'."""
+    root = _start(tmp_path)
+    (root / "latest").write_text("garbage\n")
+    proc = run_command(2, "hpcpipe.train", ["--set", f"checkpoint.dir=\"{root}\"", "--resume"], cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpipe: error:")]
+    assert proc.returncode == 2 and errors == [f"hpcpipe: error: checkpoint pointer {str(root / 'latest')!r} holds "
+                                               f"'garbage', not a step-NNNNNNNN or run-NNNN/step-NNNNNNNN name"], \
+        proc.stderr
+    proc = run_command(2, "hpcpipe.train", ["--set", f"checkpoint.dir=\"{tmp_path / 'nope'}\"", "--resume"],
+                       cwd=tmp_path)
+    assert proc.returncode == 2 and "does not exist: nothing to resume" in proc.stderr, proc.stderr

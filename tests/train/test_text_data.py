@@ -291,6 +291,11 @@ def test_example_bad_inputs_are_one_error_line_exit_2_and_no_output(tmp_path):
     _refused(_run(short, "--out", out, "--held-out", 1.5), "--held-out must be a fraction strictly between 0 and 1")
     _refused(_run(short, "--out", out, "--seq-len", 0), "--seq-len must be at least 1")
     assert not out.exists()
+    _refused(_run(short, "--out", short), f"--out {str(short)!r} is a file, not a directory")   # was: [Errno 17]
+    assert short.read_text() == "tiny text"
+    proc = _run(short, "--out", out, "--tokenizer", tmp_path / "no-model")
+    _refused(proc, f"--tokenizer {str(tmp_path / 'no-model')!r}", "does not exist")
+    assert "read 1 file(s)" not in proc.stdout           # said before the text is read
 
 
 def test_example_keeps_existing_output_unless_forced(tmp_path):

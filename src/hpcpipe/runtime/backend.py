@@ -92,6 +92,18 @@ def tf32_state(xp: Any) -> dict[str, Any]:
             "tf32": kind == linalg.COMPUTE_TYPE_TF32 and batched}
 
 
+def no_gpu_error() -> ConfigError:
+    """The refusal of run.backend = "cupy" where CuPy sees no GPU."""
+    return ConfigError("run.backend = \"cupy\" but CuPy is not installed or sees no GPU "
+                       "(install hpcpipe[gpu] on a GPU node, or use run.backend = \"numpy\")")
+
+
+def check_backend(choice: str) -> None:
+    """Raise ConfigError when run.backend cannot run here: in a command's setup, so that rank 0 says it once."""
+    if choice == "cupy" and _gpu_count() == 0:
+        raise no_gpu_error()
+
+
 def select_backend(choice: str, node_rank: int | None = None, tf32: bool = False) -> Backend:
     """Return the backend for run.backend = auto | numpy | cupy; auto picks CuPy when a GPU is visible.
 
@@ -103,8 +115,7 @@ def select_backend(choice: str, node_rank: int | None = None, tf32: bool = False
     keep_freed_memory()
     gpus = _gpu_count() if choice in ("auto", "cupy") else 0
     if choice == "cupy" and gpus == 0:
-        raise ConfigError("run.backend = \"cupy\" but CuPy is not installed or sees no GPU "
-                          "(install hpcpipe[gpu] on a GPU node, or use run.backend = \"numpy\")")
+        raise no_gpu_error()
     if gpus == 0:
         import numpy
         note = set_tf32(numpy, tf32)

@@ -164,8 +164,12 @@ def open_checked(path: str | Path) -> h5py.File:
     f = open_hdf5(p, f"weights file {str(p)!r}", " (truncated or foreign?)")
     fmt = f.attrs.get("format")
     if fmt != FORMAT:
+        names = sorted(f.keys())
         f.close()
-        raise ConfigError(f"weights file {str(p)!r} is not an hpcpipe file (root attribute format = {fmt!r})")
+        what = f"root attribute format = {fmt!r}" if fmt is not None else f"no root attribute format = {FORMAT!r}"
+        if "layers" not in names and names:   # a data or token file given for weights says what it holds
+            what += f"; it holds {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}: a data file?"
+        raise ConfigError(f"weights file {str(p)!r} is not an hpcpipe weights file ({what})")
     problem = version_problem(f.attrs.get("format_version", FORMAT_VERSION))
     if problem:
         f.close()

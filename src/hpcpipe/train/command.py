@@ -62,6 +62,19 @@ def synthetic_data_warning(config: Any) -> str:
             f"it nothing; set data.path to a token file (python examples/text_to_hdf5.py TEXT --tokenizer {how})")
 
 
+def small_data_warning(p: Any) -> str:
+    """What to say when the training set is smaller than one global batch: every step repeats samples in its batch
+    (the stream wraps around into the next epoch), so the steps see fewer distinct samples than they count."""
+    tr, where = p.config.train, (f"data.path {p.config.data.path!r} holds" if p.config.data.path
+                                 else "data.synthetic_samples is")
+    batch = p.dp * tr.micro_batches * tr.micro_batch_size
+    if not 0 < p.samples < batch:
+        return ""
+    return (f"{where} {p.samples} samples, fewer than one global batch (dp x train.micro_batches x "
+            f"train.micro_batch_size = {p.dp} x {tr.micro_batches} x {tr.micro_batch_size} = {batch}): every step "
+            f"repeats samples within its batch")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
@@ -111,8 +124,10 @@ def report(p: Any, trainer: Any, summary: dict[str, Any]) -> None:
     """Print rank 0's end-of-run lines: what was trained, skipped, saved, and why it stopped early."""
     c = p.config
     resumed = f" (resumed at step {trainer.start_step})" if trainer.start_step else ""
-    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, loss {summary['initial_loss']:.6g} -> "
-          f"{summary['final_loss']:.6g}, {summary['samples_per_s']:.0f} samples/s "
+    # no step, no loss: "loss nan -> nan" read as a diverged run
+    losses = f"loss {summary['initial_loss']:.6g} -> {summary['final_loss']:.6g}" if summary["steps"] else \
+        "no loss (no step ran)"
+    print(f"hpcpipe: trained {summary['steps']} steps{resumed}, {losses}, {summary['samples_per_s']:.0f} samples/s "
           f"(dp={p.dp} pp={p.pp}{f' tp={c.parallel.tp}' if c.parallel.tp > 1 else ''} schedule={c.parallel.schedule} "
           f"stage_layers={[len(r) for r in p.stage_ranges]} "
           f"micro_batches={c.train.micro_batches}x{c.train.micro_batch_size}, "
@@ -175,7 +190,13 @@ def _print_config(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    import warnings
+
     from mpi4py import MPI
+
+    # a diverging step's NumPy "overflow encountered in matmul" named a line of nn/core as if it had failed; every
+    # non-finite step is found, skipped on every rank and said on the progress line (max_bad_steps: exit 77)
+    warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered", RuntimeWarning)
 
     from hpcpipe.train.setup import load_run_config, prepare
     from hpcpipe.train.trainer import Trainer
@@ -195,7 +216,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             for note in notes:       # which config a resumed run continues under
                 print(note, file=sys.stderr, flush=True)
             from hpcpipe.train.lr_schedule import schedule_warning
-            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config)):
+            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config), small_data_warning(p)):
                 if warning:
                     print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:

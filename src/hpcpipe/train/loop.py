@@ -189,10 +189,11 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
             bad_run = bad_run + [step] if decision.skip else []
             skipped += int(decision.skip)
             if len(bad_run) >= cfg.train.max_bad_steps:
-                raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0]}..{bad_run[-1]}) had a "
-                                  f"non-finite loss or gradient (train.max_bad_steps = {cfg.train.max_bad_steps}); "
-                                  f"the parameters are still those from before step {bad_run[0]}; "
-                                  f"no checkpoint written "
+                # numbered as the progress lines above it (from 1), and as the metrics' "step" (from 0)
+                raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0] + 1}..{bad_run[-1] + 1}, the "
+                                  f"metrics' \"step\" {bad_run[0]}..{bad_run[-1]}) had a non-finite loss or gradient "
+                                  f"(train.max_bad_steps = {cfg.train.max_bad_steps}); the parameters are still those "
+                                  f"after step {bad_run[0]}; no checkpoint written "
                                   f"(lower train.lr or set train.grad_clip{data_hint})", code=EXIT_DIVERGED)
             done = step + 1
             if cfg.checkpoint.dir and every and done % every == 0:

@@ -25,6 +25,7 @@ from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import launcher_rank, local_rank_count
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.hdf5_source import HDF5Source
+from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.outputs import check_replaceable, check_writable
 from hpcpipe.state.root_latest import lagging_root
 from hpcpipe.state.run_lock import in_use_error, live_holder
@@ -66,8 +67,14 @@ def check_memory(config: Config, stage_ranges: list[range], pp: int, placement: 
             f"data {_gib(need.data)}) with {config.layers_text()}, parallel.pp = {pp}, "
             f"train.micro_batches x micro_batch_size = {config.train.micro_batches} x "
             f"{config.train.micro_batch_size}; {where}: use more pipeline stages or nodes{_zero_hint(config, dp)}, "
-            f"or a smaller model or micro-batch")
+            f"or a smaller {_lora_hint(config)}model or micro-batch")
     return need
+
+
+def _lora_hint(config: Config) -> str:
+    """'train.lora_rank (now R), ' under LoRA: a rank far above the maps' widths is what fills the memory then."""
+    rank = config.train.lora_rank
+    return f"train.lora_rank (now {rank}), " if rank else ""
 
 
 def _zero_hint(config: Config, dp: int) -> str:
@@ -162,6 +169,10 @@ def _check_is_a_root(path: Path, directory: str, resume: bool) -> None:
         raise ConfigError(f"checkpoint.dir {directory!r} is a run directory of {str(path.parent)!r}; a fresh run "
                           f"writes a new run-NNNN under the root: set checkpoint.dir = {str(path.parent)!r}, or "
                           f"add --resume to continue this run")
+    if not resume and is_hf_directory(path):
+        raise ConfigError(f"checkpoint.dir {directory!r} is a Hugging Face model directory (config.json): a run's "
+                          f"latest pointer there would make every reader (model.init, --weights, checkpoint) take it "
+                          f"for a checkpoint root instead of the model; set checkpoint.dir to another directory")
     pointer = path / cf.LATEST
     if (pointer.exists() or pointer.is_symlink()) and not pointer.is_file():
         raise ConfigError(f"checkpoint.dir {directory!r}: {str(pointer)!r} is not a file (the root's checkpoint "
@@ -174,12 +185,14 @@ def _refuse_old_layout(path: Path, directory: str) -> None:
     """A fresh run must not take the pointer of a root written before run directories (its steps in the root).
 
     Its first save would point ROOT/latest at the fresh run's checkpoint, and nothing
-    would name the old run's any more: --resume could never continue it.
+    would name the old run's any more: --resume could never continue it. A `latest` that
+    is no checkpoint pointer at all (someone else's file) is refused too: the save would replace it.
     """
     try:
         name = cf.read_latest(path)
-    except ConfigError:
-        return
+    except ConfigError as exc:   # not a pointer hpcpipe wrote: its first save would replace the file
+        raise ConfigError(f"checkpoint.dir {directory!r}: {exc}; a fresh run's first save would replace that file: "
+                          f"move it away or set another checkpoint.dir") from None
     if name is not None and "/" not in name:
         raise ConfigError(f"checkpoint.dir {directory!r} holds a run saved before run directories existed (its "
                           f"latest names {name}, in the root itself): a fresh run would point that latest at its own "

@@ -7,7 +7,8 @@ checkpoint's manifest holds the config its run saved with; when resuming, that
 is the base, and the keys the command line gives (``--config`` file,
 ``--set``) replace its values. A layout given anew is taken whole: a new
 ``parallel.pp`` drops the saved ``dp`` and ``stage_layers`` (they were for the
-old pipeline), a new ``virtual_stages`` the saved ``stage_layers``, unless the
+old pipeline), a new ``virtual_stages`` the saved ``stage_layers``, another
+``schedule`` the saved ``virtual_stages`` and ``stage_layers``, unless the
 command line gives them too, so resharding with ``--set parallel.pp=2`` works
 as before; a ``[model]`` of another kind (``model.kind``, or keys only another
 kind reads) replaces the saved one, and the checkpoint is refused naming both
@@ -25,6 +26,8 @@ from hpcpipe.state.sources import resolve_weights
 
 # a parallel key given anew -> the saved keys that described the old pipeline with it
 LAYOUT_DEPENDENTS = {"pp": ("dp", "stage_layers"), "virtual_stages": ("stage_layers",)}
+# given with another value than the saved one: the saved virtual stages were the old schedule's (zb-v's 2 under 1f1b)
+CHANGED_DEPENDENTS = {"schedule": ("virtual_stages", "stage_layers")}
 
 
 def known_keys(saved: dict) -> dict[str, dict[str, Any]]:
@@ -38,17 +41,21 @@ def known_keys(saved: dict) -> dict[str, dict[str, Any]]:
     return out
 
 
+NOTHING_TO_RESUME = ": nothing to resume (without --resume a fresh run starts there)"
+
+
 def saved_config(raw: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str] | None:
-    """(the saved config, the checkpoint's path) of the checkpoint ``--resume`` continues, or None when there is none
-    to read here (prepare then says what is wrong, in its own order)."""
+    """(the saved config, the checkpoint's path) of the checkpoint ``--resume`` continues, or None when checkpoint.dir
+    is no checkpoint directory (prepare then says what is wrong, in its own order).
+
+    A checkpoint.dir that cannot be read (missing, a broken ``latest``) is said here, first: the layout check would
+    otherwise judge the command line's config alone and blame a layout the user never chose.
+    """
     checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
     directory = checkpoint.get("dir", CheckpointConfig.dir)
     if not isinstance(directory, str) or not directory:
         return None
-    try:
-        source = resolve_weights(directory, "checkpoint.dir")
-    except ConfigError:
-        return None
+    source = resolve_weights(directory, "checkpoint.dir", NOTHING_TO_RESUME)
     manifest = getattr(source, "manifest", None)
     if source.kind != "checkpoint" or not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
         return None
@@ -64,7 +71,8 @@ def merged(saved: dict[str, dict[str, Any]], raw: dict[str, Any]) -> dict[str, A
             continue
         base = out.setdefault(section, {})
         if section == "parallel":
-            for given, dependents in LAYOUT_DEPENDENTS.items():
+            changed = {k: v for k, v in CHANGED_DEPENDENTS.items() if k in values and values[k] != base.get(k)}
+            for given, dependents in {**LAYOUT_DEPENDENTS, **changed}.items():
                 if given in values:
                     for name in dependents:
                         if name not in values:

@@ -20,6 +20,7 @@ from hpcpipe.nn.optim import make_optimizer
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
+from hpcpipe.runtime.backend import check_backend
 from hpcpipe.schedule.ir import PipeShape
 from hpcpipe.schedule.lower import lower
 from hpcpipe.schedule.registry import build_schedule, shape_of
@@ -41,7 +42,7 @@ from hpcpipe.train.preflight import (
     check_memory,
     check_nothing_newer,
 )
-from hpcpipe.train.resume_config import resumed, saved_config
+from hpcpipe.train.resume_config import NOTHING_TO_RESUME, resumed, saved_config
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class TrainSetup:
     tokenizer: StoredTokenizer | None = None   # a decoder's tokenizer: the data file's, else the weights'
     adapter: Any = None                    # model.adapter's PEFT directory (hpcpipe.state.peft), checked; fresh runs
     eval_rows: int = 0                     # data.eval_path's samples evaluated (whole global batches)
+    samples: int = 0                       # the training set's size (data.path's rows, or synthetic_samples)
 
     @property
     def pp(self) -> int:
@@ -122,6 +124,20 @@ def check_resume(config: Config, source: HDF5Source) -> None:
     if source.step > config.train.steps:
         raise ConfigError(f"cannot resume from {source.describe()}: it is at step {source.step}, beyond "
                           f"train.steps = {config.train.steps}")
+    if config.model.init and config.model.init != saved["model"].get("init", ""):
+        check_resumed_init(config, source)
+
+
+def check_resumed_init(config: Config, source: HDF5Source) -> None:
+    """Refuse a model.init changed on --resume to another model: the run keeps it (a LoRA export's base)."""
+    try:
+        merged_if_adapted(resolve_weights(config.model.init, "model.init")).check(
+            base_specs(model_def(config).specs), "model.init")
+    except ConfigError as exc:
+        saved = source.manifest["config"]["model"].get("init", "")
+        raise ConfigError(f"{exc} (resuming {source.describe()}, saved with model.init = {saved!r}: --resume "
+                          f"continues the checkpoint's weights, and a new model.init must hold the same model, as it "
+                          f"names a LoRA export's base; leave model.init out)") from None
 
 
 def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = None) -> TrainSetup:
@@ -133,19 +149,17 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     if config.model.weight_format not in ("auto", "float32"):
         raise ConfigError(f"model.weight_format = {config.model.weight_format!r}: training keeps float32 weights; the "
                           f"weight formats are for generate, serve and evaluate (leave it \"auto\" or \"float32\")")
+    check_backend(config.run.backend)   # here, not in the Trainer: a rank's own error there was every rank's line
     dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train
     n_stages = pp * par.virtual_stages
     specs = model_def(config).specs
     ranges = partition(specs, n_stages, stage_counts(config, n_stages, tr.micro_batch_size))
-    if config.data.path:
-        check_data_file(config)
     init = resume = None
     if config.checkpoint.dir:
         check_checkpoint_dir(config.checkpoint.dir, config.checkpoint.resume)
     if config.checkpoint.resume:
-        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir",
-                                 ": nothing to resume (without --resume a fresh run starts there)")
+        resume = resolve_weights(config.checkpoint.dir, "checkpoint.dir", NOTHING_TO_RESUME)
         if resume.kind != "checkpoint":
             raise ConfigError(f"checkpoint.dir {config.checkpoint.dir!r} is a file, not a checkpoint directory")
         check_nothing_newer(resume)     # first: a live run there changes everything below under our feet
@@ -157,6 +171,8 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
         # a LoRA run's checkpoint starts a run as its merged model; a LoRA run's base holds no adapters
         init = merged_if_adapted(resolve_weights(config.model.init, "model.init"))
         init.check(base_specs(specs), "model.init")
+    # after the weights: a model.init of another kind is said as such, not as data of the wrong shape for this one
+    samples = check_data_file(config) if config.data.path else config.data.synthetic_samples
     adapter = None
     if config.model.adapter and not config.checkpoint.resume:
         adapter = read_adapter(config.model.adapter)
@@ -174,7 +190,7 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
     if config.checkpoint.dir:     # after the memory: a model that cannot even be held is told so first
         check_checkpoint_space(config, pp)
     return TrainSetup(config, dp, shape, ranges, programs, init, resume, run_tokenizer(config, init or resume),
-                      adapter, check_eval_data(config, dp))
+                      adapter, check_eval_data(config, dp), samples)
 
 
 def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokenizer | None:

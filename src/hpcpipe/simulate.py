@@ -20,6 +20,7 @@ The simulator itself is :mod:`hpcpipe.schedule.event_sim` (per action) and
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -38,8 +39,8 @@ def _parse_costs(text: str) -> Costs:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise ScheduleError(f"--costs expects numbers F,B[,W[,comm]], got {text!r}") from None
-    if not 2 <= len(values) <= 4 or min(values) < 0:
-        raise ScheduleError(f"--costs expects 2 to 4 non-negative numbers F,B[,W[,comm]], got {text!r}")
+    if not 2 <= len(values) <= 4 or not all(0 <= v < math.inf for v in values):   # NaN fails this too
+        raise ScheduleError(f"--costs expects 2 to 4 finite non-negative numbers F,B[,W[,comm]], got {text!r}")
     f, b = values[0], values[1]
     w = values[2] if len(values) > 2 else b / 2
     comm = values[3] if len(values) > 3 else 0.0
@@ -55,8 +56,8 @@ def _parse_tp(tp: int, text: str) -> tuple[int, float, float]:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise ScheduleError(f"--tp-comm expects two numbers F,B (seconds), got {text!r}") from None
-    if len(values) != 2 or min(values) < 0:
-        raise ScheduleError(f"--tp-comm expects two non-negative numbers F,B (seconds), got {text!r}")
+    if len(values) != 2 or not all(0 <= v < math.inf for v in values):
+        raise ScheduleError(f"--tp-comm expects two finite non-negative numbers F,B (seconds), got {text!r}")
     return tp, values[0], values[1]
 
 

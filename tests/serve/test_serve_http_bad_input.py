@@ -210,6 +210,9 @@ MALFORMED = [
     b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n",
     b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n",
     "GET /v1/mod\u00e9ls HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+    # a chunked body that is not the gzip it claims: 400, then aiohttp logged "Unhandled exception" (40 lines)
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"10\r\n" + b"\x78\x9c" + b"z" * 14 + b"\r\n0\r\n\r\n",
 ]
 
 

@@ -14,6 +14,7 @@ callers gather the per-rank parts (:func:`hpcpipe.runtime.comm.gather_to_root`).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from hpcpipe.errors import ScheduleError
@@ -90,13 +91,60 @@ def load_trace(path: str) -> list[dict]:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X"]
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ScheduleError(f"trace {path!r} is not a Chrome trace: expected a JSON object with a "
+                            f"\"traceEvents\" list (or a list of events), got {_kind(data)}")
+    return [_checked(e, i, path) for i, e in enumerate(events)
+            if not isinstance(e, dict) or e.get("ph") == "X"]
+
+
+# the fields of a complete event the readers use, and what each must be
+_NUMBER_FIELDS = ("ts", "dur")
+_INT_ARGS = ("step", "stage", "mb")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
+
+
+def _checked(e: Any, i: int, path: str) -> dict:
+    """Return trace event i if it is a complete event every reader can use; ScheduleError names what is wrong."""
+    where = f"trace {path!r}: traceEvents[{i}]"
+    if not isinstance(e, dict):
+        raise ScheduleError(f"{where} is {_kind(e)}, not an event object")
+    for key in _NUMBER_FIELDS:
+        value = e.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ScheduleError(f"{where} has {key} = {value!r}; a finite number of microseconds is needed")
+    if e["dur"] < 0 or not math.isfinite(e["ts"] + e["dur"]):
+        raise ScheduleError(f"{where} has dur = {e['dur']!r} (ts = {e['ts']!r}); a duration must be >= 0 and end "
+                            f"at a finite time")
+    if isinstance(e.get("tid"), bool) or not isinstance(e.get("tid"), int):
+        raise ScheduleError(f"{where} has tid = {e.get('tid')!r}; an integer track (the world rank) is needed")
+    for key in ("name", "cat"):
+        if key in e and not isinstance(e[key], str):
+            raise ScheduleError(f"{where} has {key} = {e[key]!r}; a string is needed")
+    args = e.setdefault("args", {})
+    if not isinstance(args, dict):
+        raise ScheduleError(f"{where} has args = {args!r}; an object is needed")
+    for key in _INT_ARGS:
+        if key in args and (isinstance(args[key], bool) or not isinstance(args[key], int)):
+            raise ScheduleError(f"{where} has args.{key} = {args[key]!r}; an integer is needed")
+    cpu = args.get("cpu_us")
+    if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int | float) or not math.isfinite(cpu)
+                            or cpu < 0):
+        raise ScheduleError(f"{where} has args.cpu_us = {cpu!r}; a finite number >= 0 is needed")
+    e.setdefault("cat", "")
+    e.setdefault("name", e["cat"])
+    return e
 
 
 def measured_events(path: str, step: int | None = None) -> list[list[tuple[str, float, float]]]:
     """Return per-rank (name, start, end) of one step of a trace (the last one when step is None), seconds."""
     events = load_trace(path)
+    if not events:
+        raise ScheduleError(f"trace {path!r} holds no complete events (\"ph\": \"X\"): nothing was measured")
     steps = sorted({e.get("args", {}).get("step", 0) for e in events})
     chosen = steps[-1] if step is None else step
     picked = [e for e in events if e.get("args", {}).get("step", 0) == chosen]

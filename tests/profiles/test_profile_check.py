@@ -2,6 +2,8 @@
 
 import copy
 import json
+import os
+import threading
 
 import pytest
 from support.plan import synthetic_profile
@@ -107,3 +109,23 @@ def test_an_unreadable_profile_file_is_named_with_what_is_wrong(tmp_path, spoil,
     spoil(path)                         # was "is not a JSON object" for each
     cached, problem = profile_cache.inspect(str(tmp_path), key)
     assert cached is None and problem.startswith(f"{str(path)!r} {words}"), problem
+
+
+def test_a_profile_that_is_a_named_pipe_is_named_not_opened(tmp_path):
+    """Every rank reads its profile in the setup, before any watchdog: opening a named pipe blocked them all.
+
+    (A link to /dev/zero is refused by the same check; it is not tried here: a reader that opened it would
+    fill this machine's memory, not fail.)"""
+    config, data = _whole()
+    key = profile_cache.layer_key(config, 1)
+    path = profile_cache.write(str(tmp_path), key, {**data, "key": key})
+    path.unlink()
+    os.mkfifo(path)
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(profile_cache.inspect(str(tmp_path), key)), daemon=True)
+    reader.start()
+    reader.join(60)                     # about a millisecond; before the fix, never
+    assert found, f"reading {path} did not return within 60 s (it opened the named pipe)"
+    cached, problem = found[0]
+    assert cached is None and problem == f"{str(path)!r} cannot be read: it is a named pipe, not a profile file", \
+        problem

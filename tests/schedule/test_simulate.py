@@ -228,3 +228,49 @@ def test_tensor_parallel_costs_split_compute_and_add_the_collectives():
     assert slow == pytest.approx(one / 2 + 2.0 * (8 + 1))   # (F + B) comm per micro-batch on the critical path
     with pytest.raises(ValueError):
         base.tensor_parallel(0)
+
+
+@pytest.mark.parametrize("costs, option", [("inf,1", "--costs"), ("nan,1", "--costs"), ("1,2,nan", "--costs"),
+                                           ("nan,1", "--tp-comm"), ("1,inf", "--tp-comm")])
+def test_non_finite_costs_are_one_line_exit_2(capsys, costs, option):
+    """--costs inf,1 ended in a ValueError traceback; nan,1 printed a step time of nan (exit 0)."""
+    argv = ["--costs", costs] if option == "--costs" else ["--tp", "2", "--tp-comm", costs]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hpcpipe: error: {option} expects") and "finite" in err and err.count("\n") == 1, err
+
+
+BAD_TRACES = [
+    ([1, 2], "traceEvents[0] is int, not an event object"),
+    ({"traceEvents": {}}, "is not a Chrome trace"),
+    ({"traceEvents": []}, None),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": "x", "dur": 1, "tid": 0}]}, "traceEvents[0] has ts = 'x'"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 0, "tid": 0}]}, "traceEvents[0] has dur = None"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 0, "dur": -1, "tid": 0}]}, "has dur = -1"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 1e308, "dur": 1e308, "tid": 0}]}, "end at a finite time"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 0, "dur": 1}]}, "has tid = None"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 0, "dur": 1, "tid": 0, "args": []}]}, "has args = []"),
+    ({"traceEvents": [{"ph": "X", "cat": "F", "ts": 0, "dur": 1, "tid": 0, "args": {"step": "1"}}]},
+     "has args.step = '1'"),
+    ({"traceEvents": [{"ph": "X", "cat": 7, "ts": 0, "dur": 1, "tid": 0}]}, "has cat = 7"),
+]
+
+
+@pytest.mark.parametrize("trace, words", BAD_TRACES)
+@pytest.mark.parametrize("option", ["--measured", "--calibrate"])
+def test_a_malformed_trace_is_one_line_exit_2_not_a_traceback(tmp_path, capsys, trace, words, option):
+    """--measured / --calibrate on a trace with a wrong structure ended in KeyError, AttributeError or
+    IndexError tracebacks (exit 1)."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    assert main([option, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcpipe: error: trace ") and err.count("\n") == 1, err
+    if words:
+        assert words in err, err
+
+
+def test_a_real_training_trace_still_reads(tmp_path, capsys):
+    path = _fake_trace(tmp_path / "t.json")
+    assert main(["--measured", path]) == 0
+    assert main(["--calibrate", path, "--pp", "2"]) == 0

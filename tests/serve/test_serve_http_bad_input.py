@@ -201,3 +201,37 @@ def test_closed_broker_is_503_and_health_says_draining(served):
     status, _, body = s.post({"prompt": "hi"})
     assert status == 503 and "shutting down" in body["error"]["message"]
     assert s.request("GET", "/health")[::2] == (503, {"status": "draining"})
+
+
+MALFORMED = [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: \x00\x01\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n",
+    "GET /v1/mod\u00e9ls HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+    # a chunked body that is not the gzip it claims: 400, then aiohttp logged "Unhandled exception" (40 lines)
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"10\r\n" + b"\x78\x9c" + b"z" * 14 + b"\r\n0\r\n\r\n",
+]
+
+
+def test_malformed_http_requests_are_a_400_and_one_log_line_not_a_traceback_each(served, caplog, capfd):
+    """A request aiohttp's parser refuses used to log an 11-line traceback per request (any client, at will)."""
+    s = served(engine=False)
+    for raw in MALFORMED:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):         # the server answers and closes the connection
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0], (raw[:60], answer[:200])
+    status, _, body = s.request("GET", "/health")               # the server itself carries on
+    assert status == 200, body
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert not tracebacks, [r.getMessage() for r in tracebacks]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "malformed HTTP request" in line]
+    assert len(lines) == 1, err                                   # the first, then one per 100
+    assert lines[0].startswith("hpcpipe: [http] a malformed HTTP request from 127.0.0.1 was refused with 400 ("), lines

@@ -11,17 +11,19 @@ file that cannot be read, or whose key differs, is measured again (by
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.config import Config
 from hpcpipe.errors import ConfigError
 from hpcpipe.profiles.check import profile_problem
-from hpcpipe.state.outputs import write_atomic
+from hpcpipe.state.outputs import file_kind, write_atomic
 
 # 6: the token loss computed in the logits' buffer (a cheaper head); 5: measured with freed memory kept
 # (runtime.host_memory); 4: a ZB-H1 calibration run
@@ -52,12 +54,22 @@ def _name(key: dict[str, Any]) -> str:
     return f"layers-{digest}.json"
 
 
+def _read_regular(path: Path) -> bytes:
+    """The bytes of the regular file at path; OSError for anything else, unopened for reading: every rank reads
+    the profile in its setup, before any watchdog, and opening a named pipe there blocked them all for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"it is {file_kind(path)}, not a profile file")
+        return f.read()
+
+
 def read_json(path: Path) -> dict | None:
+    """The JSON object in the regular file at path, None when it is missing, not a regular file or not an object."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(_read_regular(path))
         return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -66,7 +78,7 @@ def _unusable(path: Path) -> str:
     if path.is_dir():
         return "is a directory, not a profile file"
     try:
-        text = path.read_bytes()
+        text = _read_regular(path)
     except OSError as exc:
         return f"cannot be read: {exc.strerror or exc}"
     if not text.strip():

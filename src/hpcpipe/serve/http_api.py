@@ -28,6 +28,7 @@ from aiohttp import web
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.chat_schema import check_chat
 from hpcpipe.serve.completion import Completion
+from hpcpipe.serve.http_log import connection_logger
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
 from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, check_model, usage
 from hpcpipe.serve.prompt_pool import PromptPool
@@ -324,7 +325,8 @@ class HttpServer:
             asyncio.set_event_loop(self._loop)
             try:
                 self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
-                                             access_log=None, keepalive_timeout=HEADER_TIMEOUT_S)
+                                             access_log=None, keepalive_timeout=HEADER_TIMEOUT_S,
+                                             logger=connection_logger(bound[1]))
                 self._loop.run_until_complete(self._runner.setup())
                 self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
             except BaseException as exc:       # reported to start() in the caller's thread

@@ -30,11 +30,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.state.outputs import file_kind
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -46,6 +48,8 @@ _ANY_STEP_RE = re.compile(r"^(\.tmp-|\.del-)?step-(\d{8,})$")
 _LATEST_RE = re.compile(r"^(run-\d{4,}/)?step-\d{8,}$")
 _LEFTOVER_PREFIXES = (".tmp-step-", ".del-step-")
 _LATEST_TMP = ".latest.tmp"
+POINTER_BYTES = 4096          # a pointer holds one name ("run-0002/step-00000012"): anything longer is not one
+MANIFEST_BYTES = 64 << 20     # far above any manifest (one entry per stage file, the config): a bound, not a size
 
 
 def step_name(step: int) -> str:
@@ -122,6 +126,27 @@ def check_file(step_dir: str | Path, entry: dict[str, Any]) -> Path:
     return path
 
 
+def read_regular(path: Path, limit: int, what: str) -> bytes:
+    """Return the bytes of the regular file at path; ConfigError naming it when it is anything else or holds more
+    than limit bytes: opening a named pipe must not block every rank for good (no watchdog runs yet, and a stop
+    signal cannot interrupt the open), and a device (a link to /dev/zero) must not feed the reader forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is unreadable: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{what} {str(path)!r} is {file_kind(path)}, not a regular file")
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise ConfigError(f"{what} {str(path)!r} is unreadable: {exc}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} {str(path)!r} holds more than {limit} bytes, far more than any {what} "
+                          f"hpcpipe writes: not one")
+    return data
+
+
 def read_latest(root: str | Path) -> str | None:
     """Return what `latest` in root names ("step-N" or, in a root of runs, "run-NNNN/step-N"), or None.
 
@@ -132,8 +157,8 @@ def read_latest(root: str | Path) -> str | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        name = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
+        name = read_regular(path, POINTER_BYTES, "checkpoint pointer").decode().strip()
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"checkpoint pointer {str(path)!r} is unreadable: {exc}") from None
     if not _LATEST_RE.match(name):
         raise ConfigError(f"checkpoint pointer {str(path)!r} holds {name[:40]!r}, not a step-NNNNNNNN or "

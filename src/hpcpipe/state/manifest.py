@@ -153,9 +153,7 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"checkpoint {str(step_dir)!r} has no {cf.MANIFEST} (incomplete or not a checkpoint)")
     try:
-        manifest = loads(path.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"manifest {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        manifest = loads(cf.read_regular(path, cf.MANIFEST_BYTES, "manifest"))
     except JSONTextError as exc:
         raise ConfigError(f"manifest {str(path)!r} {exc}") from None
     validate_manifest(manifest, step_dir, f"manifest {str(path)!r}")

@@ -82,7 +82,7 @@ def _step(name: str) -> int:
 def _created(step_dir: Path) -> float | None:
     """When a checkpoint's manifest says it was written (seconds since the epoch), None when it does not say."""
     try:
-        value = json.loads((step_dir / cf.MANIFEST).read_text()).get("created_unix")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        value = json.loads(cf.read_regular(step_dir / cf.MANIFEST, cf.MANIFEST_BYTES, "manifest")).get("created_unix")
+    except (ConfigError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

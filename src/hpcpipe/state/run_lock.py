@@ -19,11 +19,13 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
 
 from hpcpipe.errors import ConfigError
+from hpcpipe.state.outputs import file_kind
 
 LOCK_NAME = ".lock"
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -40,10 +42,11 @@ class RunLock:
         """Lock run_dir for this process; ConfigError naming the holder when another live run has it."""
         path = Path(run_dir) / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
         except OSError as exc:
             raise ConfigError(f"cannot lock the run directory {str(run_dir)!r} ({path.name}): "
                               f"{exc.strerror or exc}") from None
+        _must_be_regular(fd, path, run_dir)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if not _still_named(fd, path):
@@ -93,9 +96,10 @@ def live_holder(run_dir: str | Path) -> str | None:
     """
     path = Path(run_dir) / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a named pipe there must not block every rank for good
     except OSError:
         return None
+    _must_be_regular(fd, path, run_dir)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -105,6 +109,15 @@ def live_holder(run_dir: str | Path) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def _must_be_regular(fd: int, path: Path, run_dir: str | Path) -> None:
+    """Close fd and raise ConfigError when it is not a regular file (a named pipe, a device left at .lock)."""
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return
+    os.close(fd)
+    raise ConfigError(f"the lock file of the run directory {str(run_dir)!r}, {str(path)!r}, is {file_kind(path)}, "
+                      f"not a regular file: hpcpipe made no such file; move it away and run again")
 
 
 def _still_named(fd: int, path: Path) -> bool:

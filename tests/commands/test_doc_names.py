@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from support import ROOT
 
-DOCS = ["decode.md", "serve.md", "infer.md", "text.md", "gpt.md", "bench-serve.md", "bench-gpt.md"]
+DOCS = ["decode.md", "serve.md", "infer.md", "text.md", "gpt.md", "bench-serve.md", "bench-gpt.md", "plan.md",
+        "tensor-parallel.md"]
 SOURCE_PATH = re.compile(r"`((?:hpcpipe/|nn/|serve/|state/|runtime/|kernels/|infer/|hf/|train/)[\w/]+\.py)")
 
 

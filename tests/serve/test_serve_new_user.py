@@ -107,3 +107,18 @@ def test_a_chat_chunk_bringing_only_logprob_rows_has_empty_content():
     assert choice["logprobs"]["content"][0]["token"] == "b"
     assert ChatShape().chunk(head, 0, "", "length")["choices"][0]["delta"] == {}     # the finishing chunk: none
     assert ChatShape().chunk(head, 0, "ab", None)["choices"][0]["delta"] == {"content": "ab"}
+
+
+def test_a_prompt_longer_than_the_context_is_not_told_to_lower_max_tokens(served):
+    s = served(seq_len=64)
+    status, _, body = s.post({"prompt": "x" * 100, "max_tokens": 3})
+    # was: "prompt has 100 tokens and max_tokens is 3: ... shorten the prompt or lower max_tokens"
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert body["error"]["message"] == ("prompt has 100 tokens, which leaves no room in the model's context of 64 "
+                                        "tokens (at most 63 prompt tokens with max_tokens >= 1); shorten the prompt")
+    status, _, body = s.post({"prompt": ["ab", "x" * 64], "max_tokens": 1})
+    assert status == 400 and body["error"]["message"].startswith("prompt[1] has 64 tokens, which leaves no room")
+    from hpcpipe.serve.openai_schema import parse_completion
+    from hpcpipe.state.tokenizer import Tokenizer
+    spec = parse_completion({"prompt": "x" * 64, "max_tokens": 0, "echo": True}, Tokenizer("bytes"), 64)
+    assert spec.prompts == [[ord("x")] * 64] and spec.max_tokens == 0     # the prompt alone fits, echoed

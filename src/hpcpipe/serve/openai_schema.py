@@ -134,6 +134,10 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         encoded, decoded = iter(results[:texts]), iter(results[texts:])
         prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
         for where, ids in zip(names, prompts, strict=True):
+            if len(ids) + min(max_tokens, 1) > seq_len:     # no max_tokens fits: lowering it cannot help
+                raise _bad(f"{where} has {len(ids)} tokens, which leaves no room in the model's context of {seq_len} "
+                           f"tokens (at most {seq_len - 1} prompt tokens with max_tokens >= 1); shorten the prompt",
+                           "prompt")
             if len(ids) + max_tokens > seq_len:
                 raise _bad(f"{where} has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
                            f"{max_tokens}: {len(ids)} + "

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
-from hpcpipe.errors import ScheduleError
+from hpcpipe.errors import ConfigError, ScheduleError
 from hpcpipe.runtime.topology import rank_name
+from hpcpipe.state.directory_protocol import read_regular
 from hpcpipe.state.outputs import write_json_output
 
 COMPUTE = ("F", "B", "I", "W")
+TRACE_BYTES = 16 << 30     # a bound far above any trace (the read is of a regular file: it ends)
 
 
 def _track(tid: int, name: str) -> dict[str, Any]:
@@ -87,9 +90,10 @@ def write_json(path: str, obj: Any, kind: str = "trace", what: str = "trace path
 def load_trace(path: str) -> list[dict]:
     """Return the complete ('X') events of a Chrome trace written by hpcpipe (times in microseconds)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
+        data = json.loads(read_regular(Path(path), TRACE_BYTES, "trace"))   # a named pipe would block for good
+    except ConfigError as exc:
+        raise ScheduleError(str(exc)) from None
+    except (ValueError, RecursionError) as exc:
         raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):

@@ -1,6 +1,7 @@
 """End-to-end runs of `python -m hpcpipe.plan` (real profiling, the real MPI probe) and of the configs it writes."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -216,6 +217,8 @@ def test_a_budget_below_what_the_model_alone_needs_is_refused_before_measuring(t
     (["--ranks", "2", "--nodes", "2", "--network", "missing.json"], "--network 'missing.json': cannot read it"),
     (["--ranks", "2", "--nodes", "2", "--network", "exists.toml"], "--network 'exists.toml' is not JSON"),
     (["--ranks", "2", "--nodes", "2", "--network", "probe.json"], "--network 'probe.json': communication probe"),
+    (["--ranks", "2", "--nodes", "2", "--network", "fifo"], "--network 'fifo' is a named pipe, not a probe result"),
+    (["--ranks", "2", "--nodes", "2", "--network", "ck"], "--network 'ck' is a directory, not a probe result"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")
@@ -223,6 +226,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "manifest.json").write_text("{}")      # a checkpoint step directory, as far as paths go
     (tmp_path / "probe.json").write_text('{"p2p": [[4096, 1e-5]]}')     # a probe needs 2 sizes and more
+    os.mkfifo(tmp_path / "fifo")                                       # opening it waited for a writer, for good
     proc = _plan(args, tmp_path / "profiles", tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("hpcpipe: error:")

@@ -1,9 +1,11 @@
 """Simulator: closed-form bubbles and memory of every schedule, calibration, CLI, pictures."""
 
 import json
+import os
 import resource
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -274,3 +276,19 @@ def test_a_real_training_trace_still_reads(tmp_path, capsys):
     path = _fake_trace(tmp_path / "t.json")
     assert main(["--measured", path]) == 0
     assert main(["--calibrate", path, "--pp", "2"]) == 0
+
+
+@pytest.mark.parametrize("option", ["--measured", "--calibrate"])
+def test_a_trace_that_is_a_named_pipe_or_a_directory_is_one_line_not_a_wait(tmp_path, capsys, option):
+    """Opening a named pipe for reading waits for a writer: simulate waited for good."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    for name, kind in (("fifo", "a named pipe"), ("dir", "a directory")):
+        codes: list = []
+        argv = [option, str(tmp_path / name)]
+        worker = threading.Thread(target=lambda out=codes, a=argv: out.append(main(a)), daemon=True)
+        worker.start()
+        worker.join(60)                 # a millisecond; before the fix, never (for the pipe)
+        assert codes == [2], f"simulate {option} {name} did not return 2 within 60 s: {codes}"
+        err = capsys.readouterr().err
+        assert err == f"hpcpipe: error: trace '{tmp_path / name}' is {kind}, not a regular file\n", err

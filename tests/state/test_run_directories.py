@@ -265,3 +265,14 @@ def test_a_named_pipe_given_as_the_checkpoint_is_named_as_what_it_is(tmp_path):
     assert result.returncode == 1, result.stderr
     assert f"weights path '{tmp_path / 'fifo'}' is a named pipe, not a weights file or a checkpoint" in result.stderr
     assert "does not exist" not in result.stderr and not (tmp_path / "x.h5").exists()
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_info_and_verify_name_a_named_pipe_as_what_it_is(tmp_path, command):
+    """They said "checkpoint '.../fifo' does not exist" of a path that is there."""
+    os.mkfifo(tmp_path / "fifo")
+    result = checkpoint_cli(command, tmp_path / "fifo")
+    assert result.returncode == 1, result.stderr
+    assert f"checkpoint '{tmp_path / 'fifo'}' is a named pipe, not a checkpoint directory or a weights file" \
+        in result.stderr, result.stderr
+    assert "does not exist" not in result.stderr

@@ -30,7 +30,7 @@ from hpcpipe.plan.search import layouts, micro_batch_rows, search
 from hpcpipe.profiles.comm_model import CommModel, Placement
 from hpcpipe.profiles.profile import default_cache_dir
 from hpcpipe.runtime.host_memory import available_bytes, rank_share
-from hpcpipe.state.outputs import check_writable, write_new
+from hpcpipe.state.outputs import check_writable, file_kind, write_new
 from hpcpipe.state.sources import refuse_overwrite
 from hpcpipe.train.setup import load_run_config
 
@@ -177,6 +177,9 @@ def plan_threads(ranks: int, cores: int | None, here: int) -> int:
 
 def network_model(path: str) -> CommModel:
     """The link between nodes, fitted to a probe result file (ConfigError naming the file when it is not one)."""
+    if os.path.exists(path) and not os.path.isfile(path):    # opening a named pipe would wait for good
+        raise ConfigError(f"--network {path!r} is {file_kind(path)}, not a probe result file; write one with "
+                          f"python -m hpcpipe.plan.probe --out")
     try:
         with open(path) as f:
             probe = json.load(f)

@@ -58,9 +58,10 @@ def _read_regular(path: Path) -> bytes:
     """The bytes of the regular file at path; OSError for anything else, unopened for reading: every rank reads
     the profile in its setup, before any watchdog, and opening a named pipe there blocked them all for good."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):    # before fdopen, which refuses a directory with its own error
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"it is {file_kind(path)}, not a profile file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"it is {file_kind(path)}, not a profile file")
         return f.read()
 
 

@@ -134,9 +134,10 @@ def read_regular(path: Path, limit: int, what: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"{what} {str(path)!r} is unreadable: {exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):    # before fdopen, which refuses a directory with its own error
+        os.close(fd)
+        raise ConfigError(f"{what} {str(path)!r} is {file_kind(path)}, not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{what} {str(path)!r} is {file_kind(path)}, not a regular file")
         try:
             data = f.read(limit + 1)
         except OSError as exc:

@@ -61,6 +61,8 @@ def resolve_step_dir(path: str | Path) -> Path:
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is neither a checkpoint directory (no {cf.MANIFEST}), a checkpoint root "
                           f"(no '{cf.LATEST}' pointer) nor a Hugging Face model directory (no config.json)")
+    if p.exists() and not p.is_file():   # a named pipe, a socket, a device (it used to "not exist")
+        raise ConfigError(f"checkpoint {str(p)!r} is {file_kind(p)}, not a checkpoint directory or a weights file")
     raise ConfigError(f"checkpoint {str(p)!r} does not exist")
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from hpcpipe.config_checks import toml_hint, validate
+from hpcpipe.config_checks import toml_hint, unknown_section, validate
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.registry import KINDS as _KINDS
 from hpcpipe.nn.registry import decoders, model_keys
@@ -327,13 +327,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     hints = get_type_hints(Config)
     unknown = sorted(set(raw) - set(sections))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(sections), n=1)
-        hint = f": did you mean [{close[0]}]?" if close else ""
-        homes = [n for n in sections if unknown[0] in {f.name for f in fields(hints[n])}]   # a key above every [table]
-        if homes and not isinstance(raw[unknown[0]], dict):
-            raise ConfigError(f"key {unknown[0]!r} is outside any section: write it under [{homes[0]}] (TOML keys "
-                              f"before the first [section] header belong to none)")
-        raise ConfigError(f"unknown section [{unknown[0]}]{hint} (known sections: {', '.join(sections)})")
+        raise unknown_section(unknown[0], raw[unknown[0]], {n: [f.name for f in fields(hints[n])] for n in sections})
     model, train = raw.get("model"), raw.get("train", {})
     if isinstance(model, dict) and model.get("kind") in DECODERS and isinstance(train, dict):
         # a GPT's loss is token cross-entropy: the default, so that a saved config reads back

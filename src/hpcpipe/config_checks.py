@@ -3,6 +3,7 @@ list of strings written without TOML quotes."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -195,3 +196,15 @@ def toml_hint(where: str, text: str, value: Any) -> str:
     items = [item.strip().strip("'\"") for item in value.strip().strip("[]").split(",") if item.strip()]
     example = "[" + ", ".join(f'"{item}"' for item in items) + "]"
     return f" (TOML strings in a list need quotes: --set '{where}={example}', or {where} = {example} in the file)"
+
+
+def unknown_section(name: str, value: Any, keys: dict[str, list[str]]) -> ConfigError:
+    """The refusal of a section name the config does not have ({section: its keys} are the known ones): the closest
+    section, or, for a key written above the first [section] header (steps = 5), the section it belongs in."""
+    homes = [section for section, names in keys.items() if name in names]
+    if homes and not isinstance(value, dict):
+        return ConfigError(f"key {name!r} is outside any section: write it under [{homes[0]}] (TOML keys before the "
+                           f"first [section] header belong to none)")
+    close = difflib.get_close_matches(name, list(keys), n=1)
+    hint = f": did you mean [{close[0]}]?" if close else ""
+    return ConfigError(f"unknown section [{name}]{hint} (known sections: {', '.join(keys)})")

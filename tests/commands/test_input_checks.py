@@ -394,3 +394,17 @@ def test_a_run_of_zero_steps_reports_no_loss_not_nan():
                      "log": {"progress": False}})
     assert proc.returncode == 0, proc.stderr
     assert "hpcpipe: trained 0 steps, no loss (no step ran), 0 samples/s" in proc.stdout and "nan" not in proc.stdout
+
+
+def test_zero_1_with_one_replica_is_warned_about():
+    # was silent: ZeRO-1 over dp = 1 shards nothing
+    from support.launch import train
+    config = {"parallel": {"pp": 2}, "train": {"steps": 1, "zero": 1, "optimizer": "adam"},
+              "checkpoint": {"dir": ""}, "log": {"progress": False}}
+    proc = train(2, config)
+    assert proc.returncode == 0, proc.stderr
+    assert "hpcpipe: warning: train.zero = 1 with dp = 1: ZeRO-1 shards the optimizer state over data-parallel " \
+           "replicas, and this layout has one" in proc.stderr, proc.stderr
+    config["parallel"] = {"pp": 1}                         # dp = 2: nothing to say
+    proc = train(2, config)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

@@ -135,3 +135,15 @@ def test_resume_refuses_a_model_init_of_another_model(lora_run):
     one_error(proc, f"model.init {str(other)!r} holds a GPT model", 'this run has model.kind = "llama"',
               "saved with model.init = '../models/base'", "leave model.init out")
     assert sorted(p.name for p in (ck / "run-0001").iterdir()) == before
+
+
+def test_a_model_directory_given_as_the_adapter_says_what_it_is(lora_run):
+    """model.adapter = the base model's own directory said only that adapter_config.json does not exist."""
+    from hpcpipe.errors import ConfigError
+    from hpcpipe.state.peft import read_adapter
+    _, hf, _, _ = lora_run
+    with pytest.raises(ConfigError) as info:
+        read_adapter(hf)
+    assert str(info.value) == (f"model.adapter {str(hf)!r} is a model directory (config.json), not a PEFT adapter (a "
+                               f"directory with adapter_config.json and adapter_model.safetensors): give the model as "
+                               f"model.init (train) or --weights (generate, serve)")

@@ -61,6 +61,9 @@ def read_adapter(directory: str | Path, label: str = "model.adapter") -> PeftAda
     if not path.is_dir():
         raise ConfigError(f"{where} {'is not a directory' if path.exists() else 'does not exist'} (a PEFT adapter is "
                           f"a directory with {CONFIG} and {WEIGHTS})")
+    if not os.path.lexists(path / CONFIG) and os.path.lexists(path / "config.json"):   # a model, not its adapter
+        raise ConfigError(f"{where} is a model directory (config.json), not a PEFT adapter (a directory with {CONFIG} "
+                          f"and {WEIGHTS}): give the model as model.init (train) or --weights (generate, serve)")
     config = read_json_file(path / CONFIG, f"{label}'s config")
     file = path / CONFIG
     if not isinstance(config, dict):

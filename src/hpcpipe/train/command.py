@@ -75,6 +75,14 @@ def small_data_warning(p: Any) -> str:
             f"repeats samples within its batch")
 
 
+def zero_warning(p: Any) -> str:
+    """What to say when train.zero = 1 runs with one replica: the one replica holds the whole state anyway."""
+    if not p.config.train.zero or p.dp > 1:
+        return ""
+    return ("train.zero = 1 with dp = 1: ZeRO-1 shards the optimizer state over data-parallel replicas, and this "
+            "layout has one, which holds all of it (run with more replicas, or leave train.zero = 0)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = CommandParser(prog="python -m hpcpipe.train", description=DESCRIPTION, epilog=EPILOG,
@@ -216,7 +224,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             for note in notes:       # which config a resumed run continues under
                 print(note, file=sys.stderr, flush=True)
             from hpcpipe.train.lr_schedule import schedule_warning
-            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config), small_data_warning(p)):
+            for warning in (schedule_warning(p.config.train), synthetic_data_warning(p.config), small_data_warning(p),
+                            zero_warning(p)):
                 if warning:
                     print(f"hpcpipe: warning: {warning}", file=sys.stderr, flush=True)
         if p.resume is not None and p.resume.step >= p.config.train.steps:

@@ -104,3 +104,26 @@ def test_a_lock_file_that_is_a_named_pipe_is_refused_in_one_line(saved, tmp_path
     line = one_error(_resume(root), "lock file", "is a named pipe, not a regular file", code=2)
     assert str(root / "run-0001" / ".lock") in line
     assert (root / "run-0001" / "step-00000002" / "manifest.json").is_file()   # nothing of the run touched
+
+
+def test_a_bounded_read_takes_only_what_the_file_holds(tmp_path):
+    """read_regular's bound (16 GiB for a trace) is a bound, not a buffer: reading it up front raised MemoryError
+    under ulimit -v or on a node with less memory; a file at the bound is read whole, one byte over is refused."""
+    import tracemalloc
+
+    from hpcpipe.errors import ConfigError
+    from hpcpipe.state.directory_protocol import read_regular
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}")
+    tracemalloc.start()
+    try:
+        data = read_regular(small, 1 << 30, "trace")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert data == b"{}" and peak < 8 << 20, peak      # the old read took the whole GiB before reading a byte
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (3 << 20))
+    assert read_regular(big, 3 << 20, "trace") == b"x" * (3 << 20)
+    with pytest.raises(ConfigError, match="holds more than"):
+        read_regular(big, (3 << 20) - 1, "trace")

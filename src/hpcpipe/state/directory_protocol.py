@@ -139,13 +139,26 @@ def read_regular(path: Path, limit: int, what: str) -> bytes:
         raise ConfigError(f"{what} {str(path)!r} is {file_kind(path)}, not a regular file")
     with os.fdopen(fd, "rb") as f:
         try:
-            data = f.read(limit + 1)
+            data = _read_at_most(f, limit + 1)
         except OSError as exc:
             raise ConfigError(f"{what} {str(path)!r} is unreadable: {exc}") from None
     if len(data) > limit:
         raise ConfigError(f"{what} {str(path)!r} holds more than {limit} bytes, far more than any {what} "
                           f"hpcpipe writes: not one")
     return data
+
+
+def _read_at_most(f: Any, most: int) -> bytes:
+    """Up to ``most`` bytes of f, read a MiB at a time: f.read(most) allocates ``most`` bytes before reading one,
+    and the bound is far above any real file (a 16 GiB bound on a trace raised MemoryError under ulimit -v)."""
+    chunks, left = [], most
+    while left > 0:
+        chunk = f.read(min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def read_latest(root: str | Path) -> str | None:

@@ -51,3 +51,11 @@ def test_line_names_the_adapter(models, tmp_path):
     base, adapter = make_model_and_adapter(tmp_path, targets=["q_proj"])
     setup = prepare(base, 1, overrides=[f"model.adapter={json.dumps(str(adapter))}"])
     assert layout_words(setup) == f"dp=1 x pp=1, weights as stored (float32), adapter {adapter}"   # merged sums
+
+
+def test_auto_on_a_gpu_is_float32(models):
+    """Stages on CuPy (run.backend "cupy", or "auto" where a GPU is seen) keep "auto" weights as float32."""
+    from hpcpipe.serve.setup import kept_format
+    setup = prepare(models["llama"], 1)
+    assert kept_format(setup.config, setup.model, on_gpu=True) == "float32"
+    assert kept_format(setup.config, setup.model, on_gpu=False) == kept_format(setup.config, setup.model)

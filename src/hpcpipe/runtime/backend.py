@@ -104,6 +104,11 @@ def check_backend(choice: str) -> None:
         raise no_gpu_error()
 
 
+def runs_on_gpu(choice: str) -> bool:
+    """Whether run.backend = ``choice`` runs on CuPy here (as select_backend picks it: "auto" where a GPU is seen)."""
+    return choice == "cupy" or (choice == "auto" and _gpu_count() > 0)
+
+
 def select_backend(choice: str, node_rank: int | None = None, tf32: bool = False) -> Backend:
     """Return the backend for run.backend = auto | numpy | cupy; auto picks CuPy when a GPU is visible.
 

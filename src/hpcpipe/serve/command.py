@@ -14,6 +14,7 @@ import sys
 
 from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
+from hpcpipe.runtime.backend import runs_on_gpu
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
 from hpcpipe.serve.setup import ServeSetup, kept_format, prepare
@@ -80,7 +81,8 @@ def layout_words(p: ServeSetup) -> str:
     cfg = p.config
     words = f"dp={p.dp} x pp={p.pp}" + (f" x tp={p.tp}" if p.tp > 1 else "")
     words += f", experts over ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
-    fmt = kept_format(cfg, p.model)
+    # after select_backend in this process: "auto" became CuPy where a GPU is seen, and its stages keep float32
+    fmt = kept_format(cfg, p.model, on_gpu=runs_on_gpu(cfg.run.backend))
     if fmt == "stored":          # "stored" alone would not say whether a float32 file's 4 bytes are kept
         fmt = f"as stored ({'16-bit' if p.weights.matrix_itemsize() == 2 else 'float32'})"
     words += f", weights {fmt}"

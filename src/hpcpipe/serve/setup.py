@@ -157,12 +157,14 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
             f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
 
 
-def kept_format(cfg: Config, model: Any) -> str:
+def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
     """The weight format the stages compute in (serve.engine's choice: model.weight_format, "auto" as the compiled
-    stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32)."""
+    stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32). ``on_gpu``: whether
+    the stages run on CuPy (None: run.backend = "cupy"; run.backend = "auto" runs there too where a GPU is seen)."""
     tp = cfg.parallel.tp
     ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
-    compiled = (cfg.parallel.ep == 1 and cfg.run.backend != "cupy"
+    gpu = cfg.run.backend == "cupy" if on_gpu is None else on_gpu
+    compiled = (cfg.parallel.ep == 1 and not gpu
                 and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
     return inference_format(cfg.model.weight_format, compiled)
 

@@ -52,3 +52,14 @@ def test_verify_checks_one_stage_file(step_dir, tmp_path):
     with h5py.File(bad / "stage-001.h5", "r+") as f:
         f["layers/0004/attn/proj/bias"][0] += 1.0
     one_error(run_module("hpcpipe.checkpoint", "verify", bad / "stage-001.h5"), "fails its SHA-256 check", code=1)
+
+
+def test_verify_names_a_file_its_step_directory_does_not_list(step_dir, tmp_path):
+    """A stage file copied into a step directory under another name is no file of that checkpoint: verify said so
+    with a StopIteration traceback (the manifest lookup had no default)."""
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(step_dir, copy)
+    shutil.copy(copy / "stage-001.h5", copy / "backup.h5")
+    one_error(run_module("hpcpipe.checkpoint", "verify", copy / "backup.h5"), "does not list it",
+              f"verify the step directory {str(copy)!r}", code=1)

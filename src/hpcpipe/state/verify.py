@@ -52,7 +52,12 @@ def _verify_weights_file(path: Path) -> WeightsSource:
     if not source.partial():
         check_weights(path, specs)
     elif (path.parent / cf.MANIFEST).is_file():          # one stage's file: what its step's manifest says of it
-        checkpoint_source(path.parent).verify_file(path.parent / path.name)
+        step = checkpoint_source(path.parent)
+        if not any(entry["name"] == path.name for entry in step.manifest["files"]):
+            raise ConfigError(f"{label} holds only {source.partial()}, but that step's {cf.MANIFEST} does not list "
+                              f"it (a stage file copied there?): verify the step directory {str(path.parent)!r}, "
+                              f"or move the file out of it to check it alone")
+        step.verify_file(path.parent / path.name)
     else:                                                # some layers only: those, with their shapes
         with open_checked(path) as f:
             check_layers(f, [s for s in specs if s.index in held], label)

@@ -109,7 +109,8 @@ class HDF5Source:
             raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
                               f"{'model.dims' if kind == 'mlp' else 'the model config'} describes {len(specs)}")
         if self.kind == "file":
-            self.require_whole(key or "the command")
+            if "stage's file" in self.partial():   # another partial file: check_weights names what is missing
+                self.require_whole(key or "the command")
             check_weights(self.path, specs)
             return
         for path, indices in self._by_file([s.index for s in specs]).items():

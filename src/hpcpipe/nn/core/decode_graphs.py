@@ -90,8 +90,8 @@ class StaticStep:
         """Copy one call's input (checked) and its rows' places and block tables into the buffers."""
         slots, positions = host.row_slots, host.positions
         out = self.host
-        if out["ids"].size:
-            out["ids"][:] = x
+        if out["ids"].size:      # token ids given on the device come to the host buffer first (one small copy)
+            out["ids"][:] = x if isinstance(x, np.ndarray) else x.get()
         out["blocks"][:], out["offsets"][:] = paged.where(slots, positions)
         out["positions"][:] = positions
         # the bucket's padding blocks (masked) read the row's first block again, not what a stale table entry names

@@ -59,25 +59,30 @@ class HDF5Source:
             check_stage_file(self.path, self._entry(path), self.manifest, self.specs)
             self._verified.add(path)
 
+    def is_partial(self) -> bool:
+        """Whether this is a weights file holding only some of the model's layers."""
+        return self.kind == "file" and sorted(self.files) != list(range(self.n_layers))
+
+    def is_stage_file(self) -> bool:
+        """Whether this is one stage's file of a checkpoint: a partial file beside a step's manifest."""
+        return self.is_partial() and (self.path.parent / cf.MANIFEST).is_file()
+
     def partial(self) -> str:
         """'' for a whole model; for a weights file holding only some layers (one stage's file of a checkpoint) what
         it holds: "layers [3, 4, 5] of 6, one stage's file of the checkpoint 'ck/step-00000020'"."""
-        held = sorted(self.files)
-        if self.kind != "file" or held == list(range(self.n_layers)):
+        if not self.is_partial():
             return ""
-        parent = self.path.parent
-        whose = (f"one stage's file of the checkpoint {str(parent)!r}" if (parent / cf.MANIFEST).is_file()
+        whose = (f"one stage's file of the checkpoint {str(self.path.parent)!r}" if self.is_stage_file()
                  else "not a whole model")
-        return f"layers {held} of {self.n_layers}, {whose}"
+        return f"layers {sorted(self.files)} of {self.n_layers}, {whose}"
 
     def require_whole(self, reader: str) -> None:
         """Raise UsageError when this is a file of some layers only (one stage's file of a checkpoint): ``reader``
         (an export, a run) needs the whole model, which the step directory holds."""
-        partial = self.partial()
-        if partial:
-            where = (f"pass the step directory {str(self.path.parent)!r}" if "stage's file" in partial
+        if self.is_partial():
+            where = (f"pass the step directory {str(self.path.parent)!r}" if self.is_stage_file()
                      else "pass a whole model")
-            raise UsageError(f"{self.describe()} holds only {partial}: {reader} reads a whole model; {where}")
+            raise UsageError(f"{self.describe()} holds only {self.partial()}: {reader} reads a whole model; {where}")
 
     def _by_file(self, indices: list[int]) -> dict[Path, list[int]]:
         missing = [i for i in indices if i not in self.files]
@@ -109,7 +114,7 @@ class HDF5Source:
             raise ConfigError(f"{self.describe()} holds {count_text(kind, self.n_layers)} but "
                               f"{'model.dims' if kind == 'mlp' else 'the model config'} describes {len(specs)}")
         if self.kind == "file":
-            if "stage's file" in self.partial():   # another partial file: check_weights names what is missing
+            if self.is_stage_file():   # another partial file: check_weights names the layers missing
                 self.require_whole(key or "the command")
             check_weights(self.path, specs)
             return

@@ -49,9 +49,9 @@ def _verify_weights_file(path: Path) -> WeightsSource:
     if not source.model:
         raise ConfigError(f"{label} records no model config, so its shapes cannot be checked")
     held, specs = sorted(source.files), stored_specs(source.model, label)
-    if not source.partial():
+    if not source.is_partial():
         check_weights(path, specs)
-    elif (path.parent / cf.MANIFEST).is_file():          # one stage's file: what its step's manifest says of it
+    elif source.is_stage_file():                         # one stage's file: what its step's manifest says of it
         step = checkpoint_source(path.parent)
         if not any(entry["name"] == path.name for entry in step.manifest["files"]):
             raise ConfigError(f"{label} holds only {source.partial()}, but that step's {cf.MANIFEST} does not list "

@@ -210,3 +210,22 @@ def test_save_info_attrs_are_root_attributes_of_every_stage_file(world, shared_t
             assert f.attrs["tokenizer"] == tokenizer and "pp_rank" not in f.attrs
     comm.Barrier()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_returns_on_every_rank_after_the_run_lock_is_gone(world, shared_tmp):
+    """A run started next in the same process must not find the closed run's lock (its probe runs on every rank)."""
+    import time
+
+    from hpcpipe.state.run_lock import live_holder
+    comm = sub_world(world, 2)
+    if comm is None:
+        return
+    trainer = make_trainer(comm, _sections(os.path.join(shared_tmp, "close-lock"), 1, 2))
+    trainer.train_step(0)
+    run_dir = trainer.save_checkpoint(1).parent   # rank 0 now holds the run's lock
+    if comm.Get_rank() == 0:
+        time.sleep(0.5)   # rank 0 closes last: the other rank must still not return while the lock is held
+    trainer.close()
+    assert live_holder(run_dir) is None
+    comm.Free()

@@ -20,7 +20,7 @@ from hpcpipe.errors import EXIT_CONFIG, AgreedError, ConfigError
 from hpcpipe.nn.rank_parameters import RankParameters
 from hpcpipe.nn.registry import model_def
 from hpcpipe.runtime.backend import select_backend
-from hpcpipe.runtime.comm import PipeComm, Poller, gather_to_root, together
+from hpcpipe.runtime.comm import PipeComm, Poller, barrier, gather_to_root, together
 from hpcpipe.runtime.expert_comm import ExpertGroup
 from hpcpipe.runtime.faults import nan_injection
 from hpcpipe.runtime.nodes import check_shared_directory, gather_nodes
@@ -122,6 +122,7 @@ class Trainer:
 
     def _lock_run(self, world: Comm) -> None:
         """World rank 0 takes the run directory's lock, before anything there is read or cleaned (collective)."""
+        barrier(world, self.poller)   # every rank probed the lock in prepare(): none may find this run's own
         with together(world, self.poller, EXIT_CONFIG):
             if world.Get_rank() == 0:
                 self.run_lock = RunLock.acquire(self.run_dir)
@@ -313,7 +314,10 @@ class Trainer:
         return [self.backend.to_host(grads[m]) / self.setup.dp for m in sorted(grads)]
 
     def close(self) -> None:
-        """Free the communicators and the run directory."""
-        self.topo.free()
+        """Free the run directory and the communicators (collective: every rank returns after the lock is gone)."""
         if self.run_lock is not None:
             self.run_lock.release()
+            self.run_lock = None
+        # a run started next in this process probes the lock on every rank: a rank ahead of rank 0 found this one's
+        barrier(self.topo.world, self.poller)
+        self.topo.free()

@@ -1,5 +1,8 @@
 """Unit tests of the start-up checks (issue #11): config files and floats, weights datasets, output paths,
-rank-0-only command-line messages, early stop handlers, simulate --plot without matplotlib (memory: test_memory_check.py)."""
+rank-0-only command-line messages, early stop handlers, simulate --plot without matplotlib.
+
+The memory check's tests are in test_memory_check.py.
+"""
 
 from __future__ import annotations
 

@@ -147,3 +147,16 @@ def test_a_model_directory_given_as_the_adapter_says_what_it_is(lora_run):
     assert str(info.value) == (f"model.adapter {str(hf)!r} is a model directory (config.json), not a PEFT adapter (a "
                                f"directory with adapter_config.json and adapter_model.safetensors): give the model as "
                                f"model.init (train) or --weights (generate, serve)")
+
+
+def test_resume_refuses_a_model_adapter_it_would_ignore(lora_run):
+    """--resume --set model.adapter=<a PEFT directory> trained on from the checkpoint's own adapters and said only
+    "except model.adapter '' -> '...'": the adapter given was never read."""
+    _, _, adapter, ck = lora_run
+    before = sorted(p.name for p in (ck / "run-0001").iterdir())
+    proc = run_command(2, "hpcpipe.train", ["--resume", "--set", 'checkpoint.dir="ck"', "--set", "train.steps=2",
+                                            "--set", f"model.adapter={json.dumps(str(adapter))}", "--set",
+                                            "log.progress=false"], timeout=240, cwd=ck.parent)
+    one_error(proc, "it was saved with model.adapter = ''", f"this run has {str(adapter)!r}",
+              "leave model.adapter out")
+    assert sorted(p.name for p in (ck / "run-0001").iterdir()) == before

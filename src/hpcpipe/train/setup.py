@@ -126,6 +126,12 @@ def check_resume(config: Config, source: HDF5Source) -> None:
                           f"train.steps = {config.train.steps}")
     if config.model.init and config.model.init != saved["model"].get("init", ""):
         check_resumed_init(config, source)
+    adapter = saved["model"].get("adapter", "")
+    if config.model.adapter and config.model.adapter != adapter:
+        # the checkpoint holds the adapters its run trained: another file would be ignored in silence
+        raise ConfigError(f"cannot resume from {source.describe()}: it was saved with model.adapter = {adapter!r}, "
+                          f"this run has {config.model.adapter!r}; --resume continues the adapters the checkpoint "
+                          f"holds (leave model.adapter out), and a fresh run (without --resume) starts from another")
 
 
 def check_resumed_init(config: Config, source: HDF5Source) -> None:

@@ -134,3 +134,22 @@ def test_a_file_of_a_checkpoint_step_directory_names_the_directory(gpt_checkpoin
     proc = run_module("hpcpipe.generate", "--weights", step / "manifest.json", "--prompt", "ab")
     one_error(proc, f"--weights '{step / 'manifest.json'}' is not an HDF5 weights file; it is a file of the checkpoint "
                     f"step directory '{step}': give the directory itself")
+
+
+def test_model_init_alone_takes_the_stored_model_kind_and_shape(gpt_checkpoint, tmp_path):
+    """model.init = an hpcpipe weights file or checkpoint, no other [model] key: the run trains that GPT (it was
+    refused as "holds a GPT model ...; this run has model.kind = "mlp"", the user had to restate every shape key)."""
+    exported = run_module("hpcpipe.checkpoint", "export", gpt_checkpoint / "ck", tmp_path / "w.h5")
+    assert exported.returncode == 0, exported.stderr
+    for init, ck in ((tmp_path / "w.h5", "from-file"), (gpt_checkpoint / "ck", "from-ck")):
+        proc = _train(tmp_path, "--set", "train.loss=\"cross_entropy\"", model={"init": str(init)}, ck=ck)
+        assert proc.returncode == 0, proc.stderr
+        manifest = json.loads(next((tmp_path / ck).glob("run-*/step-*/manifest.json")).read_text())
+        assert {k: manifest["config"]["model"][k] for k in GPT} == GPT
+    # the config may restate the stored model, not contradict it; the dtype is only a default
+    proc = _train(tmp_path, model={"init": str(tmp_path / "w.h5"), "n_heads": 4}, ck="bad")
+    line = _refused_before_any_collective(proc)
+    assert f"model.n_heads = 4 in the configuration does not match weights file {str(tmp_path / 'w.h5')!r}" in line
+    proc = _train(tmp_path, "--set", "train.loss=\"cross_entropy\"",
+                  model={"init": str(tmp_path / "w.h5"), "dtype": "float64", "n_blocks": 2}, ck="f64")
+    assert proc.returncode == 0, proc.stderr

@@ -74,19 +74,25 @@ def restate_stored_model(raw: dict[str, Any], stored: dict[str, Any], label: str
     return raw
 
 
-def restate_stored_shape(raw: dict[str, Any], source: Any) -> dict[str, Any]:
+def restate_stored_shape(raw: dict[str, Any], source: Any, training: bool = False) -> dict[str, Any]:
     """Return raw config sections with the stored model's kind, shape keys and dtype (restate_stored_model).
 
     A Hugging Face model's ``seq_len`` (its config.json's max_position_embeddings) may be set shorter when its
     kind's seq_len sizes no parameter (RoPE has no position table): a generation's KV cache and a training
-    window are seq_len long.
+    window are seq_len long. ``training`` (model.init of a run from an hpcpipe file or checkpoint): such a
+    model's seq_len and the dtype are only defaults (the window it was trained at is no limit of the model: a
+    run may lengthen it; it may train float32 weights in float64, or the reverse).
     """
     kind = stored_kind(source.model, source.describe())
     keys = ("kind", *KIND_KEYS[kind], "dtype")
-    shorter = getattr(source, "kind", "") == "hf" and KIND_REGISTRY[kind].seq_len_free
-    if shorter:
-        keys = tuple(k for k in keys if k != "seq_len")
+    free = KIND_REGISTRY[kind].seq_len_free
+    defaults = () if not training else ("seq_len", "dtype") if free else ("dtype",)
+    shorter = getattr(source, "kind", "") == "hf" and free and not training
+    keys = tuple(k for k in keys if k not in defaults and not (shorter and k == "seq_len"))
     raw = restate_stored_model(raw, source.model, source.describe(), keys)
+    for key in defaults:
+        if key in source.model:
+            raw["model"].setdefault(key, source.model[key])
     if shorter:
         longest = source.model["seq_len"]
         wanted = raw["model"].setdefault("seq_len", longest)

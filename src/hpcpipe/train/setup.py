@@ -42,7 +42,7 @@ from hpcpipe.train.preflight import (
     check_memory,
     check_nothing_newer,
 )
-from hpcpipe.train.resume_config import NOTHING_TO_RESUME, resumed, saved_config
+from hpcpipe.train.resume_config import NOTHING_TO_RESUME, another_model, resumed, saved_config
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,9 @@ RESUME_MODEL_KEYS = {kind: ("kind", *keys, "dtype") for kind, keys in KIND_KEYS.
 
 def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (),
                     notes: list[str] | None = None) -> Config:
-    """Return the run's Config: the TOML file and ``--set`` keys, and, when model.init is a Hugging Face model
-    directory, its model kind and shape from config.json (the config may restate them, not contradict them).
+    """Return the run's Config: the TOML file and ``--set`` keys, and, when model.init names stored weights (a
+    Hugging Face directory, an hpcpipe weights file or checkpoint), their model kind and shape (the config may
+    restate them, not contradict them; an hpcpipe file's dtype is only the default).
 
     When resuming, the base is the run's own config saved in the checkpoint, the file's and ``--set``'s keys on
     top (:mod:`hpcpipe.train.resume_config`); the line saying what differs from it is appended to ``notes``.
@@ -90,9 +91,12 @@ def load_run_config(path: str | None, overrides: list[str] | tuple[str, ...] = (
     resume = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
     if resume is True and saved_config(raw) is not None:
         return resumed(raw, notes)
-    # a fresh run, or --resume with nothing saved yet (a first job of a requeued chain): model.init decides
-    if isinstance(init, str) and init and is_hf_directory(init):
-        raw = restate_stored_shape(raw, resolve_weights(init, "model.init"))
+    # a fresh run, or --resume with nothing saved yet (a first job of a requeued chain): model.init's model decides
+    if isinstance(init, str) and init:
+        source, hf = resolve_weights(init, "model.init"), is_hf_directory(init)
+        # a [model] of another kind than hpcpipe's stored one is left to prepare(), whose refusal names both kinds
+        if hf or not another_model(source.model, model):
+            raw = restate_stored_shape(raw, source, training=not hf)
     return from_dict(restate_adapter(raw))     # model.adapter: train.lora_* from its adapter_config.json
 
 

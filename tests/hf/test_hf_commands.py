@@ -124,3 +124,21 @@ def test_an_export_the_model_has_no_form_for_is_a_usage_error(hf, tmp_path):
         out = tmp_path / f"out-{fmt}"
         one_error(run_module("hpcpipe.checkpoint", "export", source, out, "--format", fmt), words)
         assert not out.exists()
+
+
+def test_a_model_directory_without_a_tokenizer_trains_on_token_data(hf, tmp_path):
+    """Weights alone (no tokenizer.json) were refused for training on token ids: "'llama' has no tokenizer.json"."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (hf / name).unlink(missing_ok=True)
+    data = _tokens(tmp_path / "tokens.h5")
+    ck = tmp_path / "ck"
+    proc = run_command(1, "hpcpipe.train", ["--set", f'model.init="{hf}"', "--set", "model.seq_len=16",
+                                            "--set", f'data.path="{data}"', "--set", "train.steps=1",
+                                            "--set", "parallel.pp=1", "--set", f'checkpoint.dir="{ck}"',
+                                            "--set", "log.progress=false"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    info = run_module("hpcpipe.checkpoint", "verify", ck)
+    assert info.returncode == 0, info.stderr
+    # generating from it still needs a tokenizer, and says so
+    one_error(run_module("hpcpipe.generate", "--weights", ck, "--prompt", "hi", timeout=120),
+              "has no tokenizer attribute")

@@ -129,6 +129,10 @@ class HFSource:
             print(f"hpcpipe: warning: {self.describe()} holds {len(unused)} tensor(s) its config.json's model does "
                   f"not use, ignored: {shown}", file=sys.stderr, flush=True)
 
+    def has_tokenizer(self) -> bool:
+        """Whether the directory has a tokenizer.json (a model that is only weights has none)."""
+        return (Path(self.path) / "tokenizer.json").exists()
+
     def tokenizer(self, verify: bool = True) -> StoredTokenizer | None:
         """Return the directory's tokenizer (tokenizer.json and the files beside it)."""
         if not self._tokenizer:

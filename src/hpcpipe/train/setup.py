@@ -204,10 +204,15 @@ def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = No
 
 
 def run_tokenizer(config: Config, source: WeightsSource | None) -> StoredTokenizer | None:
-    """Return the tokenizer a decoder's run saves: data.path's, else its weights' (checked)."""
+    """Return the tokenizer a decoder's run saves: data.path's, else its weights' (checked); None when neither has one.
+
+    Training reads token ids: a Hugging Face directory of weights alone (no tokenizer.json) trains on token data
+    or synthetic tokens, and its run's checkpoints hold no tokenizer (generate then says so).
+    """
     if config.model.kind not in DECODERS:
         return None
-    own = source.tokenizer() if source is not None else None
+    weights_only = source is not None and source.kind == "hf" and not source.has_tokenizer()
+    own = source.tokenizer() if source is not None and not weights_only else None
     if config.data.path:
         found = data_tokenizer(config.data.path, config.model.vocab_size)
         if found:

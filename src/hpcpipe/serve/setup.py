@@ -32,6 +32,7 @@ from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pag
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
+from hpcpipe.runtime.backend import runs_on_gpu
 from hpcpipe.runtime.host_memory import rank_share
 from hpcpipe.runtime.launcher import local_rank_count
 from hpcpipe.state.adapters import with_peft
@@ -160,10 +161,10 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
 def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
     """The weight format the stages compute in (serve.engine's choice: model.weight_format, "auto" as the compiled
     stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32). ``on_gpu``: whether
-    the stages run on CuPy (None: run.backend = "cupy"; run.backend = "auto" runs there too where a GPU is seen)."""
+    the stages run on CuPy (None: as run.backend picks it here, "auto" on CuPy where a GPU is seen)."""
     tp = cfg.parallel.tp
     ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
-    gpu = cfg.run.backend == "cupy" if on_gpu is None else on_gpu
+    gpu = runs_on_gpu(cfg.run.backend) if on_gpu is None else on_gpu
     compiled = (cfg.parallel.ep == 1 and not gpu
                 and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
     return inference_format(cfg.model.weight_format, compiled)
@@ -172,8 +173,8 @@ def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
 def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
     """Bytes per value of a block's (in, out) matrix in the weight format the stages will keep
     (:func:`kept_format`), or None where that is float32 or counted so (an upper bound)."""
-    if cfg.parallel.ep > 1 or cfg.run.backend == "cupy":
-        return None                   # experts are widened to float32; a GPU stage's compact choice is made there
+    if cfg.parallel.ep > 1 or runs_on_gpu(cfg.run.backend):
+        return None       # experts are widened to float32; a GPU stage's compact choice is made there ("auto" too)
     fmt = kept_format(cfg, model)
     if fmt == "float32":
         return None

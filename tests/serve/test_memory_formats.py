@@ -117,9 +117,13 @@ def test_the_draft_model_and_its_kv_pool_count_on_the_first_stage_s_rank(checkpo
         check_decode_memory(two.config, two.stage_ranges, 1, available=need - 1, draft=(params, cache))
 
 
-def test_auto_on_a_gpu_counts_float32_as_the_gpu_stage_may_keep(checkpoints, monkeypatch):
-    """run.backend = "auto" where a GPU is seen counted the compact bytes of the CPU's compiled stage (too few)."""
+def test_auto_on_a_gpu_checks_no_host_memory_as_cupy_does_not(checkpoints, monkeypatch):
+    """run.backend = "auto" where a GPU is seen checked the stages' weights against host memory, where they are not
+    (run.backend = "cupy" skipped it): a model that fits the GPU was refused by the host's RAM."""
     from hpcpipe.runtime import backend
     s = _setup(checkpoints["bfloat16"], 'model.weight_format="stored"')
+    with pytest.raises(ConfigError, match="a rank needs about"):
+        check_decode_memory(s.config, s.stage_ranges, 1, available=1000)
     monkeypatch.setattr(backend, "_gpu_count", lambda: 1)     # this host has none: the choice is what is checked
     assert s.config.run.backend == "auto" and format_bytes(s.config, s.model, s.weights) is None
+    check_decode_memory(s.config, s.stage_ranges, 1, available=1000)

@@ -144,8 +144,8 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
     of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`).
     """
-    if cfg.run.backend == "cupy":
-        return
+    if runs_on_gpu(cfg.run.backend):
+        return        # the stages' weights and caches live in GPU memory ("auto" where a GPU is seen too)
     head = decode_rank_bytes(cfg, ranges[:1], matrix_bytes)
     params, cache = max((head[0] + draft[0], head[1] + draft[1]), decode_rank_bytes(cfg, ranges[1:], matrix_bytes),
                         key=sum)

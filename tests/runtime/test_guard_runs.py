@@ -231,3 +231,19 @@ def test_the_diverged_steps_are_numbered_as_the_progress_lines_that_skipped_them
     assert "5 steps in a row (steps 2..6, the metrics' \"step\" 1..5) had a non-finite loss or gradient " \
            "(train.max_bad_steps = 5); the parameters are still those after step 1;" in result.stderr, result.stderr
     assert "RuntimeWarning" not in result.stderr         # NumPy's overflow warnings named a line of nn/core
+
+
+def test_a_run_that_diverges_from_its_first_step_says_its_parameters_are_the_starting_ones(tmp_path):
+    """The first step already non-finite: the message said 'the parameters are still those after step 0'."""
+    import h5py
+    import numpy as np
+    with h5py.File(tmp_path / "big.h5", "w") as f:
+        f["x"] = np.full((32, 4), 1e30, np.float32)      # finite, but its squared error overflows float32
+        f["y"] = np.zeros((32, 2), np.float32)
+    result = run(command(2, "hpcpipe.train", sets(parallel={"pp": 2}, model={"dims": [4, 8, 2]},
+                                                    data={"path": str(tmp_path / "big.h5")},
+                                                    train={"steps": 10, "micro_batches": 2, "micro_batch_size": 2},
+                                                    checkpoint={"dir": ""}, log={"progress": False})), timeout=120)
+    assert result.returncode == errors.EXIT_DIVERGED, result.stderr
+    assert "(steps 1..5, the metrics' \"step\" 0..4)" in result.stderr, result.stderr
+    assert "the parameters are still those the run started with; no checkpoint written" in result.stderr

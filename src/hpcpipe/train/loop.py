@@ -192,8 +192,9 @@ def train(trainer: Any, world: Comm, stop: StopSignals | None = None,
                 # numbered as the progress lines above it (from 1), and as the metrics' "step" (from 0)
                 raise AgreedError(f"{len(bad_run)} steps in a row (steps {bad_run[0] + 1}..{bad_run[-1] + 1}, the "
                                   f"metrics' \"step\" {bad_run[0]}..{bad_run[-1]}) had a non-finite loss or gradient "
-                                  f"(train.max_bad_steps = {cfg.train.max_bad_steps}); the parameters are still those "
-                                  f"after step {bad_run[0]}; no checkpoint written "
+                                  f"(train.max_bad_steps = {cfg.train.max_bad_steps}); the parameters are still "
+                                  f"{f'those after step {bad_run[0]}' if bad_run[0] else 'those the run started with'}"
+                                  f"; no checkpoint written "
                                   f"(lower train.lr or set train.grad_clip{data_hint})", code=EXIT_DIVERGED)
             done = step + 1
             if cfg.checkpoint.dir and every and done % every == 0:

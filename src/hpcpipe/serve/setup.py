@@ -161,12 +161,28 @@ def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
     """The weight format the stages compute in (serve.engine's choice: model.weight_format, "auto" as the compiled
     stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32). ``on_gpu``: whether
     the stages run on CuPy (None: run.backend = "cupy"; run.backend = "auto" runs there too where a GPU is seen)."""
+    gpu = cfg.run.backend == "cupy" if on_gpu is None else on_gpu
+    return inference_format(cfg.model.weight_format, _compiled(cfg, model, gpu))
+
+
+def _compiled(cfg: Config, model: Any, gpu: bool) -> bool:
+    """Whether the compiled CPU stage runs every stage of this layout (DecodeStage's choice, serve.engine's ep)."""
     tp = cfg.parallel.tp
     ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
+    return (cfg.parallel.ep == 1 and not gpu
+            and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
+
+
+def widens_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> bool:
+    """Whether the stages hold float32 matrices although :func:`kept_format` is stored or q8_0: the NumPy steps of
+    a CPU stage (the moe kind, ep > 1, a float64 run, no compiled kernels) widen every matrix to the run's dtype
+    once read (q8_0's values rounded first); only the compiled stage and a GPU stage's row products keep them."""
     gpu = cfg.run.backend == "cupy" if on_gpu is None else on_gpu
-    compiled = (cfg.parallel.ep == 1 and not gpu
-                and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
-    return inference_format(cfg.model.weight_format, compiled)
+    if kept_format(cfg, model, gpu) == "float32":
+        return False
+    if gpu:                          # DecodeStage's keeps_compact: float32 NumPy steps of a model without experts
+        return not (np.dtype(cfg.model.dtype) == np.float32 and model.fusable() and cfg.parallel.ep == 1)
+    return not _compiled(cfg, model, gpu)
 
 
 def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
@@ -175,7 +191,7 @@ def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes 
     if cfg.parallel.ep > 1 or cfg.run.backend == "cupy":
         return None                   # experts are widened to float32; a GPU stage's compact choice is made there
     fmt = kept_format(cfg, model)
-    if fmt == "float32":
+    if fmt == "float32" or widens_format(cfg, model):     # counted at 1 or 2 bytes, held at 4: a rank ran short
         return None
     stored = source.matrix_itemsize()
     if fmt == "stored":

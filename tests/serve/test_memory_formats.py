@@ -115,3 +115,22 @@ def test_the_draft_model_and_its_kv_pool_count_on_the_first_stage_s_rank(checkpo
     check_decode_memory(two.config, two.stage_ranges, 1, available=need, draft=(params, cache))
     with pytest.raises(ConfigError):
         check_decode_memory(two.config, two.stage_ranges, 1, available=need - 1, draft=(params, cache))
+
+
+@pytest.mark.skipif(cpu.library() is None, reason="without the compiled stage every format is held as float32")
+def test_a_bf16_checkpoint_widened_to_float32_that_does_not_fit_is_told_the_format_that_fits(checkpoints):
+    """serve --set model.weight_format='"float32"' of a bf16 model that fits only as stored said "the parameters
+    alone do not fit: use more stages": more ranks, where keeping the checkpoint's own 2 bytes a value fits."""
+    s = _setup(checkpoints["bfloat16"], 'model.weight_format="float32"')
+    stored = format_bytes(_setup(checkpoints["bfloat16"], 'model.weight_format="stored"').config, s.model, s.weights)
+    need_stored = sum(decode_rank_bytes(s.config, s.stage_ranges, stored))
+    check_decode_memory(s.config, s.stage_ranges, 1, available=need_stored, matrix_bytes=stored)     # it fits
+    with pytest.raises(ConfigError) as info:
+        check_decode_memory(s.config, s.stage_ranges, 1, available=need_stored, smaller={"stored": stored})
+    assert "keep the matrices in weight format stored (--set model.weight_format='\"stored\"'" in str(info.value)
+    from hpcpipe.serve.setup import smaller_formats
+    assert set(smaller_formats(s.config, s.model, s.weights)) == {"stored", "q8_0"}
+    q8 = _setup(checkpoints["bfloat16"], 'model.weight_format="q8_0"')
+    assert smaller_formats(q8.config, q8.model, q8.weights) == {}          # nothing smaller than q8_0
+    f32 = _setup(checkpoints["float32"], 'model.weight_format="float32"')
+    assert set(smaller_formats(f32.config, f32.model, f32.weights)) == {"q8_0"}   # float32 as stored saves nothing

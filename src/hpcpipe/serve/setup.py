@@ -135,13 +135,14 @@ def _model_config(source: WeightsSource, given: str, raw: dict[str, Any], key: s
 
 def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
                         headroom: int | None = None, matrix_bytes: MatrixBytes | None = None,
-                        draft: tuple[int, int] = (0, 0)) -> None:
+                        draft: tuple[int, int] = (0, 0), smaller: dict[str, MatrixBytes] | None = None) -> None:
     """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
 
     The share is the smaller of the node's available memory over its ranks and this process's address-space
     headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests). ``matrix_bytes``:
     the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
-    of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`).
+    of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`); ``smaller``:
+    the weight formats the stages could keep instead (:func:`smaller_formats`), named when one of them fits.
     """
     if cfg.run.backend == "cupy":
         return
@@ -152,9 +153,17 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     share, how = rank_share(ranks_here, available, headroom)
     if share is not None and params + cache > share:
         with_draft = f" with serve.draft's model ({sum(draft) / GIB:.3g} GiB)" if sum(draft) else ""
+        hint = _memory_hint(cfg, params, cache, share)
+        for fmt, per_value in (smaller or {}).items():     # a bf16 checkpoint widened to float32 takes twice its bytes
+            need = max(sum(decode_rank_bytes(cfg, ranges[:1], per_value)) + sum(draft),
+                       sum(decode_rank_bytes(cfg, ranges[1:], per_value)))
+            if need <= share:
+                hint = (f"keep the matrices in weight format {fmt} (--set model.weight_format='\"{fmt}\"': about "
+                        f"{need / GIB:.3g} GiB a rank, docs/kernels.md), or {hint}")
+                break
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB{with_draft} (parameters {params / GIB:.3g} GiB, "
-            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
+            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {hint}")
 
 
 def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
@@ -197,6 +206,21 @@ def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes 
     if fmt == "stored":
         return lambda shape: stored
     return lambda shape: Q8_BYTES if shape[0] % Q8_BLOCK == 0 else stored     # q8_0: whole blocks of 32 inputs
+
+
+def smaller_formats(cfg: Config, model: Any, source: WeightsSource) -> dict[str, MatrixBytes]:
+    """The weight formats other than model.weight_format in which this layout's stages would keep their matrices in
+    fewer bytes (stored: a 16-bit checkpoint's 2 bytes a value, exact; q8_0: 34 bytes a block of 32), each with its
+    :func:`format_bytes`; none where the stages widen every format (:func:`widens_format`)."""
+    now = format_bytes(cfg, model, source)
+    block = (Q8_BLOCK, Q8_BLOCK)
+    held = now(block) if now is not None else np.dtype(cfg.model.dtype).itemsize
+    out = {}
+    for fmt in ("stored", "q8_0"):
+        per_value = format_bytes(replace(cfg, model=replace(cfg.model, weight_format=fmt)), model, source)
+        if per_value is not None and per_value(block) < held:
+            out[fmt] = per_value
+    return out
 
 
 def draft_bytes(cfg: Config, model: Any, draft: ServeSetup) -> tuple[int, int]:
@@ -303,7 +327,8 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
     draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
     check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
-                        draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0))
+                        draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0),
+                        smaller=smaller_formats(cfg, model, source))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
 

@@ -79,3 +79,33 @@ def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
     """True when this process was started by Open MPI's launcher (its OMPI_COMM_WORLD_* variables)."""
     env = os.environ if env is None else env
     return "OMPI_COMM_WORLD_SIZE" in env
+
+
+
+# what mpiexec / mpirun set, not Slurm's counts: a batch script's plain `python -m ...` sees SLURM_NTASKS too
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+# the processes a launcher starts its ranks from (MPICH's Hydra, Open MPI 4 / 5 and PRRTE, Slurm's srun)
+LAUNCHER_PARENTS = ("hydra_pmi_proxy", "orted", "orterun", "prted", "prterun", "mpirun", "mpiexec", "slurmstepd")
+
+
+def _parent_name() -> str:
+    """The name of this process's parent (Linux /proc), "" where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def one_process_problem(command: str, env: Mapping[str, str] | None = None, parent: str | None = None) -> str | None:
+    """Why a one-process command must not run as N > 1 ranks of mpiexec, or None: each rank would do the whole job
+    (evaluate N times over) and write the same output (checkpoint import / export: all but one refused).
+
+    Only a process the launcher started counts (its parent, ``parent`` or read from /proc, is the launcher's
+    proxy): a command that a rank runs as a child process inherits the rank's variables and runs alone.
+    """
+    size = _first_count(MPI_SIZE_VARIABLES, env)
+    if size is None or size <= 1 or (parent if parent is not None else _parent_name()) not in LAUNCHER_PARENTS:
+        return None
+    return (f"python -m {command} runs on one process, and the launcher started {size}: each would do the whole "
+            f"job and write the same output; run it without mpiexec")

@@ -179,6 +179,10 @@ def test_generation_config_names_the_stop_ids(tmp_path):
     ({**LLAMA, "torch_dtype": "int8"}, ["'int8'"]),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, ["quantized", "'gptq'"]),
     ({**LLAMA, "eos_token_id": "two"}, ["eos_token_id", "'two'"]),
+    # a reward model: it said "holds no lm_head.weight" (tie_word_embeddings false), as if the file were damaged
+    ({**LLAMA, "architectures": ["LlamaForSequenceClassification"]}, ["LlamaForSequenceClassification",
+                                                                      "causal language models"]),
+    ({**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForTokenClassification"]}, ["TokenClassification"]),
 ])
 def test_refusals_name_file_and_values(tmp_path, config, words):
     message = error(tmp_path, config)

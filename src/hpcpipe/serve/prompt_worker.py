@@ -107,10 +107,10 @@ def _cap_memory(extra: int) -> None:
     import resource
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    # under a job's ulimit -v (hard) a limit above it cannot be set: "not allowed to raise maximum limit" stopped
-    # every prompt, so generate and serve failed wherever the node's limit was below mapped + extra
-    cap = mapped + extra if hard == resource.RLIM_INFINITY else min(mapped + extra, hard)
+    # under a job's ulimit -v a limit above its hard one cannot be set: "not allowed to raise maximum limit" stopped
+    # every prompt, so generate and serve failed wherever the node's limit was below mapped + extra; the soft one
+    # is what the job asked for (never raised)
+    cap = min([mapped + extra] + [v for v in resource.getrlimit(resource.RLIMIT_AS) if v != resource.RLIM_INFINITY])
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 

@@ -26,11 +26,13 @@ def _weights(path):
 
 def test_only_ranks_the_launcher_started_count():
     env = {"PMI_SIZE": "2", "PMI_RANK": "0"}
-    assert "launcher started 2" in one_process_problem("hpcpipe.evaluate", env, parent="hydra_pmi_proxy")
-    assert one_process_problem("hpcpipe.evaluate", env, parent="python3") is None        # a rank's child process
-    assert one_process_problem("hpcpipe.evaluate", {"PMI_SIZE": "1"}, parent="hydra_pmi_proxy") is None
+    assert "launcher started 2" in one_process_problem("hpcpipe.evaluate", env, parent_has=False)
+    assert "launcher started 3" in one_process_problem("hpcpipe.evaluate", {"OMPI_COMM_WORLD_SIZE": "3"},
+                                                       parent_has=False)
+    assert one_process_problem("hpcpipe.evaluate", env, parent_has=True) is None         # a rank's child process
+    assert one_process_problem("hpcpipe.evaluate", {"PMI_SIZE": "1"}, parent_has=False) is None
     # a Slurm batch script's plain python sees the job's task count: not a launch of N copies
-    assert one_process_problem("hpcpipe.evaluate", {"SLURM_NTASKS": "4"}, parent="slurmstepd") is None
+    assert one_process_problem("hpcpipe.evaluate", {"SLURM_NTASKS": "4"}, parent_has=False) is None
 
 
 def test_evaluate_and_checkpoint_under_mpiexec_are_refused_once_and_write_nothing(tmp_path):

@@ -84,28 +84,34 @@ def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
 
 # what mpiexec / mpirun set, not Slurm's counts: a batch script's plain `python -m ...` sees SLURM_NTASKS too
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
-# the processes a launcher starts its ranks from (MPICH's Hydra, Open MPI 4 / 5 and PRRTE, Slurm's srun)
-LAUNCHER_PARENTS = ("hydra_pmi_proxy", "orted", "orterun", "prted", "prterun", "mpirun", "mpiexec", "slurmstepd")
-
-
-def _parent_name() -> str:
-    """The name of this process's parent (Linux /proc), "" where it cannot be read."""
+def _parent_has(names: tuple[str, ...]) -> bool | None:
+    """Whether this process's parent has any of the environment variables ``names`` (Linux /proc; None where its
+    environment cannot be read)."""
     try:
-        with open(f"/proc/{os.getppid()}/comm") as f:
-            return f.read().strip()
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
     except OSError:
-        return ""
+        return None
+    wanted = {n.encode() for n in names}
+    return any(e.split(b"=", 1)[0] in wanted for e in entries)
 
 
-def one_process_problem(command: str, env: Mapping[str, str] | None = None, parent: str | None = None) -> str | None:
+def one_process_problem(command: str, env: Mapping[str, str] | None = None,
+                        parent_has: bool | None = None) -> str | None:
     """Why a one-process command must not run as N > 1 ranks of mpiexec, or None: each rank would do the whole job
     (evaluate N times over) and write the same output (checkpoint import / export: all but one refused).
 
-    Only a process the launcher started counts (its parent, ``parent`` or read from /proc, is the launcher's
-    proxy): a command that a rank runs as a child process inherits the rank's variables and runs alone.
+    Only a process the launcher started counts: the launcher (Hydra's proxy, Open MPI's mpirun or orted, srun's
+    slurmstepd) sets the size variable for its ranks, not in its own environment, while a command that a rank runs
+    as a child process inherits the rank's variables from its parent and runs alone. ``parent_has``: whether the
+    parent holds them (None: read from /proc; unreadable counts as a child, never refused).
     """
     size = _first_count(MPI_SIZE_VARIABLES, env)
-    if size is None or size <= 1 or (parent if parent is not None else _parent_name()) not in LAUNCHER_PARENTS:
+    if size is None or size <= 1:
+        return None
+    if parent_has is None:
+        parent_has = _parent_has(MPI_SIZE_VARIABLES)
+    if parent_has is not False:
         return None
     return (f"python -m {command} runs on one process, and the launcher started {size}: each would do the whole "
             f"job and write the same output; run it without mpiexec")

@@ -84,6 +84,8 @@ def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
 
 # what mpiexec / mpirun set, not Slurm's counts: a batch script's plain `python -m ...` sees SLURM_NTASKS too
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
 def _parent_has(names: tuple[str, ...]) -> bool | None:
     """Whether this process's parent has any of the environment variables ``names`` (Linux /proc; None where its
     environment cannot be read)."""

@@ -52,7 +52,7 @@ def test_a_moe_model_s_line_says_its_matrices_are_float32_and_the_memory_check_c
     stored (16-bit)") and the memory check counted the attention matrices at 1.06 (or 2) bytes a value, 4 held."""
     from hpcpipe.serve.setup import format_bytes
     setup = prepare(models["mixtral"], ep, overrides=[f'model.weight_format="{fmt}"', f"parallel.ep={ep}"])
-    values = "q8_0-rounded values" if fmt == "q8_0" else "the stored values"
+    values = "q8_0-rounded values, the experts' as stored" if fmt == "q8_0" else "the stored values"
     experts = ", experts over ep=2" if ep == 2 else ""
     assert layout_words(setup) == (f"dp={ep} x pp=1{experts}, weights float32 ({values}; this layout's NumPy steps "
                                    f"widen every matrix)")

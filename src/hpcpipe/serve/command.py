@@ -11,6 +11,7 @@ import ipaddress
 import os
 import socket
 import sys
+from typing import Any
 
 from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
@@ -85,12 +86,18 @@ def layout_words(p: ServeSetup) -> str:
     gpu = runs_on_gpu(cfg.run.backend)
     fmt = kept_format(cfg, p.model, on_gpu=gpu)
     if widens_format(cfg, p.model, on_gpu=gpu):    # "q8_0" alone read as a quarter of the bytes: they are float32
-        values = "q8_0-rounded values" if fmt == "q8_0" else "the stored values"
+        values = "the stored values" if fmt != "q8_0" else \
+            "q8_0-rounded values, the experts' as stored" if _has_experts(p.model) else "q8_0-rounded values"
         fmt = f"{cfg.model.dtype} ({values}; this layout's NumPy steps widen every matrix)"
     elif fmt == "stored":        # "stored" alone would not say whether a float32 file's 4 bytes are kept
         fmt = f"as stored ({'16-bit' if p.weights.matrix_itemsize() == 2 else 'float32'})"
     words += f", weights {fmt}"
     return words + (f", adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+
+
+def _has_experts(model: Any) -> bool:
+    """Whether any layer group holds experts (a q8_0 read leaves them as stored: hpcpipe.hf.names)."""
+    return any(model.expert_shards(i, 1, 0) for i in range(len(model.specs)))
 
 
 def reachable_from_outside(host: str) -> bool:

@@ -134,3 +134,7 @@ def test_a_bf16_checkpoint_widened_to_float32_that_does_not_fit_is_told_the_form
     assert smaller_formats(q8.config, q8.model, q8.weights) == {}          # nothing smaller than q8_0
     f32 = _setup(checkpoints["float32"], 'model.weight_format="float32"')
     assert set(smaller_formats(f32.config, f32.model, f32.weights)) == {"q8_0"}   # float32 as stored saves nothing
+    # at tp = 2 a rank's slice of down's input (80 / 2) is no whole q8_0 block: q8_0 is refused there, not offered
+    tp = prepare(checkpoints["bfloat16"], 2, None, ["parallel.tp=2", "serve.max_sequences=4",
+                                                    'model.weight_format="float32"'])
+    assert set(smaller_formats(tp.config, tp.model, tp.weights)) == {"stored"}

@@ -27,7 +27,7 @@ import numpy as np
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
 from hpcpipe.kernels.formats import Q8_BLOCK, inference_format
-from hpcpipe.nn.core.fused_stage import compiled_available
+from hpcpipe.nn.core.fused_stage import compiled_available, tp_q8_problem
 from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
@@ -216,7 +216,10 @@ def smaller_formats(cfg: Config, model: Any, source: WeightsSource) -> dict[str,
     block = (Q8_BLOCK, Q8_BLOCK)
     held = now(block) if now is not None else np.dtype(cfg.model.dtype).itemsize
     out = {}
+    tp = cfg.parallel.tp
     for fmt in ("stored", "q8_0"):
+        if fmt == "q8_0" and tp > 1 and any(tp_q8_problem(model, TPPlace(tp, r)) for r in range(tp)):
+            continue                  # refused at this tp (its row-parallel inputs are no whole q8_0 blocks)
         per_value = format_bytes(replace(cfg, model=replace(cfg.model, weight_format=fmt)), model, source)
         if per_value is not None and per_value(block) < held:
             out[fmt] = per_value

@@ -29,6 +29,7 @@ from hpcpipe.cli import CommandParser, reader_left
 from hpcpipe.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, UsageError
 from hpcpipe.h5files import member
 from hpcpipe.lazy_h5py import h5py
+from hpcpipe.runtime.launcher import launcher_rank, one_process_problem
 from hpcpipe.state import directory_protocol as cf
 from hpcpipe.state.adapters import check_peft_exportable, export_peft, exported_source
 from hpcpipe.state.child_write import Stopped, WriteFailed, signals_held, write_in_child
@@ -247,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="print runs, step, layout, optimizer and files (or a weights file's layers)")
     p_info.add_argument("dir", metavar="PATH")
     args = parser.parse_args(argv)
+    problem = one_process_problem("hpcpipe.checkpoint")
+    if problem is not None:
+        if launcher_rank() == 0:          # one line, not one per process
+            print(f"hpcpipe: error: {problem}", file=sys.stderr)
+        return 2
     if not os.path.lexists(args.dir):     # a typo, not a bad checkpoint
         print(f"hpcpipe: error: {args.dir!r} does not exist", file=sys.stderr)
         return 2

@@ -53,7 +53,11 @@ def validate(config: Config) -> None:
     _require(isinstance(par.ep, int) and par.ep >= 1, f"parallel.ep must be a positive integer, got {par.ep!r}")
     if par.ep > 1:
         kind.validate_ep(mod, par.ep)
-    _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}")
+    # a 16-bit checkpoint's users reach for model.dtype: it is the computation's type; the storage one is a format
+    half = (" (the computation's type; a bfloat16 / float16 checkpoint is computed in float32, and generate, serve "
+            "and evaluate keep its matrices as stored with model.weight_format = \"stored\", docs/kernels.md)"
+            if mod.dtype in ("bfloat16", "float16", "bf16", "fp16", "half") else "")
+    _require(mod.dtype in DTYPES, f"model.dtype {mod.dtype!r} is not one of {', '.join(DTYPES)}{half}")
     _require(mod.weight_format in WEIGHT_FORMATS,
              f"model.weight_format {mod.weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     n_layers = config.n_layers

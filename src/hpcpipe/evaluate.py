@@ -37,6 +37,7 @@ from hpcpipe.nn.core.activations import make_activation
 from hpcpipe.nn.core.decoder_model import Decoder
 from hpcpipe.nn.registry import KINDS, model_def
 from hpcpipe.runtime.host_memory import keep_freed_memory
+from hpcpipe.runtime.launcher import launcher_rank, one_process_problem
 from hpcpipe.runtime.progress import Progress
 from hpcpipe.state.hf_source import is_hf_directory
 from hpcpipe.state.kinds import stored_config
@@ -326,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="how a decoder's weights are kept (model.weight_format): q8_0 measures the quantized "
                              "model; float32 and stored compute with the stored values")
     args = parser.parse_args(argv)
+    problem = one_process_problem("hpcpipe.evaluate")
+    if problem is not None:
+        if launcher_rank() == 0:          # one line, not one per process
+            print(f"hpcpipe: error: {problem}", file=sys.stderr)
+        return 2
     keep_freed_memory()
     try:
         print(json.dumps(evaluate(args.weights, args.data, args.x, args.y, args.weight_format)))

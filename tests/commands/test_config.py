@@ -122,3 +122,15 @@ def test_a_number_toml_cannot_read_says_how_to_write_it(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_model_dtype_points_at_the_weight_format(dtype):
+    """A bf16 checkpoint's user sets model.dtype = "bfloat16": the refusal named only float32 and float64."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f'model.dtype="{dtype}"'])
+    message = str(info.value)
+    assert "float32, float64" in message and 'model.weight_format = "stored"' in message and "\n" not in message
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ['model.dtype="int8"'])
+    assert "weight_format" not in str(info.value)

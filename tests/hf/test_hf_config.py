@@ -83,6 +83,29 @@ def test_rope_keys_agree_with_transformers(tmp_path):
     assert params == {"rope_theta": m["rope_theta"], **m["rope_scaling"]}
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}, None, {}])
+def test_rope_scaling_beside_rope_parameters_reads_as_transformers(tmp_path, scaling):
+    """A 5.x config.json (rope_parameters) to which the user added rope_scaling, as Qwen3's model card says for
+    YaRN: transformers computes rope_scaling's rope; reading rope_parameters' default rope was another model."""
+    T = pytest.importorskip("transformers")
+    small = {**LLAMA, "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 1,
+             "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+             "rope_scaling": scaling}
+    d = write(tmp_path / "m", small)
+    m = read_hf_config(d).model
+    params = dict(T.AutoConfig.from_pretrained(d).rope_parameters)
+    assert params == {"rope_theta": m["rope_theta"], **(m["rope_scaling"] or {"rope_type": "default"})}
+
+
+def test_unsupported_rope_scaling_beside_rope_parameters_is_refused(tmp_path):
+    message = error(tmp_path, {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 32768}})
+    assert "'yarn'" in message and "rope_scaling" in message, message
+
+
 def test_qwen2_mistral_and_head_dim(tmp_path):
     qwen = {**LLAMA, "model_type": "qwen2", "tie_word_embeddings": True, "head_dim": 64, "use_sliding_window": False,
             "sliding_window": 4096, "max_window_layers": 28, "dtype": "bfloat16"}
@@ -156,6 +179,10 @@ def test_generation_config_names_the_stop_ids(tmp_path):
     ({**LLAMA, "torch_dtype": "int8"}, ["'int8'"]),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq"}}, ["quantized", "'gptq'"]),
     ({**LLAMA, "eos_token_id": "two"}, ["eos_token_id", "'two'"]),
+    # a reward model: it said "holds no lm_head.weight" (tie_word_embeddings false), as if the file were damaged
+    ({**LLAMA, "architectures": ["LlamaForSequenceClassification"]}, ["LlamaForSequenceClassification",
+                                                                      "causal language models"]),
+    ({**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForTokenClassification"]}, ["TokenClassification"]),
 ])
 def test_refusals_name_file_and_values(tmp_path, config, words):
     message = error(tmp_path, config)

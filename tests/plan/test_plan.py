@@ -76,6 +76,19 @@ def test_small_times_keep_their_digits():
     assert [report.step_column(t) for t in (0.6907, 12.5, 0.000266)] == ["0.6907", "12.5000", "0.000266"]
 
 
+def test_the_table_has_an_ep_column_when_a_plan_splits_experts():
+    """A Mixtral's plans at ep = 1 and ep = 2 printed as two identical rows ('2 1 1 gpipe 1 x 16'): no ep column."""
+    from hpcpipe.plan.predict import Candidate, Prediction
+    plans = [Prediction(Candidate(2, 1, "gpipe", 1, 1, 16, (4,), ep=ep), 0.0267, 0.0, 0.02, 0.0002, 98 << 20)
+             for ep in (1, 2)]
+    head, _, one, two = report.table(plans, gpt=True).splitlines()
+    assert head.split()[:5] == ["#", "dp", "pp", "tp", "ep"], head
+    assert one.split()[1:5] == ["2", "1", "1", "1"] and two.split()[1:5] == ["2", "1", "1", "2"], (one, two)
+    assert head.index("ep") + 1 == one.index("1  gpipe") == two.index("2  gpipe")         # under its head
+    dense = report.table(plans[:1], gpt=True).splitlines()[0]               # no experts split: as before
+    assert dense.split()[:5] == ["#", "dp", "pp", "tp", "schedule"], dense
+
+
 def test_the_written_header_holds_the_whole_planner_command_on_one_line():
     text = planner_command(["--config", "my plan.toml", "--ranks", "2", "--set", "model.dims=[4,\n4]"])
     assert text == "python -m hpcpipe.plan --config 'my plan.toml' --ranks 2 --set 'model.dims=[4,\\n4]'"

@@ -219,6 +219,9 @@ def test_a_budget_below_what_the_model_alone_needs_is_refused_before_measuring(t
     (["--ranks", "2", "--nodes", "2", "--network", "probe.json"], "--network 'probe.json': communication probe"),
     (["--ranks", "2", "--nodes", "2", "--network", "fifo"], "--network 'fifo' is a named pipe, not a probe result"),
     (["--ranks", "2", "--nodes", "2", "--network", "ck"], "--network 'ck' is a directory, not a probe result"),
+    # was: planned, and wrote a config the printed `mpiexec ... hpcpipe.train --config` refused
+    (["--ranks", "2", "--set", 'model.weight_format="q8_0"', "--write", "p.out"],
+     "model.weight_format = 'q8_0': training keeps float32 weights"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     (tmp_path / "exists.toml").write_text("# mine\n")

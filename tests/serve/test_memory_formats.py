@@ -127,3 +127,26 @@ def test_auto_on_a_gpu_checks_no_host_memory_as_cupy_does_not(checkpoints, monke
     monkeypatch.setattr(backend, "_gpu_count", lambda: 1)     # this host has none: the choice is what is checked
     assert s.config.run.backend == "auto" and format_bytes(s.config, s.model, s.weights) is None
     check_decode_memory(s.config, s.stage_ranges, 1, available=1000)
+
+
+@pytest.mark.skipif(cpu.library() is None, reason="without the compiled stage every format is held as float32")
+def test_a_bf16_checkpoint_widened_to_float32_that_does_not_fit_is_told_the_format_that_fits(checkpoints):
+    """serve --set model.weight_format='"float32"' of a bf16 model that fits only as stored said "the parameters
+    alone do not fit: use more stages": more ranks, where keeping the checkpoint's own 2 bytes a value fits."""
+    s = _setup(checkpoints["bfloat16"], 'model.weight_format="float32"')
+    stored = format_bytes(_setup(checkpoints["bfloat16"], 'model.weight_format="stored"').config, s.model, s.weights)
+    need_stored = sum(decode_rank_bytes(s.config, s.stage_ranges, stored))
+    check_decode_memory(s.config, s.stage_ranges, 1, available=need_stored, matrix_bytes=stored)     # it fits
+    with pytest.raises(ConfigError) as info:
+        check_decode_memory(s.config, s.stage_ranges, 1, available=need_stored, smaller={"stored": stored})
+    assert "keep the matrices in weight format stored (--set model.weight_format='\"stored\"'" in str(info.value)
+    from hpcpipe.serve.setup import smaller_formats
+    assert set(smaller_formats(s.config, s.model, s.weights)) == {"stored", "q8_0"}
+    q8 = _setup(checkpoints["bfloat16"], 'model.weight_format="q8_0"')
+    assert smaller_formats(q8.config, q8.model, q8.weights) == {}          # nothing smaller than q8_0
+    f32 = _setup(checkpoints["float32"], 'model.weight_format="float32"')
+    assert set(smaller_formats(f32.config, f32.model, f32.weights)) == {"q8_0"}   # float32 as stored saves nothing
+    # at tp = 2 a rank's slice of down's input (80 / 2) is no whole q8_0 block: q8_0 is refused there, not offered
+    tp = prepare(checkpoints["bfloat16"], 2, None, ["parallel.tp=2", "serve.max_sequences=4",
+                                                    'model.weight_format="float32"'])
+    assert set(smaller_formats(tp.config, tp.model, tp.weights)) == {"stored"}

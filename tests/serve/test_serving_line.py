@@ -45,6 +45,20 @@ def test_line_names_expert_parallelism(models):
     assert layout_words(setup) == "dp=2 x pp=1, experts over ep=2, weights float32"
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("fmt", ["stored", "q8_0"])
+def test_a_moe_model_s_line_says_its_matrices_are_float32_and_the_memory_check_counts_them_so(models, fmt, ep):
+    """The moe kind runs the NumPy steps, which widen every matrix once read: the line said "weights q8_0" (or "as
+    stored (16-bit)") and the memory check counted the attention matrices at 1.06 (or 2) bytes a value, 4 held."""
+    from hpcpipe.serve.setup import format_bytes
+    setup = prepare(models["mixtral"], ep, overrides=[f'model.weight_format="{fmt}"', f"parallel.ep={ep}"])
+    values = "q8_0-rounded values, the experts' as stored" if fmt == "q8_0" else "the stored values"
+    experts = ", experts over ep=2" if ep == 2 else ""
+    assert layout_words(setup) == (f"dp={ep} x pp=1{experts}, weights float32 ({values}; this layout's NumPy steps "
+                                   f"widen every matrix)")
+    assert format_bytes(setup.config, setup.model, setup.weights) is None
+
+
 def test_line_names_the_adapter(models, tmp_path):
     pytest.importorskip("peft")
     from support.lora import make_model_and_adapter

@@ -116,10 +116,28 @@ def read_hf_config(directory: str | Path) -> HFModel:
         raise ConfigError(f"{label}: quantized weights (quantization_config, quant_method {method!r}) are not "
                           f"supported; use the model's float16, bfloat16 or float32 release")
     check_sizes(cfg, label)
+    _check_head(cfg, label)
     keys = kind.hf.keys(cfg, label, model_type)
     eos, bos = _special_ids(d, cfg, label)
     return HFModel(directory=d, model_type=model_type, kind=kind.name, model=keys,
                    dtype=_dtype(cfg, label), eos_ids=eos, bos_id=bos, config=cfg)
+
+
+# heads that are no language-model head: a reward model or a classifier fine-tuned from a causal LM keeps its body
+# (and model_type) but its score / qa_outputs matrix maps to labels, not to the vocabulary
+OTHER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def _check_head(cfg: dict, label: str) -> None:
+    """Refuse a config.json whose ``architectures`` all name a classification or question-answering head: it said
+    "holds no lm_head.weight" (a damaged file, it seemed), or with tied embeddings generated from the embedding."""
+    names = cfg.get("architectures")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return
+    if all(n.endswith(OTHER_HEADS) for n in names):
+        raise ConfigError(f"{label}: architectures {names} is a classification / question-answering model (its head "
+                          f"maps to labels, not to the vocabulary); hpcpipe runs causal language models "
+                          f"(...ForCausalLM): use the model it was fine-tuned from")
 
 
 def _dtype(cfg: dict, label: str) -> str | None:

@@ -180,8 +180,15 @@ def row_weight(value: Any, fmt: str) -> RowWeight:
 
 
 def stacked(parts: list[RowWeight]) -> RowWeight:
-    """The row weights one above the other (their outputs in order: q | k | v, gate | up): one product for all."""
+    """The row weights one above the other (their outputs in order: q | k | v, gate | up): one product for all.
+
+    Parts stored in different float kinds (a checkpoint with k_proj in float32 beside bfloat16 ones, or bfloat16
+    beside float16) are widened to float32 first, exactly: one product needs one kind.
+    """
     kinds = {p.kind for p in parts}
+    if len(kinds) > 1 and "q8_0" not in kinds:
+        parts = [RowWeight("float32", np.ascontiguousarray(p.dense(np.float32))) for p in parts]
+        kinds = {"float32"}
     if len(kinds) != 1 or len({p.shape[1] for p in parts}) != 1:
         raise ValueError(f"stacked: parts of kinds {sorted(kinds)} and inputs {[p.shape[1] for p in parts]} differ")
     data = np.concatenate([p.data for p in parts])

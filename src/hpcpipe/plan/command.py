@@ -32,7 +32,7 @@ from hpcpipe.profiles.profile import default_cache_dir
 from hpcpipe.runtime.host_memory import available_bytes, rank_share
 from hpcpipe.state.outputs import check_writable, file_kind, write_new
 from hpcpipe.state.sources import refuse_overwrite
-from hpcpipe.train.setup import load_run_config
+from hpcpipe.train.setup import check_training_format, load_run_config
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3,
          "gib": 1024 ** 3, "t": 1024 ** 4, "tib": 1024 ** 4, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
@@ -204,6 +204,7 @@ def run(args) -> int:
     network = network_model(args.network) if args.network else None
     # as train reads it: a Hugging Face model.init restates the model's kind and shape from its config.json
     config = load_run_config(args.config, args.set)
+    check_training_format(config)      # the written config would be refused by the train command it prints
     here = host_cores()
     global_batch = args.global_batch or configured_global_batch(config, args.ranks)
     per_node = args.ranks // args.nodes     # a node like this one holds these ranks: its memory and cores are theirs

@@ -51,8 +51,11 @@ def layout(c: Any) -> str:
 def table(best: list[Prediction], gpt: bool) -> str:
     """The best plans as a text table."""
     rate = "tokens/s" if gpt else "samples/s"
-    head = (f"{'#':>2}  {'dp':>3} {'pp':>3} {'tp':>3}  {'schedule':<22} {'micro-batches':>13}  {'stage cut':<16} "
-            f"{'step s':>8} {rate:>10} {'bubble':>7} {'peak/rank':>10}")
+    # a mixture of experts' plans differ by ep too: without the column, rows of ep = 1 and 2 read as duplicates
+    eps = any(getattr(p.candidate, "ep", 1) > 1 for p in best)
+    ep_head = f" {'ep':>3}" if eps else ""
+    head = (f"{'#':>2}  {'dp':>3} {'pp':>3} {'tp':>3}{ep_head}  {'schedule':<22} {'micro-batches':>13}  "
+            f"{'stage cut':<16} {'step s':>8} {rate:>10} {'bubble':>7} {'peak/rank':>10}")
     lines = [head, "-" * len(head)]
     for n, p in enumerate(best, 1):
         c = p.candidate
@@ -61,7 +64,8 @@ def table(best: list[Prediction], gpt: bool) -> str:
         cut = cut if len(cut) <= 16 else cut[:13] + "..."
         value = p.tokens_per_s if gpt else p.samples_per_s
         micro = f"{c.micro_batches} x {c.micro_batch_size}"
-        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3} {c.tp:>3}  {sched:<22} {micro:>13}  "
+        ep = f" {c.ep:>3}" if eps else ""
+        lines.append(f"{n:>2}  {c.dp:>3} {c.pp:>3} {c.tp:>3}{ep}  {sched:<22} {micro:>13}  "
                      f"{cut:<16} {step_column(p.step_time_s):>8} {value:>10,.0f} {p.bubble:>6.1%} "
                      f"{size_text(p.peak_bytes):>10}")
     return "\n".join(lines)

@@ -79,3 +79,41 @@ def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
     """True when this process was started by Open MPI's launcher (its OMPI_COMM_WORLD_* variables)."""
     env = os.environ if env is None else env
     return "OMPI_COMM_WORLD_SIZE" in env
+
+
+
+# what mpiexec / mpirun set, not Slurm's counts: a batch script's plain `python -m ...` sees SLURM_NTASKS too
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def _parent_has(names: tuple[str, ...]) -> bool | None:
+    """Whether this process's parent has any of the environment variables ``names`` (Linux /proc; None where its
+    environment cannot be read)."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    wanted = {n.encode() for n in names}
+    return any(e.split(b"=", 1)[0] in wanted for e in entries)
+
+
+def one_process_problem(command: str, env: Mapping[str, str] | None = None,
+                        parent_has: bool | None = None) -> str | None:
+    """Why a one-process command must not run as N > 1 ranks of mpiexec, or None: each rank would do the whole job
+    (evaluate N times over) and write the same output (checkpoint import / export: all but one refused).
+
+    Only a process the launcher started counts: the launcher (Hydra's proxy, Open MPI's mpirun or orted, srun's
+    slurmstepd) sets the size variable for its ranks, not in its own environment, while a command that a rank runs
+    as a child process inherits the rank's variables from its parent and runs alone. ``parent_has``: whether the
+    parent holds them (None: read from /proc; unreadable counts as a child, never refused).
+    """
+    size = _first_count(MPI_SIZE_VARIABLES, env)
+    if size is None or size <= 1:
+        return None
+    if parent_has is None:
+        parent_has = _parent_has(MPI_SIZE_VARIABLES)
+    if parent_has is not False:
+        return None
+    return (f"python -m {command} runs on one process, and the launcher started {size}: each would do the whole "
+            f"job and write the same output; run it without mpiexec")

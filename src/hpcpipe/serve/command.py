@@ -11,13 +11,14 @@ import ipaddress
 import os
 import socket
 import sys
+from typing import Any
 
 from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
 from hpcpipe.runtime.backend import runs_on_gpu
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
-from hpcpipe.serve.setup import ServeSetup, kept_format, prepare
+from hpcpipe.serve.setup import ServeSetup, kept_format, prepare, widens_format
 
 API_KEY_ENV = "HPCPIPE_API_KEY"
 
@@ -82,11 +83,21 @@ def layout_words(p: ServeSetup) -> str:
     words = f"dp={p.dp} x pp={p.pp}" + (f" x tp={p.tp}" if p.tp > 1 else "")
     words += f", experts over ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
     # after select_backend in this process: "auto" became CuPy where a GPU is seen, and its stages keep float32
-    fmt = kept_format(cfg, p.model, on_gpu=runs_on_gpu(cfg.run.backend))
-    if fmt == "stored":          # "stored" alone would not say whether a float32 file's 4 bytes are kept
+    gpu = runs_on_gpu(cfg.run.backend)
+    fmt = kept_format(cfg, p.model, on_gpu=gpu)
+    if widens_format(cfg, p.model, on_gpu=gpu):    # "q8_0" alone read as a quarter of the bytes: they are float32
+        values = "the stored values" if fmt != "q8_0" else \
+            "q8_0-rounded values, the experts' as stored" if _has_experts(p.model) else "q8_0-rounded values"
+        fmt = f"{cfg.model.dtype} ({values}; this layout's NumPy steps widen every matrix)"
+    elif fmt == "stored":        # "stored" alone would not say whether a float32 file's 4 bytes are kept
         fmt = f"as stored ({'16-bit' if p.weights.matrix_itemsize() == 2 else 'float32'})"
     words += f", weights {fmt}"
     return words + (f", adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+
+
+def _has_experts(model: Any) -> bool:
+    """Whether any layer group holds experts (a q8_0 read leaves them as stored: hpcpipe.hf.names)."""
+    return any(model.expert_shards(i, 1, 0) for i in range(len(model.specs)))
 
 
 def reachable_from_outside(host: str) -> bool:

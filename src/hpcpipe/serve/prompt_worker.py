@@ -102,11 +102,16 @@ def build_tokenizer(header: dict, blob: bytes) -> Any:
 
 
 def _cap_memory(extra: int) -> None:
-    """Let this process map at most what it maps now plus ``extra`` bytes, and write no core file when it aborts."""
+    """Let this process map at most what it maps now plus ``extra`` bytes (never more than the address-space limit it
+    was started under), and write no core file when it aborts."""
     import resource
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, mapped + extra))
+    # under a job's ulimit -v a limit above its hard one cannot be set: "not allowed to raise maximum limit" stopped
+    # every prompt, so generate and serve failed wherever the node's limit was below mapped + extra; the soft one
+    # is what the job asked for (never raised)
+    cap = min([mapped + extra] + [v for v in resource.getrlimit(resource.RLIMIT_AS) if v != resource.RLIM_INFINITY])
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from hpcpipe.config import DECODERS, Config, from_dict, load_raw, resolve_layout
 from hpcpipe.errors import ConfigError
 from hpcpipe.kernels.formats import Q8_BLOCK, inference_format
-from hpcpipe.nn.core.fused_stage import compiled_available
+from hpcpipe.nn.core.fused_stage import compiled_available, tp_q8_problem
 from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
 from hpcpipe.nn.registry import model_def
@@ -136,13 +136,14 @@ def _model_config(source: WeightsSource, given: str, raw: dict[str, Any], key: s
 
 def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
                         headroom: int | None = None, matrix_bytes: MatrixBytes | None = None,
-                        draft: tuple[int, int] = (0, 0)) -> None:
+                        draft: tuple[int, int] = (0, 0), smaller: dict[str, MatrixBytes] | None = None) -> None:
     """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
 
     The share is the smaller of the node's available memory over its ranks and this process's address-space
     headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests). ``matrix_bytes``:
     the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
-    of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`).
+    of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`); ``smaller``:
+    the weight formats the stages could keep instead (:func:`smaller_formats`), named when one of them fits.
     """
     if runs_on_gpu(cfg.run.backend):
         return        # the stages' weights and caches live in GPU memory ("auto" where a GPU is seen too)
@@ -153,21 +154,45 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     share, how = rank_share(ranks_here, available, headroom)
     if share is not None and params + cache > share:
         with_draft = f" with serve.draft's model ({sum(draft) / GIB:.3g} GiB)" if sum(draft) else ""
+        hint = _memory_hint(cfg, params, cache, share)
+        for fmt, per_value in (smaller or {}).items():     # a bf16 checkpoint widened to float32 takes twice its bytes
+            need = max(sum(decode_rank_bytes(cfg, ranges[:1], per_value)) + sum(draft),
+                       sum(decode_rank_bytes(cfg, ranges[1:], per_value)))
+            if need <= share:
+                hint = (f"keep the matrices in weight format {fmt} (--set model.weight_format='\"{fmt}\"': about "
+                        f"{need / GIB:.3g} GiB a rank, docs/kernels.md), or {hint}")
+                break
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB{with_draft} (parameters {params / GIB:.3g} GiB, "
-            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
+            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {hint}")
 
 
 def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
     """The weight format the stages compute in (serve.engine's choice: model.weight_format, "auto" as the compiled
     stage allows it; without compiled stages, expert-parallel or on a GPU, "auto" is float32). ``on_gpu``: whether
     the stages run on CuPy (None: as run.backend picks it here, "auto" on CuPy where a GPU is seen)."""
+    gpu = runs_on_gpu(cfg.run.backend) if on_gpu is None else on_gpu
+    return inference_format(cfg.model.weight_format, _compiled(cfg, model, gpu))
+
+
+def _compiled(cfg: Config, model: Any, gpu: bool) -> bool:
+    """Whether the compiled CPU stage runs every stage of this layout (DecodeStage's choice, serve.engine's ep)."""
     tp = cfg.parallel.tp
     ranks = [TPPlace(tp, r) for r in range(tp)] if tp > 1 else [None]
+    return (cfg.parallel.ep == 1 and not gpu
+            and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
+
+
+def widens_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> bool:
+    """Whether the stages hold float32 matrices although :func:`kept_format` is stored or q8_0: the NumPy steps of
+    a CPU stage (the moe kind, ep > 1, a float64 run, no compiled kernels) widen every matrix to the run's dtype
+    once read (q8_0's values rounded first); only the compiled stage and a GPU stage's row products keep them."""
     gpu = runs_on_gpu(cfg.run.backend) if on_gpu is None else on_gpu
-    compiled = (cfg.parallel.ep == 1 and not gpu
-                and all(compiled_available(np, cfg.model.dtype, place, model) for place in ranks))
-    return inference_format(cfg.model.weight_format, compiled)
+    if kept_format(cfg, model, gpu) == "float32":
+        return False
+    if gpu:                          # DecodeStage's keeps_compact: float32 NumPy steps of a model without experts
+        return not (np.dtype(cfg.model.dtype) == np.float32 and model.fusable() and cfg.parallel.ep == 1)
+    return not _compiled(cfg, model, gpu)
 
 
 def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes | None:
@@ -176,12 +201,30 @@ def format_bytes(cfg: Config, model: Any, source: WeightsSource) -> MatrixBytes 
     if cfg.parallel.ep > 1 or runs_on_gpu(cfg.run.backend):
         return None       # experts are widened to float32; a GPU stage's compact choice is made there ("auto" too)
     fmt = kept_format(cfg, model)
-    if fmt == "float32":
+    if fmt == "float32" or widens_format(cfg, model):     # counted at 1 or 2 bytes, held at 4: a rank ran short
         return None
     stored = source.matrix_itemsize()
     if fmt == "stored":
         return lambda shape: stored
     return lambda shape: Q8_BYTES if shape[0] % Q8_BLOCK == 0 else stored     # q8_0: whole blocks of 32 inputs
+
+
+def smaller_formats(cfg: Config, model: Any, source: WeightsSource) -> dict[str, MatrixBytes]:
+    """The weight formats other than model.weight_format in which this layout's stages would keep their matrices in
+    fewer bytes (stored: a 16-bit checkpoint's 2 bytes a value, exact; q8_0: 34 bytes a block of 32), each with its
+    :func:`format_bytes`; none where the stages widen every format (:func:`widens_format`)."""
+    now = format_bytes(cfg, model, source)
+    block = (Q8_BLOCK, Q8_BLOCK)
+    held = now(block) if now is not None else np.dtype(cfg.model.dtype).itemsize
+    out = {}
+    tp = cfg.parallel.tp
+    for fmt in ("stored", "q8_0"):
+        if fmt == "q8_0" and tp > 1 and any(tp_q8_problem(model, TPPlace(tp, r)) for r in range(tp)):
+            continue                  # refused at this tp (its row-parallel inputs are no whole q8_0 blocks)
+        per_value = format_bytes(replace(cfg, model=replace(cfg.model, weight_format=fmt)), model, source)
+        if per_value is not None and per_value(block) < held:
+            out[fmt] = per_value
+    return out
 
 
 def draft_bytes(cfg: Config, model: Any, draft: ServeSetup) -> tuple[int, int]:
@@ -288,7 +331,8 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
     draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
     check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
-                        draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0))
+                        draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0),
+                        smaller=smaller_formats(cfg, model, source))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
 

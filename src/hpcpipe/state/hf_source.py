@@ -180,11 +180,12 @@ class HFSource:
                           f"--resume)")
 
     def matrix_itemsize(self) -> int:
-        """2 when the first block's matrices are stored in 16 bits (bfloat16, float16), else 4 (headers only)."""
-        for name in self.tensors.names():
-            if ".layers.0." in f".{name}" and len(self.tensors.info(name).shape) == 2:
-                return 2 if self.tensors.info(name).dtype in ("BF16", "F16") else 4
-        return 4
+        """2 when the blocks' matrices are all stored in one 16-bit dtype (bfloat16 or float16), else 4 (headers
+        only): a block whose q, k, v (or gate, up) mix dtypes is widened to float32 to be stacked, so a mixed
+        checkpoint counts as 4, an upper bound (it counted the first matrix's 2)."""
+        dtypes = {self.tensors.info(name).dtype for name in self.tensors.names()
+                  if ".layers." in f".{name}" and len(self.tensors.info(name).shape) == 2}
+        return 2 if len(dtypes) == 1 and dtypes <= {"BF16", "F16"} else 4
 
     def forward_only(self, dtype: str, half_embedding: bool = False, stored: bool = False,
                      quantize: bool = False) -> HFSource:

@@ -150,15 +150,20 @@ def check_resumed_init(config: Config, source: HDF5Source) -> None:
                           f"names a LoRA export's base; leave model.init out)") from None
 
 
+def check_training_format(config: Config) -> None:
+    """Refuse a model.weight_format other than auto / float32 (training and the planner, which plans training)."""
+    if config.model.weight_format not in ("auto", "float32"):
+        raise ConfigError(f"model.weight_format = {config.model.weight_format!r}: training keeps float32 weights; the "
+                          f"weight formats are for generate, serve and evaluate (leave it \"auto\" or \"float32\")")
+
+
 def prepare(config: Config, world_size: int, layout: tuple[int, int] | None = None) -> TrainSetup:
     """Check config against the world size, data and weights files; lower and validate the schedule.
 
     ``layout``: the (dp, pp) the caller resolved already (the train command, whose message about a resumed
     run's layout says where it came from); None resolves it here.
     """
-    if config.model.weight_format not in ("auto", "float32"):
-        raise ConfigError(f"model.weight_format = {config.model.weight_format!r}: training keeps float32 weights; the "
-                          f"weight formats are for generate, serve and evaluate (leave it \"auto\" or \"float32\")")
+    check_training_format(config)
     check_backend(config.run.backend)   # here, not in the Trainer: a rank's own error there was every rank's line
     dp, pp = layout if layout is not None else resolve_layout(config, world_size)
     par, tr = config.parallel, config.train

@@ -97,10 +97,12 @@ def window_of(cfg: dict, label: str, model_type: str, seq_len: int, n_layers: in
 
 def rope_of(cfg: dict, label: str, seq_len: int) -> tuple[float, dict[str, Any] | None]:
     """Return (rope_theta, rope_scaling) of 4.x (rope_theta, rope_scaling) or 5.x (rope_parameters) keys."""
-    params = cfg.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params, key = cfg.get("rope_scaling"), "rope_scaling"
+    # a non-empty rope_scaling wins over rope_parameters, as transformers 5.x reads them (Qwen3's model card asks
+    # users to add rope_scaling for YaRN to a config.json that a 5.x save gave rope_parameters): taking
+    # rope_parameters' default rope then would compute another model, silently
+    params, key = cfg.get("rope_scaling"), "rope_scaling"
+    if not params:
+        params, key = cfg.get("rope_parameters"), "rope_parameters"
     if params is None:
         params = {}
     if not isinstance(params, dict):

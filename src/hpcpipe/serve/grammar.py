@@ -27,7 +27,8 @@ import numpy as np
 PACKAGE = "llguidance"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _lock = threading.Lock()
-_cache: dict[int, tuple[Any, Any]] = {}     # id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none)
+# id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none, its _Tokens for bytes and chars or None)
+_cache: dict[int, tuple[Any, Any, Any]] = {}
 
 
 class GrammarError(ValueError):
@@ -60,37 +61,49 @@ class _Tokens:
         self.bos_token_id = None
         self.special_token_ids = [self.eos_token_id]
         self._tokenizer = tokenizer
+        self.refused = threading.local()      # .reason: why this thread's last encode failed (the library panics)
 
     def __call__(self, text: bytes | str) -> list[int]:
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-        return [int(i) for i in self._tokenizer.encode(text)]
+        try:
+            return [int(i) for i in self._tokenizer.encode(text)]
+        except ValueError as exc:
+            # llguidance turns this into a panic whose text is pages of state; keep the one line that says why
+            self.refused.reason = f"{text!r}: {str(exc).removeprefix('tokenizer: ')}"
+            raise
 
 
 def lltokenizer(tokenizer: Any) -> Any:
     """Return llguidance's LLTokenizer of an hpcpipe tokenizer (built once, ~0.4 s for 32k tokens); GrammarError
     when the library cannot read it."""
+    return _cached(tokenizer)[1]
+
+
+def _cached(tokenizer: Any) -> tuple[Any, Any, Any]:
+    """(tokenizer, LLTokenizer, _Tokens or None), built once; GrammarError when the library cannot read it."""
     with _lock:
         cached = _cache.get(id(tokenizer))
         if cached is None or cached[0] is not tokenizer:
-            cached = _cache[id(tokenizer)] = (tokenizer, _build(tokenizer))
+            cached = _cache[id(tokenizer)] = (tokenizer, *_build(tokenizer))
     if isinstance(cached[1], str):
         raise GrammarError(cached[1])
-    return cached[1]
+    return cached
 
 
-def _build(tokenizer: Any) -> Any:
-    """The LLTokenizer, or the reason (a string) there is none."""
+def _build(tokenizer: Any) -> tuple[Any, Any]:
+    """(the LLTokenizer or the reason, a string, there is none; the _Tokens it reads, for bytes and chars)."""
     try:
         llg = _library()
     except GrammarError as exc:
-        return str(exc)
+        return str(exc), None
     try:
         if tokenizer.kind in ("bytes", "chars"):
-            return llg.LLTokenizer(llg.TokenizerWrapper(_Tokens(tokenizer)))
+            tokens = _Tokens(tokenizer)
+            return llg.LLTokenizer(llg.TokenizerWrapper(tokens)), tokens
         eos = list(getattr(tokenizer, "eos_ids", ())) or None
-        return llg.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+        return llg.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=tokenizer.vocab_size, eos_token=eos), None
     except Exception as exc:  # noqa: BLE001 - the library's own errors: the tokenizer is one it cannot read
-        return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})"
+        return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})", None
 
 
 def compile_format(response_format: Any, tokenizer: Any) -> str:
@@ -121,14 +134,24 @@ def compile_format(response_format: Any, tokenizer: Any) -> str:
     problem = llg.LLMatcher.validate_grammar(grammar, lltok)
     if problem:
         raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {problem}")
+    _check_start(grammar, tokenizer)
     return grammar
+
+
+def _check_start(grammar: str, tokenizer: Any) -> None:
+    """GrammarError when no token of the tokenizer may start the document (a chars tokenizer without '{' or '"'):
+    such a request could only fail on the last stage, so it is refused before it is queued."""
+    try:
+        Constraint(grammar, tokenizer).allowed()
+    except ValueError as exc:
+        raise GrammarError(f"this model's {tokenizer.kind} tokenizer cannot write it: {exc}") from None
 
 
 class Constraint:
     """One sequence's grammar on the last stage: which ids may come next, and the state after each sampled one."""
 
     def __init__(self, grammar: str, tokenizer: Any, vocab: int | None = None):
-        lltok = lltokenizer(tokenizer)
+        _, lltok, self._tokens = _cached(tokenizer)
         self.vocab = tokenizer.vocab_size if vocab is None else vocab
         self.matcher = _library().LLMatcher(lltok, grammar)
         # the masks cover the library's ids: the vocabulary, plus the stand-in end id of bytes and chars
@@ -136,8 +159,17 @@ class Constraint:
         self._check()
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise ValueError(f"grammar: {self.matcher.get_error()}")
+        if not self.matcher.is_error():
+            return
+        refused = getattr(self._tokens.refused, "reason", None) if self._tokens is not None else None
+        if refused is not None:      # the text the grammar needs next has no tokens: say that, not the panic
+            del self._tokens.refused.reason
+            raise ValueError(f"the text the format needs next cannot be encoded: {refused}")
+        first = self.matcher.get_error().splitlines()[0][:300]     # the rest is pages of the library's state
+        if first == "NoExtensionBias":
+            raise ValueError("no token of the tokenizer may come next (the text the format allows here has "
+                             "characters the tokenizer lacks)")
+        raise ValueError(f"grammar: {first}")
 
     @property
     def done(self) -> bool:

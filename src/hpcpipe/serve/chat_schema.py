@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hpcpipe.serve.chat_fields import check_message_fields
 from hpcpipe.serve.openai_schema import (
     ApiError,
     CompletionSpec,
@@ -66,6 +67,7 @@ def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     if not hasattr(tokenizer, "files"):
         raise _bad(f"this model has a {tokenizer.kind} tokenizer and no chat template; use /v1/completions with "
                    f"plain text", "messages")
+    check_message_fields(body["messages"], tokenizer)
     given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
         raise _bad(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens "

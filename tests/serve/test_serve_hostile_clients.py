@@ -64,3 +64,15 @@ def test_a_grammar_that_runs_into_a_missing_character_fails_in_one_line():
         c.allowed()
     assert str(e.value).startswith("the text the format needs next cannot be encoded: ") and "\n" not in str(e.value)
     assert "character ':' (U+003A)" in str(e.value)
+
+
+@pytest.mark.parametrize("prompt,words", [
+    ([1, 2, True], "prompt[2] must be a token id in [0, 32) (the tokenizer's vocabulary), got True"),
+    ([1, 2, 1.0], "prompt[2] must be a token id in [0, 32) (the tokenizer's vocabulary), got 1.0"),
+    ([3, "a"], "prompt[1] must be a token id in [0, 32) (the tokenizer's vocabulary), got 'a'"),
+])
+def test_a_token_id_prompt_names_the_entry_that_is_no_token_id(server, prompt, words):
+    # was: "prompt[0] must be a string, a token id or a list of token ids, got int" (prompt[0] is a token id)
+    status, body = post(server, {"prompt": prompt, "max_tokens": 2})
+    assert status == 400 and body["error"]["message"] == words, body
+    still_serves(server)

@@ -220,7 +220,7 @@ def _prompts(body: dict, max_prompts: int, tokenizer) -> list[str | list[int]]:
                    "prompt")
     if not prompt:
         raise _bad("prompt is an empty list; send at least one string", "prompt")
-    if all(_is_int(x) for x in prompt):          # one prompt as token ids
+    if _is_int(prompt[0]):                       # one prompt as token ids (the first that is none is named)
         return [_token_ids(prompt, "prompt", tokenizer)]
     kind = str if isinstance(prompt[0], str) else list if isinstance(prompt[0], list) else None
     if kind is None:

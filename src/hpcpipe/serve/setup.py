@@ -30,6 +30,7 @@ from hpcpipe.kernels.formats import Q8_BLOCK, inference_format
 from hpcpipe.nn.core.fused_stage import compiled_available
 from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import KINDS as KIND_REGISTRY
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.runtime.host_memory import rank_share
@@ -285,16 +286,29 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                      f"window keep their own rings)")
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
-    draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
+    draft = _draft(cfg, shape.seq_len, tokenizer, shorter=_seq_len_free(source, cfg)) \
+        if cfg.serve.speculate == "draft" else None
     check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
                         draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
 
 
-def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
-    """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context."""
+def _seq_len_free(source: Any, cfg: Config) -> bool:
+    """Whether model.seq_len may be set shorter than the weights' context (a Hugging Face RoPE model's)."""
+    return getattr(source, "kind", "") == "hf" and KIND_REGISTRY[cfg.model.kind].seq_len_free
+
+
+def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer, shorter: bool = False) -> ServeSetup:
+    """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context
+    (``shorter``: the model's model.seq_len may be lowered to the draft's)."""
     where = f"serve.draft {cfg.serve.draft!r}"
+    stored = resolve_weights(cfg.serve.draft, "serve.draft")
+    saved = (stored.model or {}).get("dtype")
+    if getattr(stored, "kind", "") != "hf" and saved and saved != cfg.model.dtype:
+        # its prepare below would blame "model.dtype in the configuration", which the user never set
+        raise ConfigError(f"{where} was saved in {saved}, but the model computes in {cfg.model.dtype}: a draft "
+                          f"decodes in the model's dtype; give a draft saved in {cfg.model.dtype}")
     draft = prepare(cfg.serve.draft, 1, None, ["parallel.pp=1", "parallel.dp=1", f"model.dtype={cfg.model.dtype!r}"],
                     key="serve.draft")
     why = tokenizer_difference(tokenizer, draft.stored_tokenizer)
@@ -302,8 +316,10 @@ def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
         raise ConfigError(f"{where} has another tokenizer than the model ({why}): a draft model must share the "
                           f"model's tokenizer, since its proposals are the model's token ids")
     if draft.shape.seq_len < seq_len:
+        fix = f"set model.seq_len to at most {draft.shape.seq_len}" if shorter else \
+            f"give a draft with a context of at least {seq_len} tokens (the model's context is fixed by its weights)"
         raise ConfigError(f"{where} has a context of {draft.shape.seq_len} tokens, shorter than the model's "
-                          f"{seq_len}: set model.seq_len to at most {draft.shape.seq_len}")
+                          f"{seq_len}: {fix}")
     return draft
 
 

@@ -76,3 +76,19 @@ def test_a_token_id_prompt_names_the_entry_that_is_no_token_id(server, prompt, w
     status, body = post(server, {"prompt": prompt, "max_tokens": 2})
     assert status == 400 and body["error"]["message"] == words, body
     still_serves(server)
+
+
+@pytest.mark.parametrize("fmt,words", [
+    ({"type": "json_object", "schema": {"type": "object", "required": ["a"]}},
+     "response_format has an unknown key 'schema' (with type 'json_object' it takes type): a schema goes in "
+     "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}"),
+    ({"type": "text", "json_schema": {"name": "x", "schema": {}}}, "response_format has an unknown key 'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}, "strct": True}},
+     "response_format.json_schema has an unknown key 'strct' (with type 'json_schema' it takes name, schema, strict, "
+     "description)"),
+])
+def test_a_response_format_key_of_another_shape_is_a_400_naming_it(server, fmt, words):
+    # was: 200 with the key ignored (a schema beside json_object: any object, or plain text, without a word)
+    status, body = post(server, {"prompt": "hello", "max_tokens": 2, "response_format": fmt})
+    assert status == 400 and body["error"]["message"].startswith(words), body
+    still_serves(server)

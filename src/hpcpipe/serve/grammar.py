@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 PACKAGE = "llguidance"
+JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")     # OpenAI's json_schema object
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _lock = threading.Lock()
 # id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none, its _Tokens for bytes and chars or None)
@@ -106,6 +107,16 @@ def _build(tokenizer: Any) -> tuple[Any, Any]:
         return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})", None
 
 
+def _known_keys(given: dict, known: tuple[str, ...], where: str, kind: str) -> None:
+    """GrammarError naming the first key of ``given`` that is not in ``known``."""
+    unknown = [key for key in given if key not in known]
+    if unknown:
+        hint = (": a schema goes in {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}"
+                if unknown[0] in ("schema", "json_schema") else "")
+        raise GrammarError(f"{where} has an unknown key {unknown[0]!r} (with type {kind!r} it takes "
+                           f"{', '.join(known)}){hint}")
+
+
 def compile_format(response_format: Any, tokenizer: Any) -> str:
     """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
     names the problem ("" for {"type": "text"}: no grammar)."""
@@ -113,18 +124,22 @@ def compile_format(response_format: Any, tokenizer: Any) -> str:
         raise GrammarError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, got "
                            f"{type(response_format).__name__}")
     kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise GrammarError(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+    # a key of another shape (a "schema" beside "json_object") was ignored: the client got no schema, silently
+    _known_keys(response_format, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format",
+                kind)
     if kind == "text":
         return ""
     if kind == "json_object":
         schema: Any = {"type": "object"}
-    elif kind == "json_schema":
+    else:
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
             raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
                                "{...JSON Schema...}}")
+        _known_keys(spec, JSON_SCHEMA_KEYS, "response_format.json_schema", kind)
         schema = spec.get("schema", {})
-    else:
-        raise GrammarError(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
     llg = _library()
     lltok = lltokenizer(tokenizer)
     try:

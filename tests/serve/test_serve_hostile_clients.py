@@ -92,3 +92,13 @@ def test_a_response_format_key_of_another_shape_is_a_400_naming_it(server, fmt, 
     status, body = post(server, {"prompt": "hello", "max_tokens": 2, "response_format": fmt})
     assert status == 400 and body["error"]["message"].startswith(words), body
     still_serves(server)
+
+
+def test_a_prompt_too_long_for_the_default_max_tokens_says_the_16_is_the_default(server):
+    status, body = post(server, {"prompt": "a" * 50})
+    # was: "max_tokens is 16: ..." to a client that sent no max_tokens
+    assert status == 400 and body["error"]["message"].startswith(
+        "prompt has 50 tokens and max_tokens is 16 (the default: the request sets none): 50 + 16 = 66 exceeds"), body
+    status, body = post(server, {"prompt": "a" * 50, "max_tokens": 15})
+    assert status == 400 and body["error"]["message"].startswith("prompt has 50 tokens and max_tokens is 15: "), body
+    assert post(server, {"prompt": "a" * 48})[0] == 200

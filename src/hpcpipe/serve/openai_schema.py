@@ -133,6 +133,8 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         texts = sum(isinstance(e, str) for e in entries)       # the text jobs come first, then the decode jobs
         encoded, decoded = iter(results[:texts]), iter(results[texts:])
         prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
+        # a client that sent no max_tokens must learn where the 16 came from
+        default = " (the default: the request sets none)" if _get(body, "max_tokens", None) is None else ""
         for where, ids in zip(names, prompts, strict=True):
             if len(ids) + min(max_tokens, 1) > seq_len:     # no max_tokens fits: lowering it cannot help
                 raise _bad(f"{where} has {len(ids)} tokens, which leaves no room in the model's context of {seq_len} "
@@ -140,7 +142,7 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
                            "prompt")
             if len(ids) + max_tokens > seq_len:
                 raise _bad(f"{where} has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
-                           f"{max_tokens}: {len(ids)} + "
+                           f"{max_tokens}{default}: {len(ids)} + "
                            f"{max_tokens} = {len(ids) + max_tokens} exceeds the model's context length of {seq_len} "
                            f"tokens; shorten the prompt or lower max_tokens", "max_tokens")
         echoed = [e if isinstance(e, str) else next(decoded) for e in entries] if echo else None

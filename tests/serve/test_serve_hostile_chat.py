@@ -54,3 +54,12 @@ def test_openais_roles_and_keys_and_the_templates_own_are_taken(server):
                 {"role": "ipython", "content": "f", "header": "g"}, {"role": "user", "content": "h"}]
     done = chat(server, messages)
     assert done.usage.prompt_tokens > 0 and done.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_template_that_writes_whole_messages_takes_any_key():
+    from hpcpipe.serve.chat_fields import reads_any_key
+    for template in ("{{ messages | tojson }}", "{% for m in messages %}{{ m|tojson }}{% endfor %}",
+                     "{% for message in messages %}{% for k, v in message.items() %}{{ k }}{% endfor %}{% endfor %}"):
+        assert reads_any_key(template), template
+    assert not reads_any_key(CHAT) and not reads_any_key("{{ tools | tojson }}{% for m in messages %}{{ m.content }}"
+                                                         "{% endfor %}")

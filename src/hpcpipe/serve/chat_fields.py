@@ -24,12 +24,22 @@ _TEMPLATES: dict[int, tuple[Any, str | None]] = {}     # id(tokenizer) -> (token
 _QUOTED = re.compile(r"""'([A-Za-z_][\w-]{0,63})'|"([A-Za-z_][\w-]{0,63})"|\.([A-Za-z_]\w{0,63})""")
 
 
+# a template that writes whole messages (``message | tojson``, ``message.items()``) reads every key they have
+_WHOLE = re.compile(r"\.items\(\)|\b(?:\w*message\w*|\w*msg\w*|m)(?:\[[^\]]*\])?\s*\|\s*tojson", re.IGNORECASE)
+
+
 @lru_cache(maxsize=8)
 def template_names(template: str | None) -> frozenset[str]:
     """The names a chat template quotes or reads as attributes (the roles and keys it may give a meaning to)."""
     if not template:
         return frozenset()
     return frozenset(next(g for g in m.groups() if g) for m in _QUOTED.finditer(template))
+
+
+@lru_cache(maxsize=8)
+def reads_any_key(template: str | None) -> bool:
+    """Whether the template writes whole messages (every key of a message may matter to it)."""
+    return bool(template) and _WHOLE.search(template) is not None
 
 
 def _closest(name: str, known: list[str]) -> str:
@@ -56,7 +66,8 @@ def check_message_fields(messages: Any, tokenizer: Any) -> None:
     model's chat template; anything else wrong with the messages is the renderer's to name (hpcpipe.hf.chat)."""
     if not isinstance(messages, list):
         return
-    names = template_names(model_template(tokenizer))
+    template = model_template(tokenizer)
+    names, any_key = template_names(template), reads_any_key(template)
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
@@ -68,7 +79,7 @@ def check_message_fields(messages: Any, tokenizer: Any) -> None:
                                 f"(OpenAI's roles are {', '.join(ROLES)}; another role is taken only when the "
                                 f"model's chat template names it)", "messages")
         for key in message:
-            if key not in KEYS and key not in names:
+            if key not in KEYS and key not in names and not any_key:
                 raise ApiError(400, f"messages[{i}] has an unknown key {key!r}{_closest(key, list(KEYS))} (a "
                                     f"message takes {', '.join(KEYS)}; another key is taken only when the model's "
                                     f"chat template reads it)", "messages")

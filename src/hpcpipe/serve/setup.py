@@ -136,13 +136,14 @@ def _model_config(source: WeightsSource, given: str, raw: dict[str, Any], key: s
 
 def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
                         headroom: int | None = None, matrix_bytes: MatrixBytes | None = None,
-                        draft: tuple[int, int] = (0, 0)) -> None:
+                        draft: tuple[int, int] = (0, 0), seq_len_free: bool = True) -> None:
     """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
 
     The share is the smaller of the node's available memory over its ranks and this process's address-space
     headroom (ulimit -v); ``available`` and ``headroom`` decide instead of measuring (tests). ``matrix_bytes``:
     the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
     of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`).
+    ``seq_len_free``: whether model.seq_len may be set below the weights' (else the hint does not name it).
     """
     if cfg.run.backend == "cupy":
         return
@@ -155,7 +156,8 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
         with_draft = f" with serve.draft's model ({sum(draft) / GIB:.3g} GiB)" if sum(draft) else ""
         raise ConfigError(
             f"a rank needs about {(params + cache) / GIB:.3g} GiB{with_draft} (parameters {params / GIB:.3g} GiB, "
-            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: {_memory_hint(cfg, params, cache, share)}")
+            f"KV cache {cache / GIB:.3g} GiB for {kv_pool(cfg)}); {how}: "
+            f"{_memory_hint(cfg, params, cache, share, seq_len_free)}")
 
 
 def kept_format(cfg: Config, model: Any, on_gpu: bool | None = None) -> str:
@@ -192,7 +194,7 @@ def draft_bytes(cfg: Config, model: Any, draft: ServeSetup) -> tuple[int, int]:
     return decode_rank_bytes(dcfg, [range(draft.shape.n_groups)])
 
 
-def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
+def _memory_hint(cfg: Config, params: int, cache: int, share: int, seq_len_free: bool = True) -> str:
     """What would fit in a rank's share: the KV cache grows linearly in seq_len and in max_sequences, so the values
     named are below the ones given (a fixed example once suggested a seq_len above the model's context)."""
     if params >= share or cache == 0:
@@ -205,9 +207,12 @@ def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
     fits_len = fits_len // 256 * 256 if fits_len >= 512 else fits_len      # a round number when there is room
     fits_seq = sequences * (share - params) // cache
     ways = []
+    if cfg.serve.kv_block > seq_len:      # every sequence holds a whole block, most of it past the context
+        ways.append(f"lower serve.kv_block to at most model.seq_len (--set serve.kv_block={min(16, seq_len)}: a "
+                    f"block of {cfg.serve.kv_block} positions is longer than a whole context)")
     if fits_seq >= 1:
         ways.append(f"lower serve.max_sequences (at most {fits_seq} fit: --set serve.max_sequences={fits_seq})")
-    if fits_len >= 2:
+    if fits_len >= 2 and seq_len_free:    # a GPT's weights fix its context: they refuse a shorter one
         ways.append(f"lower model.seq_len (at most {fits_len} tokens fit: --set model.seq_len={fits_len})")
     return ", or ".join([*ways, "use more stages"])
 
@@ -289,6 +294,7 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
     draft = _draft(cfg, shape.seq_len, tokenizer, shorter=_seq_len_free(source, cfg)) \
         if cfg.serve.speculate == "draft" else None
     check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
+                        seq_len_free=not source.model or _seq_len_free(source, cfg),
                         draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)

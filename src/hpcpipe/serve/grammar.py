@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _lock = threading.Lock()
 # id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none, its _Tokens for bytes and chars or None)
 _cache: dict[int, tuple[Any, Any, Any]] = {}
+MATCHERS_KEPT = 16
+_matchers: OrderedDict[tuple[int, str], Any] = OrderedDict()     # (id of its LLTokenizer, grammar) -> matcher
 
 
 class GrammarError(ValueError):
@@ -117,9 +120,9 @@ def _known_keys(given: dict, known: tuple[str, ...], where: str, kind: str) -> N
                            f"{', '.join(known)}){hint}")
 
 
-def compile_format(response_format: Any, tokenizer: Any) -> str:
-    """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
-    names the problem ("" for {"type": "text"}: no grammar)."""
+def format_schema(response_format: Any) -> Any:
+    """Return the JSON schema a response_format asks for (None for {"type": "text"}), its shape checked (cheap: no
+    compiling); GrammarError names the problem."""
     if not isinstance(response_format, dict):
         raise GrammarError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, got "
                            f"{type(response_format).__name__}")
@@ -130,27 +133,52 @@ def compile_format(response_format: Any, tokenizer: Any) -> str:
     _known_keys(response_format, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format",
                 kind)
     if kind == "text":
-        return ""
+        return None
     if kind == "json_object":
-        schema: Any = {"type": "object"}
-    else:
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-            raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
-                               "{...JSON Schema...}}")
-        _known_keys(spec, JSON_SCHEMA_KEYS, "response_format.json_schema", kind)
-        schema = spec.get("schema", {})
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+        raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
+                           "{...JSON Schema...}}")
+    _known_keys(spec, JSON_SCHEMA_KEYS, "response_format.json_schema", kind)
+    return spec.get("schema", {})
+
+
+def compile_format(response_format: Any, tokenizer: Any) -> str:
+    """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
+    names the problem ("" for {"type": "text"}: no grammar). Compiling may take long for a large schema (3,000
+    optional properties: about 2 s): the server runs it off its event loop, within a time limit."""
+    schema = format_schema(response_format)
+    if schema is None:
+        return ""
     llg = _library()
-    lltok = lltokenizer(tokenizer)
+    lltokenizer(tokenizer)
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {exc}") from None
-    problem = llg.LLMatcher.validate_grammar(grammar, lltok)
-    if problem:
-        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {problem}")
+    matcher = _base_matcher(grammar, tokenizer)     # compiled once: the check below and later sequences copy it
+    if matcher.is_error():
+        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: "
+                           f"{matcher.get_error().splitlines()[0][:300]}")
     _check_start(grammar, tokenizer)
     return grammar
+
+
+def _base_matcher(grammar: str, tokenizer: Any) -> Any:
+    """The library's matcher of grammar in its start state, compiled once per grammar (the last few kept): each
+    sequence takes a copy (microseconds), so n choices or many requests with one schema compile it once."""
+    _, lltok, _ = _cached(tokenizer)
+    key = (id(lltok), grammar)
+    with _lock:
+        matcher = _matchers.pop(key, None)
+    if matcher is None:
+        matcher = _library().LLMatcher(lltok, grammar)
+    with _lock:
+        _matchers[key] = matcher
+        while len(_matchers) > MATCHERS_KEPT:
+            _matchers.popitem(last=False)
+    return matcher
 
 
 def _check_start(grammar: str, tokenizer: Any) -> None:
@@ -168,7 +196,7 @@ class Constraint:
     def __init__(self, grammar: str, tokenizer: Any, vocab: int | None = None):
         _, lltok, self._tokens = _cached(tokenizer)
         self.vocab = tokenizer.vocab_size if vocab is None else vocab
-        self.matcher = _library().LLMatcher(lltok, grammar)
+        self.matcher = _base_matcher(grammar, tokenizer).deep_copy()
         # the masks cover the library's ids: the vocabulary, plus the stand-in end id of bytes and chars
         self._bits = np.zeros((lltok.vocab_size + 31) // 32, dtype=np.int32)
         self._check()

@@ -48,3 +48,19 @@ def test_the_last_stage_compiles_a_grammar_once_for_every_sequence_that_follows_
     tok = Tokenizer("bytes")
     grammar = compile_format(SMALL, tok)
     assert _base_matcher(grammar, tok) is _base_matcher(grammar, tok)     # n choices, or requests with one schema
+
+
+def test_a_schema_waiting_for_busy_compilers_past_its_limit_is_a_429_with_retry_after(served):
+    s = served(limits={"grammar_ms": 300}, seq_len=512)
+    busy = [threading.Thread(target=s.post, args=({"prompt": "x", "max_tokens": 8, "response_format": BIG},))
+            for _ in range(2)]
+    for t in busy:
+        t.start()
+    deadline = time.monotonic() + 30             # both compilers now run a 4,000-property schema for seconds
+    while sum(t.name == "hpcpipe-grammar" for t in threading.enumerate()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, headers, body = s.post({"prompt": "x", "max_tokens": 8, "response_format": SMALL})
+    for t in busy:
+        t.join(30)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+    assert headers["Retry-After"] == "1"         # was: a 429 without it (the prompt workers' 429 too)

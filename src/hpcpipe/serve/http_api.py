@@ -192,7 +192,8 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
         spec = constrained(draft.finish(await s["prompts"].prepare(draft.jobs)), grammar)
     except ApiError as err:
         metrics.count_request(err.status)
-        return _error(err)
+        # a 429 of the prompt workers or the grammar compilers says when to retry, as the broker's does
+        return _error(err, headers={"Retry-After": "1"} if err.status == 429 else None)
     except ClientGone:                          # nobody is left to answer; a client can do this at will
         metrics.count_disconnect()
         metrics.count_request(499)

@@ -20,7 +20,6 @@ from hpcpipe.serve.api_error import ApiError
 from hpcpipe.serve.request_options import compile_checked
 
 COMPILERS = 2            # compiles running at once (one that ran past its limit still counts until it ends)
-_POLL_S = 0.005          # how often a waiting request looks for a free compiler
 
 
 class GrammarCompiler:
@@ -28,7 +27,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, limit_ms: int):
         self.tokenizer, self.limit_s = tokenizer, limit_ms / 1000
-        self._slots = threading.BoundedSemaphore(COMPILERS)
+        self._slots: asyncio.Semaphore | None = None     # made on the event loop, released from the threads
 
     async def grammar(self, response_format: Any) -> str:
         """Return the grammar of response_format ("" for None); ApiError 400 (refused, or not compiled within the
@@ -36,15 +35,21 @@ class GrammarCompiler:
         if response_format is None:
             return ""
         loop = asyncio.get_running_loop()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(COMPILERS)
         deadline = loop.time() + self.limit_s
-        while not self._slots.acquire(blocking=False):
-            if loop.time() >= deadline:
-                raise ApiError(429, f"the server is compiling {COMPILERS} other response_format schemas; retry "
-                                    f"later", type="requests", code="rate_limit_exceeded")
-            await asyncio.sleep(_POLL_S)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.limit_s)
+        except TimeoutError:
+            raise ApiError(429, f"the server is compiling {COMPILERS} other response_format schemas; retry "
+                                f"later", type="requests", code="rate_limit_exceeded") from None
         done: asyncio.Future = loop.create_future()
-        threading.Thread(target=self._run, args=(response_format, loop, done), name="hpcpipe-grammar",
-                         daemon=True).start()
+        try:
+            threading.Thread(target=self._run, args=(response_format, loop, done), name="hpcpipe-grammar",
+                             daemon=True).start()
+        except BaseException:
+            self._slots.release()
+            raise
         try:
             return await asyncio.wait_for(done, max(0.0, deadline - loop.time()))
         except TimeoutError:
@@ -57,15 +62,14 @@ class GrammarCompiler:
             result, error = compile_checked(response_format, self.tokenizer), None
         except BaseException as exc:  # noqa: BLE001 - handed to the request (an ApiError, or a bug of ours: its 500)
             result, error = None, exc
-        finally:
-            self._slots.release()
-        try:
-            loop.call_soon_threadsafe(_settle, done, result, error)
+        try:                     # the slot is free once the compile ends, whether anyone still waits for it
+            loop.call_soon_threadsafe(_settle, self._slots, done, result, error)
         except RuntimeError:     # the event loop is closed: the server stopped, nobody waits for this
             pass
 
 
-def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _settle(slots: asyncio.Semaphore, done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    slots.release()
     if done.done():              # the request gave up (its limit passed, or its client left)
         return
     if error is not None:

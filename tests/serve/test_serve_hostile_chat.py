@@ -38,6 +38,7 @@ def chat(server, messages, **kw):
     ({"role": "wizard", "content": "hi"}, "messages[0].role 'wizard' is not a known role (OpenAI's roles are"),
     ({"role": "user", "content": "hi", "nmae": "bob"}, "messages[0] has an unknown key 'nmae': did you mean 'name'?"),
     ({"role": "user", "content": "hi", "temperature": 0}, "messages[0] has an unknown key 'temperature' (a message"),
+    ({"role": "user", "content": []}, "messages[0].content is an empty list: send a string, or at least one"),
 ])
 def test_an_unknown_role_or_message_key_is_a_400_naming_it(server, message, words):
     # was: 200, the role or key silently rendered as something else (or dropped)

@@ -73,6 +73,9 @@ def check_message_fields(messages: Any, tokenizer: Any) -> None:
             continue
         if any(unicode_problem(str(text)) for text in (*message, message.get("role", ""))):
             continue                 # a lone surrogate: the renderer names it and where it is
+        if message.get("content") == []:      # OpenAI 400s it; rendered, it was a turn of no text, silently
+            raise ApiError(400, f"messages[{i}].content is an empty list: send a string, or at least one "
+                                f"{{\"type\": \"text\", \"text\": \"...\"}} part", "messages")
         role = message.get("role")
         if isinstance(role, str) and role and role not in ROLES and role not in names:
             raise ApiError(400, f"messages[{i}].role {role!r} is not a known role{_closest(role, list(ROLES))} "

@@ -107,6 +107,11 @@ def validate(config: Config) -> None:
     _require(srv.prefill_tokens >= 0,
              f"serve.prefill_tokens must be >= 0 (0 = whole prompts), got {srv.prefill_tokens}")
     _require(srv.micro_batches >= 0, f"serve.micro_batches must be >= 0 (0 = parallel.pp), got {srv.micro_batches}")
+    # each group owns a block of the slots: more groups than slots would leave some groups without any
+    _require(srv.micro_batches <= srv.max_sequences,
+             f"serve.micro_batches ({srv.micro_batches}) must be <= serve.max_sequences ({srv.max_sequences}): each "
+             f"group is a block of KV-cache slots, so {srv.micro_batches - srv.max_sequences} of the groups would "
+             f"hold none; lower serve.micro_batches or raise serve.max_sequences")
     _require(srv.kv_block >= 1, f"serve.kv_block must be >= 1 (positions per KV block), got {srv.kv_block}")
     _require(srv.kv_blocks >= 0, f"serve.kv_blocks must be >= 0 (0 = serve.max_sequences whole contexts), got "
                                  f"{srv.kv_blocks}")

@@ -113,6 +113,9 @@ def test_ngram_proposals_follow_the_latest_earlier_occurrence(tokens, k, want):
     (("serve.speculate='ngram'", "serve.draft='small'"), "serve.draft 'small' is used only with serve.speculate "
                                                          "= 'draft' \\(it is 'ngram'\\)"),
     ("serve.draft='small'", "serve.draft 'small' is used only with serve.speculate = 'draft' \\(it is ''\\)"),
+    # was accepted: 6 of the 8 groups held no slot, and the serving line still said nothing
+    (("serve.micro_batches=8", "serve.max_sequences=2"), "serve.micro_batches \\(8\\) must be <= serve.max_sequences "
+                                                         "\\(2\\): each group is a block of KV-cache slots, so 6 of"),
 ])
 def test_bad_serve_keys_are_refused_with_one_message(setting, message):
     with pytest.raises(ConfigError, match=message):

@@ -73,3 +73,13 @@ def test_auto_on_a_gpu_is_float32(models):
     setup = prepare(models["llama"], 1)
     assert kept_format(setup.config, setup.model, on_gpu=True) == "float32"
     assert kept_format(setup.config, setup.model, on_gpu=False) == kept_format(setup.config, setup.model)
+
+
+def test_a_float64_model_is_named_float64(tmp_path):
+    from support.serve import make_weights
+    make_weights(tmp_path / "gpt.h5")                  # float64: the stages widen its weights to float64
+    # was: "weights float32", for a model that decodes in float64 (docs/serve.md)
+    assert layout_words(prepare(tmp_path / "gpt.h5", 1)) == "dp=1 x pp=1, weights float64"
+    make_weights(tmp_path / "gpt32.h5", dtype="float32")
+    assert layout_words(prepare(tmp_path / "gpt32.h5", 1)) in ("dp=1 x pp=1, weights float32",
+                                                               "dp=1 x pp=1, weights as stored (float32)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hpcpipe.serve.chat_fields import check_message_fields
 from hpcpipe.serve.openai_schema import (
     ApiError,
     CompletionSpec,
@@ -26,7 +27,7 @@ from hpcpipe.serve.openai_schema import (
     stream_options,
 )
 from hpcpipe.serve.prompt_jobs import chat_ids
-from hpcpipe.serve.request_options import parse_chat_logprobs, parse_format, parse_n
+from hpcpipe.serve.request_options import format_to_compile, parse_chat_logprobs, parse_n
 
 # what a chat request may carry; anything else is refused by name (a misspelled field must not be ignored)
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
@@ -66,6 +67,7 @@ def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     if not hasattr(tokenizer, "files"):
         raise _bad(f"this model has a {tokenizer.kind} tokenizer and no chat template; use /v1/completions with "
                    f"plain text", "messages")
+    check_message_fields(body["messages"], tokenizer)
     given = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
         raise _bad(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens "
@@ -73,8 +75,8 @@ def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     if given and (isinstance(body[given[0]], bool) or not isinstance(body[given[0]], int) or body[given[0]] <= 0):
         raise _bad(f"{given[0]} must be an integer >= 1, got {body[given[0]]!r}", given[0])
     n = parse_n(body, 1, limits["max_prompts"])
-    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=parse_chat_logprobs(body, tokenizer),
-                                 grammar=parse_format(body, tokenizer))
+    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=parse_chat_logprobs(body, tokenizer))
+    response_format = format_to_compile(body)     # compiled off the event loop (http_api), or by run_here
     stream, include_usage = stream_options(body)
     stop = stop_strings(body.get("stop"))
 
@@ -90,7 +92,7 @@ def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
                        f"{max_tokens} = {len(prompt) + max_tokens} exceeds the model's context length of {seq_len} "
                        f"tokens; shorten the messages or lower {given[0]}", given[0])
         return CompletionSpec([prompt], max_tokens, params, stop, stream, include_usage, n)
-    return Draft([{"chat": body["messages"]}], finish)
+    return Draft([{"chat": body["messages"]}], finish, response_format)
 
 
 def chat_body(cid: str, created: int, model: str, texts: list[str], reasons: list[str | None],

@@ -91,6 +91,8 @@ def layout_words(p: ServeSetup) -> str:
         fmt = f"{cfg.model.dtype} ({values}; this layout's NumPy steps widen every matrix)"
     elif fmt == "stored":        # "stored" alone would not say whether a float32 file's 4 bytes are kept
         fmt = f"as stored ({'16-bit' if p.weights.matrix_itemsize() == 2 else 'float32'})"
+    elif fmt == "float32" and cfg.model.dtype == "float64":     # "float32" widens to the stages' dtype
+        fmt = "float64"
     words += f", weights {fmt}"
     return words + (f", adapter {cfg.model.adapter}" if cfg.model.adapter else "")
 

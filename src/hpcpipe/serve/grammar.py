@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 PACKAGE = "llguidance"
+JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")     # OpenAI's json_schema object
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _lock = threading.Lock()
-_cache: dict[int, tuple[Any, Any]] = {}     # id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none)
+# id(tokenizer) -> (tokenizer, its LLTokenizer or the reason it has none, its _Tokens for bytes and chars or None)
+_cache: dict[int, tuple[Any, Any, Any]] = {}
+MATCHERS_KEPT = 16
+_matchers: OrderedDict[tuple[int, str], Any] = OrderedDict()     # (id of its LLTokenizer, grammar) -> matcher
 
 
 class GrammarError(ValueError):
@@ -60,84 +65,154 @@ class _Tokens:
         self.bos_token_id = None
         self.special_token_ids = [self.eos_token_id]
         self._tokenizer = tokenizer
+        self.refused = threading.local()      # .reason: why this thread's last encode failed (the library panics)
 
     def __call__(self, text: bytes | str) -> list[int]:
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-        return [int(i) for i in self._tokenizer.encode(text)]
+        try:
+            return [int(i) for i in self._tokenizer.encode(text)]
+        except ValueError as exc:
+            # llguidance turns this into a panic whose text is pages of state; keep the one line that says why
+            self.refused.reason = f"{text!r}: {str(exc).removeprefix('tokenizer: ')}"
+            raise
 
 
 def lltokenizer(tokenizer: Any) -> Any:
     """Return llguidance's LLTokenizer of an hpcpipe tokenizer (built once, ~0.4 s for 32k tokens); GrammarError
     when the library cannot read it."""
+    return _cached(tokenizer)[1]
+
+
+def _cached(tokenizer: Any) -> tuple[Any, Any, Any]:
+    """(tokenizer, LLTokenizer, _Tokens or None), built once; GrammarError when the library cannot read it."""
     with _lock:
         cached = _cache.get(id(tokenizer))
         if cached is None or cached[0] is not tokenizer:
-            cached = _cache[id(tokenizer)] = (tokenizer, _build(tokenizer))
+            cached = _cache[id(tokenizer)] = (tokenizer, *_build(tokenizer))
     if isinstance(cached[1], str):
         raise GrammarError(cached[1])
-    return cached[1]
+    return cached
 
 
-def _build(tokenizer: Any) -> Any:
-    """The LLTokenizer, or the reason (a string) there is none."""
+def _build(tokenizer: Any) -> tuple[Any, Any]:
+    """(the LLTokenizer or the reason, a string, there is none; the _Tokens it reads, for bytes and chars)."""
     try:
         llg = _library()
     except GrammarError as exc:
-        return str(exc)
+        return str(exc), None
     try:
         if tokenizer.kind in ("bytes", "chars"):
-            return llg.LLTokenizer(llg.TokenizerWrapper(_Tokens(tokenizer)))
+            tokens = _Tokens(tokenizer)
+            return llg.LLTokenizer(llg.TokenizerWrapper(tokens)), tokens
         eos = list(getattr(tokenizer, "eos_ids", ())) or None
-        return llg.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+        return llg.LLTokenizer(tokenizer.tokenizer_json(), n_vocab=tokenizer.vocab_size, eos_token=eos), None
     except Exception as exc:  # noqa: BLE001 - the library's own errors: the tokenizer is one it cannot read
-        return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})"
+        return f"{PACKAGE} cannot read this model's {tokenizer.kind} tokenizer ({exc})", None
 
 
-def compile_format(response_format: Any, tokenizer: Any) -> str:
-    """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
-    names the problem ("" for {"type": "text"}: no grammar)."""
+def _known_keys(given: dict, known: tuple[str, ...], where: str, kind: str) -> None:
+    """GrammarError naming the first key of ``given`` that is not in ``known``."""
+    unknown = [key for key in given if key not in known]
+    if unknown:
+        hint = (": a schema goes in {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}"
+                if unknown[0] in ("schema", "json_schema") else "")
+        raise GrammarError(f"{where} has an unknown key {unknown[0]!r} (with type {kind!r} it takes "
+                           f"{', '.join(known)}){hint}")
+
+
+def format_schema(response_format: Any) -> Any:
+    """Return the JSON schema a response_format asks for (None for {"type": "text"}), its shape checked (cheap: no
+    compiling); GrammarError names the problem."""
     if not isinstance(response_format, dict):
         raise GrammarError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, got "
                            f"{type(response_format).__name__}")
     kind = response_format.get("type")
-    if kind == "text":
-        return ""
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-            raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
-                               "{...JSON Schema...}}")
-        schema = spec.get("schema", {})
-    else:
+    if kind not in ("text", "json_object", "json_schema"):
         raise GrammarError(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+    # a key of another shape (a "schema" beside "json_object") was ignored: the client got no schema, silently
+    _known_keys(response_format, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format",
+                kind)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+        raise GrammarError("response_format.json_schema must be an object {\"name\": ..., \"schema\": "
+                           "{...JSON Schema...}}")
+    _known_keys(spec, JSON_SCHEMA_KEYS, "response_format.json_schema", kind)
+    return spec.get("schema", {})
+
+
+def compile_format(response_format: Any, tokenizer: Any) -> str:
+    """Return the grammar (JSON text) of a response_format object, checked against tokenizer; GrammarError
+    names the problem ("" for {"type": "text"}: no grammar). Compiling may take long for a large schema (3,000
+    optional properties: about 2 s): the server runs it off its event loop, within a time limit."""
+    schema = format_schema(response_format)
+    if schema is None:
+        return ""
     llg = _library()
-    lltok = lltokenizer(tokenizer)
+    lltokenizer(tokenizer)
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {exc}") from None
-    problem = llg.LLMatcher.validate_grammar(grammar, lltok)
-    if problem:
-        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: {problem}")
+    matcher = _base_matcher(grammar, tokenizer)     # compiled once: the check below and later sequences copy it
+    if matcher.is_error():
+        raise GrammarError(f"the JSON schema is refused by {PACKAGE}: "
+                           f"{matcher.get_error().splitlines()[0][:300]}")
+    _check_start(grammar, tokenizer)
     return grammar
+
+
+def _base_matcher(grammar: str, tokenizer: Any) -> Any:
+    """The library's matcher of grammar in its start state, compiled once per grammar (the last few kept): each
+    sequence takes a copy (microseconds), so n choices or many requests with one schema compile it once."""
+    _, lltok, _ = _cached(tokenizer)
+    key = (id(lltok), grammar)
+    with _lock:
+        matcher = _matchers.pop(key, None)
+    if matcher is None:
+        matcher = _library().LLMatcher(lltok, grammar)
+    with _lock:
+        _matchers[key] = matcher
+        while len(_matchers) > MATCHERS_KEPT:
+            _matchers.popitem(last=False)
+    return matcher
+
+
+def _check_start(grammar: str, tokenizer: Any) -> None:
+    """GrammarError when no token of the tokenizer may start the document (a chars tokenizer without '{' or '"'):
+    such a request could only fail on the last stage, so it is refused before it is queued."""
+    try:
+        Constraint(grammar, tokenizer).allowed()
+    except ValueError as exc:
+        raise GrammarError(f"this model's {tokenizer.kind} tokenizer cannot write it: {exc}") from None
 
 
 class Constraint:
     """One sequence's grammar on the last stage: which ids may come next, and the state after each sampled one."""
 
     def __init__(self, grammar: str, tokenizer: Any, vocab: int | None = None):
-        lltok = lltokenizer(tokenizer)
+        _, lltok, self._tokens = _cached(tokenizer)
         self.vocab = tokenizer.vocab_size if vocab is None else vocab
-        self.matcher = _library().LLMatcher(lltok, grammar)
+        self.matcher = _base_matcher(grammar, tokenizer).deep_copy()
         # the masks cover the library's ids: the vocabulary, plus the stand-in end id of bytes and chars
         self._bits = np.zeros((lltok.vocab_size + 31) // 32, dtype=np.int32)
         self._check()
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise ValueError(f"grammar: {self.matcher.get_error()}")
+        if not self.matcher.is_error():
+            return
+        refused = getattr(self._tokens.refused, "reason", None) if self._tokens is not None else None
+        if refused is not None:      # the text the grammar needs next has no tokens: say that, not the panic
+            del self._tokens.refused.reason
+            raise ValueError(f"the text the format needs next cannot be encoded: {refused}")
+        first = self.matcher.get_error().splitlines()[0][:300]     # the rest is pages of the library's state
+        if first == "NoExtensionBias":
+            raise ValueError("no token of the tokenizer may come next (the text the format allows here has "
+                             "characters the tokenizer lacks)")
+        raise ValueError(f"grammar: {first}")
 
     @property
     def done(self) -> bool:

@@ -28,9 +28,10 @@ from aiohttp import web
 from hpcpipe.serve.broker import Broker, Closed, QueueFull, Request
 from hpcpipe.serve.chat_schema import check_chat
 from hpcpipe.serve.completion import Completion
+from hpcpipe.serve.grammar_jobs import GrammarCompiler
 from hpcpipe.serve.http_log import connection_logger
 from hpcpipe.serve.metrics import CONTENT_TYPE, Metrics
-from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, check_model, usage
+from hpcpipe.serve.openai_schema import ApiError, check_completion, check_limits, check_model, constrained, usage
 from hpcpipe.serve.prompt_pool import PromptPool
 from hpcpipe.serve.quiet_log import RateLimitedLog
 from hpcpipe.serve.request_body import ClientGone, read_spec
@@ -73,7 +74,8 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
                    "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog(),
-                   "texts": TokenTexts(tokenizer), "prompts": prompts}
+                   "texts": TokenTexts(tokenizer), "prompts": prompts,
+                   "grammars": GrammarCompiler(tokenizer, limits["grammar_ms"])}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -185,11 +187,13 @@ async def _generate(request: web.Request, parse, shape) -> web.StreamResponse:
     arrival = time.monotonic()
     try:
         draft = await read_spec(request, s, parse, BODY_TIMEOUT_S)
-        # rendered and tokenized by a prompt worker within its budget: the event loop goes on serving
-        spec = draft.finish(await s["prompts"].prepare(draft.jobs))
+        # the grammar compiled and the prompts rendered and tokenized off the event loop, within their budgets
+        grammar = await s["grammars"].grammar(draft.response_format)
+        spec = constrained(draft.finish(await s["prompts"].prepare(draft.jobs)), grammar)
     except ApiError as err:
         metrics.count_request(err.status)
-        return _error(err)
+        # a 429 of the prompt workers or the grammar compilers says when to retry, as the broker's does
+        return _error(err, headers={"Retry-After": "1"} if err.status == 429 else None)
     except ClientGone:                          # nobody is left to answer; a client can do this at will
         metrics.count_disconnect()
         metrics.count_request(499)

@@ -14,9 +14,10 @@ import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpcpipe.serve.api_error import ApiError
-from hpcpipe.serve.request_options import parse_completion_logprobs, parse_format, parse_n
+from hpcpipe.serve.request_options import compile_checked, format_to_compile, parse_completion_logprobs, parse_n
 from hpcpipe.serve.sampling import SamplingParams
 
 DEFAULT_LIMITS = {
@@ -25,6 +26,7 @@ DEFAULT_LIMITS = {
     "prompt_seconds": 10,       # rendering and tokenizing one request's prompts (the worker is killed past it)
     "max_chat_chars": 4 << 20,  # characters a chat template may write for one request (counted as it renders)
     "prompt_workers": 2,        # worker processes for large requests (plus one for small ones)
+    "grammar_ms": 1000,         # compiling one response_format's grammar (off the event loop; past it: 400)
 }
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
@@ -89,11 +91,18 @@ class Draft:
 
     jobs: list[dict]
     finish: Callable[[list], CompletionSpec]
+    response_format: Any = None     # to compile into the params' grammar (request_options.compile_checked)
 
     def run_here(self, tokenizer, limits: dict | None = None) -> CompletionSpec:
-        """Return the spec with the jobs run in this thread (tests and tools: nothing waits on it)."""
+        """Return the spec with the jobs run and its grammar compiled in this thread (tests and tools)."""
         from hpcpipe.serve.prompt_jobs import run_jobs
-        return self.finish(run_jobs(tokenizer, self.jobs, check_limits(limits)["max_chat_chars"]))
+        spec = self.finish(run_jobs(tokenizer, self.jobs, check_limits(limits)["max_chat_chars"]))
+        return constrained(spec, compile_checked(self.response_format, tokenizer))
+
+
+def constrained(spec: CompletionSpec, grammar: str) -> CompletionSpec:
+    """Return spec with its sampling params following grammar ("" = none)."""
+    return dataclasses.replace(spec, params=dataclasses.replace(spec.params, grammar=grammar)) if grammar else spec
 
 
 def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> CompletionSpec:
@@ -120,7 +129,8 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     n = parse_n(body, len(entries), limits["max_prompts"])
     logprobs = parse_completion_logprobs(body, tokenizer)
     params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=logprobs,
-                                 prompt_logprobs=echo and logprobs >= 0, grammar=parse_format(body, tokenizer))
+                                 prompt_logprobs=echo and logprobs >= 0)
+    response_format = format_to_compile(body)
     stop = stop_strings(body.get("stop"))
     stream, include_usage = stream_options(body)
     single = isinstance(body["prompt"], str) or _is_int(body["prompt"][0])       # one prompt, not a list of them
@@ -133,6 +143,8 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
         texts = sum(isinstance(e, str) for e in entries)       # the text jobs come first, then the decode jobs
         encoded, decoded = iter(results[:texts]), iter(results[texts:])
         prompts = [next(encoded) if isinstance(e, str) else e for e in entries]
+        # a client that sent no max_tokens must learn where the 16 came from
+        default = " (the default: the request sets none)" if _get(body, "max_tokens", None) is None else ""
         for where, ids in zip(names, prompts, strict=True):
             if len(ids) + min(max_tokens, 1) > seq_len:     # no max_tokens fits: lowering it cannot help
                 raise _bad(f"{where} has {len(ids)} tokens, which leaves no room in the model's context of {seq_len} "
@@ -140,12 +152,12 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
                            "prompt")
             if len(ids) + max_tokens > seq_len:
                 raise _bad(f"{where} has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens is "
-                           f"{max_tokens}: {len(ids)} + "
+                           f"{max_tokens}{default}: {len(ids)} + "
                            f"{max_tokens} = {len(ids) + max_tokens} exceeds the model's context length of {seq_len} "
                            f"tokens; shorten the prompt or lower max_tokens", "max_tokens")
         echoed = [e if isinstance(e, str) else next(decoded) for e in entries] if echo else None
         return CompletionSpec(prompts, max_tokens, params, stop, stream, include_usage, n, echoed)
-    return Draft(jobs, finish)
+    return Draft(jobs, finish, response_format)
 
 
 def parse_sampling(body: dict, tokenizer) -> SamplingParams:
@@ -220,7 +232,7 @@ def _prompts(body: dict, max_prompts: int, tokenizer) -> list[str | list[int]]:
                    "prompt")
     if not prompt:
         raise _bad("prompt is an empty list; send at least one string", "prompt")
-    if all(_is_int(x) for x in prompt):          # one prompt as token ids
+    if _is_int(prompt[0]):                       # one prompt as token ids (the first that is none is named)
         return [_token_ids(prompt, "prompt", tokenizer)]
     kind = str if isinstance(prompt[0], str) else list if isinstance(prompt[0], list) else None
     if kind is None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hpcpipe.serve.api_error import ApiError
-from hpcpipe.serve.grammar import GrammarError, compile_format
+from hpcpipe.serve.grammar import GrammarError, compile_format, format_schema
 from hpcpipe.serve.logprobs import MAX_LOGPROBS
 from hpcpipe.serve.sampling import SamplingParams
 
@@ -101,11 +101,30 @@ def parse_chat_logprobs(body: dict, tokenizer: Any) -> int:
 
 def parse_format(body: dict, tokenizer: Any) -> str:
     """Return the grammar of ``response_format`` ("" for none or text); ApiError(400) with the library's reason."""
+    return compile_checked(format_to_compile(body), tokenizer)
+
+
+def format_to_compile(body: dict) -> Any:
+    """Return the ``response_format`` a grammar must be compiled for (None: none or text), its shape checked here
+    (cheap); ApiError(400) naming what is wrong. :func:`compile_checked` compiles it (the server: off its loop)."""
     value = body.get("response_format")
+    if value is None:
+        return None
+    try:
+        return None if format_schema(value) is None else value
+    except GrammarError as exc:
+        raise ApiError(400, _message(exc), "response_format") from None
+
+
+def compile_checked(value: Any, tokenizer: Any) -> str:
+    """Return the grammar of a response_format ("" for None); ApiError(400) with the library's reason."""
     if value is None:
         return ""
     try:
         return compile_format(value, tokenizer)
     except GrammarError as exc:
-        message = str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
-        raise ApiError(400, message, "response_format") from None
+        raise ApiError(400, _message(exc), "response_format") from None
+
+
+def _message(exc: GrammarError) -> str:
+    return str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"

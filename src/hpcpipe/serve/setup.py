@@ -30,6 +30,7 @@ from hpcpipe.kernels.formats import Q8_BLOCK, inference_format
 from hpcpipe.nn.core.fused_stage import compiled_available, tp_q8_problem
 from hpcpipe.nn.memory import decode_rank_bytes, kv_window, pool_pages, ring_pages, ring_window, sequence_pages
 from hpcpipe.nn.partition import partition
+from hpcpipe.nn.registry import KINDS as KIND_REGISTRY
 from hpcpipe.nn.registry import model_def
 from hpcpipe.profiles.stage_cut import stage_counts
 from hpcpipe.runtime.backend import runs_on_gpu
@@ -136,7 +137,8 @@ def _model_config(source: WeightsSource, given: str, raw: dict[str, Any], key: s
 
 def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, available: int | None = None,
                         headroom: int | None = None, matrix_bytes: MatrixBytes | None = None,
-                        draft: tuple[int, int] = (0, 0), smaller: dict[str, MatrixBytes] | None = None) -> None:
+                        draft: tuple[int, int] = (0, 0), smaller: dict[str, MatrixBytes] | None = None,
+                        seq_len_free: bool = True) -> None:
     """Raise ConfigError when a rank's parameters and KV cache exceed its share of this node's memory.
 
     The share is the smaller of the node's available memory over its ranks and this process's address-space
@@ -144,6 +146,7 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     the blocks' matrices in model.weight_format (:func:`format_bytes`); ``draft``: (parameters, KV cache) bytes
     of serve.draft's model, which the first stage's rank holds besides its own (:func:`draft_bytes`); ``smaller``:
     the weight formats the stages could keep instead (:func:`smaller_formats`), named when one of them fits.
+    ``seq_len_free``: whether model.seq_len may be set below the weights' (else the hint does not name it).
     """
     if runs_on_gpu(cfg.run.backend):
         return        # the stages' weights and caches live in GPU memory ("auto" where a GPU is seen too)
@@ -154,7 +157,7 @@ def check_decode_memory(cfg: Config, ranges: list[range], world_size: int, avail
     share, how = rank_share(ranks_here, available, headroom)
     if share is not None and params + cache > share:
         with_draft = f" with serve.draft's model ({sum(draft) / GIB:.3g} GiB)" if sum(draft) else ""
-        hint = _memory_hint(cfg, params, cache, share)
+        hint = _memory_hint(cfg, params, cache, share, seq_len_free)
         for fmt, per_value in (smaller or {}).items():     # a bf16 checkpoint widened to float32 takes twice its bytes
             need = max(sum(decode_rank_bytes(cfg, ranges[:1], per_value)) + sum(draft),
                        sum(decode_rank_bytes(cfg, ranges[1:], per_value)))
@@ -235,7 +238,7 @@ def draft_bytes(cfg: Config, model: Any, draft: ServeSetup) -> tuple[int, int]:
     return decode_rank_bytes(dcfg, [range(draft.shape.n_groups)])
 
 
-def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
+def _memory_hint(cfg: Config, params: int, cache: int, share: int, seq_len_free: bool = True) -> str:
     """What would fit in a rank's share: the KV cache grows linearly in seq_len and in max_sequences, so the values
     named are below the ones given (a fixed example once suggested a seq_len above the model's context)."""
     if params >= share or cache == 0:
@@ -248,9 +251,12 @@ def _memory_hint(cfg: Config, params: int, cache: int, share: int) -> str:
     fits_len = fits_len // 256 * 256 if fits_len >= 512 else fits_len      # a round number when there is room
     fits_seq = sequences * (share - params) // cache
     ways = []
+    if cfg.serve.kv_block > seq_len:      # every sequence holds a whole block, most of it past the context
+        ways.append(f"lower serve.kv_block to at most model.seq_len (--set serve.kv_block={min(16, seq_len)}: a "
+                    f"block of {cfg.serve.kv_block} positions is longer than a whole context)")
     if fits_seq >= 1:
         ways.append(f"lower serve.max_sequences (at most {fits_seq} fit: --set serve.max_sequences={fits_seq})")
-    if fits_len >= 2:
+    if fits_len >= 2 and seq_len_free:    # a GPT's weights fix its context: they refuse a shorter one
         ways.append(f"lower model.seq_len (at most {fits_len} tokens fit: --set model.seq_len={fits_len})")
     return ", or ".join([*ways, "use more stages"])
 
@@ -329,17 +335,31 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                      f"window keep their own rings)")
         raise ConfigError(f"serve.kv_blocks = {cfg.serve.kv_blocks} KV blocks of serve.kv_block = "
                           f"{cfg.serve.kv_block} positions cannot hold {held}: at least {whole} are needed")
-    draft = _draft(cfg, shape.seq_len, tokenizer) if cfg.serve.speculate == "draft" else None
+    draft = _draft(cfg, shape.seq_len, tokenizer, shorter=_seq_len_free(source, cfg)) \
+        if cfg.serve.speculate == "draft" else None
     check_decode_memory(cfg, ranges, world_size, matrix_bytes=format_bytes(cfg, model, source),
                         draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0),
-                        smaller=smaller_formats(cfg, model, source))
+                        smaller=smaller_formats(cfg, model, source),
+                        seq_len_free=not source.model or _seq_len_free(source, cfg))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
 
 
-def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
-    """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context."""
+def _seq_len_free(source: Any, cfg: Config) -> bool:
+    """Whether model.seq_len may be set shorter than the weights' context (a Hugging Face RoPE model's)."""
+    return getattr(source, "kind", "") == "hf" and KIND_REGISTRY[cfg.model.kind].seq_len_free
+
+
+def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer, shorter: bool = False) -> ServeSetup:
+    """serve.draft's model as one whole stage, checked: a decoder with the same tokenizer and a long enough context
+    (``shorter``: the model's model.seq_len may be lowered to the draft's)."""
     where = f"serve.draft {cfg.serve.draft!r}"
+    stored = resolve_weights(cfg.serve.draft, "serve.draft")
+    saved = (stored.model or {}).get("dtype")
+    if getattr(stored, "kind", "") != "hf" and saved and saved != cfg.model.dtype:
+        # its prepare below would blame "model.dtype in the configuration", which the user never set
+        raise ConfigError(f"{where} was saved in {saved}, but the model computes in {cfg.model.dtype}: a draft "
+                          f"decodes in the model's dtype; give a draft saved in {cfg.model.dtype}")
     draft = prepare(cfg.serve.draft, 1, None, ["parallel.pp=1", "parallel.dp=1", f"model.dtype={cfg.model.dtype!r}"],
                     key="serve.draft")
     why = tokenizer_difference(tokenizer, draft.stored_tokenizer)
@@ -347,8 +367,10 @@ def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:
         raise ConfigError(f"{where} has another tokenizer than the model ({why}): a draft model must share the "
                           f"model's tokenizer, since its proposals are the model's token ids")
     if draft.shape.seq_len < seq_len:
+        fix = f"set model.seq_len to at most {draft.shape.seq_len}" if shorter else \
+            f"give a draft with a context of at least {seq_len} tokens (the model's context is fixed by its weights)"
         raise ConfigError(f"{where} has a context of {draft.shape.seq_len} tokens, shorter than the model's "
-                          f"{seq_len}: set model.seq_len to at most {draft.shape.seq_len}")
+                          f"{seq_len}: {fix}")
     return draft
 
 

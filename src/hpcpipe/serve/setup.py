@@ -108,6 +108,14 @@ class ServeSetup:
         return ring_window(self.config, self.model)
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What a request (or generate) that leaves temperature, top_p or top_k out samples with: the model's
+        generation_config.json (serve.generation_config = "auto"), or nothing, OpenAI's defaults ("none")."""
+        if self.config.serve.generation_config == "none":
+            return {}
+        return self.stored_tokenizer.sampling_defaults(self.shape.vocab, self.weights.describe())
+
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a sequence (the model's end-of-sequence ids; none for bytes and chars)."""
         return self.stored_tokenizer.eos_ids()
@@ -334,7 +342,9 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                         draft=draft_bytes(cfg, model, draft) if draft is not None else (0, 0),
                         smaller=smaller_formats(cfg, model, source))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
+    setup = ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
+    setup.sampling_defaults.keys()   # a generation_config.json value no request could carry: refused now, on every rank
+    return setup
 
 
 def _draft(cfg: Config, seq_len: int, tokenizer: StoredTokenizer) -> ServeSetup:

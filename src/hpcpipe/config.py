@@ -137,6 +137,7 @@ class ServeConfig:
     speculate: str = ""          # "" | "ngram" (prompt lookup) | "draft" (serve.draft's model) proposals
     speculate_tokens: int = 4    # tokens proposed per step and verified in one pass
     draft: str = ""              # a smaller model with the same tokenizer (Hugging Face directory)
+    generation_config: str = "auto"   # "auto": requests default to the model's sampling settings | "none"
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ def validate(config: Config) -> None:
                                  f"{srv.kv_blocks}")
     _require(srv.speculate in ("", "ngram", "draft"),
              f"serve.speculate must be '', 'ngram' or 'draft', got {srv.speculate!r}")
+    _require(srv.generation_config in ("auto", "none"), f"serve.generation_config must be 'auto' (the model's "
+             f"sampling defaults) or 'none', got {srv.generation_config!r}")
     _require(1 <= srv.speculate_tokens <= 16, f"serve.speculate_tokens must be in 1..16, got {srv.speculate_tokens}")
     _require(srv.speculate != "draft" or bool(srv.draft),
              "serve.speculate = 'draft' needs serve.draft (a Hugging Face model directory with the same tokenizer)")

@@ -51,7 +51,8 @@ def parse_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     return check_chat(body, tokenizer, seq_len, limits).run_here(tokenizer, limits)
 
 
-def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = None) -> Draft:
+def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = None,
+               defaults: dict | None = None) -> Draft:
     """Check a POST /v1/chat/completions body field by field (the HTTP event loop does it); ApiError(400) naming
     the field. The messages become a prompt worker's job (the template is the model's code: never run here); the
     lengths are checked once they are token ids."""
@@ -75,7 +76,8 @@ def check_chat(body: Any, tokenizer: Any, seq_len: int, limits: dict | None = No
     if given and (isinstance(body[given[0]], bool) or not isinstance(body[given[0]], int) or body[given[0]] <= 0):
         raise _bad(f"{given[0]} must be an integer >= 1, got {body[given[0]]!r}", given[0])
     n = parse_n(body, 1, limits["max_prompts"])
-    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=parse_chat_logprobs(body, tokenizer))
+    params = dataclasses.replace(parse_sampling(body, tokenizer, defaults),
+                                 logprobs=parse_chat_logprobs(body, tokenizer))
     response_format = format_to_compile(body)     # compiled off the event loop (http_api), or by run_here
     stream, include_usage = stream_options(body)
     stop = stop_strings(body.get("stop"))

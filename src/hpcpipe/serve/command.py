@@ -15,6 +15,7 @@ from typing import Any
 
 from hpcpipe.cli import CommandParser, with_adapter
 from hpcpipe.errors import ConfigError
+from hpcpipe.hf.sampling_defaults import describe as describe_sampling
 from hpcpipe.runtime.backend import runs_on_gpu
 from hpcpipe.runtime.job import run_job
 from hpcpipe.runtime.signals import StopSignals
@@ -78,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def layout_words(p: ServeSetup) -> str:
-    """The serving line's description of a set-up job: its layout, weight format and adapter."""
+    """The serving line's description of a set-up job: its layout, weight format, adapter and the model's sampling
+    defaults."""
     cfg = p.config
     words = f"dp={p.dp} x pp={p.pp}" + (f" x tp={p.tp}" if p.tp > 1 else "")
     words += f", experts over ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
@@ -94,7 +96,9 @@ def layout_words(p: ServeSetup) -> str:
     elif fmt == "float32" and cfg.model.dtype == "float64":     # "float32" widens to the stages' dtype
         fmt = "float64"
     words += f", weights {fmt}"
-    return words + (f", adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+    words += f", adapter {cfg.model.adapter}" if cfg.model.adapter else ""
+    sampling = describe_sampling(p.sampling_defaults)    # what a request that leaves them out samples with
+    return words + (f", sampling defaults {sampling} (generation_config.json)" if sampling else "")
 
 
 def _has_experts(model: Any) -> bool:
@@ -136,7 +140,8 @@ class Frontend:
             raise ConfigError(f"--weights {str(self.setup.weights.path)!r}: {exc}") from None
         self.broker = Broker(self.setup.dp * srv.max_sequences + srv.max_queue, ready=False)
         app = make_app(self.broker, Metrics(), tokenizer, self.setup.model_name, self.setup.shape.seq_len,
-                       api_key=self.api_key, stall_timeout=self.setup.config.run.stall_timeout, prompts=self.prompts)
+                       api_key=self.api_key, stall_timeout=self.setup.config.run.stall_timeout, prompts=self.prompts,
+                       sampling=self.setup.sampling_defaults)
         self.server = HttpServer(app, self.host, self.port)
         try:
             self.host, self.port = self.server.start()

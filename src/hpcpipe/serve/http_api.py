@@ -51,7 +51,7 @@ API_PREFIX = "/v1/"    # what an API key guards; /health and /metrics stay open 
 
 def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_len: int,
              limits: dict | None = None, api_key: str = "", stall_timeout: float = 0.0,
-             prompts: PromptPool | None = None) -> web.Application:
+             prompts: PromptPool | None = None, sampling: dict | None = None) -> web.Application:
     """Return the aiohttp app: POST /v1/completions and /v1/chat/completions, GET /v1/models (and
     /v1/models/{model}), /health, /metrics.
 
@@ -59,7 +59,8 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
     OpenAI clients send) or is answered 401. With a ``stall_timeout`` (run.stall_timeout, s), /health
     answers 503 once requests are outstanding and the engine's work has not moved for a quarter of it.
     Prompts are rendered and tokenized by ``prompts`` (made here from ``limits`` when not given, its workers
-    started on first use, closed with the app), never on the event loop.
+    started on first use, closed with the app), never on the event loop. ``sampling``: what a request that leaves
+    temperature, top_p or top_k out samples with (ServeSetup.sampling_defaults; None: OpenAI's defaults).
     """
     limits = check_limits(limits)
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 2:
@@ -74,7 +75,7 @@ def make_app(broker: Broker, metrics: Metrics, tokenizer, model_name: str, seq_l
     app[_STATE] = {"broker": broker, "metrics": metrics, "tokenizer": tokenizer, "model": model_name,
                    "seq_len": int(seq_len), "limits": limits, "started": int(time.time()),
                    "api_key": api_key.encode(), "stall_timeout": float(stall_timeout), "resets": RateLimitedLog(),
-                   "texts": TokenTexts(tokenizer), "prompts": prompts,
+                   "texts": TokenTexts(tokenizer), "prompts": prompts, "sampling": dict(sampling or {}),
                    "grammars": GrammarCompiler(tokenizer, limits["grammar_ms"])}
     app[_INFLIGHT] = set()
     app.router.add_post("/v1/completions", _completions)

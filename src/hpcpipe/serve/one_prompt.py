@@ -67,10 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "POST /v1/chat/completions does) and answer as the assistant")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="tokens to generate at most; generation also stops when the context is full (64)")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="0 = greedy, as is anything below 1e-4 (default 1.0)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy, as is anything below 1e-4 (default: the model's generation_config.json, "
+                             "else 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample among the K likeliest (0 = off; default: the model's, else off)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="nucleus sampling mass (1 = off; default: the model's, else off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
     parser.add_argument("--config", metavar="FILE", help="TOML config file ([parallel], [serve], [run] apply)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
@@ -79,12 +82,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return with_adapter(parser.parse_args(argv))
 
 
+# what an option left out samples with when the model's generation_config.json does not say
+UNSET_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
 def check_request(args: argparse.Namespace, p: ServeSetup, tokenize: bool = True) -> Request | None:
     """Return the request the arguments describe; ConfigError names a bad value. With ``tokenize`` False only the
     options are checked and None is returned (every rank's setup does that; world rank 0 alone, which holds the
     source, prepares the prompt then: once, not in a prompt worker per rank)."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    defaults = {**UNSET_SAMPLING, **p.sampling_defaults}     # the model's generation_config.json, else OpenAI's
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:

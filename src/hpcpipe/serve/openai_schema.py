@@ -110,9 +110,11 @@ def parse_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     return check_completion(body, tokenizer, seq_len, limits).run_here(tokenizer, limits)
 
 
-def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) -> Draft:
+def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None,
+                     defaults: dict | None = None) -> Draft:
     """Check a POST /v1/completions body field by field (cheap: the HTTP event loop does it); ApiError(400) naming
-    the field; its text prompts become jobs, the lengths are checked once they are token ids."""
+    the field; its text prompts become jobs, the lengths are checked once they are token ids. ``defaults``: the
+    sampling settings a field left out takes (the model's, :func:`parse_sampling`)."""
     limits = check_limits(limits)
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
@@ -128,7 +130,7 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
                    f"alone)", "max_tokens")
     n = parse_n(body, len(entries), limits["max_prompts"])
     logprobs = parse_completion_logprobs(body, tokenizer)
-    params = dataclasses.replace(parse_sampling(body, tokenizer), logprobs=logprobs,
+    params = dataclasses.replace(parse_sampling(body, tokenizer, defaults), logprobs=logprobs,
                                  prompt_logprobs=echo and logprobs >= 0)
     response_format = format_to_compile(body)
     stop = stop_strings(body.get("stop"))
@@ -160,15 +162,20 @@ def check_completion(body, tokenizer, seq_len: int, limits: dict | None = None) 
     return Draft(jobs, finish, response_format)
 
 
-def parse_sampling(body: dict, tokenizer) -> SamplingParams:
-    """Return the sampling settings of a request (temperature, top_p, top_k, seed); ApiError(400) naming a bad one."""
-    temperature = _get(body, "temperature", 1.0)
+def parse_sampling(body: dict, tokenizer, defaults: dict | None = None) -> SamplingParams:
+    """Return the sampling settings of a request (temperature, top_p, top_k, seed); ApiError(400) naming a bad one.
+
+    A field the request leaves out (or sends as null) takes ``defaults``' value (the model's generation_config.json,
+    :mod:`hpcpipe.hf.sampling_defaults`), else OpenAI's (temperature 1, top_p 1, no top_k).
+    """
+    defaults = defaults or {}
+    temperature = _get(body, "temperature", defaults.get("temperature", 1.0))
     if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
         raise _bad(f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
-    top_p = _get(body, "top_p", 1.0)
+    top_p = _get(body, "top_p", defaults.get("top_p", 1.0))
     if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
-    top_k = _get(body, "top_k", 0)
+    top_k = _get(body, "top_k", defaults.get("top_k", 0))
     if top_k == -1 and _is_int(top_k):    # vLLM's "off", which clients written for vLLM send
         top_k = 0
     if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:

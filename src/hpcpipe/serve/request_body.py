@@ -56,7 +56,7 @@ async def read_spec(request: web.Request, s: dict, parse, timeout_s: float):
         raise ClientGone() from None
     body = parse_json(raw)
     check_model(body, s["model"])
-    return parse(body, s["tokenizer"], s["seq_len"], s["limits"])
+    return parse(body, s["tokenizer"], s["seq_len"], s["limits"], s["sampling"])
 
 
 def parse_json(raw: bytes) -> Any:

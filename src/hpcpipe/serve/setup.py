@@ -109,6 +109,14 @@ class ServeSetup:
         return ring_window(self.config, self.model)
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What a request (or generate) that leaves temperature, top_p or top_k out samples with: the model's
+        generation_config.json (serve.generation_config = "auto"), or nothing, OpenAI's defaults ("none")."""
+        if self.config.serve.generation_config == "none":
+            return {}
+        return self.stored_tokenizer.sampling_defaults(self.shape.vocab, self.weights.describe())
+
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a sequence (the model's end-of-sequence ids; none for bytes and chars)."""
         return self.stored_tokenizer.eos_ids()
@@ -342,7 +350,9 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                         smaller=smaller_formats(cfg, model, source),
                         seq_len_free=not source.model or _seq_len_free(source, cfg))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
+    setup = ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
+    setup.sampling_defaults.keys()   # a generation_config.json value no request could carry: refused now, on every rank
+    return setup
 
 
 def _seq_len_free(source: Any, cfg: Config) -> bool:

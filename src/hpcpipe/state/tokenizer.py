@@ -34,6 +34,7 @@ import numpy as np
 from hpcpipe.errors import ConfigError
 from hpcpipe.h5files import check_links, member
 from hpcpipe.hf.json_text import JSONTextError, loads
+from hpcpipe.hf.sampling_defaults import sampling_defaults
 from hpcpipe.hf.tokenizer import KIND_JSON, from_files, plain_name, tokenizer_files
 from hpcpipe.lazy_h5py import h5py
 
@@ -192,6 +193,19 @@ class StoredTokenizer:
     def eos_ids(self) -> tuple[int, ...]:
         """Token ids that end a generation (none for bytes and chars)."""
         return tuple(getattr(self.load(), "eos_ids", ()) or ())
+
+    def sampling_defaults(self, vocab_size: int, label: str) -> dict[str, float | int]:
+        """The model's own sampling defaults (generation_config.json's temperature, top_p, top_k; none for bytes and
+        chars): :mod:`hpcpipe.hf.sampling_defaults`. ConfigError names ``label`` and the key of a bad one."""
+        data = dict(self.files).get("generation_config.json") if self.kind == HF_KIND else None
+        if data is None:
+            return {}
+        where = f"{label}: generation_config.json"
+        try:
+            gen = loads(data)
+        except JSONTextError as exc:
+            raise ConfigError(f"{where} {exc}") from None
+        return sampling_defaults(gen, where, vocab_size)
 
     def describe(self) -> str:
         """One line for `checkpoint info`: the kind and the vocabulary."""

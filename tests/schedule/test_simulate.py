@@ -160,8 +160,38 @@ def test_a_schedule_too_large_for_memory_is_one_line():
     proc = subprocess.run([sys.executable, "-m", "hpcpipe.simulate", "--pp", "100000", "--micro-batches", "100000"],
                           capture_output=True, text=True, timeout=120, preexec_fn=cap, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "not enough memory to simulate --pp 100000 --micro-batches 100000" in proc.stderr
+    assert "--pp 100000 --micro-batches 100000 --virtual-stages 1 is a timeline of about 4.0e+10 cells" in proc.stderr
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--pp", "100000"], "is a timeline of about 2.0e+10 cells"),
+    (["--pp", "4", "--micro-batches", "10000000"], "is a timeline of about 8.0e+07 cells"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "100000"], "walked 100000 time(s)"),
+    (["--pp", "64", "--micro-batches", "4096", "--ascii"], "262144 stage micro-batches, too many to simulate action"),
+    (["--pp", "1000", "--micro-batches", "1000", "--cores", "2"], "too many to simulate action by action"),
+])
+def test_a_simulation_too_large_to_run_in_seconds_is_refused_in_one_line(argv, words):
+    # --pp 100000 grew past 20 GB in a minute, --micro-batches 10000000 and --virtual-stages 100000 ran for
+    # minutes (the peaks pass walks the timeline once per virtual stage), --ascii and --cores below --pp
+    # simulate action by action: each was still running after 60 s
+    proc = subprocess.run([sys.executable, "-m", "hpcpipe.simulate", *argv], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("error:") == 1 and words in proc.stderr, proc.stderr
+
+
+def test_the_largest_simulation_allowed_still_runs():
+    # the bound leaves the sizes a user plans with: 3000 stages x 3000 micro-batches took 3.9 s
+    assert main(["--schedule", "gpipe", "--pp", "1000", "--micro-batches", "1000", "--no-validate"]) == 0
+
+
+def test_a_plot_path_whose_folder_refuses_a_file_is_one_line_before_simulating(capsys):
+    # as root /proc passes os.access(W_OK); matplotlib's FileNotFoundError came as a traceback after the results
+    pytest.importorskip("matplotlib")
+    assert main(["--pp", "4", "--micro-batches", "8", "--plot", "/proc/hpcpipe-x.png"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("error:") == 1 and "'/proc/hpcpipe-x.png'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])

@@ -139,6 +139,8 @@ CASES = {
     "output directory missing": (lambda t, w: (w, t / "in.h5", t / "no" / "out.h5", []),
                                  "output directory '{parent}' does not exist (for output '{output}')"),
     "output is a directory": (lambda t, w: (w, t / "in.h5", t, []), "output path '{output}' is a directory"),
+    "output folder refuses files": (lambda t, w: (w, t / "in.h5", Path("/proc/hpcpipe-out.h5"), []),
+                                    "output path '{output}': cannot create a file in '/proc'"),   # root passed it
     "output is the input": (lambda t, w: (w, t / "in.h5", t / "in.h5", []), "output path '{output}' is the input file"),
     "trace directory missing": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--trace", t / "no" / "t.json"]),
                                 "trace directory '{tmp}/no' does not exist (for trace '{tmp}/no/t.json')"),

@@ -102,6 +102,11 @@ def test_json_output_never_replaces_the_weights_and_is_checked_before_generating
     assert path.read_bytes() == before
     proc, _ = _run_bad(tmp_path, path, ["--json", str(tmp_path / "nodir" / "out.json")])
     assert "does not exist" in one_error(proc) and "generated" not in proc.stderr
+    # /proc passes the permission bits as root: was exit 1 after generating ("[rank 0] error: HpcpipeError:
+    # cannot write --json '/proc/x'")
+    proc, _ = _run_bad(tmp_path, path, ["--json", "/proc/hpcpipe-x.json"])
+    assert "--json path '/proc/hpcpipe-x.json': cannot create a file in '/proc'" in one_error(proc)
+    assert "generated" not in proc.stderr
     notes = tmp_path / "notes.json"        # a file the run did not write: never replaced
     notes.write_text('{"mine": 1}\n')
     proc, _ = _run_bad(tmp_path, path, ["--json", str(notes)])

@@ -77,8 +77,9 @@ def check_output(path: str | Path, input_path: str | Path, protected_files: tupl
                  kind: str = "infer") -> None:
     """Raise ConfigError unless a file of this kind can be written at path without destroying anything.
 
-    Its directory must exist and be writable, and it must not be the input
-    file, one of ``protected_files`` or anything inside ``protected_dirs``
+    Its directory must exist and take a new file (one is created and removed: as root /proc and read-only
+    mounts pass the permission bits, and ``generate --json /proc/x`` failed after generating), and it must
+    not be the input file, one of ``protected_files`` or anything inside ``protected_dirs``
     ((label, path) pairs, the label a phrase like "the weights file 'w.h5'").
     Paths are compared after resolving symlinks, and hard links count as the same file. An existing
     file there must be hpcpipe's own earlier output of ``kind`` (``own_output.check_replaceable``).
@@ -89,6 +90,7 @@ def check_output(path: str | Path, input_path: str | Path, protected_files: tupl
         raise ConfigError(f"{what} {str(p)!r} is the input file")
     refuse_overwrite(p, protected_files, protected_dirs, what)
     check_replaceable(p, kind, what)
+    check_writable(path, what, probe=True)     # last: a refused path's directory (a checkpoint's) is left untouched
 
 
 def temporary_name(path: str | Path) -> Path:

@@ -115,6 +115,9 @@ def export_output_error(out: str, protected: tuple | None = None) -> str | None:
         if os.path.lexists(out):   # an export is a model: never replace one (nor anything else)
             raise ConfigError(f"export output {out!r} already exists; export never replaces a file: "
                               f"move it away or name a new file")
+        # last, once the folder is known not to be the checkpoint's: a file is created and removed there (as root
+        # /proc passes the permission bits; export then failed with a bare "[Errno 2] ...", status 1)
+        check_writable(out, "export output", probe=True)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -278,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             refused = export_output_error(args.out)
             if refused is None and os.path.lexists(args.out):
                 refused = f"import output {args.out!r} already exists; import never replaces a file"
+            if refused is None:
+                refused = export_output_error(args.out, ((), ()))    # the probe: a folder that refuses files
             if refused is not None:
                 print(f"hpcpipe: error: {refused.replace('export output', 'import output')}", file=sys.stderr)
                 return 2

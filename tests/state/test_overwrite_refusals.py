@@ -176,3 +176,18 @@ def test_config_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_pat
     for path, words in ((fifo, "is not a regular file"), ("/dev/zero", "is not a regular file")):
         result = run(command(2, "hpcpipe.train", ["--config", str(path)]), timeout=60)
         one_error(result, words)
+
+
+def test_export_and_import_into_a_folder_that_refuses_files_are_one_line_exit_2(tmp_path):
+    # as root /proc passes the permission bits: export was "hpcpipe: error: [Errno 2] No such file or directory:
+    # '/proc/.x.tmp-...'", status 1 (after reading the checkpoint), for a weights file and --format hf alike
+    from support.serve import make_weights
+    weights = tmp_path / "w.h5"
+    make_weights(weights)
+    cases = {("export", str(weights), "/proc/hpcpipe-x.h5"): "cannot create a file in '/proc'",
+             ("export", str(weights), "/proc/hpcpipe-x", "--format", "hf"): "cannot create a directory in '/proc'",
+             ("import", str(tmp_path), "/proc/hpcpipe-x.h5"): "import output '/proc/hpcpipe-x.h5': cannot create"}
+    for argv, words in cases.items():
+        result = run([sys.executable, "-m", "hpcpipe.checkpoint", *argv])
+        assert words in one_error(result), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.h5"]

@@ -125,6 +125,13 @@ def check_new_directory(out: str | Path, fmt: str = "hf") -> None:
         raise ConfigError(f"export output directory {str(parent)!r} does not exist (for export output {str(p)!r})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"export output {str(p)!r} is not writable: no write permission on {str(parent)!r}")
+    probe = parent / f".{p.name}.probe-{secrets.token_hex(4)}"
+    try:    # as root /proc and read-only mounts pass the permission bits (the export then failed with a bare errno)
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise ConfigError(f"export output {str(p)!r}: cannot create a directory in {str(parent)!r}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def _tokenizer_files(stored: Any, label: str) -> dict[str, bytes]:

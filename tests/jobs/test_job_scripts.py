@@ -4,6 +4,7 @@ jobs/train.sbatch run with bash outside Slurm ends as a job would (no Slurm job 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,39 @@ def test_a_key_the_script_sets_itself_in_hpcpipe_args_is_refused(tmp_path, scrip
     key = given.split()[-1].removeprefix("--set=")
     assert result.returncode == 2 and f"HPCPIPE_ARGS sets {key}, which this script sets" in out and knob in out, out
     assert "HPCPIPE_LAUNCHER must be" not in out          # refused before the launch is even prepared
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_expansion_of_an_array_that_may_be_empty_is_guarded_for_bash_before_4_4(script):
+    """Under set -u bash before 4.4 (RHEL/CentOS 7 ship 4.2) stops at "${A[@]}" of an empty array ("A[@]: unbound
+    variable"): the scripts expanded GIVEN (empty without HPCPIPE_ARGS) and train's RESUME (empty without a
+    resume) that way, so a plain `sbatch jobs/train.sbatch` failed there at once. No bash 4.3 is at hand to run
+    them, so the rule is read off the text: every array the script empties or reads into is expanded as
+    ${A[@]+"${A[@]}"} (the same words in every bash)."""
+    text = (ROOT / "jobs" / script).read_text()
+    assert "set -u" in text
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    arrays = set(re.findall(r"\b(\w+)=\(\)", code)) | set(re.findall(r"read -r?a (\w+)", code))
+    assert "GIVEN" in arrays
+    for name in sorted(arrays):
+        for match in re.finditer(r"\$\{" + name + r"\[[@*]\](?!\+)", code):    # not the guard's own test
+            before = code[max(0, match.start() - len(name) - 8):match.start()]
+            assert before.endswith(f"${{{name}[@]+\"") or before.endswith(f"${{{name}[*]+\""), \
+                (name, code[match.start() - 20:match.end() + 20])
+
+
+@pytest.mark.parametrize("script,knobs,layout", [
+    ("train.sbatch", {"HPCPIPE_PP": "2", "HPCPIPE_TP": "2"}, "(dp=2 x pp=2 x tp=2)"),
+    ("serve.sbatch", {"HPCPIPE_PP": "1", "HPCPIPE_TP": "4"}, "(dp=2 x pp=1 x tp=4)"),
+])
+def test_the_launch_line_states_the_layout_with_tensor_parallelism(tmp_path, script, knobs, layout):
+    """With HPCPIPE_TP = 2 the line said dp=4 x pp=2 for 8 tasks (tasks / pp), twice the replicas that ran."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLURM_NTASKS": "8", "HPCPIPE_WEIGHTS": "w.h5",
+           "HPCPIPE_LAUNCHER": str(tmp_path / "mpiexec"), **knobs}    # no such file: the launch itself fails
+    result = subprocess.run(["bash", str(ROOT / "jobs" / script)], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=60, check=False)
+    out = result.stdout + result.stderr
+    assert layout in out and "unbound variable" not in out, out
 
 
 def test_train_script_outside_slurm_finishes_and_stops_cleanly(tmp_path):

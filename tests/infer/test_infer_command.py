@@ -139,6 +139,9 @@ CASES = {
     "output directory missing": (lambda t, w: (w, t / "in.h5", t / "no" / "out.h5", []),
                                  "output directory '{parent}' does not exist (for output '{output}')"),
     "output is a directory": (lambda t, w: (w, t / "in.h5", t, []), "output path '{output}' is a directory"),
+    "tensor parallel": (lambda t, w: (w, t / "in.h5", t / "out.h5", ["--set", "parallel.tp=2", "--set",
+                                                                     "parallel.pp=1"]),
+                        "parallel.tp must be 1, got 2"),   # was "... x tp (1) = 1" from rank 0 and MPI_Abort
     "output folder refuses files": (lambda t, w: (w, t / "in.h5", Path("/proc/hpcpipe-out.h5"), []),
                                     "output path '{output}': cannot create a file in '/proc'"),   # root passed it
     "output is the input": (lambda t, w: (w, t / "in.h5", t / "in.h5", []), "output path '{output}' is the input file"),

@@ -88,6 +88,9 @@ def prepare(weights: str | Path, input: str | Path, output: str | Path, world_si
     if cfg.parallel.virtual_stages != 1:
         raise ConfigError(f"inference runs one stage per rank: parallel.virtual_stages must be 1, got "
                           f"{cfg.parallel.virtual_stages}")
+    if cfg.parallel.tp != 1:    # the layout counted tp's ranks, the grid did not: "... x tp (1) = 1", an abort
+        raise ConfigError(f"batch inference runs dp x pp ranks without tensor parallelism: parallel.tp must be 1, got "
+                          f"{cfg.parallel.tp} (parallel.tp is for train, generate and serve)")
     dp, pp = resolve_layout(cfg, world_size)
     specs = model_specs(cfg)
     ranges = partition(specs, pp, stage_counts(cfg, pp, cfg.infer.micro_batch_size, ("F",)))

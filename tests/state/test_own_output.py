@@ -119,6 +119,16 @@ def test_metrics_and_trace_hard_linked_to_one_file_are_refused(tmp_path):
         check_log_files(config, None, None)
 
 
+@pytest.mark.parametrize("key", ["metrics", "trace"])
+def test_a_log_file_in_a_folder_that_refuses_files_is_refused_before_training(key):
+    # as root /proc passes the permission bits: log.metrics = "/proc/x" was a FileNotFoundError traceback from rank 0
+    # at step 0 (exit 1), log.trace = "/proc/x" a warning after training ("trace not written")
+    from hpcpipe.config import from_dict
+    config = from_dict({"log": {key: "/proc/hpcpipe-x.json"}, "checkpoint": {"dir": ""}})
+    with pytest.raises(ConfigError, match=f"log.{key} '/proc/hpcpipe-x.json': cannot create a file in '/proc'"):
+        check_log_files(config, None, None)
+
+
 @pytest.mark.parametrize("name,words", [
     ("", "--json path is empty: name the file to write"),
     ("nodir/x.json", "--json directory '{tmp}/nodir' does not exist (for --json '{tmp}/nodir/x.json')"),

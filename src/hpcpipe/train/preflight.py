@@ -266,6 +266,10 @@ def check_log_files(config: Config, init: WeightsSource | None, resume: HDF5Sour
         check_metrics_file(metrics)
     if trace:   # the trace is written whole at the end, replacing the file: only an earlier trace may be there
         check_replaceable(trace, "trace", "log.trace")
+    for key, path in (("metrics", metrics), ("trace", trace)):
+        if path:    # last (a refused path's folder stays untouched): as root /proc passes the permission bits,
+            # and log.metrics = "/proc/x" was a FileNotFoundError traceback, log.trace a warning after training
+            check_writable(path, f"log.{key}", probe=True)
 
 
 def check_metrics_file(path: str) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,3 +129,42 @@ def test_sbatch_script_ignores_a_stale_stop_marker(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "training exited with status 0" in proc.stdout and "stop marker" not in proc.stdout, proc.stdout
     assert "hpcpipe: trained 3 steps" in proc.stdout and not stale.exists()
+
+
+@pytest.mark.parametrize("procid", ["0", "3"])
+def test_srun_without_the_mpi_plugin_is_one_line_naming_the_cause(tmp_path, procid):
+    """srun without --mpi=pmi2/pmix starts N singletons: each said "world size 1 is not divisible by parallel.pp (4)"
+    (8 copies in a real Slurm job, tests/jobs/local_slurm.sh, srun --kill-on-bad-exit=1 -n 8), hiding the cause.
+    Task 0 now says it once; the other tasks exit 2 silently."""
+    if any(name in os.environ for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")):
+        pytest.skip("pytest runs under a launcher: the command would be a rank's child, which runs alone by design")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_"))}
+    env.update({"SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "8", "SLURM_PROCID": procid,
+                "PYTHONPATH": str(ROOT / "src")})
+    result = subprocess.run([sys.executable, "-m", "hpcpipe.train", "--set", "train.steps=1"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "not divisible" not in result.stderr, result.stderr
+    if procid == "0":
+        assert result.stderr.count("error:") == 1 and "srun started 8 tasks (SLURM_STEP_NUM_TASKS=8) but MPI sees " \
+            "each one alone (world size 1): srun needs the PMI plugin of this MPI" in result.stderr, result.stderr
+    else:
+        assert "error:" not in result.stderr, result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"SLURM_STEP_NUM_TASKS": "4"}, "srun started 4 tasks"),
+    ({"PMI_SIZE": "2", "SLURM_STEP_NUM_TASKS": "1"}, "the launcher started 2 processes (PMI_SIZE=2)"),
+    ({"OMPI_COMM_WORLD_SIZE": "8"}, "the launcher does not belong to the MPI library"),
+    ({"PMI_SIZE": "1", "SLURM_STEP_NUM_TASKS": "4"}, ""),    # hydra's mpiexec -n 1 inside an srun step: fine
+    ({"SLURM_NTASKS": "8"}, ""),          # a batch shell's allocation, not a launch: python run there alone
+    ({}, ""),
+])
+def test_launcher_mismatch_reads_the_step_not_the_allocation(env, words):
+    from hpcpipe.runtime.launcher import launcher_mismatch
+    assert launcher_mismatch(2, "X", env, parent_has=False) == ""
+    message = launcher_mismatch(1, "X", env, parent_has=False)
+    assert (words in message and "(X)" in message) if words else message == ""
+    # a rank's child (its parent holds the variables) runs alone by design
+    assert launcher_mismatch(1, "X", env, parent_has=True) == ""

@@ -72,9 +72,16 @@ def run_job(world: Comm, setup: Callable[[], Any], body: Callable[[Any], int], l
     """Run setup (local checks) on every rank, agree on the outcome, then body(its result); one message, right exit."""
     # comm (mpi4py) is imported here, not at module level: a command parses its arguments before MPI starts
     from hpcpipe.runtime.comm import Poller, abort, gather_everyone
+    from hpcpipe.runtime.launcher import launcher_mismatch, launcher_rank
     from hpcpipe.runtime.mpi_probes import library_line
 
     rank = world.Get_rank()
+    mismatch = "" if world.Get_size() > 1 else \
+        launcher_mismatch(1, library_line(world).removeprefix("hpcpipe: MPI: "))
+    if mismatch:    # every singleton would fail its setup alone with a layout message: say the cause, once
+        if launcher_rank() == 0:
+            print(f"hpcpipe: error: {mismatch}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     failure: tuple[int, str] = (0, "")
     try:
         try:

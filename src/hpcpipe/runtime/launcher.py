@@ -117,3 +117,41 @@ def one_process_problem(command: str, env: Mapping[str, str] | None = None,
         return None
     return (f"python -m {command} runs on one process, and the launcher started {size}: each would do the whole "
             f"job and write the same output; run it without mpiexec")
+
+
+# The size of the job step the launcher started, most specific first: srun's SLURM_NTASKS is the allocation's in
+# a batch shell, SLURM_STEP_NUM_TASKS only exists inside an srun step.
+STEP_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launcher_mismatch(world_size: int, library: str, env: Mapping[str, str] | None = None,
+                      parent_has: bool | None = None) -> str:
+    """Why MPI sees this process alone although its launcher started several ('' when it does not).
+
+    srun without the MPI's PMI plugin (``--mpi=pmi2``/``pmix``), or an mpiexec of another MPI than the
+    libmpi mpi4py loaded, starts N singletons: each then failed on its own with a layout message ("world size 1
+    is not divisible by parallel.pp (4)", printed N times) that hid the cause. ``library`` names the MPI loaded.
+    As for one_process_problem, only a process the launcher started counts (``parent_has``: whether the parent
+    holds the size variables; a rank's child inherits them and runs alone by design).
+    """
+    env = os.environ if env is None else env
+    if world_size != 1:
+        return ""
+    for name in STEP_SIZE_VARIABLES:
+        size = _first_count((name,), env)
+        if size is None:
+            continue
+        if size <= 1:
+            return ""
+        if parent_has is None:
+            parent_has = _parent_has(STEP_SIZE_VARIABLES)
+        if parent_has is not False:
+            return ""
+        if name == "SLURM_STEP_NUM_TASKS":
+            return (f"srun started {size} tasks ({name}={size}) but MPI sees each one alone (world size 1): srun "
+                    f"needs the PMI plugin of this MPI ({library}): srun --mpi=pmi2 or --mpi=pmix (`srun --mpi=list` "
+                    f"lists them; jobs/*.sbatch: HPCPIPE_LAUNCHER_ARGS=--mpi=pmi2), or launch with mpiexec")
+        return (f"the launcher started {size} processes ({name}={size}) but MPI sees each one alone (world size 1): "
+                f"the launcher does not belong to the MPI library mpi4py loaded ({library}); use that MPI's "
+                f"mpiexec, or point mpi4py at the launcher's libmpi (MPI4PY_LIBMPI, docs/cluster.md \"Which MPI\")")
+    return ""

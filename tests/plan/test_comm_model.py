@@ -189,6 +189,14 @@ def test_the_probe_never_overwrites_its_out_file(tmp_path):
     assert out.read_text() == "mine"
 
 
+def test_the_probe_refuses_a_folder_that_takes_no_file_before_measuring():
+    # as root /proc passes the permission bits: the probe measured, then rank 0 failed to write
+    # ("[probe rank 0] error: FileNotFoundError: ... '/proc/.p.json.tmp-...'", MPI_Abort, exit 1)
+    proc = run_command(2, "hpcpipe.plan.probe", ["--out", "/proc/hpcpipe-p.json"], timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--out '/proc/hpcpipe-p.json': cannot create a file in '/proc'" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("sizes, words", [(["2", "4096"], "--sizes 2: every size must be between 4 and"),
                                           (["4096", "4096"], "give at least 2 different sizes")])
 def test_the_probe_refuses_bad_sizes_before_mpi(tmp_path, sizes, words):

@@ -21,10 +21,10 @@ import sys
 import time
 
 from hpcpipe.cli import CommandParser
-from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from hpcpipe.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError
 from hpcpipe.runtime.launcher import launcher_rank, launcher_size
 from hpcpipe.runtime.rss import resident_bytes
-from hpcpipe.state.outputs import write_json_atomic
+from hpcpipe.state.outputs import check_writable, write_json_atomic
 
 KIB = 1024
 DEFAULT_SIZES = tuple(4 * KIB * 4 ** k for k in range(8))     # 4 KiB .. 64 MiB, 8 sizes
@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None):
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         parser.error(f"--out {args.out!r}: folder {folder!r} does not exist")
+    try:    # a file is created and removed there: as root /proc passes the permission bits (it failed after the
+        # measurements: "[probe rank 0] error: FileNotFoundError", MPI_Abort, exit 1)
+        check_writable(args.out, "--out", probe=True)
+    except ConfigError as exc:
+        parser.error(str(exc))
     args.sizes = sorted(set(args.sizes))
     return args
 

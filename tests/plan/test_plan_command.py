@@ -208,6 +208,8 @@ def test_a_budget_below_what_the_model_alone_needs_is_refused_before_measuring(t
     (["--ranks", "2", "--json", ""], "--json needs a file name"),
     (["--ranks", "2", "--write", "/proc/plan.toml"], "cannot create a file in '/proc'"),   # was: after planning
     (["--ranks", "2", "--profile-dir", "exists.toml"], "--profile-dir 'exists.toml' is not a directory"),
+    (["--ranks", "2", "--profile-dir", "/proc/hpcpipe-profiles"],       # was: after the MPI probe's measurements
+     "--profile-dir '/proc/hpcpipe-profiles' cannot be created"),
     (["--ranks", "2", "--write", "ck/plan.toml"], "is inside the checkpoint directory"),   # was: written there
     (["--ranks", "2", "--nodes", "0"], "--nodes must be a positive integer"),
     (["--ranks", "3", "--nodes", "2", "--network", "exists.toml"], "--ranks 3 is not a multiple of --nodes 2"),

@@ -148,6 +148,20 @@ def _check_args(args) -> None:
         raise ConfigError(f"{how} {cache!r} is not a directory")
 
 
+def make_cache(args) -> None:
+    """Create the profile cache folder before measuring (ConfigError when impossible): --profile-dir /proc/x
+    failed only after the MPI probe's measurements. An existing read-only cache may still hold the profile."""
+    cache = args.profile_dir or default_cache_dir()
+    if os.path.exists(cache):
+        return
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError as exc:
+        how = "--profile-dir" if args.profile_dir else "the profile cache ($HPCPIPE_PROFILE_DIR or ~/.cache)"
+        raise ConfigError(f"{how} {cache!r} cannot be created: {exc.strerror or exc} (set HPCPIPE_PROFILE_DIR "
+                          f"or --profile-dir to a writable directory)") from None
+
+
 def engine_text(engine: dict) -> str:
     """One line on the profile's calibration against real training runs."""
     if "replicas" not in engine:
@@ -223,10 +237,12 @@ def run(args) -> int:
     # ranks computing at once on one node like this one: they share its memory bandwidth while profiled too
     concurrent = max(1, min(per_host if args.cores is None else args.cores, here) // threads)
     sizes = profile_sizes(rows, largest=largest_profiled_rows(config))
+
+    def before_measuring() -> None:
+        memory_floor.check_profiling(config, sizes, concurrent, available_bytes())
+        make_cache(args)
     profile = load_profile(config, sizes, threads, args.profile_dir or default_cache_dir(),
-                           args.refresh_profile, concurrent,
-                           before_measuring=lambda: memory_floor.check_profiling(config, sizes, concurrent,
-                                                                                 available_bytes()),
+                           args.refresh_profile, concurrent, before_measuring=before_measuring,
                            tps=tuple(sorted({tp for _, _, tp in layouts(config, args.ranks, global_batch)} - {1})))
     placement = Placement(profile.comm, network, per_node if network is not None else None)
     result = search(config, profile, args.ranks, global_batch, budget, args.cores, args.max_micro_batches, placement)

@@ -153,12 +153,13 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches a step (default 8)")
     parser.add_argument("--virtual-stages", type=int, default=1,
                         help="model chunks per rank (default 1): more for interleaved-1f1b; zb-v needs 2")
-    parser.add_argument("--costs", default="1,2,1,0", help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
+    parser.add_argument("--costs", default="1,2,1,0", dash_value=True,     # "-1,2": a value, said to be negative
+                        help="F,B[,W[,comm]] per whole stage (default 1,2,1,0)")
     parser.add_argument("--calibrate", metavar="TRACE",
                         help="take costs from a training trace (log.trace) of the same model, any layout")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks per stage: compute per action / tp, plus --tp-comm (default 1)")
-    parser.add_argument("--tp-comm", default="0,0", metavar="F,B",
+    parser.add_argument("--tp-comm", default="0,0", metavar="F,B", dash_value=True,
                         help="seconds of tp collectives per forward and per backward action of a stage (with --tp)")
     parser.add_argument("--cores", type=int, default=None,
                         help="cores shared by the ranks (default: one per rank)")

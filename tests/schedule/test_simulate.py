@@ -181,6 +181,15 @@ def test_a_simulation_too_large_to_run_in_seconds_is_refused_in_one_line(argv, w
     assert proc.stdout == "" and proc.stderr.count("error:") == 1 and words in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("argv, words", [(["--costs", "-1,2,1,0"], "--costs expects 2 to 4 finite non-negative"),
+                                         (["--tp", "2", "--tp-comm", "-1,0"], "--tp-comm expects two finite")])
+def test_a_negative_cost_is_named_not_taken_for_an_option(capsys, argv, words):
+    # argparse read "-1,2,1,0" as an option: "argument --costs: expected one argument" and the usage
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert words in err and "expected one argument" not in err and err.count("error:") == 1
+
+
 def test_the_largest_simulation_allowed_still_runs():
     # the bound leaves the sizes a user plans with: 3000 stages x 3000 micro-batches took 3.9 s
     assert main(["--schedule", "gpipe", "--pp", "1000", "--micro-batches", "1000", "--no-validate"]) == 0

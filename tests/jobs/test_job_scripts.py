@@ -105,6 +105,20 @@ def test_the_launch_line_states_the_layout_with_tensor_parallelism(tmp_path, scr
     assert layout in out and "unbound variable" not in out, out
 
 
+@pytest.mark.parametrize("knob,value", [("HPCPIPE_RESUME", "true"), ("HPCPIPE_RESUME", "yes"),
+                                         ("HPCPIPE_REQUEUE", "yes"), ("HPCPIPE_REQUEUE", "true")])
+def test_a_resume_or_requeue_knob_outside_its_values_is_refused(tmp_path, knob, value):
+    """HPCPIPE_RESUME=true started a fresh run beside the checkpoint (only "1" resumed), HPCPIPE_REQUEUE=yes
+    never requeued (only "1" did); both without a word."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLURM_NTASKS": "4", knob: value,
+           "HPCPIPE_LAUNCHER": str(tmp_path / "mpiexec")}     # no such file: a launch would fail, not hang
+    result = subprocess.run(["bash", str(ROOT / "jobs" / "train.sbatch")], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=60, check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2 and f"{knob} must be" in out and f"got '{value}'" in out, out
+    assert "python -m hpcpipe.train" not in out          # refused before the launch
+
+
 def test_train_script_outside_slurm_finishes_and_stops_cleanly(tmp_path):
     """Run with bash outside Slurm (no job id): a finished run exits 0, a stop on SIGUSR1 exits 75 with its
     checkpoint, and neither says anything about an unbound SLURM_JOB_ID (the script asked scontrol about it)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from hpcpipe.config_checks import toml_hint, unknown_section, validate
+from hpcpipe.config_checks import UNION_WORDS, toml_hint, unknown_section, validate
 from hpcpipe.errors import ConfigError
 from hpcpipe.nn.registry import KINDS as _KINDS
 from hpcpipe.nn.registry import decoders, model_keys
@@ -223,7 +223,8 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
             return value
     else:  # pragma: no cover - a new field type without a checker is a programming error
         raise TypeError(f"no type check for {where}: {text}")
-    raise ConfigError(f"{where} must be {text}, got {value!r} ({type(value).__name__}){toml_hint(where, text, value)}")
+    wanted, hint = UNION_WORDS.get(text, text), toml_hint(where, text, value)
+    raise ConfigError(f"{where} must be {wanted}, got {value!r} ({type(value).__name__}){hint}")
 
 
 def _build(section_cls: type, name: str, values: dict[str, Any]) -> Any:

@@ -190,6 +190,11 @@ def tp_splits(mod: ModelConfig, tp: int) -> bool:
     return True
 
 
+# the union types in words: "parallel.pp must be int | str, got 2.0" read as Python, not as the TOML to write
+UNION_WORDS = {"int | str": 'a positive integer or "auto"',
+               "list[int] | str": 'a list of layer counts or "profile"'}
+
+
 def toml_hint(where: str, text: str, value: Any) -> str:
     """A hint when a list of strings came as one string "[q_proj]": TOML (and so --set) needs each quoted; and when
     a number came as a string (".1", "1.", a quoted "0.1"): TOML writes numbers bare, with a digit each side of '.'."""

@@ -38,6 +38,8 @@ def test_file_and_overrides(tmp_path):
     (["steps=3"], "--set key must be section.key, got 'steps'"),
     (["train.steps"], "--set expects section.key=value"),
     (["parallel.pp=\"auto\""], "parallel.pp and parallel.dp cannot both be \"auto\""),
+    (["parallel.pp=2.0"], r'parallel.pp must be a positive integer or "auto", got 2.0 \(float\)'),   # was "int | str"
+    (["parallel.stage_layers=2.5"], r'parallel.stage_layers must be a list of layer counts or "profile", got 2.5'),
     (["model.kind=moe", "parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "train.zero=1", "train.optimizer=adam"],
      r"train.zero = 1 with parallel.ep = 2 is not supported"),
 ])

@@ -243,7 +243,7 @@ def _did_you_mean(section: str, key: str) -> str:
     """': did you mean section.key?' for the known key closest to a misspelled one (this section first), or ''."""
     hints = get_type_hints(Config)
     mine = [f.name for f in fields(hints[section])]
-    close = difflib.get_close_matches(key, mine, n=1)
+    close = difflib.get_close_matches(key.lower(), mine, n=1)     # STEPS: steps
     if close:
         return f": did you mean {section}.{close[0]}?"
     # a key of another section ([model] steps = 5): the same name, or one close to it, there

@@ -221,6 +221,6 @@ def unknown_section(name: str, value: Any, keys: dict[str, list[str]]) -> Config
     if homes and not isinstance(value, dict):
         return ConfigError(f"key {name!r} is outside any section: write it under [{homes[0]}] (TOML keys before the "
                            f"first [section] header belong to none)")
-    close = difflib.get_close_matches(name, list(keys), n=1)
+    close = difflib.get_close_matches(name.lower(), list(keys), n=1)    # [TRAIN]: [train]
     hint = f": did you mean [{close[0]}]?" if close else ""
     return ConfigError(f"unknown section [{name}]{hint} (known sections: {', '.join(keys)})")

@@ -54,6 +54,10 @@ def test_bad_values_are_refused_with_a_message_naming_them(overrides, message):
     (["model.steps=5"], "", "unknown key model.steps: did you mean train.steps? (known keys in [model]: "),
     ([], "[trian]\nsteps = 5\n", "unknown section [trian]: did you mean [train]? (known sections: "),
     (["train.xyzzy=1"], "", "unknown key train.xyzzy (known keys in [train]: "),      # nothing close: no guess
+    # another case: no guess was made ("unknown section [TRAIN] (known sections: ...")
+    (["TRAIN.STEPS=3"], "", "unknown section [TRAIN]: did you mean [train]? (known sections: "),
+    (["train.STEPS=3"], "", "unknown key train.STEPS: did you mean train.steps? (known keys in [train]: "),
+    ([], "[Train]\nsteps = 5\n", "unknown section [Train]: did you mean [train]? (known sections: "),
     # a key above the first header: was "unknown section [steps]"
     ([], "steps = 5\n[train]\nlr = 0.1\n", "key 'steps' is outside any section: write it under [train] (TOML"),
 ])

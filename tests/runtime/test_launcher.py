@@ -159,6 +159,7 @@ def test_srun_without_the_mpi_plugin_is_one_line_naming_the_cause(tmp_path, proc
     ({"OMPI_COMM_WORLD_SIZE": "8"}, "the launcher does not belong to the MPI library"),
     ({"PMI_SIZE": "1", "SLURM_STEP_NUM_TASKS": "4"}, ""),    # hydra's mpiexec -n 1 inside an srun step: fine
     ({"SLURM_NTASKS": "8"}, ""),          # a batch shell's allocation, not a launch: python run there alone
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PTY_PORT": "40123"}, ""),    # srun -n 4 --pty bash: a shell in task 0
     ({}, ""),
 ])
 def test_launcher_mismatch_reads_the_step_not_the_allocation(env, words):

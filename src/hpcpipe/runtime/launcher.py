@@ -141,8 +141,8 @@ def launcher_mismatch(world_size: int, library: str, env: Mapping[str, str] | No
         size = _first_count((name,), env)
         if size is None:
             continue
-        if size <= 1:
-            return ""
+        if size <= 1 or (name == "SLURM_STEP_NUM_TASKS" and env.get("SLURM_PTY_PORT")):
+            return ""       # `srun -n 4 --pty bash`: a shell in task 0 that may run a program alone
         if parent_has is None:
             parent_has = _parent_has(STEP_SIZE_VARIABLES)
         if parent_has is not False:

@@ -169,3 +169,30 @@ def test_launcher_mismatch_reads_the_step_not_the_allocation(env, words):
     assert (words in message and "(X)" in message) if words else message == ""
     # a rank's child (its parent holds the variables) runs alone by design
     assert launcher_mismatch(1, "X", env, parent_has=True) == ""
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to start a process as nobody")
+def test_a_task_whose_parent_belongs_to_another_user_counts_as_the_launcher_s(tmp_path):
+    """srun's slurmstepd runs as root: a user's task cannot read its environment (Permission denied, checked on the
+    local Slurm as nobody). The checks read that as 'maybe a rank's child' and never fired for a real user, only
+    for root; a parent of another user cannot be the user's rank, so it counts as the launcher."""
+    script = ("from hpcpipe.runtime.launcher import launcher_mismatch, one_process_problem\n"
+              "print(one_process_problem('hpcpipe.evaluate', {'PMI_SIZE': '2'}))\n"
+              "print(launcher_mismatch(1, 'X', {'SLURM_STEP_NUM_TASKS': '4'}))\n")
+    # this test's process (root) is the parent of a process that runs as nobody, as slurmstepd is of a task; the
+    # module needs no package outside the standard library, so any Python that nobody may run will do
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    tmp_path.chmod(0o777)
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            if subprocess.run([python, "-c", "import hpcpipe.runtime.launcher"], env=env, cwd=tmp_path,
+                              user="nobody", capture_output=True, check=False).returncode == 0:
+                break
+        except OSError:     # e.g. a Python under /root, which nobody may not run
+            continue
+    else:
+        pytest.skip("no Python here that the user nobody may run with this checkout")
+    result = subprocess.run([python, "-c", script], env=env, cwd=tmp_path, user="nobody", capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "the launcher started 2" in result.stdout and "srun started 4 tasks" in result.stdout, result.stdout

@@ -89,11 +89,17 @@ MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 def _parent_has(names: tuple[str, ...]) -> bool | None:
     """Whether this process's parent has any of the environment variables ``names`` (Linux /proc; None where its
     environment cannot be read)."""
+    parent = f"/proc/{os.getppid()}"
     try:
-        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        with open(f"{parent}/environ", "rb") as f:
             entries = f.read().split(b"\0")
     except OSError:
-        return None
+        # srun's slurmstepd runs as root, so a user's task cannot read its environment; a rank (whose child
+        # this would be) runs as the user: a parent of another user is the launcher, which never holds them
+        try:
+            return False if os.stat(parent).st_uid != os.getuid() else None
+        except OSError:
+            return None
     wanted = {n.encode() for n in names}
     return any(e.split(b"=", 1)[0] in wanted for e in entries)
 
@@ -106,7 +112,8 @@ def one_process_problem(command: str, env: Mapping[str, str] | None = None,
     Only a process the launcher started counts: the launcher (Hydra's proxy, Open MPI's mpirun or orted, srun's
     slurmstepd) sets the size variable for its ranks, not in its own environment, while a command that a rank runs
     as a child process inherits the rank's variables from its parent and runs alone. ``parent_has``: whether the
-    parent holds them (None: read from /proc; unreadable counts as a child, never refused).
+    parent holds them (None: read from /proc; a parent of this user that cannot be read counts as a child,
+    never refused; one of another user, as srun's slurmstepd, as the launcher).
     """
     size = _first_count(MPI_SIZE_VARIABLES, env)
     if size is None or size <= 1:

@@ -46,3 +46,20 @@ def test_a_short_draft_of_a_hugging_face_llama_suggests_the_seq_len_that_works(t
     with pytest.raises(ConfigError, match="shorter than the model's 128: set model.seq_len to at most 64$"):
         prepare(tmp_path / "model", 1, None, draft_args(tmp_path / "draft"))
     assert prepare(tmp_path / "model", 1, None, [*draft_args(tmp_path / "draft"), "model.seq_len=64"]).draft
+
+
+def test_a_draft_s_own_sampling_defaults_are_not_checked(tmp_path):
+    """A draft proposes greedily: its generation_config.json is never read. Its values were checked as the model's
+    (top_p 1.5 refused serve with 'serve.generation_config = "none"' as the fix, which the draft's own prepare
+    never sees, so nothing turned it off)."""
+    pytest.importorskip("transformers")
+    import json
+    tok = bytelevel_tokenizer(["<|endoftext|>"], vocab_size=300)
+    for name in ("model", "draft"):
+        save_model(tiny_model("llama", vocab_size=tok.get_vocab_size(), max_position_embeddings=64), tmp_path / name)
+        save_tokenizer(tok, tmp_path / name)
+    (tmp_path / "draft" / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    assert prepare(tmp_path / "model", 1, None, draft_args(tmp_path / "draft")).draft is not None
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))     # the model's: checked
+    with pytest.raises(ConfigError, match=r"generation_config.json: top_p = 1.5 is not a number in \(0, 1\]"):
+        prepare(tmp_path / "model", 1, None, draft_args(tmp_path / "draft"))

@@ -351,7 +351,8 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                         seq_len_free=not source.model or _seq_len_free(source, cfg))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
     setup = ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
-    setup.sampling_defaults.keys()   # a generation_config.json value no request could carry: refused now, on every rank
+    if key != "serve.draft":    # a generation_config.json value no request could carry: refused now, on every rank
+        setup.sampling_defaults.keys()     # (a draft proposes greedily: its own are never read)
     return setup
 
 

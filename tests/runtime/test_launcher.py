@@ -196,3 +196,27 @@ def test_a_task_whose_parent_belongs_to_another_user_counts_as_the_launcher_s(tm
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "the launcher started 2" in result.stdout and "srun started 4 tasks" in result.stdout, result.stdout
+
+
+def test_a_launcher_started_by_another_is_told_by_the_value_its_ranks_were_given(tmp_path):
+    """Hydra's proxies and Open MPI's daemons are started by srun on a multi-node job: they hold srun's
+    SLURM_STEP_NUM_TASKS (and PMI_SIZE = the node count under srun --mpi=pmi2), and their ranks a PMI_SIZE of
+    their own. The checks asked whether the parent held any size variable, so a proxy passed for a rank and
+    neither check fired there; now the parent must hold the very name=value the process found."""
+    script = ("from hpcpipe.runtime.launcher import launcher_mismatch, one_process_problem\n"
+              "print(repr(one_process_problem('hpcpipe.evaluate')))\n"
+              "print(repr(launcher_mismatch(1, 'X')))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_"))}
+    env.update({"PYTHONPATH": str(ROOT / "src"), "SLURM_STEP_NUM_TASKS": "3", "PMI_SIZE": "3"})
+    # the shell stands for the proxy (an srun task); it starts its rank with the job's PMI_SIZE, and waits for it
+    launch = f"PMI_SIZE=2 {sys.executable} -c \"$SCRIPT\"; status=$?; exit $status"
+    proxy = subprocess.run(["sh", "-c", launch], env={**env, "SCRIPT": script}, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert proxy.returncode == 0, proxy.stderr
+    assert "the launcher started 2: each would do the whole job" in proxy.stdout, proxy.stdout
+    assert "the launcher started 2 processes (PMI_SIZE=2)" in proxy.stdout, proxy.stdout
+    # a rank's child inherits the rank's own values: it still runs alone
+    child = subprocess.run(["sh", "-c", f"{sys.executable} -c \"$SCRIPT\"; status=$?; exit $status"],
+                           env={**env, "PMI_SIZE": "2", "SCRIPT": script}, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert child.returncode == 0 and child.stdout.split("\n")[:2] == ["None", "''"], (child.stdout, child.stderr)

@@ -86,9 +86,11 @@ def under_open_mpi(env: Mapping[str, str] | None = None) -> bool:
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
-def _parent_has(names: tuple[str, ...]) -> bool | None:
-    """Whether this process's parent has any of the environment variables ``names`` (Linux /proc; None where its
-    environment cannot be read)."""
+def _parent_has(name: str, env: Mapping[str, str] | None = None) -> bool | None:
+    """Whether this process's parent has the environment variable ``name`` with this process's value (Linux /proc;
+    None where its environment cannot be read). The value too: a rank's child inherits it whole, while a launcher
+    started by another (Hydra's proxies, Open MPI's daemons under srun) holds that launcher's own count."""
+    env = os.environ if env is None else env
     parent = f"/proc/{os.getppid()}"
     try:
         with open(f"{parent}/environ", "rb") as f:
@@ -100,8 +102,7 @@ def _parent_has(names: tuple[str, ...]) -> bool | None:
             return False if os.stat(parent).st_uid != os.getuid() else None
         except OSError:
             return None
-    wanted = {n.encode() for n in names}
-    return any(e.split(b"=", 1)[0] in wanted for e in entries)
+    return f"{name}={env.get(name, '')}".encode() in entries
 
 
 def one_process_problem(command: str, env: Mapping[str, str] | None = None,
@@ -115,11 +116,12 @@ def one_process_problem(command: str, env: Mapping[str, str] | None = None,
     parent holds them (None: read from /proc; a parent of this user that cannot be read counts as a child,
     never refused; one of another user, as srun's slurmstepd, as the launcher).
     """
-    size = _first_count(MPI_SIZE_VARIABLES, env)
+    name = next((n for n in MPI_SIZE_VARIABLES if _first_count((n,), env) is not None), None)
+    size = _first_count((name,), env) if name else None
     if size is None or size <= 1:
         return None
     if parent_has is None:
-        parent_has = _parent_has(MPI_SIZE_VARIABLES)
+        parent_has = _parent_has(name, env)
     if parent_has is not False:
         return None
     return (f"python -m {command} runs on one process, and the launcher started {size}: each would do the whole "
@@ -139,7 +141,7 @@ def launcher_mismatch(world_size: int, library: str, env: Mapping[str, str] | No
     libmpi mpi4py loaded, starts N singletons: each then failed on its own with a layout message ("world size 1
     is not divisible by parallel.pp (4)", printed N times) that hid the cause. ``library`` names the MPI loaded.
     As for one_process_problem, only a process the launcher started counts (``parent_has``: whether the parent
-    holds the size variables; a rank's child inherits them and runs alone by design).
+    holds the size variable found, with its value; a rank's child inherits it and runs alone by design).
     """
     env = os.environ if env is None else env
     if world_size != 1:
@@ -151,7 +153,7 @@ def launcher_mismatch(world_size: int, library: str, env: Mapping[str, str] | No
         if size <= 1 or (name == "SLURM_STEP_NUM_TASKS" and env.get("SLURM_PTY_PORT")):
             return ""       # `srun -n 4 --pty bash`: a shell in task 0 that may run a program alone
         if parent_has is None:
-            parent_has = _parent_has(STEP_SIZE_VARIABLES)
+            parent_has = _parent_has(name, env)
         if parent_has is not False:
             return ""
         if name == "SLURM_STEP_NUM_TASKS":

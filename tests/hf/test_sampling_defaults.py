@@ -65,6 +65,8 @@ def test_a_request_takes_what_it_leaves_out_from_the_model():
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 1.0, 0)
     null = parse_sampling({"temperature": None, "seed": 1}, Vocab(), model)     # the openai client's "not given"
     assert null.temperature == 0.6
+    wider = parse_sampling({"seed": 1}, Vocab(), {"top_k": 301})     # the model's vocabulary passes the tokenizer's
+    assert wider.top_k == 0
     openai = parse_sampling({"seed": 1}, Vocab())
     assert (openai.temperature, openai.top_p, openai.top_k) == (1.0, 1.0, 0)
 

@@ -175,7 +175,8 @@ def parse_sampling(body: dict, tokenizer, defaults: dict | None = None) -> Sampl
     top_p = _get(body, "top_p", defaults.get("top_p", 1.0))
     if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise _bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
-    top_k = _get(body, "top_k", defaults.get("top_k", 0))
+    # the model's top_k is bounded by its vocabulary, which may pass the tokenizer's: as large, it is off
+    top_k = _get(body, "top_k", defaults.get("top_k", 0) if defaults.get("top_k", 0) <= tokenizer.vocab_size else 0)
     if top_k == -1 and _is_int(top_k):    # vLLM's "off", which clients written for vLLM send
         top_k = 0
     if not _is_int(top_k) or not 0 <= top_k <= tokenizer.vocab_size:

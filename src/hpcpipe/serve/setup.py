@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -71,6 +71,9 @@ class ServeSetup:
     model_name: str
     tp: int = 1                  # tensor-parallel ranks per stage (parallel.tp)
     draft: ServeSetup | None = None   # serve.draft's model (speculative decoding), one stage on each replica's head
+    # what a request (or generate) leaving temperature, top_p or top_k out samples with: the model's
+    # generation_config.json (serve.generation_config = "auto"); {}: OpenAI's defaults ("none", or a draft)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> DecoderShape:
@@ -107,14 +110,6 @@ class ServeSetup:
     def ring_window(self) -> int:
         """The window of the blocks kept in rings (hpcpipe.nn.memory.ring_window), or 0."""
         return ring_window(self.config, self.model)
-
-    @property
-    def sampling_defaults(self) -> dict[str, float | int]:
-        """What a request (or generate) that leaves temperature, top_p or top_k out samples with: the model's
-        generation_config.json (serve.generation_config = "auto"), or nothing, OpenAI's defaults ("none")."""
-        if self.config.serve.generation_config == "none":
-            return {}
-        return self.stored_tokenizer.sampling_defaults(self.shape.vocab, self.weights.describe())
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -350,10 +345,10 @@ def prepare(weights: str | Path, world_size: int, config: str | Path | None = No
                         smaller=smaller_formats(cfg, model, source),
                         seq_len_free=not source.model or _seq_len_free(source, cfg))
     name = cfg.serve.model_name or Path(given.rstrip("/")).name or "hpcpipe"
-    setup = ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft)
-    if key != "serve.draft":    # a generation_config.json value no request could carry: refused now, on every rank
-        setup.sampling_defaults.keys()     # (a draft proposes greedily: its own are never read)
-    return setup
+    # a value no request could carry is refused now, on every rank; a draft proposes greedily: its own are unread
+    sampling = {} if key == "serve.draft" or cfg.serve.generation_config == "none" else \
+        tokenizer.sampling_defaults(shape.vocab, source.describe())
+    return ServeSetup(cfg, dp, pp, ranges, source, model, tokenizer, name, cfg.parallel.tp, draft, sampling)
 
 
 def _seq_len_free(source: Any, cfg: Config) -> bool:

@@ -154,7 +154,7 @@ def check_writable(path: str | Path, what: str = "output path", append: bool = F
 
 def _try_create(p: Path, what: str) -> None:
     """Create and remove an empty file beside p: the permission bits do not tell (root, /proc, read-only mounts)."""
-    probe = p.with_name(f".{p.name}.tmp-{secrets.token_hex(4)}")
+    probe = p.with_name(f".{p.name}.tmp-{secrets.token_hex(16)}")    # every rank probes the same folder at once
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:

@@ -10,6 +10,7 @@ the terminal, so the run shows one report.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -28,6 +29,10 @@ def _world_rank() -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    # A suite started in the background of a script without job control inherits SIGINT ignored, and so would
+    # the commands its tests start: the Ctrl-C tests (in process and of real commands) need Python's own handler.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if _under_mpi(config) and _world_rank() > 0:
         path = os.path.join(tempfile.gettempdir(), f"hpcpipe-pytest-rank{_world_rank()}.log")
         sys.stdout = open(path, "w", buffering=1)
